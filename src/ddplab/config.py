@@ -1,0 +1,240 @@
+"""Typed config schemas and the checks Hydra's types cannot express.
+
+Every yaml file under ``conf/`` is merged over one of these dataclasses, so a
+misspelt key (``optimizer.lrr=0.1``) or a wrong type (``num_epochs=abc``) is
+rejected by Hydra while composing, naming the dotted key, before any process
+group exists. Range checks (``batch_size > 0`` ...) live in :func:`validate`,
+which ``ddplab.run`` calls before touching torch.distributed.
+
+Group configs that name a ``_target_`` keep their own schema so that a user can
+point ``model=`` at any installed factory with a yaml file of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+# --------------------------------------------------------------------- models
+@dataclass
+class ResNetConfig:
+    _target_: str = "ddplab.models.resnet18"
+    num_classes: int = MISSING
+    in_channels: int = 3
+    # 3x3 stride-1 stem and no max-pool: keeps 8x8..32x32 images from being
+    # pooled away to 1x1 before layer2. Only conv1's kernel shape changes, so
+    # state_dict keys stay torchvision's.
+    small_input: bool = False
+    zero_init_residual: bool = False
+
+
+@dataclass
+class ConvNetConfig:
+    _target_: str = "ddplab.models.ConvNet"
+    num_classes: int = MISSING
+    in_channels: int = 1
+    channels: list[int] = field(default_factory=lambda: [12, 24, 32])
+    hidden: int = 256
+    dropout: float = 0.5
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "ddplab.models.MLP"
+    num_classes: int = MISSING
+    in_channels: int = 1
+    image_size: int = 8
+    hidden: list[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.1
+
+
+# ------------------------------------------------------------------- datasets
+@dataclass
+class DigitsConfig:
+    """scikit-learn's 1,797 8x8 handwritten digits, split once with a fixed seed."""
+
+    _target_: str = "ddplab.data.digits"
+    val_fraction: float = 0.2
+    split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
+    # Read by the model configs through interpolation; fixed by the data.
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 8
+
+
+@dataclass
+class SyntheticConfig:
+    """Random class-conditional images: learnable, any shape, any size."""
+
+    _target_: str = "ddplab.data.synthetic"
+    num_train: int = 1024
+    num_val: int = 256
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    noise: float = 1.0  # std of the noise around each class's prototype image
+    seed: int = 0
+
+
+# ------------------------------------------------------------ optim / sched
+@dataclass
+class SGDConfig:
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True  # bound to the model's parameters by the trainer
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = True
+
+
+@dataclass
+class AdamWConfig:
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+
+@dataclass
+class CosineConfig:
+    _target_: str = "ddplab.optim.cosine"
+    _partial_: bool = True
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
+
+
+@dataclass
+class StepConfig:
+    _target_: str = "ddplab.optim.step"
+    _partial_: bool = True
+    step_epochs: int = 30  # multiply the lr by gamma every step_epochs epochs
+    gamma: float = 0.1
+    warmup_steps: int = 0
+
+
+@dataclass
+class ConstantConfig:
+    _target_: str = "ddplab.optim.constant"
+    _partial_: bool = True
+    warmup_steps: int = 0
+
+
+# ---------------------------------------------------------------- distributed
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"  # auto: nccl when the device is CUDA, gloo otherwise
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
+    init_method: str = "env://"  # or tcp://host:port, file:///shared/path
+    # A rank that never arrives or dies fails the job after this many seconds
+    # instead of hanging forever (torch's own default is 30 min for gloo).
+    timeout_s: float = 300.0
+    find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = True  # grads alias DDP buckets: one copy less
+
+
+# ------------------------------------------------------------------ top level
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    dataset: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    seed: int = 0
+    num_epochs: int = 10
+    # Samples per optimizer micro-step summed over all ranks. Kept global so a
+    # run means the same thing on 1 or 8 GPUs; each rank gets batch_size /
+    # world_size. Set batch_size_scope=per_rank for the DDP-tutorial meaning.
+    batch_size: int = 64
+    batch_size_scope: str = "global"  # global | per_rank
+    grad_accum_steps: int = 1  # optimizer step every k micro-batches
+    grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
+    amp: bool = False
+    amp_dtype: str = "auto"  # auto (bf16 where supported, else fp16 + GradScaler) | bfloat16 | float16
+    log_every_n_steps: int = 10
+    eval_every_n_epochs: int = 1
+    # null: start fresh; auto: continue from last.pt of this run dir or of the
+    # newest earlier run with the same overrides; or a path to a checkpoint.
+    resume: Optional[str] = None
+    # Stop (after checkpointing) once this many epochs are done, while the lr
+    # schedule still spans num_epochs: for time-limited jobs and tests.
+    stop_after_epochs: Optional[int] = None
+    run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
+    progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
+    objective: str = "val/acc"  # metric returned to sweepers
+
+
+_GROUPS = {
+    "model": {"resnet_schema": ResNetConfig, "convnet_schema": ConvNetConfig, "mlp_schema": MLPConfig},
+    "dataset": {"digits_schema": DigitsConfig, "synthetic_schema": SyntheticConfig},
+    "optimizer": {"sgd_schema": SGDConfig, "adamw_schema": AdamWConfig},
+    "scheduler": {"cosine_schema": CosineConfig, "step_schema": StepConfig, "constant_schema": ConstantConfig},
+    "distributed": {"ddp_schema": DistributedConfig},
+}
+
+
+def register_configs() -> None:
+    """Make the schemas visible to the yaml defaults lists (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, schemas in _GROUPS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)
+
+
+# `small_input: ${lt:${dataset.image_size},64}` in conf/model/resnet*.yaml
+if not OmegaConf.has_resolver("lt"):
+    OmegaConf.register_new_resolver("lt", lambda a, b: a < b)
+register_configs()
+
+
+# ------------------------------------------------------------------ validation
+class ConfigError(ValueError):
+    """A config value that composes but cannot work; the message names key and fix."""
+
+
+def _check(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and choice checks, run on every rank before any process group starts."""
+    _check(cfg.num_epochs > 0, "num_epochs", cfg.num_epochs, "must be > 0", "pass num_epochs=10")
+    _check(cfg.batch_size > 0, "batch_size", cfg.batch_size, "must be > 0", "pass batch_size=64")
+    _check(cfg.batch_size_scope in ("global", "per_rank"), "batch_size_scope", cfg.batch_size_scope,
+           "unknown scope", "use batch_size_scope=global or batch_size_scope=per_rank")
+    _check(cfg.grad_accum_steps > 0, "grad_accum_steps", cfg.grad_accum_steps, "must be >= 1", "pass grad_accum_steps=1")
+    _check(cfg.grad_clip >= 0, "grad_clip", cfg.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0")
+    _check(cfg.log_every_n_steps > 0, "log_every_n_steps", cfg.log_every_n_steps, "must be > 0", "pass log_every_n_steps=10")
+    _check(cfg.eval_every_n_epochs > 0, "eval_every_n_epochs", cfg.eval_every_n_epochs, "must be > 0",
+           "pass eval_every_n_epochs=1")
+    _check(cfg.amp_dtype in ("auto", "bfloat16", "float16", "bf16", "fp16"), "amp_dtype", cfg.amp_dtype,
+           "unknown dtype", "use amp_dtype=auto, bfloat16 or float16")
+    _check(cfg.progress in ("auto", "bar", "log", "none"), "progress", cfg.progress, "unknown mode",
+           "use progress=auto, bar, log or none")
+    _check(cfg.stop_after_epochs is None or cfg.stop_after_epochs > 0, "stop_after_epochs", cfg.stop_after_epochs,
+           "must be > 0 or null", "drop the override")
+    lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
+    if lr is not None:
+        _check(lr > 0, "optimizer.lr", lr, "must be > 0", "pass optimizer.lr=0.1")
+    d = cfg.distributed
+    _check(d.backend in ("auto", "gloo", "nccl", "mpi"), "distributed.backend", d.backend, "unknown backend",
+           "use distributed.backend=auto (nccl on CUDA, gloo on CPU)")
+    _check(d.device in ("auto", "cpu", "cuda"), "distributed.device", d.device, "unknown device",
+           "use distributed.device=auto, cpu or cuda")
+    _check(d.timeout_s > 0, "distributed.timeout_s", d.timeout_s, "must be > 0", "pass distributed.timeout_s=300")
+    _check(d.bucket_cap_mb > 0, "distributed.bucket_cap_mb", d.bucket_cap_mb, "must be > 0",
+           "pass distributed.bucket_cap_mb=25")
+    _check(d.init_method.split("://")[0] in ("env", "tcp", "file"), "distributed.init_method", d.init_method,
+           "unknown scheme", "use env://, tcp://HOST:PORT or file:///PATH")

@@ -1,0 +1,73 @@
+"""Which sample goes to which rank, and when.
+
+Training: one global permutation per epoch (seeded by ``seed + epoch``), cut
+into global micro-batches of ``global_batch`` samples; rank r takes slice
+``[r*b, (r+1)*b)`` of each. So the job sees the same global batches in the same
+order whatever the world size, ranks are disjoint, and no sample is ever
+duplicated to pad a rank (torch's DistributedSampler pads by repeating samples,
+which also biases metrics). Samples that do not fill a whole optimizer step
+(``global_batch * grad_accum_steps``) are dropped for that epoch; the
+permutation changes each epoch, so every sample is still used.
+
+Validation: contiguous shards of sizes differing by at most one, no padding;
+metrics are reduced as sums, so every sample counts exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+
+class ShardedGlobalSampler(Sampler[int]):
+    """Drop-in for DistributedSampler (has ``set_epoch``), yielding this rank's indices."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        grad_accum_steps: int = 1,
+        shuffle: bool = True,
+    ):
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.per_rank_batch = global_batch // world_size
+        self.steps_per_epoch = num_samples // (global_batch * grad_accum_steps)
+        self.num_micro_batches = self.steps_per_epoch * grad_accum_steps
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> Tensor:
+        """(num_micro_batches, per_rank_batch) indices for this rank and epoch."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(self.num_samples, generator=g)
+        else:
+            perm = torch.arange(self.num_samples)
+        used = perm[: self.num_micro_batches * self.global_batch]
+        return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.batches().reshape(-1).tolist())
+
+    def __len__(self) -> int:
+        return self.num_micro_batches * self.per_rank_batch
+
+
+def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
+    """This rank's validation indices: contiguous, no padding, sizes differ by <= 1."""
+    return torch.tensor_split(torch.arange(num_samples), world_size)[rank]

@@ -1,0 +1,166 @@
+"""Everything rank-related: the ONLY module that reads the launcher's environment.
+
+Launch forms it understands::
+
+    python train.py                                      # one process, no group
+    torchrun --standalone --nproc_per_node=2 train.py    # RANK/LOCAL_RANK/WORLD_SIZE set
+    python -m torch.distributed.launch ... train.py      # legacy: --local-rank=N in argv
+
+The trainer gets a :class:`DistState` and calls the small named collectives
+below; it never looks at environment variables or ``dist`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistState:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def env_rank() -> int:
+    """Global rank from the launcher's environment (0 when not launched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def consume_legacy_local_rank(argv: list[str]) -> list[str]:
+    """Strip ``--local-rank=N`` / ``--local_rank N`` that torch.distributed.launch appends.
+
+    Hydra would reject them as overrides; the value goes to LOCAL_RANK, where
+    torchrun would have put it.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        m = re.fullmatch(r"--local[-_]rank(?:=(\d+))?", argv[i])
+        if m:
+            value = m.group(1)
+            if value is None and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            if value is not None:
+                os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def _pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "distributed.device=cuda but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+                "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch."
+            )
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible. "
+                f"Fix: launch at most {n} processes per node (--nproc_per_node={n})."
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup(cfg: Any) -> DistState:
+    """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = env_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        # Before any CUDA work: otherwise every rank creates a context on GPU 0.
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return DistState(device=device)
+
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise RuntimeError("distributed.backend=nccl needs CUDA devices. Fix: distributed.backend=auto or gloo.")
+    kwargs: dict[str, Any] = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout_s))
+    if cfg.init_method != "env://":
+        kwargs.update(init_method=cfg.init_method, rank=rank, world_size=world_size)
+    if backend == "nccl":
+        kwargs["device_id"] = device  # binds this rank's GPU; no stray contexts elsewhere
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as e:  # name what was tried and what to change
+        msg = str(e)
+        hint = ""
+        if "address already in use" in msg.lower() or "EADDRINUSE" in msg:
+            hint = " The port is taken: use torchrun --standalone, or another --master_port."
+        raise RuntimeError(
+            f"rank {rank}/{world_size}: could not join the process group "
+            f"(backend={backend}, init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {msg}.{hint}"
+        ) from e
+    return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- collectives
+def broadcast_object(obj: Any, state: DistState) -> Any:
+    """Rank 0's ``obj`` on every rank (small picklable things: paths, decisions)."""
+    if not state.is_distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ranks_rows(row: torch.Tensor, state: DistState) -> torch.Tensor:
+    """(world_size, K) matrix of every rank's ``row`` — ONE collective.
+
+    Each rank writes its row into a zero matrix and the matrices are summed.
+    From the result a caller takes sums, maxima and minima over ranks at once,
+    where separate SUM/MAX/MIN all_reduces would cost three round trips; for
+    the handful of numbers logged per interval the extra bytes are free.
+    """
+    if not state.is_distributed:
+        return row.unsqueeze(0)
+    rows = torch.zeros(state.world_size, row.numel(), dtype=row.dtype, device=row.device)
+    rows[state.rank] = row
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+    return rows
+
+
+def barrier(state: DistState) -> None:
+    if state.is_distributed:
+        dist.barrier()
+
+
+def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
+    """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast."""
+    bufs = [b for b in module.buffers() if b.is_floating_point()]
+    if not state.is_distributed or not bufs:
+        return
+    flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])
+    dist.broadcast(flat, src=0)
+    for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
+        b.copy_(v.view_as(b))

@@ -1,0 +1,47 @@
+"""Learning-rate schedules, stepped once per optimizer step (not per epoch).
+
+Each factory is a ``_partial_`` target in conf/scheduler/*.yaml; the trainer
+completes it with the optimizer and the run's step counts, so a schedule means
+the same thing whatever the world size or batch size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def _warmup(step: int, warmup_steps: int) -> float:
+    return (step + 1) / warmup_steps if step < warmup_steps else 1.0
+
+
+def cosine(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0,
+           min_lr_ratio: float = 0.0) -> LambdaLR:
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+    warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return _warmup(step, warmup_steps)
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def step(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_epochs: int = 30,
+         gamma: float = 0.1, warmup_steps: int = 0) -> LambdaLR:
+    """Multiply the lr by ``gamma`` every ``step_epochs`` epochs (after warmup)."""
+    if step_epochs <= 0:
+        raise ValueError(f"scheduler.step_epochs={step_epochs}: must be > 0")
+
+    def factor(s: int) -> float:
+        return _warmup(s, warmup_steps) * gamma ** (s // (step_epochs * steps_per_epoch))
+
+    return LambdaLR(optimizer, factor)
+
+
+def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0) -> LambdaLR:
+    return LambdaLR(optimizer, lambda s: _warmup(s, warmup_steps))

@@ -1,0 +1,276 @@
+"""The training loop, in the order of the data flow (see README "How a job runs").
+
+build: data → model (device, SyncBN, DDP) → optimizer/scheduler/precision → resume
+loop:  forward under autocast → scaled backward (no_sync while accumulating)
+       → unscale → clip → step → device-side metric sums
+       every log interval: one collective → rank-0 writer
+epoch: exact eval (one collective) → rank-0 checkpoint
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddplab import checkpoint, distributed
+from ddplab.config import ConfigError
+from ddplab.data import ShardedGlobalSampler, Splits, TrainLoader, eval_batches
+from ddplab.distributed import DistState
+from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
+from ddplab.precision import Precision
+
+log = logging.getLogger("ddplab")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def global_batch_size(cfg: DictConfig, world_size: int) -> int:
+    gb = cfg.batch_size * (world_size if cfg.batch_size_scope == "per_rank" else 1)
+    if gb % world_size:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} (global) does not split evenly over {world_size} ranks. "
+            f"Fix: pass batch_size={max(world_size, gb // world_size * world_size)} "
+            "or batch_size_scope=per_rank."
+        )
+    return gb
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path):
+        self.cfg, self.state, self.run_dir = cfg, state, run_dir
+        self.global_batch = global_batch_size(cfg, state.world_size)
+        self.accum = cfg.grad_accum_steps
+
+        # Same seed on every rank here: identical init weights and data order.
+        seed_everything(cfg.seed)
+        self.data: Splits = instantiate(cfg.dataset, _convert_="all")
+        self.sampler = ShardedGlobalSampler(
+            len(self.data.train), self.global_batch, state.world_size, state.rank, cfg.seed, self.accum)
+        if self.sampler.steps_per_epoch == 0:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} x grad_accum_steps={self.accum} needs "
+                f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
+                f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
+        self.train_loader = TrainLoader(self.data.train, self.sampler, state.device)
+
+        model: nn.Module = instantiate(cfg.model, _convert_="all")
+        if cfg.distributed.sync_batchnorm and state.is_distributed:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, as DDP requires
+        self.module = model.to(state.device)  # unwrapped: eval and checkpoints use it
+        self.model: nn.Module = self.module
+        if state.is_distributed:
+            d = cfg.distributed
+            self.model = DDP(
+                self.module,
+                device_ids=[state.device.index] if state.device.type == "cuda" else None,
+                find_unused_parameters=d.find_unused_parameters,
+                bucket_cap_mb=d.bucket_cap_mb,
+                broadcast_buffers=d.broadcast_buffers,
+                gradient_as_bucket_view=d.gradient_as_bucket_view,
+            )
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer = instantiate(cfg.optimizer, _convert_="all")(self.params)
+        spe = self.sampler.steps_per_epoch
+        self.scheduler = instantiate(cfg.scheduler, _convert_="all")(
+            self.optimizer, total_steps=spe * cfg.num_epochs, steps_per_epoch=spe)
+        self.precision = Precision(cfg.amp, cfg.amp_dtype, state.device)
+
+        self.epoch = 0  # epochs completed
+        self.step = 0  # optimizer steps completed
+        self.best: float | None = None
+        self.last_val: dict[str, float] = {}
+        self._resume()
+        self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.step + 1 if self.step else None)
+        self.metrics = TrainMetrics(state)
+
+    # ------------------------------------------------------------- checkpoint
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "best": self.best,
+            "last_val": self.last_val,
+            "world_size": self.state.world_size,
+            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+        }
+
+    def _save(self) -> None:
+        if self.state.is_main:
+            checkpoint.save_atomic(self._state(), self.run_dir / "checkpoints" / checkpoint.LAST)
+        distributed.barrier(self.state)  # nobody races ahead of (or reads) a half-written file
+
+    def _resume(self) -> None:
+        found = checkpoint.find_resume(self.cfg.resume, self.run_dir) if self.state.is_main else None
+        path = distributed.broadcast_object(found, self.state)
+        if path is None:
+            return
+        ck = checkpoint.load(Path(path), self.state.device)
+        self.module.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        self.precision.load_state_dict(ck["scaler"])
+        self.epoch, self.step, self.best = ck["epoch"], ck["step"], ck["best"]
+        self.last_val = ck.get("last_val", {})
+        log.info("resumed from %s: %d epoch(s), %d step(s) done", path, self.epoch, self.step)
+
+    # ------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, float]:
+        cfg, st = self.cfg, self.state
+        spe = self.sampler.steps_per_epoch
+        self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+        log.info(
+            "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
+            "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
+            self.run_dir, st.world_size, st.device, st.backend or "no process group", self.precision.describe(),
+            self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
+            self.global_batch * self.accum, spe, cfg.num_epochs)
+        last_train: dict[str, float] = {}
+        t0 = time.perf_counter()
+        stop = cfg.stop_after_epochs or cfg.num_epochs
+        while self.epoch < min(cfg.num_epochs, stop):
+            last_train = self._train_epoch() or last_train
+            self.epoch += 1
+            if self.epoch % cfg.eval_every_n_epochs == 0 or self.epoch == cfg.num_epochs:
+                self.last_val = self.evaluate()
+                self.writer.scalars({**self.last_val, "epoch": self.epoch}, self.step)
+                obj = self.last_val.get(cfg.objective)
+                if obj is not None and (self.best is None or obj > self.best):
+                    self.best = obj
+                log.info("epoch %d/%d  %s", self.epoch, cfg.num_epochs,
+                         "  ".join(f"{k}={v:.4g}" for k, v in self.last_val.items()))
+            self._save()
+        self.writer.close()
+        out = {**last_train, **self.last_val, "epoch": float(self.epoch), "step": float(self.step),
+               "time_s": time.perf_counter() - t0}
+        if self.best is not None:
+            out["best/" + cfg.objective] = self.best
+        return out
+
+    def _train_epoch(self) -> dict[str, float]:
+        cfg, st = self.cfg, self.state
+        self.model.train()
+        self.train_loader.set_epoch(self.epoch)  # new global permutation each epoch
+        # Per-rank stream for dropout/augmentation: differs between ranks, and
+        # depends only on (seed, epoch, rank) so a resumed run replays it.
+        seed_everything(cfg.seed + 1_000_003 * (self.epoch + 1) + st.rank)
+        bar = self._progress_bar()
+        reduced: dict[str, float] = {}
+        batches = iter(self.train_loader)
+        no_sync = self.model.no_sync if isinstance(self.model, DDP) else contextlib.nullcontext
+        t_step = time.perf_counter()
+        for _ in range(self.sampler.steps_per_epoch):
+            data_time = 0.0
+            for micro in range(self.accum):
+                t = time.perf_counter()
+                x, y = next(batches)
+                data_time += time.perf_counter() - t
+                # Gradients all-reduce only on the last micro-batch of a step.
+                with no_sync() if micro < self.accum - 1 else contextlib.nullcontext():
+                    with self.precision.autocast():
+                        logits = self.model(x)
+                        loss = F.cross_entropy(logits, y)
+                    self.precision.backward(loss / self.accum)
+                self.metrics.meter.update(loss, logits, y)
+            norm = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
+            if norm is not None:
+                self.metrics.meter.add_grad_norm(norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.step += 1
+            now = time.perf_counter()
+            self.metrics.add_step(now - t_step, data_time)
+            t_step = now
+            bar.update(1)
+            if self.step % cfg.log_every_n_steps == 0:
+                reduced = self._log(bar)
+        if self.metrics.steps:  # the epoch's tail since the last log step
+            reduced = self._log(bar)
+        bar.close()
+        return reduced
+
+    def _log(self, bar: Any) -> dict[str, float]:
+        values = self.metrics.reduce()  # the one collective (and host sync) of this interval
+        values["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        scale = self.precision.loss_scale()
+        if scale is not None:
+            values["train/loss_scale"] = scale
+        self.writer.scalars(values, self.step)
+        bar.show(self.epoch, self.step, values)
+        return values
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        st = self.state
+        if st.is_distributed and self.cfg.distributed.broadcast_buffers:
+            # Without SyncBN each rank's BN running stats drifted on its own
+            # shard; evaluate every shard with rank 0's, the ones checkpointed.
+            distributed.broadcast_buffers(self.module, st)
+        self.module.eval()
+        meter = SumMeter(st.device)
+        for x, y in eval_batches(self.data.val, st.world_size, st.rank, max(self.sampler.per_rank_batch, 256),
+                                 st.device):
+            with self.precision.autocast():
+                logits = self.module(x)  # unwrapped: no DDP collectives on uneven shards
+                loss = F.cross_entropy(logits.float(), y)
+            meter.update(loss, logits, y)
+        return reduce_eval(meter, st)
+
+    def _progress_bar(self) -> "_Progress":
+        mode = self.cfg.progress
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "log"
+        if not self.state.is_main:
+            mode = "none"
+        return _Progress(mode, self.sampler.steps_per_epoch, self.epoch, self.cfg.num_epochs)
+
+
+class _Progress:
+    """tqdm bar on a terminal, periodic log lines otherwise, nothing on other ranks."""
+
+    def __init__(self, mode: str, total: int, epoch: int, num_epochs: int):
+        self.mode, self._bar = mode, None
+        self.num_epochs = num_epochs
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{num_epochs}", leave=False, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def show(self, epoch: int, step: int, values: dict[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{values.get('train/loss', math.nan):.4f}",
+                                  acc=f"{values.get('train/acc', math.nan):.3f}", refresh=False)
+        elif self.mode == "log":
+            log.info("epoch %d step %d  loss=%.4f acc=%.3f lr=%.3g  %.0f samples/s  step %.1f ms (max %.1f)",
+                     epoch + 1, step, values.get("train/loss", math.nan), values.get("train/acc", math.nan),
+                     values["train/lr"], values["perf/samples_per_s"], values["perf/step_time_ms"],
+                     values["perf/step_time_ms_max"])
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
