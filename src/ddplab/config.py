@@ -189,7 +189,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for group, schemas in _GROUPS.items():
         for name, node in schemas.items():
-            cs.store(group=group, name=name, node=node)
+            cs.store(group=f"schema/{group}", name=name.removesuffix("_schema"), node=node)
 
 
 # `small_input: ${lt:${dataset.image_size},64}` in conf/model/resnet*.yaml
