@@ -51,7 +51,8 @@ def _overrides(run_dir: Path) -> list[str] | None:
         return None
     from omegaconf import OmegaConf
 
-    return sorted(o for o in OmegaConf.load(f) if not str(o).startswith("resume="))
+    # How long this invocation runs is not what makes it "the same run".
+    return sorted(o for o in OmegaConf.load(f) if not str(o).startswith(("resume=", "stop_after_epochs=")))
 
 
 def find_resume(resume: str | None, run_dir: Path) -> Path | None:

@@ -10,6 +10,7 @@ epoch: exact eval (one collective) → rank-0 checkpoint
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import random
@@ -53,6 +54,13 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
     return gb
 
 
+def _buffer_sync_kwarg(on: bool) -> dict[str, bool]:
+    """torch >= 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns)."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": on}
+    return {"broadcast_buffers": on}
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path):
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
@@ -83,8 +91,8 @@ class Trainer:
                 device_ids=[state.device.index] if state.device.type == "cuda" else None,
                 find_unused_parameters=d.find_unused_parameters,
                 bucket_cap_mb=d.bucket_cap_mb,
-                broadcast_buffers=d.broadcast_buffers,
                 gradient_as_bucket_view=d.gradient_as_bucket_view,
+                **_buffer_sync_kwarg(d.broadcast_buffers),
             )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer = instantiate(cfg.optimizer, _convert_="all")(self.params)
@@ -154,7 +162,7 @@ class Trainer:
             self.epoch += 1
             if self.epoch % cfg.eval_every_n_epochs == 0 or self.epoch == cfg.num_epochs:
                 self.last_val = self.evaluate()
-                self.writer.scalars({**self.last_val, "epoch": self.epoch}, self.step)
+                self.writer.scalars({**self.last_val, "train/epoch": self.epoch}, self.step)
                 obj = self.last_val.get(cfg.objective)
                 if obj is not None and (self.best is None or obj > self.best):
                     self.best = obj

@@ -1,0 +1,68 @@
+"""Shared helpers: compose the real conf/, launch real processes, read TensorBoard back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+import ddplab  # noqa: F401  (registers the schemas)
+from ddplab.events import read_scalars  # noqa: F401  (re-exported for the tests)
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+CONF = REPO / "conf"
+
+
+def compose_cfg(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
+    """The config `python train.py OVERRIDES` would get, optionally pinned to run_dir."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides or [])
+    if run_dir is not None:
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_cmd(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
+             script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N script ARGS` (a free port each time)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *script_args]
+    return run_cmd(cmd, cwd, timeout)
+
+
+def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout)
+
+
+def job_dirs(cwd: Path) -> list[Path]:
+    """Hydra single-run dirs under cwd/outputs/<date>/<time>."""
+    return sorted(p for p in (cwd / "outputs").glob("*/*") if p.is_dir())
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture
+def small() -> list[str]:
+    """Overrides that keep a digits run to a second or two."""
+    return ["num_epochs=1", "model=mlp", "log_every_n_steps=5", "progress=log"]

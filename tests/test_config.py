@@ -1,0 +1,125 @@
+"""Every config option composes and instantiates; bad input fails early, naming the key."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from conftest import CONF, compose_cfg, torchrun
+from ddplab.config import ConfigError, validate
+from ddplab.trainer import global_batch_size
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_its_documented_options():
+    assert options("model") == ["convnet", "mlp", "resnet18", "resnet34", "resnet50"]
+    assert options("dataset") == ["digits", "synthetic"]
+    assert options("optimizer") == ["adamw", "sgd"]
+    assert options("scheduler") == ["constant", "cosine", "step"]
+    assert options("distributed") == ["ddp"]
+
+
+@pytest.mark.parametrize("dataset", options("dataset"))
+@pytest.mark.parametrize("model", options("model"))
+def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
+    cfg = compose_cfg([f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
+                      if dataset == "synthetic" else [f"model={model}", f"dataset={dataset}"])
+    validate(cfg)
+    data = instantiate(cfg.dataset, _convert_="all")
+    net = instantiate(cfg.model, _convert_="all").eval()
+    x, y = data.train.x[:2], data.train.y[:2]
+    with torch.no_grad():
+        out = net(x)
+    assert out.shape == (2, data.num_classes)
+    assert torch.isfinite(out).all()
+    assert len(data.val) > 0 and y.dtype == torch.int64
+
+
+@pytest.mark.parametrize("optimizer", options("optimizer"))
+@pytest.mark.parametrize("scheduler", options("scheduler"))
+def test_optimizer_and_scheduler_instantiate_and_step(optimizer, scheduler):
+    cfg = compose_cfg([f"optimizer={optimizer}", f"scheduler={scheduler}", "scheduler.warmup_steps=2"])
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = instantiate(cfg.optimizer, _convert_="all")([p])
+    sched = instantiate(cfg.scheduler, _convert_="all")(opt, total_steps=10, steps_per_epoch=5)
+    lrs = []
+    for _ in range(10):
+        p.grad = torch.ones(3)
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    base = cfg.optimizer.lr
+    assert lrs[0] == pytest.approx(base)  # after warmup step 2 of 2
+    assert all(0 <= lr <= base + 1e-12 for lr in lrs)
+    if scheduler == "cosine":
+        assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_distributed_and_top_level_keys_are_typed():
+    cfg = compose_cfg(["distributed.find_unused_parameters=true", "distributed.sync_batchnorm=true",
+                       "distributed.bucket_cap_mb=50", "distributed.timeout_s=30", "amp=true",
+                       "grad_accum_steps=2", "grad_clip=1.0", "resume=auto", "batch_size_scope=per_rank"])
+    validate(cfg)
+    assert cfg.distributed.find_unused_parameters is True and cfg.distributed.bucket_cap_mb == 50.0
+    assert cfg.amp is True and cfg.grad_accum_steps == 2
+
+
+def test_resnet_state_dict_keys_match_torchvision_naming():
+    from ddplab.models import resnet18, resnet50
+
+    keys18 = set(resnet18(num_classes=10).state_dict())
+    keys50 = set(resnet50(num_classes=10).state_dict())
+    for k in ["conv1.weight", "bn1.running_mean", "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
+              "layer2.0.downsample.1.num_batches_tracked", "layer4.1.bn2.weight", "fc.weight", "fc.bias"]:
+        assert k in keys18
+    assert "layer4.2.conv3.weight" in keys50 and "layer1.0.downsample.0.weight" in keys50
+    # torchvision: 122 state_dict entries in resnet18, 320 in resnet50.
+    assert len(keys18) == 122 and len(keys50) == 320
+    # small_input changes conv1's kernel, not the keys.
+    assert set(resnet18(num_classes=10, small_input=True).state_dict()) == keys18
+
+
+@pytest.mark.parametrize("override,key", [
+    ("batch_size=0", "batch_size"),
+    ("num_epochs=0", "num_epochs"),
+    ("optimizer.lr=-0.1", "optimizer.lr"),
+    ("grad_accum_steps=0", "grad_accum_steps"),
+    ("grad_clip=-1", "grad_clip"),
+    ("amp_dtype=fp8", "amp_dtype"),
+    ("distributed.backend=mpx", "distributed.backend"),
+    ("distributed.init_method=udp://x", "distributed.init_method"),
+    ("log_every_n_steps=0", "log_every_n_steps"),
+])
+def test_out_of_range_values_name_key_and_fix(override, key):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg([override]))
+    assert str(e.value).startswith(f"{key}=") and "Fix:" in str(e.value)
+
+
+def test_global_batch_must_split_over_ranks():
+    cfg = compose_cfg(["batch_size=64"])
+    assert global_batch_size(cfg, 2) == 64
+    with pytest.raises(ConfigError, match=r"batch_size=64 .* 3 ranks.*Fix: pass batch_size=63"):
+        global_batch_size(cfg, 3)
+    assert global_batch_size(compose_cfg(["batch_size=32", "batch_size_scope=per_rank"]), 3) == 96
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("override,expect", [
+    ("optimizer.lrr=0.1", ["optimizer.lrr", "Key 'lrr' not in"]),
+    ("num_epochs=abc", ["num_epochs", "could not be converted to Integer"]),
+    ("model=resnet19", ["model/resnet19", "resnet18"]),
+])
+def test_bad_override_fails_before_any_process_group(tmp_path: Path, override, expect):
+    proc = torchrun(2, [override], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    for e in expect:
+        assert e in out
+    # Hydra rejected it while composing: no run dir, no trainer, no process group.
+    assert not (tmp_path / "outputs").exists()
+    assert "run dir" not in out and "could not join" not in out

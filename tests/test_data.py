@@ -1,0 +1,84 @@
+"""Samplers and datasets: who gets which sample, and that the split is fixed."""
+
+import os
+
+import pytest
+import torch
+
+from ddplab.data import ShardedGlobalSampler, digits, eval_shard, synthetic
+from ddplab.distributed import consume_legacy_local_rank
+
+
+def rank_batches(n, gb, world, epoch, accum=1, seed=0):
+    out = []
+    for r in range(world):
+        s = ShardedGlobalSampler(n, gb, world, r, seed, accum)
+        s.set_epoch(epoch)
+        out.append(s.batches())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_are_disjoint_and_cover_whole_steps(world):
+    n, gb = 1001, 48  # 1001 % 48 != 0: an incomplete last global batch
+    per_rank = rank_batches(n, gb, world, epoch=3)
+    flat = torch.cat([b.reshape(-1) for b in per_rank])
+    assert len(flat) == len(set(flat.tolist())) == (n // gb) * gb  # disjoint, no padding duplicates
+    assert all(b.shape == (n // gb, gb // world) for b in per_rank)
+
+
+def test_global_order_is_the_same_for_any_world_size():
+    n, gb = 1001, 48
+    ref = rank_batches(n, gb, 1, epoch=2)[0]  # (steps, 48)
+    for world in (2, 3):
+        per_rank = rank_batches(n, gb, world, epoch=2)
+        joined = torch.cat(per_rank, dim=1)  # micro-batch m = ranks' slices side by side
+        assert torch.equal(joined, ref)
+
+
+def test_epochs_reshuffle_reproducibly():
+    a0, a1 = rank_batches(500, 50, 2, 0)[0], rank_batches(500, 50, 2, 1)[0]
+    assert not torch.equal(a0, a1)
+    assert torch.equal(a1, rank_batches(500, 50, 2, 1)[0])
+    assert not torch.equal(a1, rank_batches(500, 50, 2, 1, seed=1)[0])
+
+
+def test_accumulation_drops_only_incomplete_optimizer_steps():
+    s = ShardedGlobalSampler(1000, 64, 2, 0, 0, grad_accum_steps=3)  # 192 samples per step
+    assert s.steps_per_epoch == 5 and s.num_micro_batches == 15 and len(s) == 15 * 32
+    assert len(list(iter(s))) == len(s)
+
+
+@pytest.mark.parametrize("n,world", [(359, 2), (7, 3), (2, 3)])
+def test_eval_shards_count_every_sample_once(n, world):
+    shards = [eval_shard(n, world, r) for r in range(world)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_digits_split_is_fixed_and_normalised():
+    a, b = digits(), digits()
+    assert len(a.train) == 1438 and len(a.val) == 359 and a.num_classes == 10
+    assert a.train.x.shape[1:] == (1, 8, 8)
+    assert torch.equal(a.val.y, b.val.y) and torch.equal(a.val.x, b.val.x)
+    assert abs(a.train.x.mean().item()) < 1e-4 and abs(a.train.x.std().item() - 1) < 1e-3
+    with pytest.raises(ValueError, match="dataset.num_classes=5"):
+        digits(num_classes=5)
+
+
+def test_synthetic_is_seeded_and_shaped():
+    a = synthetic(num_train=20, num_val=5, num_classes=4, in_channels=2, image_size=6, seed=3)
+    assert a.train.x.shape == (20, 2, 6, 6) and len(a.val) == 5 and int(a.train.y.max()) < 4
+    assert torch.equal(a.train.x, synthetic(num_train=20, num_val=5, num_classes=4, in_channels=2,
+                                            image_size=6, seed=3).train.x)
+
+
+@pytest.mark.parametrize("argv,kept,local", [
+    (["train.py", "--local-rank=1", "model=mlp"], ["train.py", "model=mlp"], "1"),
+    (["train.py", "--local_rank=2"], ["train.py"], "2"),
+    (["train.py", "--local_rank", "3", "x=1"], ["train.py", "x=1"], "3"),
+])
+def test_legacy_launcher_local_rank_is_consumed(monkeypatch, argv, kept, local):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert consume_legacy_local_rank(argv) == kept
+    assert os.environ["LOCAL_RANK"] == local

@@ -1,0 +1,33 @@
+"""Cross-rank reduction: sample-weighted means, stragglers, one collective."""
+
+import json
+
+import pytest
+
+from conftest import REPO, assert_ok, torchrun
+
+pytestmark = pytest.mark.dist
+
+
+def test_unequal_counts_give_exact_global_mean(tmp_path):
+    proc = torchrun(3, [], tmp_path, script=REPO / "tests" / "workers" / "reduce_worker.py", timeout=120)
+    assert_ok(proc)
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    counts = [3, 7, 11]  # rank r: 3 + 4r samples with loss r + 1
+    exact_loss = sum(c * (r + 1) for r, c in enumerate(counts)) / sum(counts)  # 53/21
+    mean_of_means = sum(r + 1 for r in range(3)) / 3  # 2.0: what a naive average reports
+    assert res["val"]["val/num_samples"] == 21
+    assert res["val"]["val/loss"] == pytest.approx(exact_loss, rel=1e-12)
+    assert res["val"]["val/loss"] != pytest.approx(mean_of_means)
+    assert res["val"]["val/acc"] == pytest.approx(18 / 21, rel=1e-12)  # one wrong per rank
+    assert res["train"]["train/loss"] == pytest.approx(exact_loss, rel=1e-12)
+    assert res["train"]["train/acc"] == pytest.approx(18 / 21, rel=1e-12)
+    # Stragglers: per-rank step times 10, 20, 30 ms.
+    assert res["train"]["perf/step_time_ms_max"] == pytest.approx(30.0)
+    assert res["train"]["perf/step_time_ms_min"] == pytest.approx(10.0)
+    assert res["train"]["perf/step_time_ms"] == pytest.approx(20.0)
+    assert res["train"]["perf/data_time_ms_max"] == pytest.approx(3.0)
+    # One collective per reduction, train and eval alike.
+    assert res["train_calls"] == 1
+    assert res["total_calls"] == 2

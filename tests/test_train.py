@@ -1,0 +1,94 @@
+"""End-to-end jobs launched as users launch them: torchrun (2 ranks, gloo) and plain python."""
+
+import math
+import sys
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, assert_ok, job_dirs, python_train, read_scalars, run_cmd, torchrun
+
+pytestmark = pytest.mark.dist
+
+DIGITS_TRAIN, DIGITS_VAL = 1438, 359  # val is odd: exact eval must report 359 on 2 ranks
+
+
+def scratch_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("ddplab-rank*")}
+
+
+def test_torchrun_resnet18_amp_two_ranks(tmp_path):
+    before = scratch_dirs()
+    proc = torchrun(2, ["model=resnet18", "amp=true", "num_epochs=1", "batch_size=128",
+                        "log_every_n_steps=5", "progress=log"], tmp_path, timeout=240)
+    assert_ok(proc)
+    dirs = job_dirs(tmp_path)
+    assert len(dirs) == 1, dirs  # one dir for the job, none per rank
+    run = dirs[0]
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert (run / "checkpoints" / "last.pt").is_file()
+    assert scratch_dirs() <= before  # rank 1's throwaway Hydra dir was removed
+    events = list((run / "tb").glob("events.out.tfevents*"))
+    assert len(events) == 1  # rank 0 alone writes
+
+    s = read_scalars(run / "tb")
+    steps = DIGITS_TRAIN // 128  # 11 optimizer steps
+    assert [st for st, _ in s["train/loss"]] == [5, 10, 11]  # every 5 steps + the epoch's tail
+    assert [st for st, _ in s["val/acc"]] == [steps]
+    for tag in ["train/loss", "train/acc", "train/lr", "val/loss", "val/acc", "perf/samples_per_s",
+                "perf/step_time_ms", "perf/step_time_ms_max", "perf/data_time_ms"]:
+        assert all(math.isfinite(v) for _, v in s[tag]), tag
+    assert s["val/num_samples"] == [(steps, float(DIGITS_VAL))]  # each val sample exactly once
+    assert all(0 <= v <= 1 for _, v in s["train/acc"] + s["val/acc"])
+    assert all(v > 0 for _, v in s["perf/samples_per_s"])
+    assert all(mx >= mean for (_, mx), (_, mean) in zip(s["perf/step_time_ms_max"], s["perf/step_time_ms"]))
+    assert "amp bfloat16" in proc.stderr + proc.stdout  # bf16 autocast on CPU, no GradScaler
+
+    table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
+                    tmp_path)
+    assert_ok(table)
+    assert f"| val/num_samples              |     {steps:>2} |          359 |" in table.stdout
+
+
+def _val_acc_and_log(proc) -> tuple[float, str]:
+    out = proc.stdout + proc.stderr
+    accs = re.findall(r"val/acc=([0-9.]+)", out)
+    assert accs, out[-3000:]
+    return float(accs[-1]), out
+
+
+def test_readme_main_command_reaches_95_percent_in_two_minutes(tmp_path):
+    t0 = time.perf_counter()
+    proc = torchrun(2, [], tmp_path, timeout=240)  # the README's command: defaults, 2 ranks
+    elapsed = time.perf_counter() - t0
+    assert_ok(proc)
+    acc, out = _val_acc_and_log(proc)
+    print(f"README main command: val/acc={acc:.4f} in {elapsed:.1f}s")
+    assert acc >= 0.95
+    assert elapsed < 120
+    s = read_scalars(job_dirs(tmp_path)[0] / "tb")
+    assert s["val/acc"][-1][1] == pytest.approx(acc, abs=1e-4)
+
+
+def test_single_process_has_the_same_config_semantics(tmp_path):
+    args = ["model=mlp", "num_epochs=2", "batch_size=64", "progress=log"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    p1 = python_train(args, one)
+    p2 = torchrun(2, args, two)
+    assert_ok(p1), assert_ok(p2)
+    d1, d2 = job_dirs(one)[0], job_dirs(two)[0]
+    c1 = yaml.safe_load((d1 / ".hydra" / "config.yaml").read_text())
+    c2 = yaml.safe_load((d2 / ".hydra" / "config.yaml").read_text())
+    assert c1 == c2  # the same command composes the same config with or without torchrun
+    # batch_size is global: both runs take the same optimizer steps over the same samples.
+    assert "64 global = 1 rank(s) x 64 per rank" in p1.stdout + p1.stderr
+    assert "64 global = 2 rank(s) x 32 per rank" in p2.stdout + p2.stderr
+    s1, s2 = read_scalars(d1 / "tb"), read_scalars(d2 / "tb")
+    assert [st for st, _ in s1["val/acc"]] == [st for st, _ in s2["val/acc"]] == [22, 44]
+    assert s1["val/num_samples"][-1][1] == s2["val/num_samples"][-1][1] == DIGITS_VAL
+    assert s1["val/acc"][-1][1] > 0.9 and s2["val/acc"][-1][1] > 0.9
