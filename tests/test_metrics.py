@@ -31,3 +31,14 @@ def test_unequal_counts_give_exact_global_mean(tmp_path):
     # One collective per reduction, train and eval alike.
     assert res["train_calls"] == 1
     assert res["total_calls"] == 2
+
+
+def test_cpu_sync_batchnorm_equals_batchnorm_on_the_global_batch(tmp_path):
+    # torch.nn.SyncBatchNorm refuses CPU modules; ddplab's GlobalBatchNorm must
+    # match single-process BatchNorm on the concatenated (unequal) shards.
+    proc = torchrun(3, [], tmp_path, script=REPO / "tests" / "workers" / "syncbn_worker.py", timeout=120)
+    assert_ok(proc)
+    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert res.pop("type") == "GlobalBatchNorm"
+    for what, diff in res.items():  # float64 throughout: equal to rounding
+        assert diff < 1e-12, (what, diff)

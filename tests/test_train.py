@@ -92,3 +92,25 @@ def test_single_process_has_the_same_config_semantics(tmp_path):
     assert [st for st, _ in s1["val/acc"]] == [st for st, _ in s2["val/acc"]] == [22, 44]
     assert s1["val/num_samples"][-1][1] == s2["val/num_samples"][-1][1] == DIGITS_VAL
     assert s1["val/acc"][-1][1] > 0.9 and s2["val/acc"][-1][1] > 0.9
+
+
+def test_accumulation_clipping_syncbn_and_fp16_scaler_together(tmp_path):
+    proc = torchrun(2, ["num_epochs=1", "grad_accum_steps=2", "grad_clip=1.0", "distributed.sync_batchnorm=true",
+                        "amp=true", "amp_dtype=float16", "log_every_n_steps=5", "progress=log"], tmp_path)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "amp float16 + GradScaler" in out
+    assert "x 2 accumulation = 128 samples per optimizer step | 11 steps/epoch" in out
+    s = read_scalars(job_dirs(tmp_path)[0] / "tb")
+    assert [st for st, _ in s["train/loss"]] == [5, 10, 11]  # 1438 // 128 optimizer steps
+    assert all(v > 0 and math.isfinite(v) for _, v in s["train/grad_norm"])  # pre-clip norm, logged
+    assert all(v >= 1.0 for _, v in s["train/loss_scale"])
+    assert s["val/num_samples"][-1][1] == DIGITS_VAL
+
+
+def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
+    proc = torchrun(2, ["num_epochs=1", "model=mlp", "progress=bar"], tmp_path)
+    assert_ok(proc)
+    assert "epoch 1/1:" in proc.stderr and "/22 [" in proc.stderr  # tqdm draws on stderr
+    assert "step 10  loss=" not in proc.stdout  # the bar replaces the periodic log lines
+    assert "[rank1]" not in proc.stdout + proc.stderr  # rank 1 said nothing

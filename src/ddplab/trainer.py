@@ -33,6 +33,7 @@ from ddplab.data import ShardedGlobalSampler, Splits, TrainLoader, eval_batches
 from ddplab.distributed import DistState
 from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
 from ddplab.precision import Precision
+from ddplab.syncbn import convert_sync_batchnorm
 
 log = logging.getLogger("ddplab")
 
@@ -81,7 +82,7 @@ class Trainer:
 
         model: nn.Module = instantiate(cfg.model, _convert_="all")
         if cfg.distributed.sync_batchnorm and state.is_distributed:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, as DDP requires
+            model = convert_sync_batchnorm(model, state.device)  # before DDP, as DDP requires
         self.module = model.to(state.device)  # unwrapped: eval and checkpoints use it
         self.model: nn.Module = self.module
         if state.is_distributed:
