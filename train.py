@@ -10,12 +10,14 @@ import sys
 
 import hydra
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddplab  # registers the typed config schemas used by conf/
 from ddplab.cli import prepare_argv
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@record  # under torchrun, a failing rank's traceback appears in torchrun's summary
 def main(cfg: DictConfig) -> float | None:
     return ddplab.run(cfg).get(cfg.objective)  # sweepers (e.g. Optuna) read the objective
 

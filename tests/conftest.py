@@ -34,6 +34,8 @@ def _env() -> dict[str, str]:
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    # tests/toy.py models and datasets are importable as `toy.X` in every rank.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
     return env
 
 

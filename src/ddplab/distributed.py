@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -103,6 +105,9 @@ def setup(cfg: Any) -> DistState:
     kwargs: dict[str, Any] = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout_s))
     if cfg.init_method != "env://":
         kwargs.update(init_method=cfg.init_method, rank=rank, world_size=world_size)
+        # Under torchrun this flag makes rank 0 a *client* of a store it expects
+        # torchrun to host on that port, so tcp:// would wait for nobody.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if backend == "nccl":
         kwargs["device_id"] = device  # binds this rank's GPU; no stray contexts elsewhere
     try:
@@ -111,7 +116,11 @@ def setup(cfg: Any) -> DistState:
         msg = str(e)
         hint = ""
         if "address already in use" in msg.lower() or "EADDRINUSE" in msg:
-            hint = " The port is taken: use torchrun --standalone, or another --master_port."
+            hint = (" The port is taken (another job, or a leftover process): use torchrun --standalone, "
+                    "or pick a free port (--master_port / the port in init_method).")
+        elif "timed out" in msg.lower() or "timeout" in msg.lower():
+            hint = (f" Not all {world_size} ranks arrived within distributed.timeout_s={cfg.timeout_s}: "
+                    "check that every process/node was started with the same WORLD_SIZE and address.")
         raise RuntimeError(
             f"rank {rank}/{world_size}: could not join the process group "
             f"(backend={backend}, init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {msg}.{hint}"
@@ -164,3 +173,44 @@ def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
     dist.broadcast(flat, src=0)
     for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
         b.copy_(v.view_as(b))
+
+
+def rank_table(state: DistState) -> str:
+    """"rank@host:device(local_rank)" for every rank, gathered once at start-up (rank order check)."""
+    me = f"{state.rank}@{socket.gethostname()}:{state.device}(local {state.local_rank})"
+    if not state.is_distributed:
+        return me
+    everyone: list[str] = [""] * state.world_size
+    dist.all_gather_object(everyone, me)
+    return ", ".join(everyone)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timed out" in text or "timeout" in text
+
+
+def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float) -> str:
+    """A one-paragraph account of why this rank stopped, naming the rank(s) at fault where possible.
+
+    Each failing rank leaves a note in the rendezvous store (no collective: the
+    group may be broken). A rank whose collective timed out waits briefly for
+    the others' notes; ranks that left none never reached the collective —
+    hung, dead or far slower — and are named.
+    """
+    msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {exc}"
+    if not (state.is_distributed and dist.is_initialized()):
+        return msg
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
+        if _is_timeout(exc):
+            time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
+            silent = [r for r in range(state.world_size)
+                      if not store.check([f"ddplab/{job_key}/failed/{r}"])]
+            msg += (f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
+                    f"Rank(s) {silent} never reached it: hung, dead or far slower than the rest "
+                    "(a stuck data loader, a deadlock, a rank-dependent branch that skips a collective).")
+    except Exception:  # the store may be gone too; the plain message still stands
+        pass
+    return msg

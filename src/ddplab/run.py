@@ -37,8 +37,17 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if state.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
 
+        log.info("ranks: %s", distributed.rank_table(state))
+
         from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
 
-        return Trainer(cfg, state, run_dir).fit()
+        trainer = None
+        try:
+            trainer = Trainer(cfg, state, run_dir)
+            return trainer.fit()
+        except Exception as e:
+            where = trainer.position() if trainer else "while building the job"
+            log.error(distributed.describe_failure(state, e, where, str(run_dir), cfg.distributed.timeout_s))
+            raise
     finally:
         distributed.teardown()

@@ -109,6 +109,7 @@ class Trainer:
         self._resume()
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.step + 1 if self.step else None)
         self.metrics = TrainMetrics(state)
+        self._check_unused = isinstance(self.model, DDP) and not cfg.distributed.find_unused_parameters
 
     # ------------------------------------------------------------- checkpoint
     def _state(self) -> dict[str, Any]:
@@ -143,6 +144,27 @@ class Trainer:
         self.epoch, self.step, self.best = ck["epoch"], ck["step"], ck["best"]
         self.last_val = ck.get("last_val", {})
         log.info("resumed from %s: %d epoch(s), %d step(s) done", path, self.epoch, self.step)
+
+    def position(self) -> str:
+        return f"in epoch {self.epoch + 1}, step {self.step + 1}"
+
+    def _check_unused_parameters(self) -> None:
+        """After the first backward only: name parameters that got no gradient.
+
+        Plain DDP waits for every parameter's gradient; one that never comes
+        leaves its bucket unreduced, and the next iteration dies with
+        "Expected to have finished reduction in the prior iteration" (or the
+        step silently uses un-averaged gradients). One flag all-reduce, once.
+        """
+        unused = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        flag = torch.tensor([float(bool(unused))], device=self.state.device)
+        if distributed.all_ranks_rows(flag, self.state).sum().item() == 0:
+            return
+        names = ", ".join(unused[:10]) + (f" (+{len(unused) - 10} more)" if len(unused) > 10 else "")
+        raise RuntimeError(
+            f"parameter(s) that received no gradient in the first step: {names or '(on another rank)'}. "
+            "DDP needs a gradient for every parameter each step. Fix: distributed.find_unused_parameters=true "
+            "(costs a graph traversal per step), or freeze them (requires_grad=False) or remove them.")
 
     # ------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -202,6 +224,9 @@ class Trainer:
                         loss = F.cross_entropy(logits, y)
                     self.precision.backward(loss / self.accum)
                 self.metrics.meter.update(loss, logits, y)
+            if self._check_unused:
+                self._check_unused = False
+                self._check_unused_parameters()
             norm = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
             if norm is not None:
                 self.metrics.meter.add_grad_norm(norm)

@@ -1,0 +1,275 @@
+"""What ddplab guarantees under DDP (README): exactness across world sizes and the classic pitfalls.
+
+Each test runs real processes (gloo on CPU) and asserts numbers.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (REPO, TRAIN, _env, assert_ok, compose_cfg, job_dirs, python_train, read_scalars,
+                      run_cmd, torchrun)
+from ddplab.data import ShardedGlobalSampler
+
+pytestmark = pytest.mark.dist
+PROBE = REPO / "tests" / "workers" / "probe_worker.py"
+
+
+def result(proc) -> dict:
+    assert_ok(proc)
+    return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def max_rel_weight_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item()
+               for k in b if b[k].is_floating_point())
+
+
+# --------------------------------------------------------------- exactness
+EXACT = ["model=convnet", "model.dropout=0", "distributed.sync_batchnorm=true", "batch_size=48",
+         "num_epochs=2", "log_every_n_steps=10", "progress=none", "run_dir=run"]
+
+
+def test_world_sizes_1_2_3_train_the_same_model(tmp_path):
+    """Same seed, same global batch (48), 1,438 digits (not divisible by 48 x world): same weights and logs."""
+    runs = {}
+    for w in (1, 2, 3):
+        d = tmp_path / f"w{w}"
+        d.mkdir()
+        assert_ok(torchrun(w, EXACT, d))
+        runs[w] = (torch.load(d / "run" / "checkpoints" / "last.pt", weights_only=True),
+                   read_scalars(d / "run" / "tb"))
+    ref_ck, ref_s = runs[1]
+    print("\nworld | max rel weight diff | train/loss (last) | val/loss | val/acc")
+    for w, (ck, s) in runs.items():
+        diff = max_rel_weight_diff(ck["model"], ref_ck["model"])
+        print(f"{w:5} | {diff:19.3e} | {s['train/loss'][-1][1]:.9g} | {ck['last_val']['val/loss']:.9g} | "
+              f"{ck['last_val']['val/acc']:.9g}")
+        assert diff <= 1e-5
+        assert [st for st, _ in s["train/loss"]] == [st for st, _ in ref_s["train/loss"]]
+        for (_, a), (_, b) in zip(s["train/loss"], ref_s["train/loss"]):
+            assert a == pytest.approx(b, rel=1e-6)  # the same to 6 significant digits
+        for tag in ("train/acc", "val/acc", "val/num_samples"):
+            assert s[tag] == ref_s[tag], tag  # counts: exactly equal
+        assert ck["last_val"]["val/loss"] == pytest.approx(ref_ck["last_val"]["val/loss"], rel=1e-6)
+
+    # Validation on 3 ranks equals single-process evaluation of the same weights.
+    from hydra.utils import instantiate
+    from ddplab.data import digits
+    from ddplab.syncbn import convert_sync_batchnorm
+
+    ck3 = runs[3][0]
+    net = instantiate(compose_cfg(EXACT).model, _convert_="all")
+    net.load_state_dict(ck3["model"])
+    net.eval()
+    val = digits().val
+    with torch.no_grad():
+        logits = net(val.x)
+    acc = (logits.argmax(-1) == val.y).double().mean().item()
+    loss = torch.nn.functional.cross_entropy(logits, val.y).item()
+    assert ck3["last_val"]["val/acc"] == pytest.approx(acc, abs=1e-12)
+    assert ck3["last_val"]["val/num_samples"] == len(val) == 359
+    assert ck3["last_val"]["val/loss"] == pytest.approx(loss, rel=1e-5)
+    assert convert_sync_batchnorm  # (imported for the doc reference above)
+
+
+# ------------------------------------------------------- 1. unused params
+def test_unused_parameter_fails_at_first_step_naming_it(tmp_path):
+    args = ["model=mlp", "model._target_=toy.UnusedParamMLP", "num_epochs=1", "progress=log"]
+    proc = torchrun(2, args, tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "failed in epoch 1, step 1" in out  # the first step, not the cryptic error at step 2
+    assert "aux_head.weight, aux_head.bias" in out
+    assert "distributed.find_unused_parameters=true" in out
+    assert "Expected to have finished reduction" not in out
+
+    ok = torchrun(2, args + ["distributed.find_unused_parameters=true"], tmp_path, timeout=120)
+    assert_ok(ok)
+    assert "val/acc=" in ok.stdout
+
+
+# ----------------------------------------------------------- 2. uneven data
+def test_uneven_data_never_crashes_or_hangs(tmp_path):
+    # 1,001 train samples over 3 ranks x 16; 2 val samples: one rank has none.
+    proc = torchrun(3, ["dataset=synthetic", "dataset.num_train=1001", "dataset.num_val=2", "model=mlp",
+                        "batch_size=48", "num_epochs=1", "progress=log"], tmp_path, timeout=180)
+    assert_ok(proc)
+    s = read_scalars(job_dirs(tmp_path)[0] / "tb")
+    assert s["val/num_samples"] == [(1001 // 48, 2.0)]
+
+
+def test_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
+    t0 = time.perf_counter()
+    proc = torchrun(3, ["dataset=synthetic", "dataset.num_train=5", "model=mlp", "batch_size=6"], tmp_path,
+                    timeout=120)
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 60
+    out = proc.stdout + proc.stderr
+    assert "needs 6 samples per optimizer step, but the training set has 5" in out and "Fix:" in out
+
+
+def test_batch_smaller_than_world_size_is_a_clear_error(tmp_path):
+    proc = torchrun(3, ["model=mlp", "batch_size=2"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "batch_size=2 (global) does not split evenly over 3 ranks" in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------ 3. legacy launcher
+def test_legacy_torch_distributed_launch(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", str(TRAIN),
+           "model=mlp", "num_epochs=1", "progress=log"]
+    proc = run_cmd(cmd, tmp_path, timeout=120)
+    assert_ok(proc)
+    assert "ranks: 0@" in proc.stdout and "(local 1)" in proc.stdout
+    assert len(job_dirs(tmp_path)) == 1
+
+
+# --------------------------------------------------------- 4. init methods
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_init_methods(tmp_path, scheme):
+    url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
+    proc = torchrun(2, ["model=mlp", "num_epochs=1", f"distributed.init_method={url}", "progress=log"],
+                    tmp_path, timeout=120)
+    assert_ok(proc)
+    assert read_scalars(job_dirs(tmp_path)[0] / "tb")["val/num_samples"][-1][1] == 359
+
+
+# ------------------------------------------------------------ 5. multi-node
+def test_two_nodes_form_one_job(tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", str(TRAIN), "model=mlp", "num_epochs=1",
+         "progress=log"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    node0 = outs[0]
+    # Global rank = node_rank * nproc_per_node + local_rank: node 1's process is rank 1, local rank 0.
+    assert "ranks: 0@" in node0 and ":cpu(local 0), 1@" in node0 and node0.rstrip().count("(local 0)") >= 2
+    assert "2 rank(s) on cpu (gloo)" in node0
+    dirs = job_dirs(tmp_path)
+    assert len(dirs) == 1
+    assert len(list((dirs[0] / "tb").glob("events.out.tfevents*"))) == 1
+    assert "val/acc=" not in outs[1]  # node 1 is quiet
+
+
+# ---------------------------------------------------------- 6. no silent hangs
+def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
+    t0 = time.perf_counter()
+    proc = torchrun(2, ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=hang", "num_epochs=1",
+                        "distributed.timeout_s=8", "progress=log"], tmp_path, timeout=120)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < 8 + 40  # timeout + start-up + teardown, not "forever"
+    assert "rank 0/2 failed in epoch 1, step 3" in out
+    assert "Rank(s) [1] never reached it" in out
+
+
+def test_crashed_rank_fails_the_job_naming_it(tmp_path):
+    proc = torchrun(2, ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=crash", "num_epochs=1",
+                        "distributed.timeout_s=30", "progress=log"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1/2 failed in epoch 1, step 3: RuntimeError: injected crash on rank 1" in out
+
+
+def test_rank_that_never_arrives_times_out(tmp_path):
+    port = free_port()
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
+                           "distributed.timeout_s=5"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 60
+    err = proc.stdout + proc.stderr
+    assert "rank 0/2: could not join the process group" in err and "1/2 clients joined" in err
+    assert "Not all 2 ranks arrived within distributed.timeout_s=5.0" in err
+
+
+def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+        proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp",
+                               f"distributed.init_method=tcp://127.0.0.1:{port}", "distributed.timeout_s=5"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "port is taken" in err and "--standalone" in err
+
+
+# ---------------------------------------- 7. accumulation, 8. set_epoch
+def test_accumulation_equals_the_big_batch_and_skips_allreduce_on_micro_steps(tmp_path):
+    common = ["model=mlp", "model.dropout=0", "num_epochs=2", "progress=none"]
+    acc = result(torchrun(2, [str(tmp_path / "acc"), *common, "batch_size=32", "grad_accum_steps=3"],
+                          tmp_path, script=PROBE))
+    big = result(torchrun(2, [str(tmp_path / "big"), *common, "batch_size=96"], tmp_path, script=PROBE))
+    assert acc["steps"] == big["steps"] == 2 * (1438 // 96)
+    # One all-reduce per optimizer step (the mlp fits one bucket), none on the 2 no_sync micro-steps.
+    assert acc["micro_batches"] == 3 * acc["steps"]
+    assert all(r["hook_calls"] == acc["steps"] for r in acc["ranks"])
+    a = torch.load(tmp_path / "acc" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "big" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    diff = max_rel_weight_diff(a, b)
+    print(f"\ngrad_accum_steps=3 x 32 vs batch 96: max rel weight diff {diff:.3e}")
+    assert diff <= 1e-5
+
+
+def test_set_epoch_every_epoch_disjoint_covering_reshuffled_reproducible(tmp_path):
+    res = result(torchrun(2, [str(tmp_path / "run"), "model=mlp", "num_epochs=3", "batch_size=64",
+                              "progress=none", "seed=7"], tmp_path, script=PROBE))
+    per_rank = {r["rank"]: {int(e): sum(b, []) for e, b in r["seen"].items()} for r in res["ranks"]}
+    n_used = (1438 // 64) * 64
+    orders = []
+    for epoch in range(3):
+        r0, r1 = per_rank[0][epoch], per_rank[1][epoch]
+        assert not set(r0) & set(r1)  # disjoint
+        assert len(set(r0) | set(r1)) == n_used  # cover all but the incomplete last batch
+        for rank, got in ((0, r0), (1, r1)):
+            s = ShardedGlobalSampler(1438, 64, 2, rank, seed=7)
+            s.set_epoch(epoch)
+            assert got == s.batches().reshape(-1).tolist()  # reproducible from the seed
+        orders.append(r0)
+    assert orders[0] != orders[1] != orders[2]  # reshuffled each epoch
+
+
+# ------------------------------------------------- 9. rank-0-only writing
+def test_only_rank_zero_writes(tmp_path):
+    proc = torchrun(2, ["model=mlp", "num_epochs=1", "progress=log"], tmp_path)
+    assert_ok(proc)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    run = str(job_dirs(tmp_path)[0].relative_to(tmp_path))
+    tb = [f for f in files if "/tb/" in f]
+    assert len(tb) == 1
+    assert sorted(set(files) - set(tb)) == sorted(f"{run}/{x}" for x in [
+        ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log",
+        "checkpoints/last.pt"])
+
+
+# ------------------------------------------------------------- 10. stragglers
+def test_a_slow_rank_shows_in_max_over_ranks(tmp_path):
+    proc = torchrun(2, ["dataset=synthetic", "dataset._target_=toy.slow_synthetic", "+dataset.delay_s=0.002",
+                        "dataset.num_train=512", "dataset.image_size=8", "model=mlp", "num_epochs=1",
+                        "log_every_n_steps=4", "progress=log"], tmp_path)
+    assert_ok(proc)
+    s = read_scalars(job_dirs(tmp_path)[0] / "tb")
+    mx, mn = s["perf/data_time_ms_max"][-1][1], s["perf/data_time_ms_min"][-1][1]
+    print(f"\nslow rank: data time max {mx:.1f} ms, min {mn:.1f} ms per step")
+    assert mx > 32 * 2 * 0.9  # 32 samples x 2 ms on rank 1
+    assert mn < mx / 4

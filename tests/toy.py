@@ -1,0 +1,63 @@
+"""Models and datasets that misbehave on purpose, named by `_target_` in tests.
+
+The test launchers put this folder on PYTHONPATH, so `model._target_=toy.X`
+works in every rank. Test code may read RANK; ddplab's own code never does
+outside ddplab.distributed.
+"""
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from ddplab.data import Splits, synthetic
+from ddplab.models import MLP
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class UnusedParamMLP(MLP):
+    """An MLP with an extra head that forward never calls: its parameters get no gradient."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.aux_head = nn.Linear(4, 3)
+
+
+class FaultyMLP(MLP):
+    """Crashes or hangs on `fault_rank` at its `fault_call`-th training forward."""
+
+    def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, **kw):
+        super().__init__(**kw)
+        self.fault, self.fault_rank, self.fault_call, self.calls = fault, fault_rank, fault_call, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if _rank() == self.fault_rank and self.calls == self.fault_call:
+                if self.fault == "crash":
+                    raise RuntimeError(f"injected crash on rank {_rank()}")
+                time.sleep(3600)  # hang
+        return super().forward(x)
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __init__(self, data, delay_s: float, rank: int):
+        self.data, self.delay = data, delay_s if _rank() == rank else 0.0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.data[i]
+
+
+def slow_synthetic(delay_s: float = 0.002, slow_rank: int = 1, **kw) -> Splits:
+    """synthetic() served through a DataLoader, with per-sample delay on one rank."""
+    s = synthetic(**kw)
+    return Splits(_Slow(s.train, delay_s, slow_rank), s.val, s.num_classes)

@@ -1,0 +1,58 @@
+"""Run under torchrun with Hydra overrides as arguments: trains with two probes attached.
+
+* a DDP communication hook that counts gradient all-reduces (per bucket);
+* a recorder of the index batches each rank's sampler hands out, per epoch.
+
+Rank 0 prints one JSON line: hook calls, optimizer steps, micro-batches, and
+every rank's per-epoch index lists.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddplab import distributed
+from ddplab.data import ShardedGlobalSampler
+from ddplab.trainer import Trainer
+
+conf = Path(__file__).resolve().parents[2] / "conf"
+with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    cfg = compose(config_name="train", overrides=sys.argv[2:])
+with open_dict(cfg):
+    cfg.run_dir = sys.argv[1]
+
+seen: dict[int, list[list[int]]] = {}
+real_batches = ShardedGlobalSampler.batches
+
+
+def recording_batches(self):
+    b = real_batches(self)
+    seen.setdefault(self.epoch, []).extend(b.tolist())
+    return b
+
+
+ShardedGlobalSampler.batches = recording_batches
+state = distributed.setup(cfg.distributed)
+trainer = Trainer(cfg, state, Path(sys.argv[1]))
+calls = {"n": 0}
+
+
+def counting_hook(st, bucket):
+    calls["n"] += 1
+    return allreduce_hook(st, bucket)
+
+
+trainer.model.register_comm_hook(None, counting_hook)
+out = trainer.fit()
+everyone = [None] * state.world_size
+dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
+if state.is_main:
+    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.step,
+                                  "micro_batches": trainer.step * cfg.grad_accum_steps,
+                                  "metrics": out}), flush=True)
+distributed.teardown()
