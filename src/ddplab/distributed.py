@@ -128,8 +128,13 @@ def setup(cfg: Any) -> DistState:
     return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
-def teardown() -> None:
+def teardown(clean: bool = True) -> None:
+    """Leave the process group. ``clean``: every rank got here normally, so wait
+    for all of them first — a rank that tears down while a peer is still in its
+    last collective can abort the peer. After a failure, never wait (it would hang)."""
     if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

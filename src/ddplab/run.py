@@ -29,6 +29,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train and evaluate as ``cfg`` says; return the final metrics (same dict on every rank)."""
     validate(cfg)  # bad values fail here, before any process group exists
     state = distributed.setup(cfg.distributed)
+    clean = False
     try:
         if not state.is_main:
             logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something is wrong
@@ -44,10 +45,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trainer = None
         try:
             trainer = Trainer(cfg, state, run_dir)
-            return trainer.fit()
+            metrics = trainer.fit()
+            clean = True
+            return metrics
         except Exception as e:
             where = trainer.position() if trainer else "while building the job"
             log.error(distributed.describe_failure(state, e, where, str(run_dir), cfg.distributed.timeout_s))
             raise
+        finally:
+            del trainer  # DDP's reducer must go before its process group does
     finally:
-        distributed.teardown()
+        distributed.teardown(clean)

@@ -55,4 +55,5 @@ if state.is_main:
     print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.step,
                                   "micro_batches": trainer.step * cfg.grad_accum_steps,
                                   "metrics": out}), flush=True)
+del trainer  # release DDP (and its reducer's threads) before the process group goes
 distributed.teardown()
