@@ -2,7 +2,8 @@
 
     python train.py                                            # one process (debugger-friendly)
     torchrun --standalone --nproc_per_node=2 train.py model=resnet18 amp=true
-    python train.py -m optimizer.lr=0.1,0.01 model=mlp,convnet # sweep
+    python train.py distributed.nproc_per_node=2               # starts its own 2 ranks
+    python train.py -m optimizer.lr=0.1,0.01 model=mlp,convnet # sweep (add hydra/launcher=joblib ...)
     python train.py --cfg job                                  # print the composed config
 """
 
@@ -12,16 +13,15 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import ddplab  # registers the typed config schemas used by conf/
-from ddplab.cli import prepare_argv
+from ddplab import cli  # also registers the typed config schemas used by conf/
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 @record  # under torchrun, a failing rank's traceback appears in torchrun's summary
 def main(cfg: DictConfig) -> float | None:
-    return ddplab.run(cfg).get(cfg.objective)  # sweepers (e.g. Optuna) read the objective
+    return cli.main(cfg)  # ddplab.run(cfg), returning cfg.objective to sweepers
 
 
 if __name__ == "__main__":
-    sys.argv = prepare_argv(sys.argv)
+    sys.argv = cli.prepare_argv(sys.argv)
     main()

@@ -7,6 +7,7 @@ A checkpoint is a plain dict of tensors, numbers and strings, so it loads with
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from pathlib import Path
@@ -35,6 +36,21 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
+def write_result(run_dir: Path, result: dict[str, Any]) -> None:
+    """``run_dir/result.json``: how the job ended (status, metrics or error), written atomically."""
+    tmp = run_dir / f".result.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(tmp, run_dir / "result.json")
+
+
+def read_result(run_dir: Path) -> dict[str, Any] | None:
+    f = run_dir / "result.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def load(path: Path, device: torch.device) -> dict[str, Any]:
     """Load onto this rank's own device (never onto the GPU that saved it)."""
     try:
@@ -60,7 +76,8 @@ def find_resume(resume: str | None, run_dir: Path) -> Path | None:
 
     ``resume=auto`` takes ``last.pt`` of this run dir, else of the newest earlier
     run under the same output root launched with the same overrides (so
-    re-typing the same command plus ``resume=auto`` continues it).
+    re-typing the same command plus ``resume=auto`` continues it; a sweep's
+    jobs each find their own earlier job, and finished ones end at once).
     """
     if not resume:
         return None
@@ -77,11 +94,10 @@ def find_resume(resume: str | None, run_dir: Path) -> Path | None:
     mine = _overrides(run_dir)
     if mine is None:
         return None
-    root = run_dir.parent.parent  # outputs/<date>/<time> → outputs
-    candidates = sorted(
-        (Path(p) for p in glob.glob(str(root / "*" / "*" / "checkpoints" / LAST))),
-        key=lambda p: p.stat().st_mtime, reverse=True,
-    )
+    # Earlier runs: outputs/<date>/<time> (single runs) and multirun/<date>/<time>/<num> (sweeps).
+    found = set(glob.glob(str(run_dir.parent.parent / "*" / "*" / "checkpoints" / LAST)))
+    found |= set(glob.glob(str(run_dir.parent.parent.parent / "*" / "*" / "*" / "checkpoints" / LAST)))
+    candidates = sorted((Path(p) for p in found), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in candidates:
         if p.parent.parent != run_dir and _overrides(p.parent.parent) == mine:
             log.info("resume=auto: continuing %s", p.parent.parent)

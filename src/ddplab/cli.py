@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import shutil
 import tempfile
 
-from ddplab.distributed import consume_legacy_local_rank, env_rank
+from omegaconf import DictConfig
+
+from ddplab.distributed import consume_legacy_local_rank, env_rank, is_launched, is_self_launched
+from ddplab.run import run
+
+log = logging.getLogger("ddplab")
 
 _RANK_LOCAL_KEYS = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.output_subdir=")
 
@@ -28,4 +34,40 @@ def prepare_argv(argv: list[str]) -> list[str]:
     scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     argv = [a for a in argv if not a.startswith(_RANK_LOCAL_KEYS)]
-    return argv + [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+    extra = [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+    if not any(a.startswith("hydra/hydra_logging=") for a in argv):
+        extra.append("hydra/hydra_logging=disabled")  # rank 0 alone announces the sweep's jobs
+    return argv + extra
+
+
+def main(cfg: DictConfig) -> float | None:
+    """Body of train.py's ``@hydra.main``: run the job, hand the objective to the sweeper.
+
+    In a sweep (``-m``) a failing job is recorded (its ``result.json`` and the
+    log say why) and reported to the sweeper as NaN, so the other jobs still
+    run; a single run fails loudly with a non-zero exit. Exception: a sweep
+    *inside* torchrun stops at a failed job — its ranks may have failed at
+    different points (one mid-collective), and continuing would pair them up
+    on different jobs; self-launched jobs (distributed.nproc_per_node) survive.
+    """
+    try:
+        metrics = run(cfg)
+    except Exception as e:
+        if not _is_multirun():
+            raise
+        if is_launched() and not is_self_launched():
+            log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
+                      "use distributed.nproc_per_node=N without torchrun for sweeps that outlive failures")
+            # Hydra would catch an exception and start the next job; leave instead,
+            # so torchrun ends the other ranks (a peer may be blocked mid-collective).
+            raise SystemExit(1) from e
+        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
+        return float("nan")
+    return metrics.get(cfg.objective)
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

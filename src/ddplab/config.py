@@ -139,6 +139,10 @@ class DistributedConfig:
     bucket_cap_mb: float = 25.0
     broadcast_buffers: bool = True
     gradient_as_bucket_view: bool = True  # grads alias DDP buckets: one copy less
+    # >1: `python train.py` starts this many local ranks itself (free port per
+    # job, so parallel sweep jobs never collide). Ignored under torchrun/SLURM.
+    nproc_per_node: int = 1
+    max_restarts: int = 0  # self-launch only: restart the ranks this often after a failure
 
 
 # ------------------------------------------------------------------ top level
@@ -236,5 +240,9 @@ def validate(cfg: DictConfig) -> None:
     _check(d.timeout_s > 0, "distributed.timeout_s", d.timeout_s, "must be > 0", "pass distributed.timeout_s=300")
     _check(d.bucket_cap_mb > 0, "distributed.bucket_cap_mb", d.bucket_cap_mb, "must be > 0",
            "pass distributed.bucket_cap_mb=25")
+    _check(d.nproc_per_node > 0, "distributed.nproc_per_node", d.nproc_per_node, "must be >= 1",
+           "pass distributed.nproc_per_node=2 (or launch with torchrun)")
+    _check(d.max_restarts >= 0, "distributed.max_restarts", d.max_restarts, "must be >= 0",
+           "pass distributed.max_restarts=0")
     _check(d.init_method.split("://")[0] in ("env", "tcp", "file"), "distributed.init_method", d.init_method,
            "unknown scheme", "use env://, tcp://HOST:PORT or file:///PATH")

@@ -12,6 +12,8 @@ below; it never looks at environment variables or ``dist`` directly.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 import socket
@@ -22,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+_generation = 0  # process groups this process has created (the same count on every rank)
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,53 @@ class DistState:
         return self.world_size > 1
 
 
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return "127.0.0.1"
+    return m.group(1) + (re.split(r"[,-]", m.group(2))[0] if m.group(2) else "")
+
+
+def adopt_scheduler_env() -> None:
+    """Map SLURM's (srun / submitit_slurm) or submitit_local's task variables onto
+    torch's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, so each task of a
+    multi-task job becomes one rank. No-op when a torch launcher already set RANK."""
+    env = os.environ
+    if "RANK" in env:
+        return
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        rank, world, local = env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0")
+        addr = _first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        port = 10000 + int(env.get("SLURM_JOB_ID", "0")) % 20000  # same on every task of the job
+    elif int(env.get("SUBMITIT_LOCAL_NTASKS", "1")) > 1 and "SUBMITIT_LOCAL_GLOBALID" in env:
+        rank, world = env["SUBMITIT_LOCAL_GLOBALID"], env["SUBMITIT_LOCAL_NTASKS"]
+        local, addr = env.get("SUBMITIT_LOCAL_LOCALID", "0"), "127.0.0.1"
+        port = 10000 + int(env.get("SUBMITIT_LOCAL_JOB_ID", "0")) % 20000
+    else:
+        return
+    env.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local)
+    env.setdefault("MASTER_ADDR", addr)
+    env.setdefault("MASTER_PORT", str(port))
+
+
 def env_rank() -> int:
     """Global rank from the launcher's environment (0 when not launched)."""
+    adopt_scheduler_env()
     return int(os.environ.get("RANK", "0"))
+
+
+SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"  # set by ddplab.launch for the ranks it spawns
+
+
+def is_self_launched() -> bool:
+    return os.environ.get(SELF_LAUNCHED) == "1"
+
+
+def is_launched() -> bool:
+    """True when a launcher (torchrun, SLURM, submitit) made this process one of several ranks."""
+    adopt_scheduler_env()
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def consume_legacy_local_rank(argv: list[str]) -> list[str]:
@@ -87,8 +136,8 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
 
 def setup(cfg: Any) -> DistState:
     """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = env_rank()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(cfg.device, local_rank)
     if device.type == "cuda":
@@ -102,16 +151,22 @@ def setup(cfg: Any) -> DistState:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise RuntimeError("distributed.backend=nccl needs CUDA devices. Fix: distributed.backend=auto or gloo.")
-    kwargs: dict[str, Any] = dict(backend=backend, timeout=timedelta(seconds=cfg.timeout_s))
+    timeout = timedelta(seconds=cfg.timeout_s)
     if cfg.init_method != "env://":
-        kwargs.update(init_method=cfg.init_method, rank=rank, world_size=world_size)
         # Under torchrun this flag makes rank 0 a *client* of a store it expects
         # torchrun to host on that port, so tcp:// would wait for nobody.
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    if backend == "nccl":
-        kwargs["device_id"] = device  # binds this rank's GPU; no stray contexts elsewhere
+    global _generation
+    _generation += 1
     try:
-        dist.init_process_group(**kwargs)
+        store, rank, world_size = next(dist.rendezvous(cfg.init_method, rank=rank, world_size=world_size,
+                                                       timeout=timeout))
+        # A sweep under torchrun runs several jobs in one process, all on
+        # torchrun's one store: a fresh key prefix per job keeps a new group
+        # from reading the previous group's (dead) addresses and hanging.
+        store = dist.PrefixStore(f"ddplab/{_generation}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                **({"device_id": device} if backend == "nccl" else {}))
     except Exception as e:  # name what was tried and what to change
         msg = str(e)
         hint = ""
@@ -180,9 +235,10 @@ def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
         b.copy_(v.view_as(b))
 
 
-def rank_table(state: DistState) -> str:
-    """"rank@host:device(local_rank)" for every rank, gathered once at start-up (rank order check)."""
+def rank_table(state: DistState, digest: str = "") -> str:
+    """"rank@host:device(local_rank) cfg=digest" for every rank, gathered once at start-up."""
     me = f"{state.rank}@{socket.gethostname()}:{state.device}(local {state.local_rank})"
+    me += f" cfg={digest}" if digest else ""
     if not state.is_distributed:
         return me
     everyone: list[str] = [""] * state.world_size
@@ -219,3 +275,43 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     except Exception:  # the store may be gone too; the plain message still stands
         pass
     return msg
+
+
+def sync_config(cfg: Any, state: DistState) -> Any:
+    """Every rank trains rank 0's config.
+
+    A sweeper running in every rank (Optuna under torchrun) may sample
+    different values per rank; training on them would silently diverge or die
+    on a shape mismatch. Differences are named in a warning.
+    """
+    from omegaconf import OmegaConf
+
+    mine = OmegaConf.to_container(cfg, resolve=True)
+    if not state.is_distributed:
+        return cfg
+    ref = broadcast_object(mine, state)
+    if ref != mine:
+        diff = sorted(k for k in _flatten(ref).keys() | _flatten(mine).keys()
+                      if _flatten(ref).get(k) != _flatten(mine).get(k))
+        logging.getLogger("ddplab").warning(
+            "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
+            state.rank, ", ".join(f"{k}={_flatten(mine).get(k)!r}->{_flatten(ref).get(k)!r}" for k in diff))
+    out = OmegaConf.create(ref)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def config_digest(cfg: Any) -> str:
+    """Short hash of the resolved config: equal on all ranks iff they train the same thing."""
+    from omegaconf import OmegaConf
+
+    return hashlib.sha1(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()[:10]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
+    return out

@@ -123,6 +123,9 @@ class NullWriter:
     def text(self, tag: str, value: str) -> None:
         pass
 
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -142,6 +145,15 @@ class TensorBoardWriter(NullWriter):
     def text(self, tag: str, value: str) -> None:
         # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
         self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
+
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        """HParams-tab entry for this run, in this run's own event file (add_hparams would
+        make a second run dir). The metric values are the scalars logged under those tags."""
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        clean = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+        for summary in hparams_summary(clean, {t: 0.0 for t in metric_tags}):
+            self._w.file_writer.add_summary(summary)
 
     def close(self) -> None:
         self._w.close()

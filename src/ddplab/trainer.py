@@ -171,6 +171,8 @@ class Trainer:
         cfg, st = self.cfg, self.state
         spe = self.sampler.steps_per_epoch
         self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+        self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
+                            ["val/acc", "val/loss", "train/loss", "best/" + cfg.objective])
         log.info(
             "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
             "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
@@ -178,6 +180,8 @@ class Trainer:
             self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
             self.global_batch * self.accum, spe, cfg.num_epochs)
         last_train: dict[str, float] = {}
+        if self.epoch >= cfg.num_epochs:
+            log.info("already finished: %d of %d epochs done, nothing to train", self.epoch, cfg.num_epochs)
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs or cfg.num_epochs
         while self.epoch < min(cfg.num_epochs, stop):
@@ -192,6 +196,8 @@ class Trainer:
                 log.info("epoch %d/%d  %s", self.epoch, cfg.num_epochs,
                          "  ".join(f"{k}={v:.4g}" for k, v in self.last_val.items()))
             self._save()
+        if self.best is not None:
+            self.writer.scalars({"best/" + cfg.objective: self.best}, self.step)
         self.writer.close()
         out = {**last_train, **self.last_val, "epoch": float(self.epoch), "step": float(self.step),
                "time_s": time.perf_counter() - t0}
@@ -278,6 +284,29 @@ class Trainer:
         if not self.state.is_main:
             mode = "none"
         return _Progress(mode, self.sampler.steps_per_epoch, self.epoch, self.cfg.num_epochs)
+
+
+def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any]:
+    """What a sweep varies (this job's overrides, as typed values) plus the key settings."""
+    def short(target: Any) -> Any:
+        return str(target).rsplit(".", 1)[-1] if target else target
+
+    hp: dict[str, Any] = {
+        "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
+        "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
+        "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "amp": cfg.amp,
+        "seed": cfg.seed, "world_size": world_size,
+    }
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        for o in OmegaConf.load(overrides):
+            key, _, value = str(o).lstrip("+~").partition("=")
+            if key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir"):
+                continue
+            node = OmegaConf.select(cfg, key, default=None)
+            hp[key] = value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
+    return {k: v for k, v in hp.items() if v is not None}
 
 
 class _Progress:
