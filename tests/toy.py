@@ -6,6 +6,7 @@ outside ddplab.distributed.
 """
 
 import os
+import signal
 import time
 
 import torch
@@ -27,21 +28,33 @@ class UnusedParamMLP(MLP):
         self.aux_head = nn.Linear(4, 3)
 
 
+_FAULTED = []  # once per process: an in-process resume must not fault again
+
+
 class FaultyMLP(MLP):
-    """Crashes or hangs on `fault_rank` at its `fault_call`-th training forward."""
+    """Crashes, hangs, gets SIGKILLed or makes the loss NaN (fault="nonfinite") on `fault_rank` at its `fault_call`-th
+    training forward — once per process, and only before any torchrun restart."""
 
     def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, **kw):
         super().__init__(**kw)
         self.fault, self.fault_rank, self.fault_call, self.calls = fault, fault_rank, fault_call, 0
 
     def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if _rank() == self.fault_rank and self.calls == self.fault_call:
-                if self.fault == "crash":
-                    raise RuntimeError(f"injected crash on rank {_rank()}")
-                time.sleep(3600)  # hang
-        return super().forward(x)
+        out = super().forward(x)
+        if not self.training:
+            return out
+        self.calls += 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if _rank() == self.fault_rank and self.calls == self.fault_call and first_attempt and not _FAULTED:
+            _FAULTED.append(self.fault)
+            if self.fault == "crash":
+                raise RuntimeError(f"injected crash on rank {_rank()}")
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "nonfinite":
+                return out * float("nan")
+            time.sleep(3600)  # hang
+        return out
 
 
 class _Slow(torch.utils.data.Dataset):

@@ -18,6 +18,66 @@ import torch
 log = logging.getLogger(__name__)
 
 LAST = "last.pt"
+BEST = "best.pt"
+
+
+# ------------------------------------------------------------------ RNG state
+def rng_state() -> dict[str, Any]:
+    """This process's random streams, as plain lists/tensors (loadable with weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+
+
+# --------------------------------------------------------------- saving
+def _link_atomic(src: Path, dst: Path) -> None:
+    """Point ``dst`` at ``src``'s bytes atomically (hard link; a copy where links are unsupported)."""
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def save(obj: dict[str, Any], ckpt_dir: Path, step: int, keep_last: int, is_best: bool) -> Path:
+    """``step-<N>.pt`` written atomically, then ``last.pt`` (and ``best.pt``) pointed at it;
+    only the newest ``keep_last`` step files are kept."""
+    path = ckpt_dir / f"step-{step:08d}.pt"
+    save_atomic(obj, path)
+    _link_atomic(path, ckpt_dir / LAST)
+    if is_best:
+        _link_atomic(path, ckpt_dir / BEST)
+    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-keep_last]:
+        old.unlink(missing_ok=True)  # best.pt / last.pt keep their own links
+    for stale in ckpt_dir.glob(".*.tmp*"):  # left by a writer killed mid-write
+        if not stale.name.endswith(f"tmp{os.getpid()}"):
+            stale.unlink(missing_ok=True)
+    return path
 
 
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
@@ -58,7 +118,8 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"resume: checkpoint {path} does not exist. Fix: pass resume=auto or a valid path.")
     except Exception as e:
-        raise RuntimeError(f"resume: cannot read checkpoint {path} (truncated or corrupt?): {e}") from e
+        raise RuntimeError(f"resume: cannot read checkpoint {path} (truncated or corrupt?): "
+                           f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 def _overrides(run_dir: Path) -> list[str] | None:
@@ -71,7 +132,33 @@ def _overrides(run_dir: Path) -> list[str] | None:
     return sorted(o for o in OmegaConf.load(f) if not str(o).startswith(("resume=", "stop_after_epochs=")))
 
 
-def find_resume(resume: str | None, run_dir: Path) -> Path | None:
+def _newest_first(ckpt_dir: Path) -> list[Path]:
+    """last.pt, then the step files newest first (fallbacks if last.pt is unreadable)."""
+    steps = sorted(ckpt_dir.glob("step-*.pt"), reverse=True)
+    return ([ckpt_dir / LAST] if (ckpt_dir / LAST).is_file() else []) + steps
+
+
+def load_first_good(candidates: list[Path], device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The first candidate that loads; a corrupt one is reported and skipped (resume=auto)."""
+    for p in candidates:
+        try:
+            return p, load(p, device)
+        except (RuntimeError, FileNotFoundError) as e:
+            log.warning("%s; trying the previous checkpoint", e)
+    return None
+
+
+def find_resume(resume: str | None, run_dir: Path) -> list[Path]:
+    """All checkpoints to try, best candidate first (see :func:`find_resume_path`)."""
+    first = find_resume_path(resume, run_dir)
+    if first is None:
+        return []
+    if resume != "auto":
+        return [first]
+    return _newest_first(first.parent)
+
+
+def find_resume_path(resume: str | None, run_dir: Path) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
     ``resume=auto`` takes ``last.pt`` of this run dir, else of the newest earlier
@@ -88,19 +175,19 @@ def find_resume(resume: str | None, run_dir: Path) -> Path | None:
             raise FileNotFoundError(f"resume={resume}: no checkpoint at {p}. "
                                     "Fix: pass an existing .pt file or run dir, or resume=auto.")
         return p
-    own = run_dir / "checkpoints" / LAST
-    if own.is_file():
-        return own
+    own = _newest_first(run_dir / "checkpoints")
+    if own:
+        return own[0]
     mine = _overrides(run_dir)
     if mine is None:
         return None
     # Earlier runs: outputs/<date>/<time> (single runs) and multirun/<date>/<time>/<num> (sweeps).
-    found = set(glob.glob(str(run_dir.parent.parent / "*" / "*" / "checkpoints" / LAST)))
-    found |= set(glob.glob(str(run_dir.parent.parent.parent / "*" / "*" / "*" / "checkpoints" / LAST)))
+    found = set(glob.glob(str(run_dir.parent.parent / "*" / "*" / "checkpoints" / "*.pt")))
+    found |= set(glob.glob(str(run_dir.parent.parent.parent / "*" / "*" / "*" / "checkpoints" / "*.pt")))
     candidates = sorted((Path(p) for p in found), key=lambda p: p.stat().st_mtime, reverse=True)
     for p in candidates:
         if p.parent.parent != run_dir and _overrides(p.parent.parent) == mine:
             log.info("resume=auto: continuing %s", p.parent.parent)
-            return p
+            return _newest_first(p.parent)[0]
     log.info("resume=auto: no earlier run with overrides %s; starting fresh", mine)
     return None

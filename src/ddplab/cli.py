@@ -9,7 +9,8 @@ import tempfile
 
 from omegaconf import DictConfig
 
-from ddplab.distributed import consume_legacy_local_rank, env_rank, is_launched, is_self_launched
+from ddplab.distributed import (consume_legacy_local_rank, elastic_restart_count, env_rank, is_launched,
+                                is_self_launched, run_dir_memo)
 from ddplab.run import run
 
 log = logging.getLogger("ddplab")
@@ -22,6 +23,8 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
     * ``torch.distributed.launch`` appends ``--local-rank=N``; Hydra would
       reject it, so it moves to LOCAL_RANK.
+    * After a torchrun restart (--max-restarts), rank 0 reuses the run dir of
+      the first attempt, where the checkpoints are.
     * Under torchrun every rank runs ``@hydra.main``, and each would create its
       own timestamped output dir (two, if the ranks straddle a second). Ranks
       other than 0 get a throwaway dir instead, removed at exit, and no
@@ -30,6 +33,10 @@ def prepare_argv(argv: list[str]) -> list[str]:
     argv = consume_legacy_local_rank(list(argv))
     rank = env_rank()
     if rank == 0:
+        memo = run_dir_memo()
+        if memo and elastic_restart_count() > 0 and memo.is_file() and "-m" not in argv and "--multirun" not in argv:
+            # torchrun restarted us after a failure: continue in the same run dir.
+            argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={memo.read_text()}"]
         return argv
     scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)

@@ -145,6 +145,15 @@ class DistributedConfig:
     max_restarts: int = 0  # self-launch only: restart the ranks this often after a failure
 
 
+@dataclass
+class CheckpointConfig:
+    # Also save every N optimizer steps (0: only at epoch ends). Each save is a
+    # full state: a run killed at any step resumes bitwise-identically from it.
+    every_n_steps: int = 0
+    keep_last: int = 2  # step files kept (plus best.pt); last.pt always points at the newest
+    save_best: bool = True  # best.pt: the checkpoint with the best `objective` so far
+
+
 # ------------------------------------------------------------------ top level
 @dataclass
 class TrainConfig:
@@ -153,6 +162,7 @@ class TrainConfig:
     optimizer: Any = MISSING
     scheduler: Any = MISSING
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     seed: int = 0
     num_epochs: int = 10
@@ -176,6 +186,10 @@ class TrainConfig:
     run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
     objective: str = "val/acc"  # metric returned to sweepers
+    # NaN/Inf training loss: "error" stops at the step, naming it (checked on
+    # the device, read at log steps: free); "skip" skips that optimizer step
+    # (one host sync and a tiny collective per step).
+    nonfinite_loss: str = "error"
 
 
 _GROUPS = {
@@ -229,6 +243,12 @@ def validate(cfg: DictConfig) -> None:
            "use progress=auto, bar, log or none")
     _check(cfg.stop_after_epochs is None or cfg.stop_after_epochs > 0, "stop_after_epochs", cfg.stop_after_epochs,
            "must be > 0 or null", "drop the override")
+    _check(cfg.nonfinite_loss in ("error", "skip"), "nonfinite_loss", cfg.nonfinite_loss, "unknown policy",
+           "use nonfinite_loss=error or nonfinite_loss=skip")
+    ck = cfg.checkpoint
+    _check(ck.every_n_steps >= 0, "checkpoint.every_n_steps", ck.every_n_steps, "must be >= 0 (0: epoch ends only)",
+           "pass checkpoint.every_n_steps=0")
+    _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1", "pass checkpoint.keep_last=2")
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         _check(lr > 0, "optimizer.lr", lr, "must be > 0", "pass optimizer.lr=0.1")

@@ -17,9 +17,11 @@ import logging
 import os
 import re
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,6 +89,23 @@ SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"  # set by ddplab.launch for the ranks it 
 
 def is_self_launched() -> bool:
     return os.environ.get(SELF_LAUNCHED) == "1"
+
+
+def elastic_restart_count() -> int:
+    """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def run_dir_memo() -> Path | None:
+    """Where rank 0 notes its run dir, so a torchrun restart continues in the same dir.
+
+    Keyed by torchrun's run id and the agent's pid: both survive a restart,
+    and no two torchrun invocations share them.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    return Path(tempfile.gettempdir()) / f"ddplab-run-{run_id}-{os.getppid()}"
 
 
 def is_launched() -> bool:
@@ -164,7 +183,8 @@ def setup(cfg: Any) -> DistState:
         # A sweep under torchrun runs several jobs in one process, all on
         # torchrun's one store: a fresh key prefix per job keeps a new group
         # from reading the previous group's (dead) addresses and hanging.
-        store = dist.PrefixStore(f"ddplab/{_generation}", store)
+        # torchrun's store also outlives a restart (--max-restarts): the restart count joins the prefix.
+        store = dist.PrefixStore(f"ddplab/{elastic_restart_count()}/{_generation}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 **({"device_id": device} if backend == "nccl" else {}))
     except Exception as e:  # name what was tried and what to change
@@ -203,6 +223,15 @@ def broadcast_object(obj: Any, state: DistState) -> Any:
     return box[0]
 
 
+def gather_object(obj: Any, state: DistState) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (checkpoint-time only)."""
+    if not state.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * state.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_ranks_rows(row: torch.Tensor, state: DistState) -> torch.Tensor:
     """(world_size, K) matrix of every rank's ``row`` — ONE collective.
 
@@ -239,11 +268,7 @@ def rank_table(state: DistState, digest: str = "") -> str:
     """"rank@host:device(local_rank) cfg=digest" for every rank, gathered once at start-up."""
     me = f"{state.rank}@{socket.gethostname()}:{state.device}(local {state.local_rank})"
     me += f" cfg={digest}" if digest else ""
-    if not state.is_distributed:
-        return me
-    everyone: list[str] = [""] * state.world_size
-    dist.all_gather_object(everyone, me)
-    return ", ".join(everyone)
+    return ", ".join(gather_object(me, state))
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -58,14 +58,31 @@ def _reduce_sums(rows: Tensor) -> dict[str, float]:
     return out
 
 
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
 class TrainMetrics:
     """Training-side accumulation between log steps, plus host timers per rank."""
 
-    def __init__(self, state: DistState):
+    def __init__(self, state: DistState, nonfinite: str = "error"):
         self.state = state
         self.meter = SumMeter(state.device)
         self._cuda = state.device.type == "cuda"
+        self._check_nonfinite = nonfinite == "error"
+        # [count of non-finite losses, first step that had one]: device-side, read at log steps.
+        self.nonfinite = torch.zeros(2, dtype=torch.float64, device=state.device)
+        self.skipped = 0  # steps skipped by nonfinite_loss=skip (host: that mode syncs anyway)
         self.reset()
+
+    def track_nonfinite(self, loss: Tensor, step: int) -> None:
+        """Note a NaN/Inf loss without a host sync; :meth:`reduce` raises, naming the first step."""
+        if not self._check_nonfinite:
+            return
+        bad = (~torch.isfinite(loss.detach())).double().sum()
+        first_unset = (self.nonfinite[1] == 0).double()
+        self.nonfinite[1] += first_unset * (bad > 0).double() * step
+        self.nonfinite[0] += bad
 
     def reset(self) -> None:
         self.meter.reset()
@@ -80,13 +97,21 @@ class TrainMetrics:
         self.data_time += data_time
         self.steps += 1
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self, where: str = "") -> dict[str, float]:
         """ONE collective; returns ``train/*`` and ``perf/*`` scalars (same on every rank)."""
         wall = time.perf_counter() - self.t_start
         mem = torch.cuda.max_memory_allocated(self.state.device) / 2**30 if self._cuda else 0.0
         host = torch.tensor([self.step_time, self.data_time, self.steps, wall, mem], dtype=torch.float64)
-        row = torch.cat([self.meter.sums, host.to(self.meter.sums.device)])
+        row = torch.cat([self.meter.sums, host.to(self.meter.sums.device), self.nonfinite])
         rows = all_ranks_rows(row, self.state).cpu()
+        bad, first = rows[:, _MEM + 1], rows[:, _MEM + 2]
+        if bad.sum() > 0:  # every rank sees the same rows, so every rank stops here together
+            step = int(first[first > 0].min().item())
+            ranks = [r for r in range(len(bad)) if bad[r] > 0]
+            raise NonFiniteLossError(
+                f"training loss became NaN/Inf at step {step} (rank(s) {ranks}; noticed at the log step, "
+                f"{where}). Fix: lower optimizer.lr, set grad_clip=1.0, use amp_dtype=bfloat16 instead of "
+                "float16, check the data for NaN — or nonfinite_loss=skip to skip such steps.")
         sums = _reduce_sums(rows)
         steps = max(rows[0, _STEPS].item(), 1.0)
         step_ms = rows[:, _STEP_T] / steps * 1e3  # per rank
@@ -103,6 +128,8 @@ class TrainMetrics:
         })
         if self._cuda:
             out["perf/peak_mem_gb"] = rows[:, _MEM].max().item()
+        if self.skipped:
+            out["train/skipped_steps"] = float(self.skipped)
         self.reset()
         return out
 

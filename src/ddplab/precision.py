@@ -34,6 +34,8 @@ class Precision:
         self.dtype = _resolve_dtype(amp_dtype, device) if amp else torch.float32
         use_scaler = amp and self.dtype == torch.float16
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler) if use_scaler else None
+        # fp16 steps the scaler skipped (inf/nan gradients): counted on the device, read at log steps.
+        self.overflow_steps = torch.zeros((), device=device)
 
     def describe(self) -> str:
         if not self.enabled:
@@ -57,6 +59,8 @@ class Precision:
             # No .item(): the norm stays on the device until the next log step.
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         if self.scaler:
+            found = self.scaler._found_inf_per_device(optimizer)  # set by unscale_; no sync to read
+            self.overflow_steps += sum(f.to(self.overflow_steps.device) for f in found.values()).clamp(max=1)
             self.scaler.step(optimizer)  # skips the step if grads hold inf/nan
             self.scaler.update()
         else:
@@ -66,6 +70,14 @@ class Precision:
     def loss_scale(self) -> float | None:
         """Current fp16 loss scale; a host-device sync, so call it on log steps only."""
         return self.scaler.get_scale() if self.scaler else None
+
+    def pop_overflow_steps(self) -> float | None:
+        """fp16 steps skipped since the last call (a host sync: log steps only)."""
+        if not self.scaler:
+            return None
+        n = self.overflow_steps.item()
+        self.overflow_steps.zero_()
+        return n
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}

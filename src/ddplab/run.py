@@ -6,7 +6,7 @@ import logging
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from ddplab import checkpoint, distributed
 from ddplab.config import validate
@@ -48,6 +48,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         run_dir = Path(distributed.broadcast_object(str(_own_run_dir(cfg)), state))
         if state.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
+            memo = distributed.run_dir_memo()
+            if memo is not None:
+                memo.write_text(str(run_dir))
+        if distributed.elastic_restart_count() > 0 and not cfg.resume:
+            log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)",
+                        distributed.elastic_restart_count())
+            with open_dict(cfg):
+                cfg.resume = "auto"
         log.info("ranks: %s", distributed.rank_table(state, distributed.config_digest(cfg)))
 
         from ddplab.trainer import Trainer  # after setup: a bad config costs no model build

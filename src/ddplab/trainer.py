@@ -104,45 +104,71 @@ class Trainer:
 
         self.epoch = 0  # epochs completed
         self.step = 0  # optimizer steps completed
+        self.step_in_epoch = 0  # optimizer steps completed in the current epoch
+        self._resume_rng: dict[str, Any] | None = None
         self.best: float | None = None
         self.last_val: dict[str, float] = {}
         self._resume()
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.step + 1 if self.step else None)
-        self.metrics = TrainMetrics(state)
+        self.metrics = TrainMetrics(state, cfg.nonfinite_loss)
         self._check_unused = isinstance(self.model, DDP) and not cfg.distributed.find_unused_parameters
 
     # ------------------------------------------------------------- checkpoint
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.precision.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
+            "epoch": self.epoch,  # epochs completed
+            "step": self.step,  # optimizer steps completed
+            "step_in_epoch": self.step_in_epoch,  # position inside the current epoch
+            "sampler": {"seed": self.sampler.seed, "epoch": self.epoch,
+                        "skip_micro_batches": self.step_in_epoch * self.accum},
+            "rng": rng,  # one entry per rank
             "best": self.best,
             "last_val": self.last_val,
             "world_size": self.state.world_size,
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
         }
 
-    def _save(self) -> None:
+    def _save(self, is_best: bool = False) -> None:
+        # Every rank's random streams, so dropout/augmentation continue exactly.
+        rng = distributed.gather_object(checkpoint.rng_state(), self.state)
         if self.state.is_main:
-            checkpoint.save_atomic(self._state(), self.run_dir / "checkpoints" / checkpoint.LAST)
+            c = self.cfg.checkpoint
+            checkpoint.save(self._state(rng), self.run_dir / "checkpoints", self.step, c.keep_last,
+                            is_best and c.save_best)
         distributed.barrier(self.state)  # nobody races ahead of (or reads) a half-written file
 
     def _resume(self) -> None:
-        found = checkpoint.find_resume(self.cfg.resume, self.run_dir) if self.state.is_main else None
-        path = distributed.broadcast_object(found, self.state)
-        if path is None:
+        explicit = self.cfg.resume not in (None, "", "auto")
+        found = [str(p) for p in checkpoint.find_resume(self.cfg.resume, self.run_dir)] \
+            if self.state.is_main else []
+        paths = [Path(p) for p in distributed.broadcast_object(found, self.state)]
+        if not paths:
             return
-        ck = checkpoint.load(Path(path), self.state.device)
-        self.module.load_state_dict(ck["model"])
+        if explicit:  # the user named it: a bad file is an error, not a fallback
+            path, ck = paths[0], checkpoint.load(paths[0], self.state.device)
+        else:
+            got = checkpoint.load_first_good(paths, self.state.device)
+            if got is None:
+                raise RuntimeError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
+                                   "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
+            path, ck = got
+        load_model_state(self.module, ck["model"], path)
         self.optimizer.load_state_dict(ck["optimizer"])
         self.scheduler.load_state_dict(ck["scheduler"])
         self.precision.load_state_dict(ck["scaler"])
         self.epoch, self.step, self.best = ck["epoch"], ck["step"], ck["best"]
+        self.step_in_epoch = ck.get("step_in_epoch", 0)
         self.last_val = ck.get("last_val", {})
+        rng = ck.get("rng") or []
+        if self.step_in_epoch and len(rng) == self.state.world_size:
+            self._resume_rng = rng[self.state.rank]
+        elif self.step_in_epoch:
+            log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
+                        "order, but random layers (dropout) draw new streams", self.state.world_size, len(rng))
         log.info("resumed from %s: %d epoch(s), %d step(s) done", path, self.epoch, self.step)
 
     def position(self) -> str:
@@ -187,15 +213,17 @@ class Trainer:
         while self.epoch < min(cfg.num_epochs, stop):
             last_train = self._train_epoch() or last_train
             self.epoch += 1
+            self.step_in_epoch = 0
+            improved = False
             if self.epoch % cfg.eval_every_n_epochs == 0 or self.epoch == cfg.num_epochs:
                 self.last_val = self.evaluate()
                 self.writer.scalars({**self.last_val, "train/epoch": self.epoch}, self.step)
                 obj = self.last_val.get(cfg.objective)
                 if obj is not None and (self.best is None or obj > self.best):
-                    self.best = obj
+                    self.best, improved = obj, True
                 log.info("epoch %d/%d  %s", self.epoch, cfg.num_epochs,
                          "  ".join(f"{k}={v:.4g}" for k, v in self.last_val.items()))
-            self._save()
+            self._save(is_best=improved)
         if self.best is not None:
             self.writer.scalars({"best/" + cfg.objective: self.best}, self.step)
         self.writer.close()
@@ -208,16 +236,23 @@ class Trainer:
     def _train_epoch(self) -> dict[str, float]:
         cfg, st = self.cfg, self.state
         self.model.train()
-        self.train_loader.set_epoch(self.epoch)  # new global permutation each epoch
-        # Per-rank stream for dropout/augmentation: differs between ranks, and
-        # depends only on (seed, epoch, rank) so a resumed run replays it.
-        seed_everything(cfg.seed + 1_000_003 * (self.epoch + 1) + st.rank)
+        spe = self.sampler.steps_per_epoch
+        # New global permutation each epoch; after a mid-epoch resume, skip what was done.
+        self.train_loader.set_epoch(self.epoch, skip=self.step_in_epoch * self.accum)
+        if self._resume_rng is not None:  # continue the saved streams exactly
+            checkpoint.set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        elif self.step_in_epoch == 0:
+            # Per-rank stream for dropout/augmentation: differs between ranks and
+            # depends only on (seed, epoch, rank), so a resumed run replays it.
+            seed_everything(cfg.seed + 1_000_003 * (self.epoch + 1) + st.rank)
         bar = self._progress_bar()
         reduced: dict[str, float] = {}
         batches = iter(self.train_loader)
         no_sync = self.model.no_sync if isinstance(self.model, DDP) else contextlib.nullcontext
         t_step = time.perf_counter()
-        for _ in range(self.sampler.steps_per_epoch):
+        every = cfg.checkpoint.every_n_steps
+        for _ in range(spe - self.step_in_epoch):
             data_time = 0.0
             for micro in range(self.accum):
                 t = time.perf_counter()
@@ -233,29 +268,48 @@ class Trainer:
             if self._check_unused:
                 self._check_unused = False
                 self._check_unused_parameters()
+            self.metrics.track_nonfinite(loss, self.step + 1)
+            if cfg.nonfinite_loss == "skip" and self._skip_nonfinite_step(loss):
+                continue
             norm = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
             if norm is not None:
                 self.metrics.meter.add_grad_norm(norm)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1
+            self.step_in_epoch += 1
             now = time.perf_counter()
             self.metrics.add_step(now - t_step, data_time)
             t_step = now
             bar.update(1)
             if self.step % cfg.log_every_n_steps == 0:
                 reduced = self._log(bar)
+            if every and self.step % every == 0 and self.step_in_epoch < spe:
+                if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
+                    reduced = self._log(bar)
+                self._save()
         if self.metrics.steps:  # the epoch's tail since the last log step
             reduced = self._log(bar)
         bar.close()
         return reduced
 
+    def _skip_nonfinite_step(self, loss: torch.Tensor) -> bool:
+        """nonfinite_loss=skip: drop this step on every rank if any rank's loss is NaN/Inf."""
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if distributed.all_ranks_rows(bad, self.state).sum().item() == 0:  # sync + collective: skip mode's cost
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.metrics.skipped += 1
+        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", self.step + 1)
+        return True
+
     def _log(self, bar: Any) -> dict[str, float]:
-        values = self.metrics.reduce()  # the one collective (and host sync) of this interval
+        values = self.metrics.reduce(self.position())  # the one collective (and host sync) of this interval
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
         scale = self.precision.loss_scale()
         if scale is not None:
             values["train/loss_scale"] = scale
+            values["train/fp16_skipped_steps"] = self.precision.pop_overflow_steps()  # not errors: the scaler's job
         self.writer.scalars(values, self.step)
         bar.show(self.epoch, self.step, values)
         return values
@@ -284,6 +338,25 @@ class Trainer:
         if not self.state.is_main:
             mode = "none"
         return _Progress(mode, self.sampler.steps_per_epoch, self.epoch, self.cfg.num_epochs)
+
+
+def load_model_state(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """load_state_dict with an error that lists what does not fit (another model's checkpoint)."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or shapes:
+        def few(xs: list[str]) -> str:
+            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+
+        parts = [f"shape mismatch: {few(shapes)}" if shapes else "", f"missing: {few(missing)}" if missing else "",
+                 f"unexpected: {few(unexpected)}" if unexpected else ""]
+        raise RuntimeError(f"resume: checkpoint {path} does not fit this model ({'; '.join(p for p in parts if p)}). "
+                           "Fix: resume with the model config it was saved with (see its 'config' entry), "
+                           "or resume=null to start fresh.")
+    module.load_state_dict(state)
 
 
 def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any]:

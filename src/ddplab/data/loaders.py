@@ -29,8 +29,8 @@ class TrainLoader:
                 pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
             )
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch, skip)
 
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
@@ -41,7 +41,7 @@ class TrainLoader:
             for x, y in self._loader:
                 yield x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
             return
-        for idx in self.sampler.batches():
+        for idx in self.sampler.batches()[self.sampler.skip:]:
             yield self.data.x[idx].to(self.device, non_blocking=nb), self.data.y[idx].to(self.device, non_blocking=nb)
 
 

@@ -47,9 +47,11 @@ class ShardedGlobalSampler(Sampler[int]):
         self.steps_per_epoch = num_samples // (global_batch * grad_accum_steps)
         self.num_micro_batches = self.steps_per_epoch * grad_accum_steps
         self.epoch = 0
+        self.skip = 0  # micro-batches of this epoch already consumed (mid-epoch resume)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's permutation; ``skip`` resumes after that many micro-batches."""
+        self.epoch, self.skip = epoch, skip
 
     def batches(self) -> Tensor:
         """(num_micro_batches, per_rank_batch) indices for this rank and epoch."""
@@ -62,7 +64,7 @@ class ShardedGlobalSampler(Sampler[int]):
         return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.batches().reshape(-1).tolist())
+        return iter(self.batches()[self.skip:].reshape(-1).tolist())
 
     def __len__(self) -> int:
         return self.num_micro_batches * self.per_rank_batch
