@@ -195,3 +195,31 @@ def test_bad_input_exits_nonzero_with_a_message(tmp_path):
     proc = python_train(["resume=/nonexistent/last.pt"], tmp_path)
     assert proc.returncode != 0
     assert "resume=/nonexistent/last.pt: no checkpoint at /nonexistent/last.pt" in proc.stdout + proc.stderr
+
+
+@pytest.mark.dist
+def test_self_launched_job_restarts_after_a_killed_rank(tmp_path):
+    proc = python_train(FAULTY + ["+model.fault_call=17", "+model.fault=kill", "+model.fault_rank=1",
+                                  "distributed.nproc_per_node=2", "distributed.max_restarts=1"], tmp_path)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "resumed from" in out and "15 step(s) done" in out
+    run = job_dirs(tmp_path)[0]
+    assert final_state(run)["step"] == 44
+    assert steps_of(run) == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
+
+
+@pytest.mark.dist
+def test_resume_on_a_different_world_size(tmp_path):
+    """Same global batch, same global order: a 2-rank run resumed on 1 rank continues the same training."""
+    args = ["model=mlp", "model.dropout=0", "num_epochs=2", "progress=none"]
+    full = tmp_path / "full"
+    full.mkdir()
+    assert_ok(torchrun(2, args, full))
+    part = tmp_path / "part"
+    part.mkdir()
+    assert_ok(torchrun(2, args + ["stop_after_epochs=1", "run_dir=run"], part))
+    assert_ok(python_train(args + ["resume=auto", "run_dir=run"], part))
+    a, b = final_state(job_dirs(full)[0]), final_state(part / "run")
+    diff = max(((a["model"][k] - b["model"][k]).norm() / a["model"][k].norm()).item() for k in a["model"])
+    assert b["step"] == 44 and diff <= 1e-5
