@@ -260,7 +260,7 @@ def test_only_rank_zero_writes(tmp_path):
     assert len(tb) == 1
     assert sorted(set(files) - set(tb)) == sorted(f"{run}/{x}" for x in [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log",
-        "checkpoints/last.pt", "checkpoints/step-00000022.pt", "result.json"])
+        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt", "result.json"])
 
 
 # ------------------------------------------------------------- 10. stragglers
