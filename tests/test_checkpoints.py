@@ -182,6 +182,7 @@ def test_cuda_requested_without_gpu(tmp_path):
     ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps=-5: must be >= 0"),
     ("nonfinite_loss=ignore", "nonfinite_loss='ignore': unknown policy. Fix:"),
     ("distributed.nproc_per_node=0", "distributed.nproc_per_node=0: must be >= 1"),
+    ("+dataset.root=/no/such/dir", "dataset.root='/no/such/dir': no such file or directory"),
 ])
 def test_more_bad_values_name_key_and_fix(override, expect):
     from ddplab.config import validate

@@ -249,6 +249,12 @@ def validate(cfg: DictConfig) -> None:
     _check(ck.every_n_steps >= 0, "checkpoint.every_n_steps", ck.every_n_steps, "must be >= 0 (0: epoch ends only)",
            "pass checkpoint.every_n_steps=0")
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1", "pass checkpoint.keep_last=2")
+    root = cfg.dataset.get("root") if isinstance(cfg.dataset, DictConfig) else None
+    if root:
+        from pathlib import Path
+
+        _check(Path(root).exists(), "dataset.root", root, "no such file or directory (nothing is downloaded)",
+               "point dataset.root at the folder that holds the dataset's files")
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
     if lr is not None:
         _check(lr > 0, "optimizer.lr", lr, "must be > 0", "pass optimizer.lr=0.1")
