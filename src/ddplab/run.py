@@ -67,6 +67,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
             clean = True
             if state.is_main:
                 checkpoint.write_result(run_dir, {"status": "completed", "metrics": metrics})
+                memo = distributed.run_dir_memo()
+                if memo is not None:  # only a failed attempt needs it (for torchrun's restart)
+                    memo.unlink(missing_ok=True)
             return metrics
         except Exception as e:
             where = trainer.position() if trainer else "while building the job"
