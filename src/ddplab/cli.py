@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
 import tempfile
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -38,13 +40,26 @@ def prepare_argv(argv: list[str]) -> list[str]:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={memo.read_text()}"]
         return argv
-    scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-")
+    _remove_orphaned_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-{os.getpid()}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     argv = [a for a in argv if not a.startswith(_RANK_LOCAL_KEYS)]
     extra = [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
     if not any(a.startswith("hydra/hydra_logging=") for a in argv):
         extra.append("hydra/hydra_logging=disabled")  # rank 0 alone announces the sweep's jobs
     return argv + extra
+
+
+def _remove_orphaned_scratch() -> None:
+    """Scratch dirs of ranks that were killed (atexit never ran): their pid is gone."""
+    for d in Path(tempfile.gettempdir()).glob("ddplab-rank*-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
 
 
 def main(cfg: DictConfig) -> float | None:
