@@ -93,6 +93,11 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("distributed.backend=mpx", "distributed.backend"),
     ("distributed.init_method=udp://x", "distributed.init_method"),
     ("log_every_n_steps=0", "log_every_n_steps"),
+    ("num_epochs=-1", "num_epochs"),
+    ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps"),
+    ("nonfinite_loss=ignore", "nonfinite_loss"),
+    ("distributed.nproc_per_node=0", "distributed.nproc_per_node"),
+    ("+dataset.root=/no/such/dir", "dataset.root"),
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:
