@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import ddplab  # noqa: F401  (registers the schemas)
+import ddplab.config  # noqa: F401  (registers the schemas)
 from ddplab.events import read_scalars  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,17 @@
 ``ddplab.run(cfg)`` runs one job and returns its final metrics.
 """
 
-from ddplab.run import run
+from typing import Any
 
 __all__ = ["run"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `from ddplab.models import ConvNet` (or a launcher importing one
+    # module) should not pay for the trainer's imports.
+    if name == "run":
+        from ddplab.job import run
+
+        return run
+    raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

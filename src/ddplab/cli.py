@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from ddplab.distributed import (consume_legacy_local_rank, elastic_restart_count, env_rank, is_launched,
                                 is_self_launched, run_dir_memo)
-from ddplab.run import run
+from ddplab.job import run
 
 log = logging.getLogger("ddplab")
 

@@ -57,7 +57,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
 
 def _rank_main(job: dict[str, Any]) -> dict[str, float]:
     """Body of each spawned rank: log like train.py would, then ``ddplab.run``."""
-    from ddplab.run import run
+    from ddplab.job import run
 
     rank = distributed.env_rank()
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

@@ -1,4 +1,4 @@
-"""``ddplab.run(cfg)``: one training job, callable from train.py, tests and sweepers."""
+"""``ddplab.run(cfg)`` (defined here, in ddplab.job): one training job, callable from train.py, tests and sweepers."""
 
 from __future__ import annotations
 
