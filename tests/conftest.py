@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,9 +41,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_cmd(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
-    proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(args, cwd=cwd, env={**_env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -63,6 +65,15 @@ def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300
 
 def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout)
+
+
+def count_steps(tmp_path: Path, nproc: int, args: list[str]) -> list[list[dict[str, int]]]:
+    """Per-step collective/sync counts of every rank of `torchrun count_worker.py ARGS`."""
+    worker = REPO / "tests" / "workers" / "count_worker.py"
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    str(worker), *args], tmp_path, timeout=180, extra_env={"COUNT_OUT": str(tmp_path / "counts")})
+    assert_ok(proc)
+    return [json.loads((tmp_path / f"counts.{r}").read_text()) for r in range(nproc)]
 
 
 def job_dirs(cwd: Path) -> list[Path]:

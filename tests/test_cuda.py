@@ -30,3 +30,22 @@ def test_nccl_two_ranks_each_on_its_own_gpu(tmp_path):
     assert_ok(proc)
     assert "2 rank(s) on cuda:0 (nccl)" in proc.stdout + proc.stderr
     assert read_scalars(job_dirs(tmp_path)[0] / "tb")["val/num_samples"][-1][1] == 359
+
+
+@cuda
+def test_no_host_device_syncs_on_non_log_steps_on_cuda(tmp_path):
+    """torch.cuda.set_sync_debug_mode catches every sync; none may happen between non-log steps.
+
+    fp16 + GradScaler with the (default) fused optimizer: the scaler hands its
+    inf check to the fused kernel instead of reading it on the host each step.
+    """
+    from conftest import count_steps
+
+    log_every = 5
+    args = ["model=resnet18", "num_epochs=1", f"log_every_n_steps={log_every}", "grad_clip=1.0", "amp=true",
+            "amp_dtype=float16", "perf.channels_last=true", "progress=none", "run_dir=run"]
+    (steps,) = count_steps(tmp_path, 1, args)
+    for k in range(1, len(steps)):
+        if k % log_every:
+            assert steps[k]["cuda_syncs"] == 0 and steps[k]["syncs"] == 0 and steps[k]["collectives"] == 0, (k, steps[k])
+    assert sum(s["cuda_syncs"] for s in steps) > 0  # the log steps do sync: the detector works

@@ -10,7 +10,6 @@ epoch: exact eval (one collective) → rank-0 checkpoint
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import random
@@ -27,13 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddplab import checkpoint, distributed
+from ddplab import build, checkpoint, distributed, perf
 from ddplab.config import ConfigError
-from ddplab.data import ShardedGlobalSampler, Splits, TrainLoader, eval_batches
+from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, eval_batches, on_device,
+                         to_device)
 from ddplab.distributed import DistState
 from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
 from ddplab.precision import Precision
-from ddplab.syncbn import convert_sync_batchnorm
 
 log = logging.getLogger("ddplab")
 
@@ -55,13 +54,6 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
     return gb
 
 
-def _buffer_sync_kwarg(on: bool) -> dict[str, bool]:
-    """torch >= 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns)."""
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": on}
-    return {"broadcast_buffers": on}
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path):
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
@@ -70,7 +62,14 @@ class Trainer:
 
         # Same seed on every rank here: identical init weights and data order.
         seed_everything(cfg.seed)
-        self.data: Splits = instantiate(cfg.dataset, _convert_="all")
+        # `augment` is applied by the loader, on the device; the dataset factory never sees it.
+        ds_cfg = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k != "augment"}
+        self.data: Splits = instantiate(ds_cfg, _convert_="all")
+        self.data_on_device = on_device(self.data.train, state.device, cfg.perf.data_on_device)
+        if self.data_on_device:
+            self.data.train = to_device(self.data.train, state.device)
+            if isinstance(self.data.val, TensorData):
+                self.data.val = to_device(self.data.val, state.device)
         self.sampler = ShardedGlobalSampler(
             len(self.data.train), self.global_batch, state.world_size, state.rank, cfg.seed, self.accum)
         if self.sampler.steps_per_epoch == 0:
@@ -78,25 +77,18 @@ class Trainer:
                 f"batch_size={cfg.batch_size} x grad_accum_steps={self.accum} needs "
                 f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
                 f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
-        self.train_loader = TrainLoader(self.data.train, self.sampler, state.device)
+        aug = cfg.dataset.get("augment")
+        self.train_loader = TrainLoader(self.data.train, self.sampler, state.device,
+                                        BatchAugment(**aug) if aug else None, cfg.perf.num_workers,
+                                        cfg.perf.pin_memory)
+        self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
-        model: nn.Module = instantiate(cfg.model, _convert_="all")
-        if cfg.distributed.sync_batchnorm and state.is_distributed:
-            model = convert_sync_batchnorm(model, state.device)  # before DDP, as DDP requires
-        self.module = model.to(state.device)  # unwrapped: eval and checkpoints use it
-        self.model: nn.Module = self.module
-        if state.is_distributed:
-            d = cfg.distributed
-            self.model = DDP(
-                self.module,
-                device_ids=[state.device.index] if state.device.type == "cuda" else None,
-                find_unused_parameters=d.find_unused_parameters,
-                bucket_cap_mb=d.bucket_cap_mb,
-                gradient_as_bucket_view=d.gradient_as_bucket_view,
-                **_buffer_sync_kwarg(d.broadcast_buffers),
-            )
+        # Unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
+        self.module = build.prepare_module(instantiate(cfg.model, _convert_="all"), cfg, state)
+        self.model = build.wrap_for_training(self.module, cfg, state)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.Optimizer = instantiate(cfg.optimizer, _convert_="all")(self.params)
+        self.optimizer = build.make_optimizer(instantiate(cfg.optimizer, _convert_="all"), self.params,
+                                              cfg.perf.fused_optimizer)
         spe = self.sampler.steps_per_epoch
         self.scheduler = instantiate(cfg.scheduler, _convert_="all")(
             self.optimizer, total_steps=spe * cfg.num_epochs, steps_per_epoch=spe)
@@ -110,8 +102,9 @@ class Trainer:
         self.last_val: dict[str, float] = {}
         self._resume()
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.step + 1 if self.step else None)
-        self.metrics = TrainMetrics(state, cfg.nonfinite_loss)
+        self.metrics = TrainMetrics(state, cfg.nonfinite_loss, self.accum, cfg.log_every_n_steps * self.accum)
         self._check_unused = isinstance(self.model, DDP) and not cfg.distributed.find_unused_parameters
+        self._flops: float | None | bool = False  # per training sample; counted at the first log step
 
     # ------------------------------------------------------------- checkpoint
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
@@ -257,23 +250,24 @@ class Trainer:
             for micro in range(self.accum):
                 t = time.perf_counter()
                 x, y = next(batches)
+                if self.memory_format is not None:
+                    x = x.contiguous(memory_format=self.memory_format)
                 data_time += time.perf_counter() - t
                 # Gradients all-reduce only on the last micro-batch of a step.
                 with no_sync() if micro < self.accum - 1 else contextlib.nullcontext():
                     with self.precision.autocast():
                         logits = self.model(x)
                         loss = F.cross_entropy(logits, y)
-                    self.precision.backward(loss / self.accum)
-                self.metrics.meter.update(loss, logits, y)
+                    self.precision.backward(loss / self.accum if self.accum > 1 else loss)
+                self.metrics.add_micro(loss, logits, y)
             if self._check_unused:
                 self._check_unused = False
                 self._check_unused_parameters()
-            self.metrics.track_nonfinite(loss, self.step + 1)
-            if cfg.nonfinite_loss == "skip" and self._skip_nonfinite_step(loss):
+            if cfg.nonfinite_loss == "skip" and self._skip_nonfinite_step():
                 continue
             norm = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
             if norm is not None:
-                self.metrics.meter.add_grad_norm(norm)
+                self.metrics.add_grad_norm(norm)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1
@@ -293,9 +287,9 @@ class Trainer:
         bar.close()
         return reduced
 
-    def _skip_nonfinite_step(self, loss: torch.Tensor) -> bool:
-        """nonfinite_loss=skip: drop this step on every rank if any rank's loss is NaN/Inf."""
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    def _skip_nonfinite_step(self) -> bool:
+        """nonfinite_loss=skip: drop this step on every rank if any rank's loss (any micro-batch) is NaN/Inf."""
+        bad = (~torch.isfinite(self.metrics.last_step_losses())).any().float().reshape(1)
         if distributed.all_ranks_rows(bad, self.state).sum().item() == 0:  # sync + collective: skip mode's cost
             return False
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,8 +298,9 @@ class Trainer:
         return True
 
     def _log(self, bar: Any) -> dict[str, float]:
-        values = self.metrics.reduce(self.position())  # the one collective (and host sync) of this interval
+        values = self.metrics.reduce(self.position(), self.step)  # the one collective (and host sync) of this interval
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        values.update(self._flops_rates(values["perf/samples_per_s"]))
         scale = self.precision.loss_scale()
         if scale is not None:
             values["train/loss_scale"] = scale
@@ -313,6 +308,21 @@ class Trainer:
         self.writer.scalars(values, self.step)
         bar.show(self.epoch, self.step, values)
         return values
+
+    def _flops_rates(self, samples_per_s: float) -> dict[str, float]:
+        """perf/tflops (model FLOPs the job achieves) and perf/mfu where the device peak is known."""
+        if self._flops is False:  # first log step: off the start-up path
+            sample = self.data.train[0][0][None].to(self.state.device)
+            if self.memory_format is not None:
+                sample = sample.contiguous(memory_format=self.memory_format)
+            self._flops = perf.train_flops_per_sample(self.module, sample)
+            self._peak = perf.peak_tflops(self.state.device, self.precision.dtype, self.cfg.perf.peak_tflops)
+        if not self._flops:
+            return {}
+        out = {"perf/tflops": self._flops * samples_per_s / 1e12}
+        if self._peak:
+            out["perf/mfu"] = out["perf/tflops"] / (self._peak * self.state.world_size)
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -325,6 +335,8 @@ class Trainer:
         meter = SumMeter(st.device)
         for x, y in eval_batches(self.data.val, st.world_size, st.rank, max(self.sampler.per_rank_batch, 256),
                                  st.device):
+            if self.memory_format is not None:
+                x = x.contiguous(memory_format=self.memory_format)
             with self.precision.autocast():
                 logits = self.module(x)  # unwrapped: no DDP collectives on uneven shards
                 loss = F.cross_entropy(logits.float(), y)

@@ -34,7 +34,7 @@ m = TrainMetrics(state)
 logits = torch.zeros(n, 2)
 logits[:, 0] = 1.0  # predicts class 0
 target = torch.tensor([0] * (n - 1) + [1])  # one wrong per rank
-m.meter.update(torch.tensor(float(r + 1)), logits, target)
+m.add_micro(torch.tensor(float(r + 1)), logits, target)
 m.add_step(step_time=0.01 * (r + 1), data_time=0.001 * (r + 1))
 train = m.reduce()
 train_calls = calls["n"]

@@ -8,25 +8,48 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from ddplab.data.augment import BatchAugment, PerSampleAugment
 from ddplab.data.datasets import TensorData
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
+
+
+def on_device(data: Dataset, device: torch.device, mode: str) -> bool:
+    """Whether ``data`` should live on ``device`` and be indexed a batch at a time (perf.data_on_device)."""
+    mode = str(mode).lower()
+    if mode == "false" or not isinstance(data, TensorData):
+        return False
+    if mode == "true" or device.type != "cuda":
+        return True  # on CPU the tensors are in memory already
+    size = data.x.element_size() * data.x.numel() + data.y.element_size() * data.y.numel()
+    free, _ = torch.cuda.mem_get_info(device)
+    return size < free // 4  # leave the rest for activations
+
+
+def to_device(data: TensorData, device: torch.device) -> TensorData:
+    return TensorData(data.x.to(device), data.y.to(device))
 
 
 class TrainLoader:
     """This rank's micro-batches for one epoch; ``set_epoch`` reshuffles.
 
-    In-memory ``TensorData`` is indexed a whole batch at a time (no per-sample
-    ``__getitem__`` + collate); any other Dataset goes through a DataLoader
-    driven by the same sampler.
+    ``TensorData`` already on the training device (perf.data_on_device) is
+    indexed a whole batch at a time and augmented as a batch on the device:
+    no per-sample ``__getitem__``, no collate, no host-to-device copy per
+    step. Anything else goes through a DataLoader driven by the same sampler
+    (per-sample augmentation in its workers, pinned memory, async copies).
     """
 
-    def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device, num_workers: int = 0):
+    def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
+                 augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True):
         self.data, self.sampler, self.device = data, sampler, device
+        self.augment = augment if augment is not None and augment.enabled else None
         self._loader = None
-        if not isinstance(data, TensorData):
+        self.indexed = isinstance(data, TensorData) and data.x.device == device
+        if not self.indexed:
+            source = PerSampleAugment(data, self.augment) if self.augment else data
             self._loader = DataLoader(
-                data, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
-                pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+                source, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
+                pin_memory=pin_memory and device.type == "cuda", persistent_workers=num_workers > 0,
             )
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
@@ -36,13 +59,16 @@ class TrainLoader:
         return self.sampler.num_micro_batches
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        nb = self.device.type == "cuda"  # async host->device copy; a no-op flag on CPU
         if self._loader is not None:
+            nb = self._loader.pin_memory  # async host->device copy out of pinned memory
             for x, y in self._loader:
                 yield x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
             return
-        for idx in self.sampler.batches()[self.sampler.skip:]:
-            yield self.data.x[idx].to(self.device, non_blocking=nb), self.data.y[idx].to(self.device, non_blocking=nb)
+        # One host->device copy of the epoch's indices, then pure device indexing.
+        idx = self.sampler.batches()[self.sampler.skip:].to(self.device)
+        for i in idx:
+            x = self.data.x[i]
+            yield (self.augment(x) if self.augment else x), self.data.y[i]
 
 
 def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int,
@@ -51,8 +77,8 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int,
     shard = eval_shard(len(data), world_size, rank)
     nb = device.type == "cuda"
     if isinstance(data, TensorData):
-        for idx in shard.split(batch_size):
+        for idx in shard.to(data.x.device).split(batch_size):
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
-    for x, y in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size):
+    for x, y in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size, pin_memory=nb):
         yield x.to(device, non_blocking=nb), y.to(device, non_blocking=nb)

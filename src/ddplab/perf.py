@@ -1,0 +1,56 @@
+"""Model FLOPs and device peaks, for the ``perf/tflops`` and ``perf/mfu`` scalars.
+
+FLOPs are counted once with ``torch.utils.flop_counter`` on one eval-mode
+sample (no running-stat update, no random numbers drawn) and multiplied by 3
+for forward + backward — the convention of MFU reports (backward costs about
+twice the forward). MFU = achieved FLOP/s / (peak FLOP/s x devices), with the
+peak of the compute dtype looked up for known GPUs (dense, no sparsity) or
+given as ``perf.peak_tflops``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger("ddplab")
+
+# Dense TFLOP/s per device: (bf16/fp16 tensor cores, fp32). SXM parts where there are two.
+_PEAKS = [("H200", 989.4, 66.9), ("H100", 989.4, 66.9), ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6),
+          ("L4", 121.0, 30.3), ("A10", 125.0, 31.2), ("V100", 125.0, 15.7), ("RTX 4090", 165.2, 82.6),
+          ("T4", 65.0, 8.1)]
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
+    """One device's peak for ``dtype``; None where unknown (CPUs, unlisted GPUs) and not configured."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, low, fp32 in _PEAKS:
+        if key in name:
+            return low if dtype in (torch.bfloat16, torch.float16) else fp32
+    log.info("perf/mfu off: peak TFLOP/s of %r unknown; set perf.peak_tflops to log it", name)
+    return None
+
+
+@torch.no_grad()
+def train_flops_per_sample(module: nn.Module, sample: Tensor) -> float | None:
+    """3 x forward FLOPs of one sample, or None if the model cannot be counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = module.training
+    module.eval()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            module(sample[:1])
+        flops = counter.get_total_flops()
+    except Exception as e:  # exotic ops: no MFU, but never a failed run
+        log.info("perf/tflops off: FLOPs of the model could not be counted (%s)", e)
+        return None
+    finally:
+        module.train(was_training)
+    return 3.0 * flops if flops else None
