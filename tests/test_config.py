@@ -7,6 +7,7 @@ import torch
 from hydra.utils import instantiate
 
 from conftest import CONF, compose_cfg, torchrun
+from ddplab import build
 from ddplab.config import ConfigError, validate
 from ddplab.trainer import global_batch_size
 
@@ -29,7 +30,7 @@ def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     cfg = compose_cfg([f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
                       if dataset == "synthetic" else [f"model={model}", f"dataset={dataset}"])
     validate(cfg)
-    data = instantiate(cfg.dataset, _convert_="all")
+    data, _ = build.dataset(cfg)
     net = instantiate(cfg.model, _convert_="all").eval()
     x, y = data.train.x[:2], data.train.y[:2]
     with torch.no_grad():
@@ -98,10 +99,18 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("nonfinite_loss=ignore", "nonfinite_loss"),
     ("distributed.nproc_per_node=0", "distributed.nproc_per_node"),
     ("+dataset.root=/no/such/dir", "dataset.root"),
+    ("distributed.comm_hook=int8", "distributed.comm_hook"),
+    ("perf.data_on_device=maybe", "perf.data_on_device"),
+    ("perf.fused_optimizer=yes", "perf.fused_optimizer"),
+    ("perf.compile_mode=fast", "perf.compile_mode"),
+    ("perf.num_workers=-1", "perf.num_workers"),
+    ("perf.peak_tflops=0", "perf.peak_tflops"),
+    ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
+    ("dataset.augment.crop_padding=-2", "dataset.augment.crop_padding"),
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:
-        validate(compose_cfg([override]))
+        validate(compose_cfg(override.split()))
     assert str(e.value).startswith(f"{key}=") and "Fix:" in str(e.value)
 
 

@@ -82,3 +82,31 @@ def test_legacy_launcher_local_rank_is_consumed(monkeypatch, argv, kept, local):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert consume_legacy_local_rank(argv) == kept
     assert os.environ["LOCAL_RANK"] == local
+
+
+def test_batched_random_crop_and_flip_match_a_per_sample_reference():
+    from ddplab.data import BatchAugment
+
+    x = torch.randn(16, 3, 8, 8)
+    aug = BatchAugment(crop_padding=2, hflip=True)
+    torch.manual_seed(5)
+    out = aug(x)
+    # Replay the same random draws and build each sample by hand.
+    torch.manual_seed(5)
+    dy, dx = torch.randint(0, 5, (16, 1)), torch.randint(0, 5, (16, 1))
+    flip = torch.rand(16) < 0.5
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(16):
+        ref = padded[i, :, dy[i]: dy[i] + 8, dx[i]: dx[i] + 8]
+        assert torch.equal(out[i], ref.flip(2) if flip[i] else ref)
+    assert out.shape == x.shape
+    assert 0 < flip.sum() < 16 and len({(a, b) for a, b in zip(dy.view(-1).tolist(), dx.view(-1).tolist())}) > 3
+
+
+def test_augmentation_off_is_the_identity_and_negative_padding_is_refused():
+    from ddplab.data import BatchAugment
+
+    x = torch.randn(4, 1, 8, 8)
+    assert not BatchAugment().enabled and torch.equal(BatchAugment()(x), x)
+    with pytest.raises(ValueError, match="crop_padding=-1"):
+        BatchAugment(crop_padding=-1)

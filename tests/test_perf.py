@@ -32,3 +32,121 @@ def test_no_collectives_or_syncs_on_non_log_steps(tmp_path):
                 assert steps[k]["syncs"] > 0, (where, steps[k])  # the counter works
             else:
                 assert steps[k] == {"collectives": 0, "syncs": 0, "cuda_syncs": 0}, (where, steps[k])
+
+
+# --------------------------------------------------------------- fast paths
+import torch  # noqa: E402
+
+import ddplab  # noqa: E402
+from conftest import assert_ok, compose_cfg, read_scalars, torchrun  # noqa: E402
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def test_data_on_device_and_dataloader_paths_train_identically(tmp_path):
+    """Same sampler order either way: index-batched tensors == DataLoader (workers, persistent) bitwise."""
+    base = ["model=convnet", "num_epochs=2", "progress=none"]
+    outs = {}
+    for name, extra in {"device": ["perf.data_on_device=true"],
+                        "loader": ["perf.data_on_device=false"],
+                        "workers": ["perf.data_on_device=false", "perf.num_workers=2"]}.items():
+        d = tmp_path / name
+        outs[name] = (ddplab.run(compose_cfg(base + extra, run_dir=d)), final_weights(d))
+    ref_metrics, ref_w = outs["device"]
+    for name in ("loader", "workers"):
+        metrics, w = outs[name]
+        assert metrics["val/loss"] == ref_metrics["val/loss"], name
+        assert all(torch.equal(w[k], ref_w[k]) for k in ref_w), name
+
+
+def test_loader_flags_follow_the_config():
+    from ddplab.data import ShardedGlobalSampler, TrainLoader, synthetic
+
+    data = synthetic(num_train=64, num_val=8)
+    sampler = ShardedGlobalSampler(64, 16, 1, 0, 0)
+    cpu = torch.device("cpu")
+    assert TrainLoader(data.train, sampler, cpu).indexed  # in memory on its device: no DataLoader
+    dl = TrainLoader(torch.utils.data.TensorDataset(data.train.x, data.train.y), sampler, cpu,
+                     num_workers=2)._loader
+    assert dl.num_workers == 2 and dl.persistent_workers and not dl.pin_memory  # pinning only helps CUDA copies
+
+
+def test_augmentation_runs_batched_on_device_and_resumes_exactly(tmp_path):
+    """Random crops + flips drawn from the checkpointed RNG: a resumed run is bitwise the uninterrupted one."""
+    args = ["model=convnet", "dataset=synthetic", "dataset.num_train=512", "dataset.augment.crop_padding=4",
+            "dataset.augment.hflip=true", "num_epochs=2", "batch_size=32", "progress=none",
+            "checkpoint.every_n_steps=5"]
+    full = ddplab.run(compose_cfg(args, run_dir=tmp_path / "full"))
+    ddplab.run(compose_cfg(args + ["stop_after_epochs=1"], run_dir=tmp_path / "part"))
+    resumed = ddplab.run(compose_cfg(args + ["resume=auto"], run_dir=tmp_path / "part"))
+    assert resumed["val/loss"] == full["val/loss"]
+    wf, wr = final_weights(tmp_path / "full"), final_weights(tmp_path / "part")
+    assert all(torch.equal(wf[k], wr[k]) for k in wf)
+    plain = ddplab.run(compose_cfg(args[:3] + args[5:], run_dir=tmp_path / "plain"))
+    assert plain["val/loss"] != full["val/loss"]  # augmentation did something
+
+
+def test_channels_last_fused_and_perf_scalars(tmp_path):
+    cfg = compose_cfg(["model=convnet", "num_epochs=1", "progress=none", "perf.channels_last=true",
+                       "perf.peak_tflops=0.5"], run_dir=tmp_path / "cl")
+    out = ddplab.run(cfg)
+    ref = ddplab.run(compose_cfg(["model=convnet", "num_epochs=1", "progress=none", "perf.fused_optimizer=false"],
+                                 run_dir=tmp_path / "ref"))
+    assert abs(out["val/loss"] - ref["val/loss"]) < 1e-3  # same training, other kernels
+    w = final_weights(tmp_path / "cl")["features.3.weight"]  # (24, 12, 6, 6)
+    assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    s = read_scalars(tmp_path / "cl" / "tb")
+    assert s["perf/tflops"][-1][1] > 0
+    assert s["perf/mfu"][-1][1] == pytest.approx(s["perf/tflops"][-1][1] / 0.5)
+    assert "perf/mfu" not in read_scalars(tmp_path / "ref" / "tb")  # CPU: peak unknown unless configured
+
+
+def test_fused_optimizer_choice():
+    from functools import partial
+
+    from ddplab.build import make_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(4, 4))]
+    sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert make_optimizer(sgd, params, "auto").defaults["fused"] is True
+    assert not make_optimizer(sgd, params, "false").defaults.get("fused")
+
+    def no_fused(params, **kw):  # an optimizer without fused kernels
+        if "fused" in kw:
+            raise TypeError("unexpected keyword argument 'fused'")
+        return torch.optim.SGD(params, lr=0.1)
+
+    assert not make_optimizer(no_fused, params, "auto").defaults.get("fused")
+    with pytest.raises(ValueError, match="perf.fused_optimizer=true.*Fix: perf.fused_optimizer=auto"):
+        make_optimizer(no_fused, params, "true")
+
+
+def test_flops_counted_for_a_known_model():
+    from ddplab.perf import train_flops_per_sample
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    model.train()
+    assert train_flops_per_sample(model, torch.randn(5, 1, 8, 8)) == 3 * 2 * (64 * 32 + 32 * 10)
+    assert model.training  # left as it was
+
+
+def test_compile_before_ddp_wrap_with_knobs_on_two_ranks(tmp_path):
+    """torch.compile'd module inside DDP, static graph, small buckets, fp16 gradient compression: trains."""
+    args = ["model=mlp", "num_epochs=2", "progress=none", "run_dir=run", "perf.compile=true",
+            "perf.compile_backend=aot_eager", "distributed.static_graph=true", "distributed.bucket_cap_mb=1",
+            "distributed.comm_hook=fp16"]
+    assert_ok(torchrun(2, args, tmp_path, timeout=240))
+    s = read_scalars(tmp_path / "run" / "tb")
+    assert s["val/acc"][-1][1] > 0.85
+    assert s["train/loss"][-1][1] < s["train/loss"][0][1] / 2
+    bad = torchrun(2, ["model=mlp", "num_epochs=1", "run_dir=bf16", "distributed.comm_hook=bf16"], tmp_path)
+    assert bad.returncode != 0 and "distributed.comm_hook=bf16" in bad.stderr + bad.stdout
+    assert "Fix: distributed.comm_hook=fp16" in bad.stderr + bad.stdout
+
+
+def test_inductor_compile_single_process(tmp_path):
+    out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "perf.compile=true"],
+                                 run_dir=tmp_path))
+    assert out["val/acc"] > 0.8

@@ -1,4 +1,5 @@
-"""Model and optimizer construction: device, SyncBN, channels_last, compile, DDP, fused kernels.
+"""Building a job's parts from its config: dataset + augmentation, model (device, SyncBN,
+channels_last, compile, DDP, comm hook) and optimizer (fused kernels).
 
 Order matters and is fixed here: SyncBN conversion and ``channels_last`` on
 the plain module, then ``torch.compile``, then the DDP wrap (DDP registers its
@@ -12,10 +13,13 @@ import logging
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddplab.config import ConfigError
+from ddplab.data import BatchAugment, Splits
 from ddplab.distributed import DistState
 from ddplab.syncbn import convert_sync_batchnorm
 
@@ -27,6 +31,16 @@ def _buffer_sync_kwarg(on: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": on}
     return {"broadcast_buffers": on}
+
+
+def dataset(cfg: DictConfig) -> tuple[Splits, BatchAugment | None]:
+    """The dataset factory's splits, and the augmentation its config asks for.
+
+    ``augment`` is applied by the loader, batched on the device; the factory never sees it.
+    """
+    ds = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k != "augment"}
+    aug = cfg.dataset.get("augment")
+    return instantiate(ds, _convert_="all"), (BatchAugment(**aug) if aug else None)
 
 
 def prepare_module(model: nn.Module, cfg: DictConfig, state: DistState) -> nn.Module:
@@ -59,6 +73,10 @@ def wrap_for_training(module: nn.Module, cfg: DictConfig, state: DistState) -> n
     )
     if d.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if d.comm_hook == "bf16" and state.backend != "nccl":
+            raise ConfigError(f"distributed.comm_hook=bf16: torch's bf16 compression needs NCCL (CUDA), this job "
+                              f"runs {state.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none")
 
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[d.comm_hook]
         ddp.register_comm_hook(state=None, hook=hook)  # state=None: the default process group

@@ -319,6 +319,9 @@ def validate(cfg: DictConfig) -> None:
                f"use perf.{key}=auto, true or false")
     _check(pf.compile_mode in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
            "perf.compile_mode", pf.compile_mode, "unknown mode", "use perf.compile_mode=null or reduce-overhead")
+    _check(not pf.compile or d.bucket_cap_mb >= 1, "distributed.bucket_cap_mb", d.bucket_cap_mb,
+           "with perf.compile=true buckets must hold at least DDP's 1 MB first bucket (dynamo splits the graph "
+           "at bucket boundaries)", "pass distributed.bucket_cap_mb=25, or perf.compile=false")
     _check(pf.num_workers >= 0, "perf.num_workers", pf.num_workers, "must be >= 0", "pass perf.num_workers=4")
     _check(pf.peak_tflops is None or pf.peak_tflops > 0, "perf.peak_tflops", pf.peak_tflops, "must be > 0 or null",
            "pass perf.peak_tflops=null")

@@ -28,8 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import build, checkpoint, distributed, perf
 from ddplab.config import ConfigError
-from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, eval_batches, on_device,
-                         to_device)
+from ddplab.data import ShardedGlobalSampler, TensorData, TrainLoader, eval_batches, on_device, to_device
 from ddplab.distributed import DistState
 from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
 from ddplab.precision import Precision
@@ -62,9 +61,7 @@ class Trainer:
 
         # Same seed on every rank here: identical init weights and data order.
         seed_everything(cfg.seed)
-        # `augment` is applied by the loader, on the device; the dataset factory never sees it.
-        ds_cfg = {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k != "augment"}
-        self.data: Splits = instantiate(ds_cfg, _convert_="all")
+        self.data, augment = build.dataset(cfg)
         self.data_on_device = on_device(self.data.train, state.device, cfg.perf.data_on_device)
         if self.data_on_device:
             self.data.train = to_device(self.data.train, state.device)
@@ -77,9 +74,7 @@ class Trainer:
                 f"batch_size={cfg.batch_size} x grad_accum_steps={self.accum} needs "
                 f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
                 f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
-        aug = cfg.dataset.get("augment")
-        self.train_loader = TrainLoader(self.data.train, self.sampler, state.device,
-                                        BatchAugment(**aug) if aug else None, cfg.perf.num_workers,
+        self.train_loader = TrainLoader(self.data.train, self.sampler, state.device, augment, cfg.perf.num_workers,
                                         cfg.perf.pin_memory)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
