@@ -264,10 +264,21 @@ def main() -> None:
                     print(f"nproc={nproc} run {i + 1}/{a.repeats} {side:6s} "
                           + "  ".join(f"{k}={v:.4g}" for k, v in runs[side][-1].items()), flush=True)
             med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-            rows.append({"nproc": nproc, **{f"{side}_{k}": v for side, m in med.items() for k, v in m.items()}})
+            # Paired ratios (run i of each side ran back to back): robust to slow drift of the machine.
+            paired = sorted(d["step_ms"] / h["step_ms"] for h, d in zip(runs["hand"], runs["ddplab"]))
+            rows.append({"nproc": nproc, **{f"{side}_{k}": v for side, m in med.items() for k, v in m.items()},
+                         "paired_step_ratio": statistics.median(paired), "paired_min": paired[0],
+                         "paired_max": paired[-1],
+                         "hand_step_spread": _spread(runs["hand"]), "ddplab_step_spread": _spread(runs["ddplab"])})
     print_table(rows, a)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+
+
+def _spread(runs: list[dict]) -> float:
+    """(max - min) / median of the per-run step medians: how noisy the machine was."""
+    xs = [r["step_ms"] for r in runs]
+    return (max(xs) - min(xs)) / statistics.median(xs)
 
 
 def _drop_option(argv: list[str], name: str) -> list[str]:
@@ -291,14 +302,19 @@ def print_table(rows: list[dict], a: argparse.Namespace) -> None:
           f"{a.num_train // a.batch_size} steps/epoch x {a.epochs} epochs, device {a.device}"
           f"{', amp' if a.amp else ''}{', channels_last' if a.channels_last else ''}, hand data: {a.hand_data}; "
           f"median of {a.repeats} runs each; {platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
-    print("| ranks | hand step ms | ddplab step ms | ratio | hand mean ms | ddplab mean ms | ratio "
-          "| hand first s | ddplab first s | ratio | hand total s | ddplab total s |")
-    print("|---" * 12 + "|")
+    print("| ranks | step ms hand / ddplab | **step ratio** | paired ratios (min–max) | run-to-run spread "
+          "| mean ms hand / ddplab | mean ratio | first step s hand / ddplab | **first-step ratio** "
+          "| total s hand / ddplab |")
+    print("|---" * 10 + "|")
     for r in rows:
-        print(f"| {r['nproc']} | {r['hand_step_ms']:.2f} | {r['ddplab_step_ms']:.2f} "
-              f"| {r['ddplab_step_ms'] / r['hand_step_ms']:.3f} | {r['hand_mean_ms']:.2f} | {r['ddplab_mean_ms']:.2f} "
-              f"| {r['ddplab_mean_ms'] / r['hand_mean_ms']:.3f} | {r['hand_first_s']:.2f} | {r['ddplab_first_s']:.2f} "
-              f"| {r['ddplab_first_s'] / r['hand_first_s']:.3f} | {r['hand_total_s']:.2f} | {r['ddplab_total_s']:.2f} |")
+        print(f"| {r['nproc']} | {r['hand_step_ms']:.2f} / {r['ddplab_step_ms']:.2f} "
+              f"| **{r['ddplab_step_ms'] / r['hand_step_ms']:.3f}** "
+              f"| {r['paired_step_ratio']:.3f} ({r['paired_min']:.3f}–{r['paired_max']:.3f}) "
+              f"| {100 * r['hand_step_spread']:.0f}% / {100 * r['ddplab_step_spread']:.0f}% "
+              f"| {r['hand_mean_ms']:.2f} / {r['ddplab_mean_ms']:.2f} | {r['ddplab_mean_ms'] / r['hand_mean_ms']:.3f} "
+              f"| {r['hand_first_s']:.2f} / {r['ddplab_first_s']:.2f} "
+              f"| **{r['ddplab_first_s'] / r['hand_first_s']:.3f}** "
+              f"| {r['hand_total_s']:.2f} / {r['ddplab_total_s']:.2f} |")
 
 
 if __name__ == "__main__":

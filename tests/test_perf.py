@@ -45,15 +45,19 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
 
 
-def test_data_on_device_and_dataloader_paths_train_identically(tmp_path):
+def test_data_on_device_and_dataloader_paths_train_identically(tmp_path, caplog):
     """Same sampler order either way: index-batched tensors == DataLoader (workers, persistent) bitwise."""
     base = ["model=convnet", "num_epochs=2", "progress=none"]
     outs = {}
-    for name, extra in {"device": ["perf.data_on_device=true"],
-                        "loader": ["perf.data_on_device=false"],
-                        "workers": ["perf.data_on_device=false", "perf.num_workers=2"]}.items():
+    for name, extra, path in [("device", ["perf.data_on_device=true"], "in memory on cpu, batched by index"),
+                              ("loader", ["perf.data_on_device=false"], "DataLoader, 0 worker(s), per-sample"),
+                              ("workers", ["perf.data_on_device=false", "perf.num_workers=2"],
+                               "DataLoader, 2 worker(s), per-sample")]:
         d = tmp_path / name
-        outs[name] = (ddplab.run(compose_cfg(base + extra, run_dir=d)), final_weights(d))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ddplab"):
+            outs[name] = (ddplab.run(compose_cfg(base + extra, run_dir=d)), final_weights(d))
+        assert f"data: {path} |" in caplog.text, name
     ref_metrics, ref_w = outs["device"]
     for name in ("loader", "workers"):
         metrics, w = outs[name]

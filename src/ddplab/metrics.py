@@ -81,8 +81,11 @@ class TrainMetrics:
     def _alloc(self, capacity: int) -> None:
         dev = self.state.device
         self.losses = torch.zeros(capacity, device=dev)  # mean loss of each micro-batch
-        self.correct = torch.zeros(capacity, device=dev)  # correct predictions of each micro-batch
+        self.correct = torch.zeros(capacity, dtype=torch.int64, device=dev)  # correct predictions of each
         self.norms = torch.zeros(capacity, device=dev)  # pre-clip grad norm of each step (if clipping)
+        # 0-d views made once: a step writes into them with one kernel each (no per-step indexing op).
+        self._loss_slots = self.losses.unbind()
+        self._correct_slots = self.correct.unbind()
 
     def _grow(self) -> None:
         old = (self.losses, self.correct, self.norms)
@@ -96,8 +99,8 @@ class TrainMetrics:
         if i == len(self.losses):
             self._grow()
         with torch.no_grad():
-            self.losses[i] = loss.detach()
-            self.correct[i] = (logits.argmax(-1) == target).sum()
+            self._loss_slots[i].copy_(loss)
+            torch.sum(logits.argmax(-1) == target, dim=0, out=self._correct_slots[i])
         self.sizes.append(target.numel())  # shape metadata: no sync
 
     def add_grad_norm(self, norm: Tensor) -> None:

@@ -75,7 +75,7 @@ class Trainer:
                 f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
                 f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
         self.train_loader = TrainLoader(self.data.train, self.sampler, state.device, augment, cfg.perf.num_workers,
-                                        cfg.perf.pin_memory)
+                                        cfg.perf.pin_memory, indexed=self.data_on_device)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
         # Unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
@@ -193,6 +193,7 @@ class Trainer:
             self.run_dir, st.world_size, st.device, st.backend or "no process group", self.precision.describe(),
             self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
             self.global_batch * self.accum, spe, cfg.num_epochs)
+        log.info("data: %s | model: %s", self.train_loader.describe(), self._describe_model())
         last_train: dict[str, float] = {}
         if self.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", self.epoch, cfg.num_epochs)
@@ -303,6 +304,15 @@ class Trainer:
         self.writer.scalars(values, self.step)
         bar.show(self.epoch, self.step, values)
         return values
+
+    def _describe_model(self) -> str:
+        pf, d = self.cfg.perf, self.cfg.distributed
+        parts = [type(self.module).__name__, f"{sum(p.numel() for p in self.params):,} params"]
+        parts += ["channels_last"] * pf.channels_last + [f"compiled ({pf.compile_backend})"] * pf.compile
+        parts.append("fused optimizer" if self.optimizer.defaults.get("fused") else "unfused optimizer")
+        if isinstance(self.model, DDP):
+            parts += ["static graph"] * d.static_graph + [f"{d.comm_hook} gradient compression"] * (d.comm_hook != "none")
+        return ", ".join(parts)
 
     def _flops_rates(self, samples_per_s: float) -> dict[str, float]:
         """perf/tflops (model FLOPs the job achieves) and perf/mfu where the device peak is known."""

@@ -40,20 +40,34 @@ class TrainLoader:
     """
 
     def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
-                 augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True):
+                 augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True,
+                 indexed: bool | None = None):
+        """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can."""
         self.data, self.sampler, self.device = data, sampler, device
         self.augment = augment if augment is not None and augment.enabled else None
         self._loader = None
-        self.indexed = isinstance(data, TensorData) and data.x.device == device
+        can_index = isinstance(data, TensorData) and data.x.device == device
+        if indexed and not can_index:
+            raise ValueError("indexed batching needs a TensorData already on the training device")
+        self.indexed = can_index if indexed is None else indexed
         if not self.indexed:
             source = PerSampleAugment(data, self.augment) if self.augment else data
             self._loader = DataLoader(
                 source, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
                 pin_memory=pin_memory and device.type == "cuda", persistent_workers=num_workers > 0,
+                # Its own generator: the loader draws a seed per epoch, which would
+                # otherwise come from the global RNG and shift dropout's stream.
+                generator=torch.Generator().manual_seed(sampler.seed * 1_000_003 + sampler.rank),
             )
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch, skip)
+
+    def describe(self) -> str:
+        aug = f", {self.augment}" if self.augment else ""
+        if self.indexed:
+            return f"in memory on {self.device}, batched by index{aug}"
+        return f"DataLoader, {self._loader.num_workers} worker(s), per-sample{aug}"
 
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
