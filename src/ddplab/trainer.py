@@ -182,37 +182,15 @@ class Trainer:
 
     # ------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
-        cfg, st = self.cfg, self.state
-        spe = self.sampler.steps_per_epoch
-        self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-        self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
-                            ["val/acc", "val/loss", "train/loss", "best/" + cfg.objective])
-        log.info(
-            "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
-            "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
-            self.run_dir, st.world_size, st.device, st.backend or "no process group", self.precision.describe(),
-            self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
-            self.global_batch * self.accum, spe, cfg.num_epochs)
-        log.info("data: %s | model: %s", self.train_loader.describe(), self._describe_model())
+        cfg = self.cfg
+        self._announce()
         last_train: dict[str, float] = {}
         if self.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", self.epoch, cfg.num_epochs)
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs or cfg.num_epochs
         while self.epoch < min(cfg.num_epochs, stop):
-            last_train = self._train_epoch() or last_train
-            self.epoch += 1
-            self.step_in_epoch = 0
-            improved = False
-            if self.epoch % cfg.eval_every_n_epochs == 0 or self.epoch == cfg.num_epochs:
-                self.last_val = self.evaluate()
-                self.writer.scalars({**self.last_val, "train/epoch": self.epoch}, self.step)
-                obj = self.last_val.get(cfg.objective)
-                if obj is not None and (self.best is None or obj > self.best):
-                    self.best, improved = obj, True
-                log.info("epoch %d/%d  %s", self.epoch, cfg.num_epochs,
-                         "  ".join(f"{k}={v:.4g}" for k, v in self.last_val.items()))
-            self._save(is_best=improved)
+            last_train = self.run_epoch() or last_train
         if self.best is not None:
             self.writer.scalars({"best/" + cfg.objective: self.best}, self.step)
         self.writer.close()
@@ -221,6 +199,37 @@ class Trainer:
         if self.best is not None:
             out["best/" + cfg.objective] = self.best
         return out
+
+    def _announce(self) -> None:
+        cfg, st = self.cfg, self.state
+        self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+        self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
+                            ["val/acc", "val/loss", "train/loss", "best/" + cfg.objective])
+        log.info(
+            "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
+            "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
+            self.run_dir, st.world_size, st.device, st.backend or "no process group", self.precision.describe(),
+            self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
+            self.global_batch * self.accum, self.sampler.steps_per_epoch, cfg.num_epochs)
+        log.info("data: %s | model: %s", self.train_loader.describe(), self._describe_model())
+
+    def run_epoch(self) -> dict[str, float]:
+        """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
+        cfg = self.cfg
+        last_train = self._train_epoch()
+        self.epoch += 1
+        self.step_in_epoch = 0
+        improved = False
+        if self.epoch % cfg.eval_every_n_epochs == 0 or self.epoch == cfg.num_epochs:
+            self.last_val = self.evaluate()
+            self.writer.scalars({**self.last_val, "train/epoch": self.epoch}, self.step)
+            obj = self.last_val.get(cfg.objective)
+            if obj is not None and (self.best is None or obj > self.best):
+                self.best, improved = obj, True
+            log.info("epoch %d/%d  %s", self.epoch, cfg.num_epochs,
+                     "  ".join(f"{k}={v:.4g}" for k, v in self.last_val.items()))
+        self._save(is_best=improved)
+        return last_train
 
     def _train_epoch(self) -> dict[str, float]:
         cfg, st = self.cfg, self.state
