@@ -17,21 +17,22 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_documented_options():
-    assert options("model") == ["convnet", "mlp", "resnet18", "resnet34", "resnet50"]
-    assert options("dataset") == ["digits", "synthetic"]
+    assert options("model") == ["convnet", "mlp", "resnet18", "resnet34", "resnet50", "vit"]
+    assert options("dataset") == ["cifar10", "cifar100", "digits", "fashion_mnist", "imagefolder", "mnist",
+                                  "synthetic"]
     assert options("optimizer") == ["adamw", "sgd"]
     assert options("scheduler") == ["constant", "cosine", "step"]
     assert options("distributed") == ["ddp"]
 
 
-@pytest.mark.parametrize("dataset", options("dataset"))
+@pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
 @pytest.mark.parametrize("model", options("model"))
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     cfg = compose_cfg([f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
                       if dataset == "synthetic" else [f"model={model}", f"dataset={dataset}"])
     validate(cfg)
     data, _ = build.dataset(cfg)
-    net = instantiate(cfg.model, _convert_="all").eval()
+    net = build.model(cfg).eval()
     x, y = data.train.x[:2], data.train.y[:2]
     with torch.no_grad():
         out = net(x)

@@ -43,6 +43,18 @@ def dataset(cfg: DictConfig) -> tuple[Splits, BatchAugment | None]:
     return instantiate(ds, _convert_="all"), (BatchAugment(**aug) if aug else None)
 
 
+def model(cfg: DictConfig) -> nn.Module:
+    """The model factory's module, with ``model.weights`` (a local file) loaded into it."""
+    spec = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "weights"}
+    module = instantiate(spec, _convert_="all")
+    weights = cfg.model.get("weights")
+    if weights:
+        from ddplab.models.weights import load_weights
+
+        load_weights(module, weights)
+    return module
+
+
 def prepare_module(model: nn.Module, cfg: DictConfig, state: DistState) -> nn.Module:
     """The plain module on its device, as checkpoints and evaluation see it."""
     if cfg.distributed.sync_batchnorm and state.is_distributed:

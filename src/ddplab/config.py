@@ -30,6 +30,7 @@ class ResNetConfig:
     # state_dict keys stay torchvision's.
     small_input: bool = False
     zero_init_residual: bool = False
+    weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the DDP wrap
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ConvNetConfig:
     channels: list[int] = field(default_factory=lambda: [12, 24, 32])
     hidden: int = 256
     dropout: float = 0.5
+    weights: Optional[str] = None
 
 
 @dataclass
@@ -50,6 +52,25 @@ class MLPConfig:
     image_size: int = 8
     hidden: list[int] = field(default_factory=lambda: [256, 256])
     dropout: float = 0.1
+    weights: Optional[str] = None
+
+
+@dataclass
+class ViTConfig:
+    """torchvision's VisionTransformer layout; small by default (CPU-sized)."""
+
+    _target_: str = "ddplab.models.VisionTransformer"
+    num_classes: int = MISSING
+    in_channels: int = 3
+    image_size: int = 32
+    patch_size: int = 4  # must divide image_size
+    num_layers: int = 4
+    num_heads: int = 4
+    hidden_dim: int = 128
+    mlp_dim: int = 256
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    weights: Optional[str] = None
 
 
 # ------------------------------------------------------------------- datasets
@@ -88,6 +109,45 @@ class SyntheticConfig:
     noise: float = 1.0  # std of the noise around each class's prototype image
     seed: int = 0
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class MNISTConfig:
+    """MNIST's four IDX files (gzipped or not) under `root`; nothing is downloaded."""
+
+    _target_: str = "ddplab.data.mnist"
+    root: Optional[str] = None
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 28
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class CIFARConfig:
+    """CIFAR-10/100 python batches under `root`; nothing is downloaded."""
+
+    _target_: str = "ddplab.data.cifar10"
+    root: Optional[str] = None
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=4, hflip=True))
+
+
+@dataclass
+class ImageFolderConfig:
+    """root/train/<class>/<image> and root/val/<class>/<image>, decoded with Pillow."""
+
+    _target_: str = "ddplab.data.imagefolder"
+    root: Optional[str] = None
+    num_classes: int = MISSING  # the number of class folders (checked)
+    in_channels: int = 3
+    image_size: int = 224  # short side resized to this, centre crop to square
+    train_dir: str = "train"
+    val_dir: str = "val"
+    stats: str = "imagenet"  # normalisation: imagenet | cifar10 | cifar100 | mnist | fashion_mnist
+    augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=0, hflip=True))
 
 
 # ------------------------------------------------------------ optim / sched
@@ -234,8 +294,10 @@ class TrainConfig:
 
 
 _GROUPS = {
-    "model": {"resnet_schema": ResNetConfig, "convnet_schema": ConvNetConfig, "mlp_schema": MLPConfig},
-    "dataset": {"digits_schema": DigitsConfig, "synthetic_schema": SyntheticConfig},
+    "model": {"resnet_schema": ResNetConfig, "convnet_schema": ConvNetConfig, "mlp_schema": MLPConfig,
+              "vit_schema": ViTConfig},
+    "dataset": {"digits_schema": DigitsConfig, "synthetic_schema": SyntheticConfig, "mnist_schema": MNISTConfig,
+                "cifar_schema": CIFARConfig, "imagefolder_schema": ImageFolderConfig},
     "optimizer": {"sgd_schema": SGDConfig, "adamw_schema": AdamWConfig},
     "scheduler": {"cosine_schema": CosineConfig, "step_schema": StepConfig, "constant_schema": ConstantConfig},
     "distributed": {"ddp_schema": DistributedConfig},
@@ -291,6 +353,9 @@ def validate(cfg: DictConfig) -> None:
            "pass checkpoint.every_n_steps=0")
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1", "pass checkpoint.keep_last=2")
     root = cfg.dataset.get("root") if isinstance(cfg.dataset, DictConfig) else None
+    _check(root is not None or "root" not in cfg.dataset, "dataset.root", root,
+           f"{cfg.dataset.get('_target_', 'this dataset')} reads local files (nothing is downloaded)",
+           "dataset.root=/path/to/the/files (README 'Datasets' says which files and where to get them)")
     if root:
         from pathlib import Path
 

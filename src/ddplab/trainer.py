@@ -79,7 +79,7 @@ class Trainer:
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
         # Unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
-        self.module = build.prepare_module(instantiate(cfg.model, _convert_="all"), cfg, state)
+        self.module = build.prepare_module(build.model(cfg), cfg, state)
         self.model = build.wrap_for_training(self.module, cfg, state)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build.make_optimizer(instantiate(cfg.optimizer, _convert_="all"), self.params,
