@@ -8,9 +8,10 @@ gradient hooks on the compiled module's parameters), then the comm hook.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from hydra.utils import instantiate
@@ -66,14 +67,27 @@ def prepare_module(model: nn.Module, cfg: DictConfig, state: DistState) -> nn.Mo
 
 
 def wrap_for_training(module: nn.Module, cfg: DictConfig, state: DistState) -> nn.Module:
-    """What the training step calls: compiled (optional), then DDP-wrapped when distributed."""
+    """What the training step calls, per ``distributed.strategy``: compiled (optional), then wrapped.
+
+    fsdp shards ``module`` in place (its parameters become DTensors), so the
+    module evaluation and checkpoints use is the sharded one too.
+    """
+    d = cfg.distributed
+    if d.strategy == "fsdp" and state.is_distributed:
+        return shard(module, d.reshard_after_forward)
     model = module
     pf = cfg.perf
     if pf.compile:
         model = torch.compile(model, mode=pf.compile_mode, backend=pf.compile_backend)
-    if not state.is_distributed:
+    if d.strategy == "dp":
+        gpus = torch.cuda.device_count() if state.device.type == "cuda" else 0
+        log.warning("distributed=dp: torch.nn.DataParallel, one process over %d GPU(s) — it scatters every batch "
+                    "from and gathers outputs on GPU 0 in one Python thread. DistributedDataParallel is faster: "
+                    "torchrun --nproc_per_node=%d train.py (scripts/bench_dp_vs_ddp.py measures the gap)",
+                    gpus, max(gpus, 2))
+        return nn.DataParallel(model)  # on CPU (no GPUs) it simply calls the module
+    if not state.is_distributed or d.strategy == "none":
         return model
-    d = cfg.distributed
     ddp = DDP(
         model,
         device_ids=[state.device.index] if state.device.type == "cuda" else None,
@@ -95,6 +109,34 @@ def wrap_for_training(module: nn.Module, cfg: DictConfig, state: DistState) -> n
     return ddp
 
 
+def shard(module: nn.Module, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2: each top-level child with parameters is one unit (its all-gather overlaps the previous
+    unit's compute), then the root takes whatever parameters are left."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in module.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally for one micro-batch: DDP's no_sync, FSDP2's gradient-sync switch."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def make_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[nn.Parameter], mode: Any,
                    ) -> torch.optim.Optimizer:
     """``factory(params)`` with fused kernels per ``perf.fused_optimizer`` (auto | true | false).
@@ -104,6 +146,8 @@ def make_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[n
     Same update rule; results may differ in the last bit.
     """
     mode = str(mode).lower()
+    if mode == "auto" and any(hasattr(p, "full_tensor") for p in params):
+        return factory(params)  # FSDP2's DTensor parameters: torch has no fused kernels for them
     if mode == "false":
         return factory(params)
     try:

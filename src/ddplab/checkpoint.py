@@ -74,10 +74,52 @@ def save(obj: dict[str, Any], ckpt_dir: Path, step: int, keep_last: int, is_best
         _link_atomic(path, ckpt_dir / BEST)
     for old in sorted(ckpt_dir.glob("step-*.pt"))[:-keep_last]:
         old.unlink(missing_ok=True)  # best.pt / last.pt keep their own links
+    if "sharded" in obj:
+        _remove_unreferenced_shards(ckpt_dir)
     for stale in ckpt_dir.glob(".*.tmp*"):  # left by a writer killed mid-write
         if not stale.name.endswith(f"tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
     return path
+
+
+# ---------------------------------------------------- sharded (distributed=fsdp)
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Every rank writes its shards of model + optimizer into the directory ``path``
+    (torch.distributed.checkpoint); collective. The small ``.pt`` that names it is written after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read this rank's shards back (any world size: DCP reshards on load); collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (path / ".metadata").is_file():
+        raise RuntimeError(f"resume: sharded checkpoint {path} is missing or incomplete (no .metadata)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _remove_unreferenced_shards(ckpt_dir: Path) -> None:
+    """Drop ``step-N.dcp/`` directories that no remaining ``.pt`` (step files, last, best) names."""
+    import shutil
+
+    keep = set()
+    for pt in list(ckpt_dir.glob("step-*.pt")) + [ckpt_dir / LAST, ckpt_dir / BEST]:
+        if pt.is_file():
+            try:
+                keep.add(torch.load(pt, map_location="cpu", weights_only=True).get("sharded"))
+            except Exception:  # unreadable: keep everything rather than guess
+                return
+    for d in ckpt_dir.glob("step-*.dcp"):
+        if d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def save_atomic(obj: dict[str, Any], path: Path) -> None:

@@ -198,6 +198,11 @@ class ConstantConfig:
 # ---------------------------------------------------------------- distributed
 @dataclass
 class DistributedConfig:
+    # ddp: one process per device, gradients all-reduced (the default);
+    # none: one process, no wrapper; dp: torch.nn.DataParallel, one process
+    # over all visible GPUs (slower than ddp; kept to compare); fsdp: FSDP2
+    # fully_shard, parameters/gradients/optimizer state sharded over ranks.
+    strategy: str = "ddp"
     backend: str = "auto"  # auto: nccl when the device is CUDA, gloo otherwise
     device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
     init_method: str = "env://"  # or tcp://host:port, file:///shared/path
@@ -219,6 +224,9 @@ class DistributedConfig:
     # Gradient compression before the all-reduce: none | fp16 | bf16 (halves
     # gradient traffic; helps when the network, not compute, is the limit).
     comm_hook: str = "none"
+    # fsdp: free the gathered parameters after forward (less memory, one more
+    # all-gather in backward); false keeps them until backward (ZeRO-2-like).
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -300,7 +308,7 @@ _GROUPS = {
                 "cifar_schema": CIFARConfig, "imagefolder_schema": ImageFolderConfig},
     "optimizer": {"sgd_schema": SGDConfig, "adamw_schema": AdamWConfig},
     "scheduler": {"cosine_schema": CosineConfig, "step_schema": StepConfig, "constant_schema": ConstantConfig},
-    "distributed": {"ddp_schema": DistributedConfig},
+    "distributed": {"distributed_schema": DistributedConfig},
 }
 
 
@@ -376,6 +384,16 @@ def validate(cfg: DictConfig) -> None:
            "pass distributed.nproc_per_node=2 (or launch with torchrun)")
     _check(d.max_restarts >= 0, "distributed.max_restarts", d.max_restarts, "must be >= 0",
            "pass distributed.max_restarts=0")
+    _check(d.strategy in ("ddp", "none", "dp", "fsdp"), "distributed.strategy", d.strategy, "unknown strategy",
+           "pick distributed=ddp, none, dp or fsdp")
+    if d.strategy in ("none", "dp"):
+        _check(d.nproc_per_node == 1, "distributed.nproc_per_node", d.nproc_per_node,
+               f"distributed={d.strategy} runs one process", "distributed=ddp (or fsdp) for several processes")
+    if d.strategy == "fsdp":
+        _check(not d.sync_batchnorm, "distributed.sync_batchnorm", d.sync_batchnorm,
+               "not supported with distributed=fsdp", "distributed.sync_batchnorm=false, or distributed=ddp")
+        _check(not cfg.perf.compile, "perf.compile", cfg.perf.compile, "not wired for distributed=fsdp yet",
+               "perf.compile=false, or distributed=ddp")
     _check(d.comm_hook in ("none", "fp16", "bf16"), "distributed.comm_hook", d.comm_hook, "unknown hook",
            "use distributed.comm_hook=none, fp16 or bf16")
     pf = cfg.perf

@@ -84,6 +84,12 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_world_size() -> int:
+    """World size from the launcher's environment (1 when not launched)."""
+    adopt_scheduler_env()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"  # set by ddplab.launch for the ranks it spawns
 
 
@@ -156,7 +162,7 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
 def setup(cfg: Any) -> DistState:
     """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
     rank = env_rank()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(cfg.device, local_rank)
     if device.type == "cuda":

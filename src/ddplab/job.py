@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from ddplab import checkpoint, distributed
-from ddplab.config import validate
+from ddplab.config import ConfigError, validate
 
 log = logging.getLogger("ddplab")
 
@@ -32,6 +32,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     error — which sweep summaries and ``resume=auto`` read.
     """
     validate(cfg)  # bad values fail here, before any process group exists
+    strategy = cfg.distributed.strategy
+    if strategy in ("none", "dp") and distributed.env_world_size() > 1:
+        raise ConfigError(f"distributed.strategy={strategy}: runs ONE process, but this one was launched as one "
+                          f"of {distributed.env_world_size()} ranks. Fix: run `python train.py distributed="
+                          f"{strategy} ...` without torchrun, or use distributed=ddp (or fsdp) under torchrun")
     if cfg.distributed.nproc_per_node > 1:
         if not distributed.is_launched():
             return _self_launch(cfg)

@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import build, checkpoint, distributed, perf
 from ddplab.config import ConfigError
-from ddplab.data import ShardedGlobalSampler, TensorData, TrainLoader, eval_batches, on_device, to_device
+from ddplab.data import (ShardedGlobalSampler, TensorData, TrainLoader, eval_batches, eval_shard, on_device,
+                         to_device)
 from ddplab.distributed import DistState
 from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
 from ddplab.precision import Precision
@@ -77,6 +78,7 @@ class Trainer:
         self.train_loader = TrainLoader(self.data.train, self.sampler, state.device, augment, cfg.perf.num_workers,
                                         cfg.perf.pin_memory, indexed=self.data_on_device)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
+        self.sharded = cfg.distributed.strategy == "fsdp" and state.is_distributed  # FSDP2: DTensor parameters
 
         # Unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
         self.module = build.prepare_module(build.model(cfg), cfg, state)
@@ -103,9 +105,10 @@ class Trainer:
 
     # ------------------------------------------------------------- checkpoint
     def _state(self, rng: list[dict[str, Any]]) -> dict[str, Any]:
+        weights = {"sharded": self._shard_dir().name} if self.sharded else \
+            {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **weights,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.precision.state_dict(),
             "epoch": self.epoch,  # epochs completed
@@ -120,7 +123,12 @@ class Trainer:
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
         }
 
+    def _shard_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / f"step-{self.step:08d}.dcp"
+
     def _save(self, is_best: bool = False) -> None:
+        if self.sharded:  # every rank writes its shards first; the .pt naming them comes after
+            checkpoint.save_sharded(self.module, self.optimizer, self._shard_dir())
         # Every rank's random streams, so dropout/augmentation continue exactly.
         rng = distributed.gather_object(checkpoint.rng_state(), self.state)
         if self.state.is_main:
@@ -144,8 +152,14 @@ class Trainer:
                 raise RuntimeError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
             path, ck = got
-        load_model_state(self.module, ck["model"], path)
-        self.optimizer.load_state_dict(ck["optimizer"])
+        if self.sharded != ("sharded" in ck):
+            raise RuntimeError(f"resume: {path} was saved {'with' if 'sharded' in ck else 'without'} "
+                               "distributed=fsdp; resume it with the strategy it was saved with, or resume=null")
+        if self.sharded:
+            checkpoint.load_sharded(self.module, self.optimizer, path.parent / ck["sharded"])
+        else:
+            load_model_state(self.module, ck["model"], path)
+            self.optimizer.load_state_dict(ck["optimizer"])
         self.scheduler.load_state_dict(ck["scheduler"])
         self.precision.load_state_dict(ck["scaler"])
         self.epoch, self.step, self.best = ck["epoch"], ck["step"], ck["best"]
@@ -247,7 +261,6 @@ class Trainer:
         bar = self._progress_bar()
         reduced: dict[str, float] = {}
         batches = iter(self.train_loader)
-        no_sync = self.model.no_sync if isinstance(self.model, DDP) else contextlib.nullcontext
         t_step = time.perf_counter()
         every = cfg.checkpoint.every_n_steps
         for _ in range(spe - self.step_in_epoch):
@@ -259,7 +272,7 @@ class Trainer:
                     x = x.contiguous(memory_format=self.memory_format)
                 data_time += time.perf_counter() - t
                 # Gradients all-reduce only on the last micro-batch of a step.
-                with no_sync() if micro < self.accum - 1 else contextlib.nullcontext():
+                with build.no_grad_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
                     with self.precision.autocast():
                         logits = self.model(x)
                         loss = F.cross_entropy(logits, y)
@@ -272,7 +285,7 @@ class Trainer:
                 continue
             norm = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
             if norm is not None:
-                self.metrics.add_grad_norm(norm)
+                self.metrics.add_grad_norm(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.step += 1
@@ -325,6 +338,8 @@ class Trainer:
 
     def _flops_rates(self, samples_per_s: float) -> dict[str, float]:
         """perf/tflops (model FLOPs the job achieves) and perf/mfu where the device peak is known."""
+        if self._flops is False and self.sharded:
+            self._flops = None  # a forward outside the step would all-gather out of step with other ranks
         if self._flops is False:  # first log step: off the start-up path
             sample = self.data.train[0][0][None].to(self.state.device)
             if self.memory_format is not None:
@@ -347,14 +362,26 @@ class Trainer:
             distributed.broadcast_buffers(self.module, st)
         self.module.eval()
         meter = SumMeter(st.device)
-        for x, y in eval_batches(self.data.val, st.world_size, st.rank, max(self.sampler.per_rank_batch, 256),
-                                 st.device):
+        bs = max(self.sampler.per_rank_batch, 256)
+        batches = 0
+        x = None
+        for x, y in eval_batches(self.data.val, st.world_size, st.rank, bs, st.device):
             if self.memory_format is not None:
                 x = x.contiguous(memory_format=self.memory_format)
             with self.precision.autocast():
                 logits = self.module(x)  # unwrapped: no DDP collectives on uneven shards
                 loss = F.cross_entropy(logits.float(), y)
             meter.update(loss, logits, y)
+            batches += 1
+        if self.sharded:
+            # FSDP's forward all-gathers parameters: every rank must run as many as
+            # rank 0 (the largest shard). Extra forwards on one sample, results dropped.
+            most = math.ceil(len(eval_shard(len(self.data.val), st.world_size, 0)) / bs)
+            if x is None:
+                x = self.data.val[0][0][None].to(st.device)
+            for _ in range(most - batches):
+                with self.precision.autocast():
+                    self.module(x[:1])
         return reduce_eval(meter, st)
 
     def _progress_bar(self) -> "_Progress":
