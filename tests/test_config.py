@@ -1,5 +1,6 @@
 """Every config option composes and instantiates; bad input fails early, naming the key."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_documented_options():
-    assert options("model") == ["convnet", "mlp", "resnet18", "resnet34", "resnet50", "vit"]
+    assert options("model") == ["convnet", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50", "vit"]
     assert options("dataset") == ["cifar10", "cifar100", "digits", "fashion_mnist", "imagefolder", "mnist",
                                   "synthetic"]
     assert options("optimizer") == ["adamw", "sgd"]
@@ -28,6 +29,8 @@ def test_every_group_has_its_documented_options():
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
 @pytest.mark.parametrize("model", options("model"))
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
+    if model == "keras_convnet" and importlib.util.find_spec("keras") is None:
+        pytest.skip("keras not installed")
     cfg = compose_cfg([f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
                       if dataset == "synthetic" else [f"model={model}", f"dataset={dataset}"])
     validate(cfg)

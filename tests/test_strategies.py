@@ -62,3 +62,16 @@ def test_single_process_strategies_refuse_torchrun(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "distributed.strategy=none: runs ONE process" in out and "distributed=ddp (or fsdp)" in out
+
+
+def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("has 2 GPUs: the benchmark would run for real")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "needs at least 2 GPUs" in proc.stdout

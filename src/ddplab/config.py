@@ -56,6 +56,18 @@ class MLPConfig:
 
 
 @dataclass
+class KerasConvNetConfig:
+    """The Keras multi-GPU guide's convnet in Keras 3 (torch backend); needs `pip install keras`."""
+
+    _target_: str = "ddplab.models.keras_convnet.keras_convnet"
+    num_classes: int = MISSING
+    in_channels: int = 1
+    image_size: int = 8
+    dropout: float = 0.5
+    weights: Optional[str] = None
+
+
+@dataclass
 class ViTConfig:
     """torchvision's VisionTransformer layout; small by default (CPU-sized)."""
 
@@ -303,7 +315,7 @@ class TrainConfig:
 
 _GROUPS = {
     "model": {"resnet_schema": ResNetConfig, "convnet_schema": ConvNetConfig, "mlp_schema": MLPConfig,
-              "vit_schema": ViTConfig},
+              "vit_schema": ViTConfig, "keras_convnet_schema": KerasConvNetConfig},
     "dataset": {"digits_schema": DigitsConfig, "synthetic_schema": SyntheticConfig, "mnist_schema": MNISTConfig,
                 "cifar_schema": CIFARConfig, "imagefolder_schema": ImageFolderConfig},
     "optimizer": {"sgd_schema": SGDConfig, "adamw_schema": AdamWConfig},

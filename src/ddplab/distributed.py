@@ -260,14 +260,20 @@ def barrier(state: DistState) -> None:
 
 
 def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
-    """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast."""
-    bufs = [b for b in module.buffers() if b.is_floating_point()]
+    """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast.
+
+    Frozen parameters count as buffers here: Keras keeps BN moving statistics
+    as non-trainable parameters, and frozen weights are equal anyway.
+    """
+    frozen = [p.data for p in module.parameters() if not p.requires_grad and not hasattr(p, "full_tensor")]
+    bufs = [b for b in [*module.buffers(), *frozen] if b.is_floating_point()]
     if not state.is_distributed or not bufs:
         return
     flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])
     dist.broadcast(flat, src=0)
-    for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
-        b.copy_(v.view_as(b))
+    with torch.no_grad():
+        for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.copy_(v.view_as(b))
 
 
 def rank_table(state: DistState, digest: str = "") -> str:
