@@ -23,7 +23,7 @@ def test_every_group_has_its_documented_options():
                                   "synthetic"]
     assert options("optimizer") == ["adamw", "sgd"]
     assert options("scheduler") == ["constant", "cosine", "step"]
-    assert options("distributed") == ["ddp"]
+    assert options("distributed") == ["ddp", "dp", "fsdp", "none"]
 
 
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
