@@ -1,5 +1,6 @@
 """Checkpoints, kill-and-resume, elastic restarts, and bad input (issue: nothing lost, nothing hangs)."""
 
+import os
 import random
 import subprocess
 import sys
@@ -208,3 +209,22 @@ def test_resume_on_a_different_world_size(tmp_path):
     a, b = final_state(job_dirs(full)[0]), final_state(part / "run")
     diff = max(((a["model"][k] - b["model"][k]).norm() / a["model"][k].norm()).item() for k in a["model"])
     assert b["step"] == 44 and diff <= 1e-5
+
+
+def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """Killed ranks leave scratch Hydra dirs, failed torchrun jobs leave restart memos: the next start removes
+    those whose process is gone, and nothing of a live one."""
+    import tempfile
+
+    from ddplab import cli
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    alive = os.getpid()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for pid in (dead.pid, alive):
+        (tmp_path / f"ddplab-run-abc123-{pid}").write_text("/some/run/dir")
+        (tmp_path / f"ddplab-rank1-{pid}-xyz").mkdir()
+    cli._remove_orphans()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"ddplab-run-abc123-{alive}",
+                                                                 f"ddplab-rank1-{alive}-xyz"])

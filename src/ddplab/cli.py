@@ -34,13 +34,13 @@ def prepare_argv(argv: list[str]) -> list[str]:
     """
     argv = consume_legacy_local_rank(list(argv))
     rank = env_rank()
+    _remove_orphans()
     if rank == 0:
         memo = run_dir_memo()
         if memo and elastic_restart_count() > 0 and memo.is_file() and "-m" not in argv and "--multirun" not in argv:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={memo.read_text()}"]
         return argv
-    _remove_orphaned_scratch()
     scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-{os.getpid()}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     argv = [a for a in argv if not a.startswith(_RANK_LOCAL_KEYS)]
@@ -50,15 +50,24 @@ def prepare_argv(argv: list[str]) -> list[str]:
     return argv + extra
 
 
-def _remove_orphaned_scratch() -> None:
-    """Scratch dirs of ranks that were killed (atexit never ran): their pid is gone."""
-    for d in Path(tempfile.gettempdir()).glob("ddplab-rank*-*-*"):
+def _remove_orphans() -> None:
+    """Leftovers of processes that are gone (killed: atexit never ran):
+
+    * ``ddplab-rank<r>-<pid>-*``: scratch Hydra dirs of non-zero ranks;
+    * ``ddplab-run-<run id>-<agent pid>``: restart memos of torchrun jobs that failed for good.
+    """
+    tmp = Path(tempfile.gettempdir())
+    found = [(d, d.name.split("-")[2]) for d in tmp.glob("ddplab-rank*-*-*")]
+    found += [(f, f.name.rsplit("-", 1)[-1]) for f in tmp.glob("ddplab-run-*-*")]
+    for path, pid in found:
         try:
-            pid = int(d.name.split("-")[2])
-            os.kill(pid, 0)  # raises if no such process
+            os.kill(int(pid), 0)  # raises if no such process
         except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError, OverflowError):
             pass
 
 
