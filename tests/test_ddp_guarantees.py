@@ -9,13 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (REPO, TRAIN, _env, assert_ok, compose_cfg, job_dirs, python_train, read_scalars,
-                      run_cmd, torchrun)
+from conftest import REPO, TRAIN, _env, assert_ok, compose_cfg, job_dirs, read_scalars, run_cmd, torchrun
 from ddplab.data import ShardedGlobalSampler
 
 pytestmark = pytest.mark.dist

@@ -1,6 +1,5 @@
 """Sweeps: Hydra multirun inside torchrun, self-launched DDP jobs under launcher plugins, Optuna, summaries."""
 
-import json
 import re
 import sys
 import tempfile

@@ -233,3 +233,22 @@ def find_resume_path(resume: str | None, run_dir: Path) -> Path | None:
             return _newest_first(p.parent)[0]
     log.info("resume=auto: no earlier run with overrides %s; starting fresh", mine)
     return None
+
+
+def load_model_state(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """load_state_dict with an error that lists what does not fit (another model's checkpoint)."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or shapes:
+        def few(xs: list[str]) -> str:
+            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+
+        parts = [f"shape mismatch: {few(shapes)}" if shapes else "", f"missing: {few(missing)}" if missing else "",
+                 f"unexpected: {few(unexpected)}" if unexpected else ""]
+        raise RuntimeError(f"resume: checkpoint {path} does not fit this model ({'; '.join(p for p in parts if p)}). "
+                           "Fix: resume with the model config it was saved with (see its 'config' entry), "
+                           "or resume=null to start fresh.")
+    module.load_state_dict(state)

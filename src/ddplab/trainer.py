@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import build, checkpoint, distributed, perf
@@ -33,6 +32,7 @@ from ddplab.data import (ShardedGlobalSampler, TensorData, TrainLoader, eval_bat
 from ddplab.distributed import DistState
 from ddplab.metrics import SumMeter, TrainMetrics, make_writer, reduce_eval
 from ddplab.precision import Precision
+from ddplab.reporting import Progress, hparams_of
 
 log = logging.getLogger("ddplab")
 
@@ -158,7 +158,7 @@ class Trainer:
         if self.sharded:
             checkpoint.load_sharded(self.module, self.optimizer, path.parent / ck["sharded"])
         else:
-            load_model_state(self.module, ck["model"], path)
+            checkpoint.load_model_state(self.module, ck["model"], path)
             self.optimizer.load_state_dict(ck["optimizer"])
         self.scheduler.load_state_dict(ck["scheduler"])
         self.precision.load_state_dict(ck["scaler"])
@@ -384,82 +384,10 @@ class Trainer:
                     self.module(x[:1])
         return reduce_eval(meter, st)
 
-    def _progress_bar(self) -> "_Progress":
+    def _progress_bar(self) -> Progress:
         mode = self.cfg.progress
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "log"
         if not self.state.is_main:
             mode = "none"
-        return _Progress(mode, self.sampler.steps_per_epoch, self.epoch, self.cfg.num_epochs)
-
-
-def load_model_state(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """load_state_dict with an error that lists what does not fit (another model's checkpoint)."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if missing or unexpected or shapes:
-        def few(xs: list[str]) -> str:
-            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
-
-        parts = [f"shape mismatch: {few(shapes)}" if shapes else "", f"missing: {few(missing)}" if missing else "",
-                 f"unexpected: {few(unexpected)}" if unexpected else ""]
-        raise RuntimeError(f"resume: checkpoint {path} does not fit this model ({'; '.join(p for p in parts if p)}). "
-                           "Fix: resume with the model config it was saved with (see its 'config' entry), "
-                           "or resume=null to start fresh.")
-    module.load_state_dict(state)
-
-
-def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any]:
-    """What a sweep varies (this job's overrides, as typed values) plus the key settings."""
-    def short(target: Any) -> Any:
-        return str(target).rsplit(".", 1)[-1] if target else target
-
-    hp: dict[str, Any] = {
-        "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
-        "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
-        "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "amp": cfg.amp,
-        "seed": cfg.seed, "world_size": world_size,
-    }
-    overrides = run_dir / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        for o in OmegaConf.load(overrides):
-            key, _, value = str(o).lstrip("+~").partition("=")
-            if key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir"):
-                continue
-            node = OmegaConf.select(cfg, key, default=None)
-            hp[key] = value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
-    return {k: v for k, v in hp.items() if v is not None}
-
-
-class _Progress:
-    """tqdm bar on a terminal, periodic log lines otherwise, nothing on other ranks."""
-
-    def __init__(self, mode: str, total: int, epoch: int, num_epochs: int):
-        self.mode, self._bar = mode, None
-        self.num_epochs = num_epochs
-        if mode == "bar":
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{num_epochs}", leave=False, dynamic_ncols=True)
-
-    def update(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def show(self, epoch: int, step: int, values: dict[str, float]) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{values.get('train/loss', math.nan):.4f}",
-                                  acc=f"{values.get('train/acc', math.nan):.3f}", refresh=False)
-        elif self.mode == "log":
-            log.info("epoch %d step %d  loss=%.4f acc=%.3f lr=%.3g  %.0f samples/s  step %.1f ms (max %.1f)",
-                     epoch + 1, step, values.get("train/loss", math.nan), values.get("train/acc", math.nan),
-                     values["train/lr"], values["perf/samples_per_s"], values["perf/step_time_ms"],
-                     values["perf/step_time_ms_max"])
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        return Progress(mode, self.sampler.steps_per_epoch, self.epoch, self.cfg.num_epochs)
