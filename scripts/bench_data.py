@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _train_runs import REPO, train_throughput
 
 CASES = {
     "digits": ["dataset=digits", "num_epochs=3"],
@@ -36,18 +35,10 @@ PATHS = {"before (DataLoader)": ["perf.data_on_device=false"], "after (on device
 
 
 def samples_per_s(args: list[str], nproc: int, work: Path) -> float:
-    sys.path.insert(0, str(REPO / "src"))
-    from ddplab.events import read_scalars
-
     run_dir = work / f"run{len(list(work.iterdir()))}"
     launcher = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(REPO / "train.py"), *args, "progress=none", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}")
-    values = [v for _, v in read_scalars(run_dir / "tb")["perf/samples_per_s"]][1:]
-    return statistics.median(values)
+    return train_throughput([*launcher, str(REPO / "train.py"), *args, "progress=none"], run_dir)
 
 
 def main() -> None:

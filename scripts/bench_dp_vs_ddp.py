@@ -14,25 +14,11 @@ out as warm-up). Needs at least 2 GPUs; with fewer it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def images_per_s(cmd: list[str], run_dir: Path) -> float:
-    sys.path.insert(0, str(REPO / "src"))
-    from ddplab.events import read_scalars
-
-    proc = subprocess.run(cmd + [f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    if proc.returncode:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}")
-    values = [v for _, v in read_scalars(run_dir / "tb")["perf/samples_per_s"]][1:]
-    return statistics.median(values)
+from _train_runs import REPO, train_throughput
 
 
 def main() -> None:
@@ -58,11 +44,10 @@ def main() -> None:
     train = str(REPO / "train.py")
     with tempfile.TemporaryDirectory(prefix="ddplab-dp-ddp-") as work:
         env_gpus = ",".join(map(str, range(gpus)))
-        dp = images_per_s(["env", f"CUDA_VISIBLE_DEVICES={env_gpus}", sys.executable, train, "distributed=dp",
-                           *common], Path(work) / "dp")
-        ddp = images_per_s(["env", f"CUDA_VISIBLE_DEVICES={env_gpus}", sys.executable, "-m",
-                            "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", train, *common],
-                           Path(work) / "ddp")
+        gpu_env = ["env", f"CUDA_VISIBLE_DEVICES={env_gpus}", sys.executable]
+        dp = train_throughput([*gpu_env, train, "distributed=dp", *common], Path(work) / "dp")
+        ddp = train_throughput([*gpu_env, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                                train, *common], Path(work) / "ddp")
     print(f"| {a.model}, {a.image_size}x{a.image_size}, global batch {a.batch_size}, {gpus} GPUs | images/s |")
     print("|---|---|")
     print(f"| DataParallel (1 process) | {dp:,.0f} |")

@@ -21,58 +21,56 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # --------------------------------------------------------------------- models
 @dataclass
-class ResNetConfig:
-    _target_: str = "ddplab.models.resnet18"
+class ModelConfig:
+    """Keys every model option has; `weights` is ddplab's (see build.model), the rest go to the factory."""
+
+    _target_: str = MISSING
     num_classes: int = MISSING
+    in_channels: int = 1
+    weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the wrap
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    _target_: str = "ddplab.models.resnet18"
     in_channels: int = 3
     # 3x3 stride-1 stem and no max-pool: keeps 8x8..32x32 images from being
     # pooled away to 1x1 before layer2. Only conv1's kernel shape changes, so
     # state_dict keys stay torchvision's.
     small_input: bool = False
     zero_init_residual: bool = False
-    weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the DDP wrap
 
 
 @dataclass
-class ConvNetConfig:
+class ConvNetConfig(ModelConfig):
     _target_: str = "ddplab.models.ConvNet"
-    num_classes: int = MISSING
-    in_channels: int = 1
     channels: list[int] = field(default_factory=lambda: [12, 24, 32])
     hidden: int = 256
     dropout: float = 0.5
-    weights: Optional[str] = None
 
 
 @dataclass
-class MLPConfig:
+class MLPConfig(ModelConfig):
     _target_: str = "ddplab.models.MLP"
-    num_classes: int = MISSING
-    in_channels: int = 1
     image_size: int = 8
     hidden: list[int] = field(default_factory=lambda: [256, 256])
     dropout: float = 0.1
-    weights: Optional[str] = None
 
 
 @dataclass
-class KerasConvNetConfig:
+class KerasConvNetConfig(ModelConfig):
     """The Keras multi-GPU guide's convnet in Keras 3 (torch backend); needs `pip install keras`."""
 
     _target_: str = "ddplab.models.keras_convnet.keras_convnet"
-    num_classes: int = MISSING
-    in_channels: int = 1
     image_size: int = 8
     dropout: float = 0.5
-    weights: Optional[str] = None
 
 
 @dataclass
-class ViTConfig:
+class ViTConfig(ModelConfig):
     """torchvision's VisionTransformer layout; small by default (CPU-sized)."""
 
     _target_: str = "ddplab.models.VisionTransformer"
-    num_classes: int = MISSING
     in_channels: int = 3
     image_size: int = 32
     patch_size: int = 4  # must divide image_size
@@ -82,7 +80,6 @@ class ViTConfig:
     mlp_dim: int = 256
     dropout: float = 0.0
     attention_dropout: float = 0.0
-    weights: Optional[str] = None
 
 
 # ------------------------------------------------------------------- datasets
@@ -124,10 +121,10 @@ class SyntheticConfig:
 
 
 @dataclass
-class MNISTConfig:
-    """MNIST's four IDX files (gzipped or not) under `root`; nothing is downloaded."""
+class FilesConfig:
+    """Datasets read from local files under `root` (nothing is downloaded)."""
 
-    _target_: str = "ddplab.data.mnist"
+    _target_: str = MISSING
     root: Optional[str] = None
     num_classes: int = 10
     in_channels: int = 1
@@ -136,23 +133,27 @@ class MNISTConfig:
 
 
 @dataclass
-class CIFARConfig:
-    """CIFAR-10/100 python batches under `root`; nothing is downloaded."""
+class MNISTConfig(FilesConfig):
+    """MNIST's (or Fashion-MNIST's) four IDX files, gzipped or not."""
+
+    _target_: str = "ddplab.data.mnist"
+
+
+@dataclass
+class CIFARConfig(FilesConfig):
+    """CIFAR-10/100 python batches."""
 
     _target_: str = "ddplab.data.cifar10"
-    root: Optional[str] = None
-    num_classes: int = 10
     in_channels: int = 3
     image_size: int = 32
     augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=4, hflip=True))
 
 
 @dataclass
-class ImageFolderConfig:
+class ImageFolderConfig(FilesConfig):
     """root/train/<class>/<image> and root/val/<class>/<image>, decoded with Pillow."""
 
     _target_: str = "ddplab.data.imagefolder"
-    root: Optional[str] = None
     num_classes: int = MISSING  # the number of class folders (checked)
     in_channels: int = 3
     image_size: int = 224  # short side resized to this, centre crop to square

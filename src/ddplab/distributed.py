@@ -262,11 +262,11 @@ def barrier(state: DistState) -> None:
 def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
     """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast.
 
-    Frozen parameters count as buffers here: Keras keeps BN moving statistics
-    as non-trainable parameters, and frozen weights are equal anyway.
+    A module (or submodule) with a ``synced_state()`` method adds the tensors it
+    names: Keras keeps BN moving statistics as non-trainable parameters, not buffers.
     """
-    frozen = [p.data for p in module.parameters() if not p.requires_grad and not hasattr(p, "full_tensor")]
-    bufs = [b for b in [*module.buffers(), *frozen] if b.is_floating_point()]
+    extra = [t for m in module.modules() if hasattr(m, "synced_state") for t in m.synced_state()]
+    bufs = [b for b in [*module.buffers(), *extra] if b.is_floating_point()]
     if not state.is_distributed or not bufs:
         return
     flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])

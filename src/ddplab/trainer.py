@@ -268,8 +268,7 @@ class Trainer:
             for micro in range(self.accum):
                 t = time.perf_counter()
                 x, y = next(batches)
-                if self.memory_format is not None:
-                    x = x.contiguous(memory_format=self.memory_format)
+                x = self._layout(x)
                 data_time += time.perf_counter() - t
                 # Gradients all-reduce only on the last micro-batch of a step.
                 with build.no_grad_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
@@ -327,6 +326,10 @@ class Trainer:
         bar.show(self.epoch, self.step, values)
         return values
 
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs in the model's memory format (NHWC with perf.channels_last; a no-op otherwise)."""
+        return x if self.memory_format is None else x.contiguous(memory_format=self.memory_format)
+
     def _describe_model(self) -> str:
         pf, d = self.cfg.perf, self.cfg.distributed
         parts = [type(self.module).__name__, f"{sum(p.numel() for p in self.params):,} params"]
@@ -342,8 +345,7 @@ class Trainer:
             self._flops = None  # a forward outside the step would all-gather out of step with other ranks
         if self._flops is False:  # first log step: off the start-up path
             sample = self.data.train[0][0][None].to(self.state.device)
-            if self.memory_format is not None:
-                sample = sample.contiguous(memory_format=self.memory_format)
+            sample = self._layout(sample)
             self._flops = perf.train_flops_per_sample(self.module, sample)
             self._peak = perf.peak_tflops(self.state.device, self.precision.dtype, self.cfg.perf.peak_tflops)
         if not self._flops:
@@ -366,8 +368,7 @@ class Trainer:
         batches = 0
         x = None
         for x, y in eval_batches(self.data.val, st.world_size, st.rank, bs, st.device):
-            if self.memory_format is not None:
-                x = x.contiguous(memory_format=self.memory_format)
+            x = self._layout(x)
             with self.precision.autocast():
                 logits = self.module(x)  # unwrapped: no DDP collectives on uneven shards
                 loss = F.cross_entropy(logits.float(), y)

@@ -25,6 +25,11 @@ class KerasModule(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.keras_model(x, training=self.training)
 
+    def synced_state(self) -> list[Tensor]:
+        """Keras' non-trainable variables (BN moving statistics): ranks share rank 0's before evaluation,
+        as they do torch BN buffers (see ddplab.distributed.broadcast_buffers)."""
+        return [p.data for p in self.keras_model.parameters() if not p.requires_grad]
+
 
 def keras_convnet(num_classes: int = 10, in_channels: int = 1, image_size: int = 8, dropout: float = 0.5) -> nn.Module:
     os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is first imported
