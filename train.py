@@ -13,7 +13,8 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddplab import cli  # also registers the typed config schemas used by conf/
+from ddplab import cli
+from ddplab.config import register_configs
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -23,5 +24,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    register_configs()  # the typed schemas conf/'s defaults lists name
     sys.argv = cli.prepare_argv(sys.argv)
     main()

@@ -123,13 +123,16 @@ def interleaved_worker(a: argparse.Namespace, out: str) -> None:
     the per-step comparison then sees the same machine state, to within a second."""
     from hydra import compose, initialize_config_dir
 
-    from ddplab import distributed
+    from ddplab.config import register_configs
+    from ddplab.runtime import group
     from ddplab.trainer import Trainer
+
+    register_configs()
 
     clock = StepClock()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=ddplab_overrides(a) + [f"run_dir={a.workdir}/inproc"])
-    state = distributed.setup(cfg.distributed)
+    state = group.init(cfg.distributed)
     trainer = Trainer(cfg, state, Path(cfg.run_dir))
     hand = HandLoop(a, init_process_group=False)
     try:
@@ -141,7 +144,7 @@ def interleaved_worker(a: argparse.Namespace, out: str) -> None:
         hand.close()
     finally:
         clock.save(out)
-    distributed.teardown()
+    group.teardown()
 
 
 class HandLoop:

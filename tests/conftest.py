@@ -13,9 +13,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import ddplab.config  # noqa: F401  (registers the schemas)
+from ddplab.config import register_configs
 from ddplab.events import read_scalars  # noqa: F401  (re-exported for the tests)
 
+register_configs()  # what train.py does before composing
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 CONF = REPO / "conf"

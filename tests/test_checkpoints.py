@@ -1,5 +1,6 @@
 """Checkpoints, kill-and-resume, elastic restarts, and bad input (issue: nothing lost, nothing hangs)."""
 
+import math
 import os
 import random
 import subprocess
@@ -32,7 +33,7 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(a["model"][k], b["model"][k]), k
     for i, st in a["optimizer"]["state"].items():
         assert torch.equal(st["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
-    assert a["scheduler"] == b["scheduler"] and a["step"] == b["step"]
+    assert a["scheduler"] == b["scheduler"] and a["loop"]["step"] == b["loop"]["step"]
 
 
 def steps_of(run_dir, tag="train/loss"):
@@ -46,13 +47,19 @@ def uninterrupted(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("kill_at", sorted(random.Random(0).sample(range(2, 44), 3)))
-def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, kill_at):
+# Checkpoints every 5 steps and at each epoch end (22 steps/epoch): each crash resumes from another one.
+@pytest.mark.parametrize("kill_at,resumed", [(8, "0 epoch(s), 5 step(s)"),  # mid-epoch 1
+                                             (23, "1 epoch(s), 22 step(s)"),  # first step after the epoch edge
+                                             (38, "1 epoch(s), 35 step(s)")])  # mid-epoch 2
+def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, kill_at, resumed, caplog):
     args = FAULTY + [f"+model.fault_call={kill_at}", "+model.fault_rank=0"]
     with pytest.raises(RuntimeError, match="injected crash"):
         ddplab.run(compose_cfg(args, run_dir=tmp_path))
     assert (tmp_path / "result.json").read_text().count('"failed"') == 1
-    out = ddplab.run(compose_cfg(args + ["resume=auto"], run_dir=tmp_path))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ddplab"):
+        out = ddplab.run(compose_cfg(args + ["resume=auto"], run_dir=tmp_path))
+    assert f"{resumed} done" in caplog.text
     assert out["step"] == 44
     assert_bitwise_equal(final_state(uninterrupted), final_state(tmp_path))
     # TensorBoard: every step once, and the same steps as the uninterrupted run.
@@ -82,17 +89,32 @@ def test_torchrun_max_restarts_sigkill_resumes_bitwise(tmp_path):
     assert steps_of(dirs[0]) == steps_of(job_dirs(full)[0])  # each step exactly once
 
 
+def test_checkpoint_closes_the_log_interval_so_resume_loses_no_metrics(tmp_path):
+    """Logs every 5 steps, checkpoints every 7: each checkpoint step logs too, so a run that crashes after
+    a checkpoint and resumes has every interval's metrics once, equal to the uninterrupted run's."""
+    args = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=1", "log_every_n_steps=5",
+            "checkpoint.every_n_steps=7", "progress=none", "+model.fault_rank=0"]
+    ddplab.run(compose_cfg(args + ["+model.fault_call=1000000"], run_dir=tmp_path / "full"))
+    assert steps_of(tmp_path / "full") == [5, 7, 10, 14, 15, 20, 21, 22]
+    part = tmp_path / "part"
+    with pytest.raises(RuntimeError, match="injected crash"):  # at step 12: steps 8-10 were logged, 11 not
+        ddplab.run(compose_cfg(args + ["+model.fault_call=12"], run_dir=part))
+    ddplab.run(compose_cfg(args + ["+model.fault_call=12", "resume=auto"], run_dir=part))  # from step 7
+    full = read_scalars(tmp_path / "full" / "tb")["train/loss"]
+    assert read_scalars(part / "tb")["train/loss"] == full  # same steps, same values, each once
+
+
 def test_checkpoint_rotation_keeps_last_k_and_best(tmp_path):
     ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "checkpoint.every_n_steps=10", "checkpoint.keep_last=2",
                             "progress=none"], run_dir=tmp_path))
     ck = tmp_path / "checkpoints"
     assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000060.pt", "step-00000066.pt"]
     last, best = final_state(tmp_path), torch.load(ck / "best.pt", weights_only=True)
-    assert last["step"] == 66 and best["best"] == last["best"]
-    assert best["last_val"]["val/acc"] == best["best"]
+    assert last["loop"]["step"] == 66 and best["results"]["best"] == last["results"]["best"]
+    assert best["results"]["last_val"]["val/acc"] == best["results"]["best"]
     # Full state is there: RNG per rank, sampler position, config.
-    assert {"python", "numpy", "torch"} <= set(last["rng"][0]) and last["sampler"]["seed"] == 0
-    assert "model:" in last["config"]
+    assert {"python", "numpy", "torch"} <= set(last["rng"]["ranks"][0]) and last["loop"]["sampler"]["seed"] == 0
+    assert "model:" in last["meta"]["config"] and last["meta"]["world_size"] == 1
 
 
 def test_writer_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
@@ -164,11 +186,18 @@ def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
 
 
 def test_fp16_scaler_skips_are_counted_not_errors(tmp_path):
-    out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "amp=true", "amp_dtype=float16",
-                                  "log_every_n_steps=5", "progress=none"], run_dir=tmp_path))
-    s = read_scalars(tmp_path / "tb")
-    assert "train/fp16_skipped_steps" in s and all(v >= 0 for _, v in s["train/fp16_skipped_steps"])
-    assert out["step"] == 22
+    """An Inf gradient (finite loss) at step 7: the GradScaler skips that one step and halves its scale;
+    the run goes on and the skip is counted in the interval that holds it."""
+    base = ["model=mlp", "num_epochs=1", "amp=true", "amp_dtype=float16", "log_every_n_steps=5", "progress=none"]
+    ddplab.run(compose_cfg(base, run_dir=tmp_path / "ref"))
+    out = ddplab.run(compose_cfg(base + ["model._target_=toy.FaultyMLP", "+model.fault=infgrad",
+                                         "+model.fault_call=7", "+model.fault_rank=0"], run_dir=tmp_path / "inf"))
+    ref, s = read_scalars(tmp_path / "ref" / "tb"), read_scalars(tmp_path / "inf" / "tb")
+    assert s["train/fp16_skipped_steps"] == [(5, 0.0), (10, 1.0), (15, 0.0), (20, 0.0), (22, 0.0)]
+    assert [v for _, v in ref["train/fp16_skipped_steps"]] == [0.0] * 5  # no overflow of its own
+    scale, ref_scale = dict(s["train/loss_scale"]), dict(ref["train/loss_scale"])
+    assert scale[5] == ref_scale[5] == 65536.0 and scale[10] == ref_scale[10] / 2 == 32768.0
+    assert out["step"] == 22 and math.isfinite(out["train/loss"])  # not an error: every step still counted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
@@ -191,8 +220,22 @@ def test_self_launched_job_restarts_after_a_killed_rank(tmp_path):
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "15 step(s) done" in out
     run = job_dirs(tmp_path)[0]
-    assert final_state(run)["step"] == 44
+    assert final_state(run)["loop"]["step"] == 44
     assert steps_of(run) == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
+
+
+@pytest.mark.dist
+def test_mid_epoch_resume_on_another_world_size_warns_about_random_streams(tmp_path):
+    args = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=1", "checkpoint.every_n_steps=5",
+            "progress=log", "run_dir=run", "+model.fault_rank=0", "distributed.timeout_s=30"]
+    crashed = torchrun(2, args + ["+model.fault_call=8"], tmp_path)  # checkpoint at step 5, crash at 8
+    assert crashed.returncode != 0 and "injected crash" in crashed.stdout + crashed.stderr
+    proc = python_train(args + ["+model.fault_call=1000000", "resume=auto"], tmp_path)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "resumed from" in out and "0 epoch(s), 5 step(s) done" in out
+    assert "resuming mid-epoch on 1 rank(s) from a 2-rank checkpoint" in out and "draw new streams" in out
+    assert final_state(tmp_path / "run")["loop"]["step"] == 22
 
 
 @pytest.mark.dist
@@ -208,7 +251,7 @@ def test_resume_on_a_different_world_size(tmp_path):
     assert_ok(python_train(args + ["resume=auto", "run_dir=run"], part))
     a, b = final_state(job_dirs(full)[0]), final_state(part / "run")
     diff = max(((a["model"][k] - b["model"][k]).norm() / a["model"][k].norm()).item() for k in a["model"])
-    assert b["step"] == 44 and diff <= 1e-5
+    assert b["loop"]["step"] == 44 and diff <= 1e-5
 
 
 def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
@@ -228,3 +271,48 @@ def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
     cli._remove_orphans()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"ddplab-run-abc123-{alive}",
                                                                  f"ddplab-rank1-{alive}-xyz"])
+
+
+def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ddplab.checkpoint import CheckpointManager
+    from ddplab.runtime.group import DistState
+
+    class Counter:  # any object with state_dict/load_state_dict
+        def __init__(self, n):
+            self.n = n
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    class Picky(Counter):
+        def check(self, ck, path):
+            raise RuntimeError(f"resume: {path} does not suit Picky")
+
+    policy = OmegaConf.create({"every_n_steps": 0, "keep_last": 2, "save_best": True})
+
+    def manager(ema, counter):
+        m = CheckpointManager(tmp_path / "checkpoints", policy, DistState(), {"config": "x"})
+        m.register("ema", ema)  # a module is Stateful as it is
+        m.register("counter", counter)
+        return m
+
+    torch.manual_seed(0)
+    saved_ema = torch.nn.Linear(3, 2)
+    manager(saved_ema, Counter(7)).save(step=12, is_best=True)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", "last.pt", "step-00000012.pt"]
+    ema, counter = torch.nn.Linear(3, 2), Counter(0)
+    assert manager(ema, counter).resume("auto", tmp_path).name == "last.pt"
+    assert counter.n == 7 and torch.equal(ema.weight, saved_ema.weight)
+
+    fresh_ema, picky = torch.nn.Linear(3, 2), Picky(0)
+    before = fresh_ema.weight.clone()
+    with pytest.raises(RuntimeError, match="does not suit Picky"):
+        manager(fresh_ema, picky).resume("auto", tmp_path)
+    assert torch.equal(fresh_ema.weight, before) and picky.n == 0  # checked before anything was loaded
+    with pytest.raises(ValueError, match="registered twice"):
+        manager(ema, counter).register("ema", ema)

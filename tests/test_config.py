@@ -69,8 +69,11 @@ def test_distributed_and_top_level_keys_are_typed():
                        "distributed.bucket_cap_mb=50", "distributed.timeout_s=30", "amp=true",
                        "grad_accum_steps=2", "grad_clip=1.0", "resume=auto", "batch_size_scope=per_rank"])
     validate(cfg)
-    assert cfg.distributed.find_unused_parameters is True and cfg.distributed.bucket_cap_mb == 50.0
-    assert cfg.amp is True and cfg.grad_accum_steps == 2
+    d = cfg.distributed
+    assert d.find_unused_parameters is True and d.sync_batchnorm is True and cfg.amp is True
+    assert type(d.bucket_cap_mb) is float and d.bucket_cap_mb == 50.0  # "50" on the command line, a float here
+    assert type(d.timeout_s) is float and type(cfg.grad_accum_steps) is int and cfg.grad_accum_steps == 2
+    assert type(cfg.grad_clip) is float and cfg.resume == "auto" and cfg.batch_size_scope == "per_rank"
 
 
 def test_resnet_state_dict_keys_match_torchvision_naming():
@@ -94,19 +97,14 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("optimizer.lr=-0.1", "optimizer.lr"),
     ("grad_accum_steps=0", "grad_accum_steps"),
     ("grad_clip=-1", "grad_clip"),
-    ("amp_dtype=fp8", "amp_dtype"),
-    ("distributed.backend=mpx", "distributed.backend"),
     ("distributed.init_method=udp://x", "distributed.init_method"),
     ("log_every_n_steps=0", "log_every_n_steps"),
     ("num_epochs=-1", "num_epochs"),
     ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps"),
-    ("nonfinite_loss=ignore", "nonfinite_loss"),
     ("distributed.nproc_per_node=0", "distributed.nproc_per_node"),
     ("+dataset.root=/no/such/dir", "dataset.root"),
-    ("distributed.comm_hook=int8", "distributed.comm_hook"),
     ("perf.data_on_device=maybe", "perf.data_on_device"),
     ("perf.fused_optimizer=yes", "perf.fused_optimizer"),
-    ("perf.compile_mode=fast", "perf.compile_mode"),
     ("perf.num_workers=-1", "perf.num_workers"),
     ("perf.peak_tflops=0", "perf.peak_tflops"),
     ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
@@ -116,6 +114,36 @@ def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:
         validate(compose_cfg(override.split()))
     assert str(e.value).startswith(f"{key}=") and "Fix:" in str(e.value)
+
+
+@pytest.mark.parametrize("override,key,options", [
+    ("amp_dtype=fp8", "amp_dtype", "auto, bfloat16, float16, bf16, fp16"),
+    ("distributed.backend=mpx", "distributed.backend", "auto, gloo, nccl, mpi"),
+    ("nonfinite_loss=ignore", "nonfinite_loss", "error, skip"),
+    ("distributed.comm_hook=int8", "distributed.comm_hook", "none, fp16, bf16"),
+    ("perf.compile_mode=fast", "perf.compile_mode", "default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+    ("distributed.strategy=ddpp", "distributed.strategy", "ddp, none, dp, fsdp"),
+    ("distributed.device=tpu", "distributed.device", "auto, cpu, cuda"),
+    ("batch_size_scope=local", "batch_size_scope", "global, per_rank"),
+    ("progress=fancy", "progress", "auto, bar, log, none"),
+])
+def test_unknown_choices_fail_while_composing(override, key, options):
+    """Choice fields are typed (enums): Hydra rejects an unknown option while composing, naming the
+    key and every valid option — before validate, before any process exists."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg([override])
+    why = str(e.value.__cause__)
+    assert f"full_key: {key}\n" in why and f"expected one of [{options}]" in why, why
+
+
+def test_choice_fields_compare_and_print_as_their_option():
+    cfg = compose_cfg(["distributed=fsdp", "amp_dtype=bf16", "perf.compile_mode=reduce-overhead"])
+    d = cfg.distributed
+    assert d.strategy == "fsdp" and f"{d.strategy}" == str(d.strategy) == "fsdp"
+    assert cfg.amp_dtype == "bf16" and f"{cfg.perf.compile_mode}" == "reduce-overhead"
+    assert {"fsdp": 1}[d.strategy] == 1  # hashes like the plain string
 
 
 def test_global_batch_must_split_over_ranks():
@@ -141,3 +169,39 @@ def test_bad_override_fails_before_any_process_group(tmp_path: Path, override, e
     # Hydra rejected it while composing: no run dir, no trainer, no process group.
     assert not (tmp_path / "outputs").exists()
     assert "run dir" not in out and "could not join" not in out
+
+
+def _repeats(values, schema_node, prefix=""):
+    """Keys of a yaml body that merely repeat the schema's default."""
+    out = []
+    for k, v in values.items():  # a plain dict: interpolations stay unresolved strings
+        if k in ("defaults", "_target_") or k not in schema_node:  # _target_ names the option itself
+            continue
+        if isinstance(v, dict):
+            out += _repeats(v, schema_node[k], f"{prefix}{k}.")
+        elif not (isinstance(v, str) and "${" in v) and v == schema_node[k]:
+            out.append(f"{prefix}{k}={v}")
+    return out
+
+
+def test_defaults_live_in_one_place():
+    """No yaml under conf/ repeats a value its schema already sets (the schema is the one place for defaults)."""
+    from omegaconf import OmegaConf
+
+    from ddplab.config.groups import GROUPS
+    from ddplab.config.schema import DistributedConfig, TrainConfig
+
+    schemas = {("distributed", "distributed"): DistributedConfig}
+    schemas.update({(g, n): c for g, opts in GROUPS.items() for n, c in opts.items()})
+    def load(f):
+        return OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+
+    found = {"train.yaml": _repeats(load(CONF / "train.yaml"), OmegaConf.structured(TrainConfig))}
+    for f in sorted(CONF.glob("*/*.yaml")):
+        body = load(f)
+        refs = [str(d) for d in body.get("defaults", []) if str(d).startswith("/schema/")]
+        if refs:
+            group, name = refs[0].split("@")[0].split("/")[2:4]
+            found[str(f.relative_to(CONF))] = _repeats(body, OmegaConf.structured(schemas[(group, name)]))
+    assert {k: v for k, v in found.items() if v} == {}
+    assert len(found) >= 20  # every option file was looked at

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddplab.data import ShardedGlobalSampler, digits, eval_shard, synthetic
-from ddplab.distributed import consume_legacy_local_rank
+from ddplab.runtime.env import consume_legacy_local_rank
 
 
 def rank_batches(n, gb, world, epoch, accum=1, seed=0):

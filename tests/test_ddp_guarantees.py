@@ -54,15 +54,15 @@ def test_world_sizes_1_2_3_train_the_same_model(tmp_path):
     print("\nworld | max rel weight diff | train/loss (last) | val/loss | val/acc")
     for w, (ck, s) in runs.items():
         diff = max_rel_weight_diff(ck["model"], ref_ck["model"])
-        print(f"{w:5} | {diff:19.3e} | {s['train/loss'][-1][1]:.9g} | {ck['last_val']['val/loss']:.9g} | "
-              f"{ck['last_val']['val/acc']:.9g}")
+        print(f"{w:5} | {diff:19.3e} | {s['train/loss'][-1][1]:.9g} | {ck['results']['last_val']['val/loss']:.9g} | "
+              f"{ck['results']['last_val']['val/acc']:.9g}")
         assert diff <= 1e-5
         assert [st for st, _ in s["train/loss"]] == [st for st, _ in ref_s["train/loss"]]
         for (_, a), (_, b) in zip(s["train/loss"], ref_s["train/loss"]):
             assert a == pytest.approx(b, rel=1e-6)  # the same to 6 significant digits
         for tag in ("train/acc", "val/acc", "val/num_samples"):
             assert s[tag] == ref_s[tag], tag  # counts: exactly equal
-        assert ck["last_val"]["val/loss"] == pytest.approx(ref_ck["last_val"]["val/loss"], rel=1e-6)
+        assert ck["results"]["last_val"]["val/loss"] == pytest.approx(ref_ck["results"]["last_val"]["val/loss"], rel=1e-6)
 
     # Validation on 3 ranks equals single-process evaluation of the same weights.
     from ddplab import build
@@ -77,9 +77,9 @@ def test_world_sizes_1_2_3_train_the_same_model(tmp_path):
         logits = net(val.x)
     acc = (logits.argmax(-1) == val.y).double().mean().item()
     loss = torch.nn.functional.cross_entropy(logits, val.y).item()
-    assert ck3["last_val"]["val/acc"] == pytest.approx(acc, abs=1e-12)
-    assert ck3["last_val"]["val/num_samples"] == len(val) == 359
-    assert ck3["last_val"]["val/loss"] == pytest.approx(loss, rel=1e-5)
+    assert ck3["results"]["last_val"]["val/acc"] == pytest.approx(acc, abs=1e-12)
+    assert ck3["results"]["last_val"]["val/num_samples"] == len(val) == 359
+    assert ck3["results"]["last_val"]["val/loss"] == pytest.approx(loss, rel=1e-5)
 
 
 # ------------------------------------------------------- 1. unused params
@@ -141,6 +141,21 @@ def test_init_methods(tmp_path, scheme):
                     tmp_path, timeout=120)
     assert_ok(proc)
     assert read_scalars(job_dirs(tmp_path)[0] / "tb")["val/num_samples"][-1][1] == 359
+    # The init_method is really what joins the ranks: one nobody can serve fails, naming it.
+    (tmp_path / "bad").mkdir()
+    if scheme == "tcp":
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            bad = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+            proc = torchrun(2, ["model=mlp", f"distributed.init_method={bad}", "distributed.timeout_s=10"],
+                            tmp_path / "bad", timeout=120)
+    else:
+        bad = f"file://{tmp_path}/no/such/dir/rendezvous"
+        proc = torchrun(2, ["model=mlp", f"distributed.init_method={bad}", "distributed.timeout_s=10"],
+                        tmp_path / "bad", timeout=120)
+    assert proc.returncode != 0
+    assert f"could not join the process group (backend=gloo, init_method={bad}" in proc.stdout + proc.stderr
 
 
 # ------------------------------------------------------------ 5. multi-node

@@ -31,6 +31,12 @@ def test_unequal_counts_give_exact_global_mean(tmp_path):
     # One collective per reduction, train and eval alike.
     assert res["train_calls"] == 1
     assert res["total_calls"] == 2
+    # A task's own metric names need no code here: sums over counts across micro-batches and ranks.
+    assert res["train_named"]["train/hits"] == pytest.approx(2 * (0 + 1 + 2) / (2 * 21), rel=1e-12)
+    assert res["train_named"]["train/bonus"] == pytest.approx(2 * 2 * (1 + 2 + 3) / 6, rel=1e-12)
+    assert res["val_named"]["val/hits"] == pytest.approx(3 / 21, rel=1e-12)
+    assert res["val_named"]["val/bonus"] == pytest.approx(2 * (1 + 2 + 3) / 3, rel=1e-12)
+    assert "train/acc" not in res["train_named"] and res["named_calls"] == 2
 
 
 def test_cpu_sync_batchnorm_equals_batchnorm_on_the_global_batch(tmp_path):

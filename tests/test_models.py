@@ -49,7 +49,7 @@ def test_weights_prefixes_checkpoints_and_wrong_architecture(tmp_path):
         fresh = resnet18(num_classes=10)
         assert load_weights(fresh, tmp_path / f) == []
         assert all(torch.equal(fresh.state_dict()[k], m.state_dict()[k]) for k in m.state_dict())
-    with pytest.raises(ValueError, match=r"does not fit ResNet: missing .*layer1\.0\.conv3\.weight"):
+    with pytest.raises(ValueError, match=r"does not fit ResNet: missing: .*layer1\.0\.conv3\.weight"):
         load_weights(resnet50(num_classes=10), tmp_path / "ddp.pth")
     with pytest.raises(FileNotFoundError, match="model.weights=.*no such file.*nothing is downloaded"):
         load_weights(m, tmp_path / "nope.pth")

@@ -110,7 +110,7 @@ def test_channels_last_fused_and_perf_scalars(tmp_path):
 def test_fused_optimizer_choice():
     from functools import partial
 
-    from ddplab.build import make_optimizer
+    from ddplab.optim import make_optimizer
 
     params = [torch.nn.Parameter(torch.randn(4, 4))]
     sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -137,11 +137,25 @@ def test_flops_counted_for_a_known_model():
 
 
 def test_compile_before_ddp_wrap_with_knobs_on_two_ranks(tmp_path):
-    """torch.compile'd module inside DDP, static graph, small buckets, fp16 gradient compression: trains."""
-    args = ["model=mlp", "num_epochs=2", "progress=none", "run_dir=run", "perf.compile=true",
+    """torch.compile'd module inside DDP, static graph, small buckets, fp16 gradient compression: each
+    in effect (DDP's own logging data says so), checkpoints keep the plain module's keys, and it trains."""
+    import json
+
+    from conftest import REPO
+
+    args = ["model=mlp", "num_epochs=2", "progress=none", "perf.compile=true",
             "perf.compile_backend=aot_eager", "distributed.static_graph=true", "distributed.bucket_cap_mb=1",
             "distributed.comm_hook=fp16"]
-    assert_ok(torchrun(2, args, tmp_path, timeout=240))
+    proc = torchrun(2, [str(tmp_path / "run"), *args], tmp_path, timeout=240,
+                    script=REPO / "tests" / "workers" / "wrap_worker.py")
+    assert_ok(proc)
+    r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert (r["wrapper"], r["inner"]) == ("DistributedDataParallel", "OptimizedModule")  # compile, then wrap
+    assert r["compiled_wraps_plain_module"] is True
+    assert r["static_graph"] is True and r["bucket_cap_bytes"] == 1024 * 1024
+    assert "fp16_compress_hook" in r["comm_hook"]
+    assert r["checkpoint_keys"] == r["module_keys"] and r["checkpoint_keys"]
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in r["checkpoint_keys"])
     s = read_scalars(tmp_path / "run" / "tb")
     assert s["val/acc"][-1][1] > 0.85
     assert s["train/loss"][-1][1] < s["train/loss"][0][1] / 2

@@ -21,7 +21,7 @@ def assert_same_state(a, b):
     for i in sa:
         assert torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"])
     assert a["scheduler"] == b["scheduler"]
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 44)
+    assert (a["loop"]["epoch"], a["loop"]["step"]) == (b["loop"]["epoch"], b["loop"]["step"]) == (2, 44)
 
 
 def test_in_process_resume_matches_uninterrupted_run(tmp_path):

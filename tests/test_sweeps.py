@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
-from ddplab.checkpoint import read_result
+from ddplab.rundir import read_result
 from ddplab.sweep import summarize
 
 pytestmark = pytest.mark.dist
@@ -197,7 +197,7 @@ def test_sweep_resume_auto_continues_unfinished_and_skips_finished_jobs(tmp_path
 
 
 def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
-    from ddplab import distributed
+    from ddplab.runtime import env
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -206,9 +206,9 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09]")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
-    assert distributed.is_launched() and distributed.env_rank() == 5
+    assert env.is_launched() and env.rank() == 5
     import os
 
     assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("8", "1", "gpu03")
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 20000)
-    assert distributed._first_host("node7,node8") == "node7"
+    assert env._first_host("node7,node8") == "node7"

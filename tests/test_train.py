@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO, assert_ok, job_dirs, python_train, read_scalars, run_cmd, torchrun
@@ -47,6 +48,8 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     assert all(v > 0 for _, v in s["perf/samples_per_s"])
     assert all(mx >= mean for (_, mx), (_, mean) in zip(s["perf/step_time_ms_max"], s["perf/step_time_ms"]))
     assert "amp bfloat16" in proc.stderr + proc.stdout  # bf16 autocast on CPU, no GradScaler
+    first = next(line for line in proc.stdout.splitlines() if "][ddplab][" in line)
+    assert "ranks: 0@" in first and ", 1@" in first  # the rank table is the job's first log line
 
     table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
                     tmp_path)
@@ -85,6 +88,12 @@ def test_single_process_has_the_same_config_semantics(tmp_path):
     c1 = yaml.safe_load((d1 / ".hydra" / "config.yaml").read_text())
     c2 = yaml.safe_load((d2 / ".hydra" / "config.yaml").read_text())
     assert c1 == c2  # the same command composes the same config with or without torchrun
+    # ... and every rank trained exactly it: the digests of the resolved config each rank used, and the
+    # config rank 0 stored in its checkpoint (what Hydra wrote above is only what was composed).
+    digests = re.findall(r"cfg=(\w+)", p1.stdout + p1.stderr) + re.findall(r"cfg=(\w+)", p2.stdout + p2.stderr)
+    assert len(digests) == 3 and len(set(digests)) == 1, digests
+    m1, m2 = (torch.load(d / "checkpoints" / "last.pt", weights_only=True)["meta"] for d in (d1, d2))
+    assert m1["config"] == m2["config"] and (m1["world_size"], m2["world_size"]) == (1, 2)
     # batch_size is global: both runs take the same optimizer steps over the same samples.
     assert "64 global = 1 rank(s) x 64 per rank" in p1.stdout + p1.stderr
     assert "64 global = 2 rank(s) x 32 per rank" in p2.stdout + p2.stderr
@@ -109,8 +118,14 @@ def test_accumulation_clipping_syncbn_and_fp16_scaler_together(tmp_path):
 
 
 def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
-    proc = torchrun(2, ["num_epochs=1", "model=mlp", "progress=bar"], tmp_path)
-    assert_ok(proc)
-    assert "epoch 1/1:" in proc.stderr and "/22 [" in proc.stderr  # tqdm draws on stderr
-    assert "step 10  loss=" not in proc.stdout  # the bar replaces the periodic log lines
-    assert "[rank1]" not in proc.stdout + proc.stderr  # rank 1 said nothing
+    # torchrun writes each rank's stdout/stderr to its own file: what rank 1 printed, by any means, is there.
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--redirects=3",
+           f"--log-dir={logs}", str(REPO / "train.py"), "num_epochs=1", "model=mlp", "progress=bar"]
+    assert_ok(run_cmd(cmd, tmp_path))
+    streams = {(p.parent.name, p.stem): p.read_text() for p in logs.glob("*/attempt_0/*/std*.log")}
+    assert sorted(streams) == [("0", "stderr"), ("0", "stdout"), ("1", "stderr"), ("1", "stdout")]
+    assert "epoch 1/1:" in streams["0", "stderr"] and "/22 [" in streams["0", "stderr"]  # tqdm draws on stderr
+    assert "ranks: 0@" in streams["0", "stdout"]  # rank 0 logs as usual
+    assert "step 10  loss=" not in streams["0", "stdout"]  # the bar replaces the periodic log lines
+    assert streams["1", "stdout"] == "" and streams["1", "stderr"] == ""  # rank 1 said nothing at all

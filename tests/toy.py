@@ -2,7 +2,7 @@
 
 The test launchers put this folder on PYTHONPATH, so `model._target_=toy.X`
 works in every rank. Test code may read RANK; ddplab's own code never does
-outside ddplab.distributed.
+outside ddplab.runtime.env.
 """
 
 import os
@@ -32,8 +32,9 @@ _FAULTED = []  # once per process: an in-process resume must not fault again
 
 
 class FaultyMLP(MLP):
-    """Crashes, hangs, gets SIGKILLed or makes the loss NaN (fault="nonfinite") on `fault_rank` at its `fault_call`-th
-    training forward — once per process, and only before any torchrun restart."""
+    """Crashes, hangs, gets SIGKILLed, makes the loss NaN (fault="nonfinite") or the gradients Inf with a finite
+    loss (fault="infgrad") on `fault_rank` at its `fault_call`-th training forward — once per process, and only
+    before any torchrun restart."""
 
     def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, **kw):
         super().__init__(**kw)
@@ -53,6 +54,9 @@ class FaultyMLP(MLP):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.fault == "nonfinite":
                 return out * float("nan")
+            if self.fault == "infgrad":
+                out.register_hook(lambda g: torch.full_like(g, float("inf")))
+                return out
             time.sleep(3600)  # hang
         return out
 

@@ -1,4 +1,5 @@
-"""Command-line plumbing that must happen before Hydra parses ``sys.argv``."""
+"""Command-line plumbing around ``@hydra.main``: argv fix-ups before Hydra parses
+``sys.argv``, and the sweep failure policy after a job returns or raises."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddplab.distributed import (consume_legacy_local_rank, elastic_restart_count, env_rank, is_launched,
-                                is_self_launched, run_dir_memo)
 from ddplab.job import run
+from ddplab.runtime import env
 
 log = logging.getLogger("ddplab")
 
@@ -32,12 +32,13 @@ def prepare_argv(argv: list[str]) -> list[str]:
       other than 0 get a throwaway dir instead, removed at exit, and no
       ``.hydra/`` copy; ``ddplab.run`` hands them rank 0's dir.
     """
-    argv = consume_legacy_local_rank(list(argv))
-    rank = env_rank()
+    argv = env.consume_legacy_local_rank(list(argv))
+    rank = env.rank()
     _remove_orphans()
     if rank == 0:
-        memo = run_dir_memo()
-        if memo and elastic_restart_count() > 0 and memo.is_file() and "-m" not in argv and "--multirun" not in argv:
+        memo = env.run_dir_memo()
+        if memo and env.elastic_restart_count() > 0 and memo.is_file() and "-m" not in argv \
+                and "--multirun" not in argv:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={memo.read_text()}"]
         return argv
@@ -86,7 +87,7 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as e:
         if not _is_multirun():
             raise
-        if is_launched() and not is_self_launched():
+        if env.is_launched() and not env.is_self_launched():
             log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
                       "use distributed.nproc_per_node=N without torchrun for sweeps that outlive failures")
             # Hydra would catch an exception and start the next job; leave instead,

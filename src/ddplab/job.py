@@ -1,28 +1,21 @@
-"""``ddplab.run(cfg)`` (defined here, in ddplab.job): one training job, callable from train.py, tests and sweepers."""
+"""``ddplab.run(cfg)`` (defined here, in ddplab.job): one training job, callable from train.py, tests and sweepers.
+
+    validate → strategy refusals → (self-launch N ranks) → Session → Trainer.fit → result.json
+"""
 
 from __future__ import annotations
 
 import logging
-import time
-from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from ddplab import checkpoint, distributed
-from ddplab.config import ConfigError, validate
+from ddplab import rundir, strategy
+from ddplab.config import validate
+from ddplab.runtime import env
+from ddplab.session import Session
 
 log = logging.getLogger("ddplab")
-
-
-def _own_run_dir(cfg: DictConfig) -> Path:
-    """This process's idea of the run dir: explicit, else Hydra's output dir, else outputs/<date>/<time>."""
-    if cfg.get("run_dir"):
-        return Path(cfg.run_dir).absolute()
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir).absolute()
-    return (Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")).absolute()
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -32,70 +25,47 @@ def run(cfg: DictConfig) -> dict[str, float]:
     error — which sweep summaries and ``resume=auto`` read.
     """
     validate(cfg)  # bad values fail here, before any process group exists
-    strategy = cfg.distributed.strategy
-    if strategy in ("none", "dp") and distributed.env_world_size() > 1:
-        raise ConfigError(f"distributed.strategy={strategy}: runs ONE process, but this one was launched as one "
-                          f"of {distributed.env_world_size()} ranks. Fix: run `python train.py distributed="
-                          f"{strategy} ...` without torchrun, or use distributed=ddp (or fsdp) under torchrun")
-    if cfg.distributed.nproc_per_node > 1:
-        if not distributed.is_launched():
+    strategy.check_launch(cfg, env.world_size())
+    nproc = cfg.distributed.nproc_per_node
+    if nproc > 1:
+        if not env.is_launched():
             return _self_launch(cfg)
-        if not distributed.is_self_launched():
+        if not env.is_self_launched():
             log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
-                        "launched job (torchrun/SLURM)", cfg.distributed.nproc_per_node)
-    state = distributed.setup(cfg.distributed)
-    clean = False
-    try:
-        if not state.is_main:
-            logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something is wrong
-        cfg = distributed.sync_config(cfg, state)  # a sweeper may have sampled per rank
-        # One dir per job: rank 0's (Hydra made it); other ranks never make their own.
-        run_dir = Path(distributed.broadcast_object(str(_own_run_dir(cfg)), state))
-        if state.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            memo = distributed.run_dir_memo()
-            if memo is not None:
-                memo.write_text(str(run_dir))
-        if distributed.elastic_restart_count() > 0 and not cfg.resume:
-            log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)",
-                        distributed.elastic_restart_count())
-            with open_dict(cfg):
-                cfg.resume = "auto"
-        log.info("ranks: %s", distributed.rank_table(state, distributed.config_digest(cfg)))
+                        "launched job (torchrun/SLURM)", nproc)
+    with Session(cfg) as session:
+        metrics = _train(session)
+        session.complete(metrics)
+    return metrics
 
-        from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
 
-        trainer = None
-        try:
-            trainer = Trainer(cfg, state, run_dir)
-            metrics = trainer.fit()
-            clean = True
-            if state.is_main:
-                checkpoint.write_result(run_dir, {"status": "completed", "metrics": metrics})
-                memo = distributed.run_dir_memo()
-                if memo is not None:  # only a failed attempt needs it (for torchrun's restart)
-                    memo.unlink(missing_ok=True)
-            return metrics
-        except Exception as e:
-            where = trainer.position() if trainer else "while building the job"
-            report = distributed.describe_failure(state, e, where, str(run_dir), cfg.distributed.timeout_s)
-            log.error(report)
-            if state.is_main:
-                checkpoint.write_result(run_dir, {"status": "failed", "error": report})
-            raise
-        finally:
-            del trainer  # DDP's reducer must go before its process group does
-    finally:
-        distributed.teardown(clean)
+def _train(session: Session) -> dict[str, float]:
+    # A function of its own: if it raises, its frame (holding the trainer and
+    # DDP's reducer) is in the traceback, which the Session clears before teardown.
+    from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
+
+    trainer = Trainer(session.cfg, session.state, session.run_dir)
+    session.where = trainer.position
+    return trainer.fit()
 
 
 def _self_launch(cfg: DictConfig) -> dict[str, float]:
-    from ddplab.launch import launch
+    from ddplab.runtime.launch import launch
 
-    run_dir = _own_run_dir(cfg)
+    run_dir = rundir.own_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
+    job = OmegaConf.to_container(cfg, resolve=True)
+    job["run_dir"] = str(run_dir)
     try:
-        return launch(cfg, run_dir)
+        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
     except Exception as e:
-        checkpoint.write_result(run_dir, {"status": "failed", "error": str(e)})
+        rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
         raise
+
+
+def run_rank(job: dict[str, Any]) -> dict[str, float]:
+    """One self-launched rank: the resolved config as a plain dict → ``run``."""
+    cfg = OmegaConf.create(job)
+    OmegaConf.set_struct(cfg, True)
+    return run(cfg)

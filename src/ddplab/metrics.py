@@ -1,57 +1,88 @@
-"""Metric accumulators, their one-collective reduction, and the rank-0 writer.
+"""Metric accumulators and their one-collective reduction, for any named task metrics.
 
 Per step, only device-side stores happen (no ``.item()``, no collective):
 on a GPU these are queued kernels and never stall the host. Once per log
-interval every rank's numbers are packed into one tensor and exchanged in a
-single collective (:func:`ddplab.distributed.all_ranks_rows`), from which
+interval every rank's numbers are packed into one row (:class:`Layout` names
+its slots) and exchanged in a single collective
+(:func:`ddplab.runtime.collectives.all_ranks_rows`), from which
 sample-weighted means (sums / counts — not a mean of rank means) and the
-max/min over ranks (stragglers) are read.
+max/min over ranks (stragglers) are read. The task's metric names ride along
+in the row; this module never needs to know them in advance.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Iterable
 
 import torch
 from torch import Tensor
 
-from ddplab.distributed import DistState, all_ranks_rows
+from ddplab.runtime.collectives import all_ranks_rows
+from ddplab.runtime.group import DistState
+from ddplab.task import TaskOutput
 
-# Slots of the packed per-rank row.
-_LOSS, _CORRECT, _COUNT, _NORM, _NORM_N = range(5)
-_STEP_T, _DATA_T, _STEPS, _WALL, _MEM = range(5, 10)
+
+class Layout:
+    """Named slots of a packed per-rank row: ``row[layout["loss"]]`` instead of magic offsets."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+
+    def __getitem__(self, name: str) -> int:
+        return self.index[name]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _metric_slots(metric_names: Iterable[str]) -> list[str]:
+    return [s for m in metric_names for s in (f"{m}.sum", f"{m}.count")]
+
+
+def _means(total: list[float], layout: Layout, metric_names: Iterable[str]) -> dict[str, float]:
+    """num_samples, the sample-weighted loss and each metric's sum/count from summed rows."""
+    count = total[layout["num_samples"]]
+    out = {"num_samples": count}
+    if count:
+        out["loss"] = total[layout["loss"]] / count
+    for m in metric_names:
+        n = total[layout[f"{m}.count"]]
+        if n:
+            out[m] = total[layout[f"{m}.sum"]] / n
+    return out
+
+
+def _store(slot: Tensor, value: Tensor | float) -> None:
+    if isinstance(value, Tensor):
+        slot.copy_(value.detach())  # one kernel, no sync
+    else:
+        slot.fill_(value)
 
 
 class SumMeter:
-    """Device-side sums of loss, correct predictions and samples (evaluation)."""
+    """Device-side sums of an evaluation: loss x size, samples, and each metric's (sum, count)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, metric_names: Iterable[str]):
+        self.metric_names = tuple(metric_names)
+        self.layout = Layout(["loss", "num_samples", *_metric_slots(self.metric_names)])
         # float64: exact sample counts and sums far past float32's 2**24.
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(len(self.layout), dtype=torch.float64, device=device)
 
-    def update(self, loss: Tensor, logits: Tensor, target: Tensor) -> None:
-        """``loss`` is the batch mean; weight it by the batch size so means stay exact."""
-        n = target.numel()
+    def update(self, out: TaskOutput) -> None:
+        """``out.loss`` is the batch mean; weighted by the batch size so means stay exact."""
         with torch.no_grad():
-            self.sums[_LOSS] += loss.detach().double() * n
-            self.sums[_CORRECT] += (logits.argmax(-1) == target).sum()
-            self.sums[_COUNT] += n
+            self.sums[0] += out.loss.detach().double() * out.size
+            self.sums[1] += out.size
+            for j, (s, c) in enumerate(out.metrics[m] for m in self.metric_names):
+                self.sums[2 + 2 * j] += s
+                self.sums[3 + 2 * j] += c
 
-    def reset(self) -> None:
-        self.sums.zero_()
-
-
-def _reduce_sums(rows: Tensor) -> dict[str, float]:
-    total = rows[:, :_NORM_N + 1].sum(0).tolist()  # the one host-device sync of a log step
-    count = total[_COUNT]
-    out = {"num_samples": count}
-    if count:
-        out["loss"] = total[_LOSS] / count
-        out["acc"] = total[_CORRECT] / count
-    if total[_NORM_N]:
-        out["grad_norm"] = total[_NORM] / total[_NORM_N]
-    return out
+    def reduce(self, state: DistState) -> dict[str, float]:
+        """Exact validation metrics from every rank's sums (one collective)."""
+        total = all_ranks_rows(self.sums, state).sum(0).tolist()  # the one host-device sync
+        return {f"val/{k}": v for k, v in _means(total, self.layout, self.metric_names).items()}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -61,16 +92,21 @@ class NonFiniteLossError(FloatingPointError):
 class TrainMetrics:
     """Training-side accumulation between log steps, plus host timers per rank.
 
-    Per micro-batch the device only *stores* two numbers (the mean loss and
-    the number of correct predictions) into preallocated buffers: about four
-    tiny kernels, no sync, no collective. Everything else — sample-weighted
-    sums, the NaN/Inf check naming the first bad step, grad-norm means — is
-    computed from the buffers once per log interval, right before the one
-    collective.
+    Per micro-batch the device only *stores* the mean loss and each metric's
+    sum (and count, if it is a tensor) into preallocated buffers: a few tiny
+    kernels, no sync, no collective. Sample-weighted sums, the NaN/Inf check
+    naming the first bad step and grad-norm means are computed once per log
+    interval, right before the one collective.
     """
 
-    def __init__(self, state: DistState, nonfinite: str = "error", accum: int = 1, capacity: int = 64):
+    _FIXED = ["loss", "num_samples", "grad_norm", "grad_norm.count", "step_time", "data_time", "steps", "wall",
+              "peak_mem", "nonfinite", "nonfinite_step"]
+
+    def __init__(self, state: DistState, metric_names: Iterable[str], nonfinite: str = "error", accum: int = 1,
+                 capacity: int = 64):
         self.state = state
+        self.metric_names = tuple(metric_names)
+        self.layout = Layout(self._FIXED + _metric_slots(self.metric_names))
         self.accum = accum
         self._cuda = state.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
@@ -79,29 +115,39 @@ class TrainMetrics:
         self.reset()
 
     def _alloc(self, capacity: int) -> None:
-        dev = self.state.device
+        dev, m = self.state.device, len(self.metric_names)
         self.losses = torch.zeros(capacity, device=dev)  # mean loss of each micro-batch
-        self.correct = torch.zeros(capacity, dtype=torch.int64, device=dev)  # correct predictions of each
+        self.sums = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # metric sums of each
+        self.counts = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # tensor counts of each
         self.norms = torch.zeros(capacity, device=dev)  # pre-clip grad norm of each step (if clipping)
         # 0-d views made once: a step writes into them with one kernel each (no per-step indexing op).
         self._loss_slots = self.losses.unbind()
-        self._correct_slots = self.correct.unbind()
+        self._sum_slots = [row.unbind() for row in self.sums.unbind()]
+        self._count_slots = [row.unbind() for row in self.counts.unbind()]
 
     def _grow(self) -> None:
-        old = (self.losses, self.correct, self.norms)
+        old = (self.losses, self.sums, self.counts, self.norms)
         self._alloc(2 * len(self.losses))
-        for new, o in zip((self.losses, self.correct, self.norms), old):
+        for new, o in zip((self.losses, self.sums, self.counts, self.norms), old):
             new[: len(o)] = o
 
-    def add_micro(self, loss: Tensor, logits: Tensor, target: Tensor) -> None:
-        """One micro-batch: ``loss`` is its mean; stored as is, weighted by its size at reduce time."""
+    def add_micro(self, out: TaskOutput) -> None:
+        """One micro-batch's task output: stored as is, weighted by its size at reduce time."""
         i = len(self.sizes)
         if i == len(self.losses):
             self._grow()
         with torch.no_grad():
-            self._loss_slots[i].copy_(loss)
-            torch.sum(logits.argmax(-1) == target, dim=0, out=self._correct_slots[i])
-        self.sizes.append(target.numel())  # shape metadata: no sync
+            self._loss_slots[i].copy_(out.loss.detach())
+            host = []
+            for j, m in enumerate(self.metric_names):
+                s, c = out.metrics[m]
+                _store(self._sum_slots[i][j], s)
+                if isinstance(c, Tensor):
+                    _store(self._count_slots[i][j], c)
+                    c = 0.0
+                host.append(float(c))  # a number is shape metadata: no kernel at all
+        self.sizes.append(out.size)
+        self.host_counts.append(host)
 
     def add_grad_norm(self, norm: Tensor) -> None:
         if self.norm_n == len(self.norms):
@@ -115,6 +161,7 @@ class TrainMetrics:
 
     def reset(self) -> None:
         self.sizes: list[int] = []
+        self.host_counts: list[list[float]] = []  # per micro-batch: the metric counts given as numbers
         self.norm_n = 0
         self.step_time = self.data_time = 0.0
         self.steps = 0
@@ -129,48 +176,50 @@ class TrainMetrics:
 
     def _local_row(self, last_step: int) -> Tensor:
         """This rank's packed sums (device ops only; the caller's collective is the sync)."""
-        k, dev = len(self.sizes), self.state.device
+        k, dev, lay = len(self.sizes), self.state.device, self.layout
+        row = torch.zeros(len(lay), dtype=torch.float64, device=dev)
         losses = self.losses[:k].double()
         finite = torch.isfinite(losses)
         w = torch.tensor(self.sizes, dtype=torch.float64, device=dev) * finite  # skipped (non-finite) ones weigh 0
-        sums = torch.zeros(5, dtype=torch.float64, device=dev)
-        sums[_LOSS] = (torch.where(finite, losses, 0.0) * w).sum()
-        sums[_CORRECT] = (self.correct[:k].double() * finite).sum()
-        sums[_COUNT] = w.sum()
-        sums[_NORM] = self.norms[: self.norm_n].double().sum()
-        sums[_NORM_N] = self.norm_n
+        row[lay["loss"]] = (torch.where(finite, losses, 0.0) * w).sum()
+        row[lay["num_samples"]] = w.sum()
+        row[lay["grad_norm"]] = self.norms[: self.norm_n].double().sum()
+        row[lay["grad_norm.count"]] = self.norm_n
+        if self.metric_names:
+            m0 = lay[f"{self.metric_names[0]}.sum"]
+            row[m0::2] = (self.sums[:k] * finite[:, None]).sum(0)
+            host = torch.tensor(self.host_counts, dtype=torch.float64).reshape(k, -1).to(dev)
+            row[m0 + 1::2] = ((self.counts[:k] + host) * finite[:, None]).sum(0)
         # First non-finite micro-batch → its optimizer step (steps of an interval are consecutive).
         bad = ~finite
         first_micro = torch.where(bad, torch.arange(k, device=dev, dtype=torch.float64), float(k)).min() \
             if k else torch.zeros((), dtype=torch.float64, device=dev)
         first_step = (last_step - self.steps + 1) + torch.div(first_micro, self.accum, rounding_mode="floor")
-        nonfinite = torch.stack([bad.sum().double(), torch.where(bad.any(), first_step, 0.0)])
+        row[lay["nonfinite"]] = bad.sum()
+        row[lay["nonfinite_step"]] = torch.where(bad.any(), first_step, 0.0)
         mem = torch.cuda.max_memory_allocated(dev) / 2**30 if self._cuda else 0.0
-        wall = time.perf_counter() - self.t_start
-        host = torch.tensor([self.step_time, self.data_time, self.steps, wall, mem], dtype=torch.float64)
-        return torch.cat([sums, host.to(dev), nonfinite])
+        host = [self.step_time, self.data_time, self.steps, time.perf_counter() - self.t_start, mem]
+        row[lay["step_time"]: lay["peak_mem"] + 1] = torch.tensor(host, dtype=torch.float64)
+        return row
 
     def reduce(self, where: str = "", last_step: int = 0) -> dict[str, float]:
         """ONE collective; returns ``train/*`` and ``perf/*`` scalars (same on every rank).
 
         ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss.
         """
+        lay = self.layout
         rows = all_ranks_rows(self._local_row(last_step), self.state).cpu()
-        bad, first = rows[:, _MEM + 1], rows[:, _MEM + 2]
-        if self._raise_nonfinite and bad.sum() > 0:  # every rank sees the same rows: all stop here together
-            step = int(first[first > 0].min().item())
-            ranks = [r for r in range(len(bad)) if bad[r] > 0]
-            raise NonFiniteLossError(
-                f"training loss became NaN/Inf at step {step} (rank(s) {ranks}; noticed at the log step, "
-                f"{where}). Fix: lower optimizer.lr, set grad_clip=1.0, use amp_dtype=bfloat16 instead of "
-                "float16, check the data for NaN — or nonfinite_loss=skip to skip such steps.")
-        sums = _reduce_sums(rows)
-        steps = max(rows[0, _STEPS].item(), 1.0)
-        step_ms = rows[:, _STEP_T] / steps * 1e3  # per rank
-        data_ms = rows[:, _DATA_T] / steps * 1e3
+        self._raise_if_nonfinite(rows, where)
+        total = rows.sum(0).tolist()
+        sums = _means(total, lay, self.metric_names)
+        if total[lay["grad_norm.count"]]:
+            sums["grad_norm"] = total[lay["grad_norm"]] / total[lay["grad_norm.count"]]
+        steps = max(rows[0, lay["steps"]].item(), 1.0)
+        step_ms = rows[:, lay["step_time"]] / steps * 1e3  # per rank
+        data_ms = rows[:, lay["data_time"]] / steps * 1e3
         out = {f"train/{k}": v for k, v in sums.items() if k != "num_samples"}
         out.update({
-            "perf/samples_per_s": sums["num_samples"] / max(rows[:, _WALL].max().item(), 1e-9),
+            "perf/samples_per_s": sums["num_samples"] / max(rows[:, lay["wall"]].max().item(), 1e-9),
             "perf/step_time_ms": step_ms.mean().item(),
             "perf/step_time_ms_max": step_ms.max().item(),  # the straggler sets the pace
             "perf/step_time_ms_min": step_ms.min().item(),
@@ -179,89 +228,18 @@ class TrainMetrics:
             "perf/data_time_ms_min": data_ms.min().item(),
         })
         if self._cuda:
-            out["perf/peak_mem_gb"] = rows[:, _MEM].max().item()
+            out["perf/peak_mem_gb"] = rows[:, lay["peak_mem"]].max().item()
         if self.skipped:
             out["train/skipped_steps"] = float(self.skipped)
         self.reset()
         return out
 
-
-def reduce_eval(meter: SumMeter, state: DistState) -> dict[str, float]:
-    """Exact validation metrics from every rank's sums (one collective)."""
-    sums = _reduce_sums(all_ranks_rows(meter.sums, state).cpu())
-    return {f"val/{k}": v for k, v in sums.items()}
-
-
-# -------------------------------------------------------------------- writers
-class NullWriter:
-    """What non-zero ranks get: the loop calls the same methods, nothing happens."""
-
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        pass
-
-    def text(self, tag: str, value: str) -> None:
-        pass
-
-    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TensorBoardWriter(NullWriter):
-    """Rank 0's SummaryWriter, opened at the first scalar (or at close).
-
-    Importing TensorBoard and opening the event file takes a few hundred ms;
-    nothing needs them before the first log step, so they stay off the path
-    from launch to the first training step. Text and HParams written earlier
-    are queued and land first in the file.
-    """
-
-    def __init__(self, log_dir: str, purge_step: int | None = None):
-        self.log_dir, self.purge_step = log_dir, purge_step
-        self._w: Any = None
-        self._queued: list[tuple[str, tuple]] = []
-
-    def _writer(self) -> Any:
-        if self._w is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops events a crashed run logged past its last checkpoint,
-            # so a resumed run's curves have each step once.
-            self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
-            for method, args in self._queued:
-                getattr(self, method)(*args)
-            self._queued.clear()
-        return self._w
-
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        w = self._writer()
-        for k, v in values.items():
-            w.add_scalar(k, v, step)
-
-    def text(self, tag: str, value: str) -> None:
-        if self._w is None:
-            self._queued.append(("text", (tag, value)))
-            return
-        # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
-        self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
-
-    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
-        """HParams-tab entry for this run, in this run's own event file (add_hparams would
-        make a second run dir). The metric values are the scalars logged under those tags."""
-        if self._w is None:
-            self._queued.append(("hparams", (hparams, metric_tags)))
-            return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
-
-        clean = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
-        for summary in hparams_summary(clean, {t: 0.0 for t in metric_tags}):
-            self._w.file_writer.add_summary(summary)
-
-    def close(self) -> None:
-        self._writer().close()
-
-
-def make_writer(state: DistState, log_dir: str, purge_step: int | None = None) -> Any:
-    return TensorBoardWriter(log_dir, purge_step) if state.is_main else NullWriter()
+    def _raise_if_nonfinite(self, rows: Tensor, where: str) -> None:
+        bad, first = rows[:, self.layout["nonfinite"]], rows[:, self.layout["nonfinite_step"]]
+        if self._raise_nonfinite and bad.sum() > 0:  # every rank sees the same rows: all stop here together
+            step = int(first[first > 0].min().item())
+            ranks = [r for r in range(len(bad)) if bad[r] > 0]
+            raise NonFiniteLossError(
+                f"training loss became NaN/Inf at step {step} (rank(s) {ranks}; noticed at the log step, "
+                f"{where}). Fix: lower optimizer.lr, set grad_clip=1.0, use amp_dtype=bfloat16 instead of "
+                "float16, check the data for NaN — or nonfinite_loss=skip to skip such steps.")

@@ -11,6 +11,7 @@ given as ``perf.peak_tflops``.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -54,3 +55,31 @@ def train_flops_per_sample(module: nn.Module, sample: Tensor) -> float | None:
     finally:
         module.train(was_training)
     return 3.0 * flops if flops else None
+
+
+class FlopRate:
+    """``perf/tflops`` (model FLOPs the job achieves) and ``perf/mfu`` where the device peak is known.
+
+    The FLOPs are counted on first use — the first log step, off the path from
+    launch to the first training step — and never when ``enabled`` is False.
+    """
+
+    def __init__(self, enabled: bool, module: nn.Module, sample: Callable[[], Tensor], device: torch.device,
+                 dtype: torch.dtype, peak_override: float | None, world_size: int):
+        self._todo = enabled
+        self._module, self._sample, self._device, self._dtype = module, sample, device, dtype
+        self._override, self._world = peak_override, world_size
+        self.per_sample: float | None = None
+        self.peak: float | None = None
+
+    def rates(self, samples_per_s: float) -> dict[str, float]:
+        if self._todo:
+            self._todo = False
+            self.per_sample = train_flops_per_sample(self._module, self._sample())
+            self.peak = peak_tflops(self._device, self._dtype, self._override)
+        if not self.per_sample:
+            return {}
+        out = {"perf/tflops": self.per_sample * samples_per_s / 1e12}
+        if self.peak:
+            out["perf/mfu"] = out["perf/tflops"] / (self.peak * self._world)
+        return out

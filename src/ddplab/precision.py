@@ -19,7 +19,7 @@ _ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _resolve_dtype(amp_dtype: str, device: torch.device) -> torch.dtype:
-    name = _ALIASES.get(amp_dtype, amp_dtype)
+    name = _ALIASES.get(str(amp_dtype), str(amp_dtype))
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():

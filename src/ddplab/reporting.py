@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddplab import rundir
+
 log = logging.getLogger("ddplab")
 
 
@@ -24,14 +26,12 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "amp": cfg.amp,
         "seed": cfg.seed, "world_size": world_size,
     }
-    overrides = run_dir / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        for o in OmegaConf.load(overrides):
-            key, _, value = str(o).lstrip("+~").partition("=")
-            if key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir"):
-                continue
-            node = OmegaConf.select(cfg, key, default=None)
-            hp[key] = value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
+    for o in rundir.read_overrides(run_dir) or []:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir"):
+            continue
+        node = OmegaConf.select(cfg, key, default=None)
+        hp[key] = value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
     return {k: v for k, v in hp.items() if v is not None}
 
 

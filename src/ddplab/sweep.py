@@ -8,9 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from ddplab.checkpoint import read_result
+from ddplab.rundir import read_overrides, read_result
 
 COLUMNS = ["job", "status", "overrides", "objective", "best", "val/loss", "train/loss", "error"]
 
@@ -31,8 +29,7 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool = Fals
     """One row per job, best first; failed and unfinished jobs last."""
     rows = []
     for job in _job_dirs(sweep_dir):
-        ov = job / ".hydra" / "overrides.yaml"
-        overrides = " ".join(str(o) for o in OmegaConf.load(ov)) if ov.is_file() else ""
+        overrides = " ".join(read_overrides(job) or [])
         result = read_result(job)
         if result is None:
             status, metrics, error = "unfinished", _from_events(job), ""

@@ -3,7 +3,7 @@
 * a DDP communication hook that counts gradient all-reduces (per bucket);
 * a recorder of the index batches each rank's sampler hands out, per epoch.
 
-Rank 0 prints one JSON line: hook calls, optimizer steps, micro-batches, and
+Rank 0 prints one JSON line: hook calls, optimizer steps, training forwards (micro-batches), and
 every rank's per-epoch index lists.
 """
 
@@ -17,10 +17,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddplab import distributed
+from ddplab.runtime import group
+from ddplab.config import register_configs
 from ddplab.data import ShardedGlobalSampler
 from ddplab.trainer import Trainer
 
+register_configs()
 conf = Path(__file__).resolve().parents[2] / "conf"
 with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
     cfg = compose(config_name="train", overrides=sys.argv[2:])
@@ -38,7 +40,7 @@ def recording_batches(self):
 
 
 ShardedGlobalSampler.batches = recording_batches
-state = distributed.setup(cfg.distributed)
+state = group.init(cfg.distributed)
 trainer = Trainer(cfg, state, Path(sys.argv[1]))
 calls = {"n": 0}
 
@@ -49,15 +51,23 @@ def counting_hook(st, bucket):
 
 
 trainer.model.register_comm_hook(None, counting_hook)
+forwards = {"train": 0}
+
+
+def count_forward(module, args):
+    forwards["train"] += module.training  # evaluation forwards are not micro-batches
+
+
+trainer.module.register_forward_pre_hook(count_forward)
 out = trainer.fit()
 everyone = [None] * state.world_size
 dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
 if state.is_main:
-    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.step,
-                                  "micro_batches": trainer.step * cfg.grad_accum_steps,
+    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.loop.step,
+                                  "micro_batches": forwards["train"],
                                   "metrics": out}), flush=True)
 del trainer  # release DDP (and its reducer's threads) before the process group goes
-distributed.teardown()
+group.teardown()
 # Skip interpreter teardown: with a Python comm hook registered, destroying the
 # gloo/reducer objects at shutdown occasionally aborts ("terminate called without
 # an active exception", ~1 in 30 runs here) after all work is done.

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddplab import distributed
+from ddplab.runtime import group
 from ddplab.syncbn import convert_sync_batchnorm
 
-state = distributed.setup(OmegaConf.create({"device": "cpu", "backend": "gloo", "init_method": "env://",
+state = group.init(OmegaConf.create({"device": "cpu", "backend": "gloo", "init_method": "env://",
                                             "timeout_s": 60}))
 W, r = state.world_size, state.rank
 torch.manual_seed(0)
@@ -61,4 +61,4 @@ if r == 0:
         "rmean": (mine[0].running_mean - ref[0].running_mean).abs().max().item(),
         "rvar": (mine[0].running_var - ref[0].running_var).abs().max().item(),
     }), flush=True)
-distributed.teardown()
+group.teardown()

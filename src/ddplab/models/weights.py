@@ -20,6 +20,24 @@ from torch import nn
 log = logging.getLogger("ddplab")
 
 
+def _few(xs: list[str]) -> str:
+    return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+
+
+def state_dict_mismatch(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                        shapes: bool = True) -> str:
+    """What keeps ``state`` from loading into a module whose state_dict is ``own``; "" if it fits.
+
+    ``shapes=False`` ignores shape differences (fine-tuning keeps those tensors at their init).
+    """
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    bad = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                 for k in set(own) & set(state) if own[k].shape != state[k].shape) if shapes else []
+    parts = [f"shape mismatch: {_few(bad)}" if bad else "", f"missing: {_few(missing)}" if missing else "",
+             f"unexpected: {_few(unexpected)}" if unexpected else ""]
+    return "; ".join(p for p in parts if p)
+
+
 def load_weights(model: nn.Module, path: str | Path) -> list[str]:
     """Load ``path`` into ``model``; returns the keys left at their initialisation (shape mismatch)."""
     path = Path(path).expanduser()
@@ -35,11 +53,10 @@ def load_weights(model: nn.Module, path: str | Path) -> list[str]:
         raise ValueError(f"model.weights={path}: not a state_dict (a dict of tensors)")
     state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in obj.items()}
     own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"model.weights={path} does not fit {type(model).__name__}: missing {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''}. Fix: the weights of this architecture")
+    problems = state_dict_mismatch(own, state, shapes=False)
+    if problems:
+        raise ValueError(f"model.weights={path} does not fit {type(model).__name__}: {problems}. "
+                         "Fix: the weights of this architecture")
     skipped = [k for k in own if own[k].shape != state[k].shape]
     for k in skipped:
         log.warning("model.weights: %s kept at its initialisation (file %s, model %s)", k,

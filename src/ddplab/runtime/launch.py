@@ -3,50 +3,48 @@
 Each job gets its own rendezvous on a free port (torch's elastic agent, as
 ``torchrun --standalone`` does), so Hydra launchers that run jobs side by side
 (joblib, submitit) never collide on ports, and a sweep needs no torchrun.
+
+The rank body is an entry callable handed in by the caller (``ddplab.job``),
+so this module never imports the job (no import cycle).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from omegaconf import DictConfig, OmegaConf
-
-from ddplab import distributed
+from ddplab.runtime import env
 
 log = logging.getLogger("ddplab")
 
+Entry = Callable[[dict[str, Any]], dict[str, float]]
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
-    """Run the job on ``nproc_per_node`` local ranks; return rank 0's metrics."""
+
+def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path) -> dict[str, float]:
+    """Run ``entry(job)`` on ``nproc`` local ranks; return rank 0's result.
+
+    ``entry`` must be importable by name (a module-level function): the ranks are spawned.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    d = cfg.distributed
-    n = d.nproc_per_node
-    # Ranks share the cores: one thread each unless the user said otherwise.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    os.environ[distributed.SELF_LAUNCHED] = "1"  # inherited by the ranks: they must not launch again
-    # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
-    job = OmegaConf.to_container(cfg, resolve=True)
-    job["run_dir"] = str(run_dir)
+    env.prepare_self_launch(nproc)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port per job
-        max_restarts=d.max_restarts, monitor_interval=0.2,
+        max_restarts=max_restarts, monitor_interval=0.2,
     )
     if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside joblib's loky workers the global start method is "loky", which
         # the ranks spawned below cannot resolve; they only need plain spawn.
         multiprocessing.set_start_method("spawn", force=True)
-    log.info("self-launch: %d local ranks (max_restarts=%d)", n, d.max_restarts)
+    log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
     try:
-        results = elastic_launch(config, _rank_main)(job)
+        results = elastic_launch(config, _rank_main)(entry, job, str(run_dir))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RuntimeError(
@@ -55,20 +53,16 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     return results[0]
 
 
-def _rank_main(job: dict[str, Any]) -> dict[str, float]:
-    """Body of each spawned rank: log like train.py would, then ``ddplab.run``."""
-    from ddplab.job import run
-
-    rank = distributed.env_rank()
+def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:
+    """Body of each spawned rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
+    rank = env.rank()
     fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     root = logging.getLogger()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
     if rank == 0:
-        handlers.append(logging.FileHandler(Path(job["run_dir"]) / "train.log"))
+        handlers.append(logging.FileHandler(Path(run_dir) / "train.log"))
     for h in handlers:
         h.setFormatter(fmt)
         root.addHandler(h)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    cfg = OmegaConf.create(job)
-    OmegaConf.set_struct(cfg, True)
-    return run(cfg)
+    return entry(job)

@@ -1,0 +1,98 @@
+"""CheckpointManager: what goes into a checkpoint, when, under which name, and how a run resumes.
+
+Every component with state registers once (``manager.register("scheduler",
+scheduler)``) and implements the :class:`Stateful` protocol — torch's
+optimizers, schedulers and modules already do. The manager owns the save
+policy (epoch ends, every N steps, keep the last K, best), atomic writes by
+rank 0, finding a resume point, and loading: every component's ``check`` runs
+before any component is loaded, so a checkpoint that does not fit changes
+nothing. It must not decide what a component's state *is*.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ddplab.checkpoint import files
+from ddplab.runtime.collectives import barrier, broadcast_object
+from ddplab.runtime.group import DistState
+
+log = logging.getLogger("ddplab")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    # Optional: ``check(checkpoint: dict, path: Path) -> None`` raises if the
+    # checkpoint cannot be loaded into this component (run before any load).
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any]):
+        """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best); ``meta``: stored as is."""
+        self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
+        self.components: dict[str, Stateful] = {}
+        self._step = 0
+        self._source: Path | None = None  # the checkpoint being loaded
+
+    def register(self, key: str, component: Stateful) -> None:
+        if key in self.components or key == "meta":
+            raise ValueError(f"checkpoint entry {key!r} is registered twice (or reserved)")
+        self.components[key] = component
+
+    # ------------------------------------------------------ sidecar directories
+    def sidecar_path(self, suffix: str) -> Path:
+        """Directory next to the step file being written, for state saved by every rank (sharded)."""
+        return self.dir / f"{files.step_name(self._step)}.{suffix}"
+
+    def resolve_sidecar(self, name: str) -> Path:
+        """A sidecar named by the checkpoint being loaded (it may live in another run dir)."""
+        assert self._source is not None, "resolve_sidecar is for loading"
+        return self._source.parent / name
+
+    # ----------------------------------------------------------------- saving
+    def due(self, step: int, step_in_epoch: int, steps_per_epoch: int) -> bool:
+        """A mid-epoch save is due after this optimizer step (epoch ends always save)."""
+        every = self.policy.every_n_steps
+        return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch
+
+    def save(self, step: int, is_best: bool = False) -> None:
+        """Collective: every rank gathers its components' state; rank 0 writes; all wait."""
+        self._step = step
+        entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
+        if self.state.is_main:
+            files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
+                       is_best and self.policy.save_best)
+        barrier(self.state)  # nobody races ahead of (or reads) a half-written file
+
+    # ---------------------------------------------------------------- loading
+    def resume(self, resume: str | None, run_dir: Path) -> Path | None:
+        """Load the checkpoint ``resume`` names (null | auto | path) into every component; its path."""
+        found = [str(p) for p in files.find_resume(resume, run_dir)] if self.state.is_main else []
+        paths = [Path(p) for p in broadcast_object(found, self.state)]
+        if not paths:
+            return None
+        if resume != "auto":  # the user named it: a bad file is an error, not a fallback
+            path, ck = paths[0], files.load(paths[0], self.state.device)
+        else:
+            got = files.load_first_good(paths, self.state.device)
+            if got is None:
+                raise RuntimeError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
+                                   "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
+            path, ck = got
+        self._source = path
+        for c in self.components.values():
+            if hasattr(c, "check"):
+                c.check(ck, path)
+        missing = [k for k in self.components if k not in ck]
+        if missing:
+            raise RuntimeError(f"resume: {path} has no {missing} entries (saved by another ddplab version or "
+                               "setup). Fix: resume=null to start fresh.")
+        for key, c in self.components.items():
+            c.load_state_dict(ck[key])
+        return path

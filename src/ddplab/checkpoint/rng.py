@@ -1,0 +1,71 @@
+"""Random streams as checkpoint state: every rank's python / numpy / torch (/ CUDA) generators."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddplab.runtime.collectives import gather_object
+from ddplab.runtime.group import DistState
+
+log = logging.getLogger("ddplab")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams, as plain lists/tensors (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class RNGStreams:
+    """Stateful: saves every rank's streams (a gather: collective), restores this rank's.
+
+    A restore matters only mid-epoch (at an epoch start the streams are
+    re-seeded from (seed, epoch, rank)), so loading only stages the state;
+    :meth:`restore` applies it when the loop resumes mid-epoch.
+    """
+
+    def __init__(self, state: DistState):
+        self.state = state
+        self._staged: dict[str, Any] | None = None
+        self.saved_world_size: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranks": gather_object(rng_state(), self.state)}  # one entry per rank
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ranks = sd.get("ranks") or []
+        self.saved_world_size = len(ranks)
+        self._staged = ranks[self.state.rank] if len(ranks) == self.state.world_size else None
+
+    def restore(self) -> bool:
+        """Continue the saved streams exactly; False if there are none for this world size."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        set_rng_state(staged)
+        return True

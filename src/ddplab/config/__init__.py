@@ -1,0 +1,37 @@
+"""Typed config: schemas Hydra merges ``conf/`` over, their registration, and validation.
+
+* :mod:`.choices` — the enums of every choice field (unknown options fail while composing);
+* :mod:`.schema` — TrainConfig and its distributed / perf / checkpoint parts (defaults live here);
+* :mod:`.groups` — schemas of the model / dataset / optimizer / scheduler options;
+* :mod:`.validate` — each schema's range checks plus the rules spanning keys.
+
+``train.py`` calls :func:`register_configs` before ``@hydra.main`` composes.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ddplab.config.errors import ConfigError
+from ddplab.config.groups import GROUPS
+from ddplab.config.schema import DistributedConfig, TrainConfig
+from ddplab.config.validate import validate
+
+__all__ = ["ConfigError", "register_configs", "validate"]
+
+
+def register_configs() -> None:
+    """Make the schemas visible to conf/'s defaults lists; idempotent.
+
+    Registers ``train_schema`` and ``schema/<group>/<name>``, and the ``lt``
+    resolver that conf/model/resnet*.yaml uses for ``small_input``.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="schema/distributed", name="distributed", node=DistributedConfig)
+    for group, schemas in GROUPS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+    if not OmegaConf.has_resolver("lt"):
+        OmegaConf.register_new_resolver("lt", lambda a, b: a < b)

@@ -1,0 +1,228 @@
+"""Schemas of the config groups whose options name a ``_target_`` factory:
+model, dataset, optimizer, scheduler.
+
+Defaults live here, once; an option's yaml (conf/<group>/<option>.yaml) only
+picks a schema and sets what differs for that option (its ``_target_``,
+interpolations from the dataset). A user can point a group at any installed
+factory with a yaml of their own, with or without one of these schemas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from ddplab.config.choices import Stats
+from ddplab.config.errors import require
+
+
+# --------------------------------------------------------------------- models
+@dataclass
+class ModelConfig:
+    """Keys every model option has; `weights` is ddplab's (see build.model), the rest go to the factory."""
+
+    _target_: str = MISSING
+    num_classes: int = MISSING
+    in_channels: int = 1
+    weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the wrap
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    _target_: str = "ddplab.models.resnet18"
+    in_channels: int = 3
+    # 3x3 stride-1 stem and no max-pool: keeps 8x8..32x32 images from being
+    # pooled away to 1x1 before layer2. Only conv1's kernel shape changes, so
+    # state_dict keys stay torchvision's.
+    small_input: bool = False
+    zero_init_residual: bool = False
+
+
+@dataclass
+class ConvNetConfig(ModelConfig):
+    """The BatchNorm + dropout convnet of the Keras multi-GPU guide, in torch."""
+
+    _target_: str = "ddplab.models.ConvNet"
+    channels: list[int] = field(default_factory=lambda: [12, 24, 32])
+    hidden: int = 256
+    dropout: float = 0.5
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """A plain MLP over flattened images (the fastest model on CPU)."""
+
+    _target_: str = "ddplab.models.MLP"
+    hidden: list[int] = field(default_factory=lambda: [256, 256])  # widths of the hidden layers
+    dropout: float = 0.1
+    image_size: int = 8  # with in_channels: the input width, in_channels * image_size**2
+
+
+@dataclass
+class KerasConvNetConfig(ModelConfig):
+    """The Keras multi-GPU guide's convnet in Keras 3 (torch backend); needs `pip install keras`."""
+
+    _target_: str = "ddplab.models.keras_convnet.keras_convnet"
+    image_size: int = 8
+    dropout: float = 0.5
+
+
+@dataclass
+class ViTConfig(ModelConfig):
+    """torchvision's VisionTransformer layout; small by default (CPU-sized)."""
+
+    _target_: str = "ddplab.models.VisionTransformer"
+    in_channels: int = 3
+    image_size: int = 32
+    patch_size: int = 4  # must divide image_size
+    num_layers: int = 4
+    num_heads: int = 4
+    hidden_dim: int = 128
+    mlp_dim: int = 256
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+# ------------------------------------------------------------------- datasets
+@dataclass
+class AugmentConfig:
+    """Training-time augmentation, applied to whole batches on the training device."""
+
+    crop_padding: int = 0  # >0: zero-pad by this many pixels, then crop back at a random offset
+    hflip: bool = False  # random horizontal flip (wrong for digits/text: leave off there)
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.crop_padding >= 0, f"{key}.crop_padding", c.crop_padding, "must be >= 0",
+                f"pass {key}.crop_padding=4 (or 0: off)")
+
+
+@dataclass
+class DigitsConfig:
+    """scikit-learn's 1,797 8x8 handwritten digits, split once with a fixed seed."""
+
+    _target_: str = "ddplab.data.digits"
+    val_fraction: float = 0.2
+    split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
+    # Read by the model configs through interpolation; fixed by the data.
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 8
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class SyntheticConfig:
+    """Random class-conditional images: learnable, any shape, any size."""
+
+    _target_: str = "ddplab.data.synthetic"
+    num_train: int = 1024
+    num_val: int = 256
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    noise: float = 1.0  # std of the noise around each class's prototype image
+    seed: int = 0
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class FilesConfig:
+    """Datasets read from local files under `root` (nothing is downloaded)."""
+
+    _target_: str = MISSING
+    root: Optional[str] = None
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 28
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class MNISTConfig(FilesConfig):
+    """MNIST's (or Fashion-MNIST's) four IDX files, gzipped or not."""
+
+    _target_: str = "ddplab.data.mnist"
+
+
+@dataclass
+class CIFARConfig(FilesConfig):
+    """CIFAR-10/100 python batches."""
+
+    _target_: str = "ddplab.data.cifar10"
+    in_channels: int = 3
+    image_size: int = 32
+    augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=4, hflip=True))
+
+
+@dataclass
+class ImageFolderConfig(FilesConfig):
+    """root/train/<class>/<image> and root/val/<class>/<image>, decoded with Pillow."""
+
+    _target_: str = "ddplab.data.imagefolder"
+    num_classes: int = MISSING  # the number of class folders (checked)
+    in_channels: int = 3
+    image_size: int = 224  # short side resized to this, centre crop to square
+    train_dir: str = "train"
+    val_dir: str = "val"
+    stats: Stats = Stats.imagenet  # per-channel normalisation of this dataset
+    augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=0, hflip=True))
+
+
+# ------------------------------------------------------------ optim / sched
+@dataclass
+class SGDConfig:
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True  # bound to the model's parameters by the trainer
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = True
+
+
+@dataclass
+class AdamWConfig:
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+
+
+@dataclass
+class CosineConfig:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr over all optimizer steps."""
+
+    _target_: str = "ddplab.optim.cosine"
+    _partial_: bool = True
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
+
+
+@dataclass
+class StepConfig:
+    _target_: str = "ddplab.optim.step"
+    _partial_: bool = True
+    step_epochs: int = 30  # multiply the lr by gamma every step_epochs epochs
+    gamma: float = 0.1
+    warmup_steps: int = 0
+
+
+@dataclass
+class ConstantConfig:
+    _target_: str = "ddplab.optim.constant"
+    _partial_: bool = True
+    warmup_steps: int = 0
+
+
+GROUPS = {
+    "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
+              "keras_convnet": KerasConvNetConfig},
+    "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
+                "imagefolder": ImageFolderConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
+}

@@ -1,0 +1,155 @@
+"""The top-level schema (``train.yaml`` merges over :class:`TrainConfig`) and its typed
+sub-configs. Each field's default is set here and nowhere else; each class checks
+its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from ddplab.config.choices import (TRI_STATE, AmpDtype, Backend, BatchScope, CommHook, CompileMode, Device,
+                                   NonFinite, ProgressMode, Strategy)
+from ddplab.config.errors import require
+
+
+@dataclass
+class DistributedConfig:
+    # ddp: one process per device, gradients all-reduced (the default);
+    # none: one process, no wrapper; dp: torch.nn.DataParallel, one process
+    # over all visible GPUs (slower than ddp; kept to compare); fsdp: FSDP2
+    # fully_shard, parameters/gradients/optimizer state sharded over ranks.
+    strategy: Strategy = Strategy.ddp
+    backend: Backend = Backend.auto  # auto: nccl when the device is CUDA, gloo otherwise
+    device: Device = Device.auto  # auto: cuda:LOCAL_RANK when CUDA is available, else cpu
+    init_method: str = "env://"  # or tcp://host:port, file:///shared/path
+    # A rank that never arrives or dies fails the job after this many seconds
+    # instead of hanging forever (torch's own default is 30 min for gloo).
+    timeout_s: float = 300.0
+    find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = True  # grads alias DDP buckets: one copy less
+    # >1: `python train.py` starts this many local ranks itself (free port per
+    # job, so parallel sweep jobs never collide). Ignored under torchrun/SLURM.
+    nproc_per_node: int = 1
+    max_restarts: int = 0  # self-launch only: restart the ranks this often after a failure
+    # The autograd graph is the same every step (no data-dependent branches or
+    # unused parameters): DDP can then skip per-step bookkeeping.
+    static_graph: bool = False
+    # Gradient compression before the all-reduce (halves gradient traffic;
+    # helps when the network, not compute, is the limit). bf16 needs NCCL.
+    comm_hook: CommHook = CommHook.none
+    # fsdp: free the gathered parameters after forward (less memory, one more
+    # all-gather in backward); false keeps them until backward (ZeRO-2-like).
+    reshard_after_forward: bool = True
+
+    @staticmethod
+    def check(d: Any, key: str = "distributed") -> None:
+        require(d.timeout_s > 0, f"{key}.timeout_s", d.timeout_s, "must be > 0", f"pass {key}.timeout_s=300")
+        require(d.bucket_cap_mb > 0, f"{key}.bucket_cap_mb", d.bucket_cap_mb, "must be > 0",
+                f"pass {key}.bucket_cap_mb=25")
+        require(d.nproc_per_node > 0, f"{key}.nproc_per_node", d.nproc_per_node, "must be >= 1",
+                f"pass {key}.nproc_per_node=2 (or launch with torchrun)")
+        require(d.max_restarts >= 0, f"{key}.max_restarts", d.max_restarts, "must be >= 0",
+                f"pass {key}.max_restarts=0")
+        require(d.init_method.split("://")[0] in ("env", "tcp", "file"), f"{key}.init_method", d.init_method,
+                "unknown scheme", "use env://, tcp://HOST:PORT or file:///PATH")
+
+
+@dataclass
+class PerfConfig:
+    """Fast paths. Defaults are on where they help everywhere; the rest are opt-in."""
+
+    # auto: in-memory datasets live on the training device and are batched by
+    # indexing (no per-sample __getitem__ + collate) when they fit in a quarter
+    # of its free memory; false: a DataLoader over the dataset, per sample.
+    data_on_device: str = "auto"  # auto | true | false
+    # NHWC activations: faster convolutions on tensor-core GPUs under amp.
+    channels_last: bool = False
+    # torch.compile the model (before the DDP wrap). First steps pay the compile.
+    compile: bool = False
+    compile_mode: Optional[CompileMode] = None  # null: torch's default
+    compile_backend: str = "inductor"
+    # auto: fused optimizer kernels where the optimizer and device support
+    # them (one kernel for all parameters), else torch's default.
+    fused_optimizer: str = "auto"  # auto | true | false
+    # Loader-based datasets only (data that is not an in-memory tensor pair).
+    num_workers: int = 0
+    pin_memory: bool = True  # with CUDA: page-locked batches, copied with non_blocking
+    # Peak TFLOP/s of one device for perf/mfu; null: looked up for known GPUs.
+    peak_tflops: Optional[float] = None
+
+    @staticmethod
+    def check(pf: Any, key: str = "perf") -> None:
+        for k in ("data_on_device", "fused_optimizer"):
+            require(str(pf[k]).lower() in TRI_STATE, f"{key}.{k}", pf[k], "unknown choice",
+                    f"use {key}.{k}=auto, true or false")
+        require(pf.num_workers >= 0, f"{key}.num_workers", pf.num_workers, "must be >= 0",
+                f"pass {key}.num_workers=4")
+        require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
+                "must be > 0 or null", f"pass {key}.peak_tflops=null")
+
+
+@dataclass
+class CheckpointConfig:
+    # Also save every N optimizer steps (0: only at epoch ends). Each save is a
+    # full state: a run killed at any step resumes bitwise-identically from it.
+    every_n_steps: int = 0
+    keep_last: int = 2  # step files kept (plus best.pt); last.pt always points at the newest
+    save_best: bool = True  # best.pt: the checkpoint with the best `objective` so far
+
+    @staticmethod
+    def check(c: Any, key: str = "checkpoint") -> None:
+        require(c.every_n_steps >= 0, f"{key}.every_n_steps", c.every_n_steps, "must be >= 0 (0: epoch ends only)",
+                f"pass {key}.every_n_steps=0")
+        require(c.keep_last >= 1, f"{key}.keep_last", c.keep_last, "must be >= 1", f"pass {key}.keep_last=2")
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    dataset: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+
+    seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
+    num_epochs: int = 20  # length of the run and of the lr schedule
+    # Samples per optimizer micro-step summed over all ranks. Kept global so a
+    # run means the same thing on 1 or 8 GPUs; each rank gets batch_size /
+    # world_size. Set batch_size_scope=per_rank for the DDP-tutorial meaning.
+    batch_size: int = 64
+    batch_size_scope: BatchScope = BatchScope["global"]
+    grad_accum_steps: int = 1  # optimizer step every k micro-batches
+    grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
+    amp: bool = False  # autocast: bf16 on CPU and Ampere+ GPUs, fp16 + GradScaler on older ones
+    amp_dtype: AmpDtype = AmpDtype.auto  # or bfloat16 | float16 (bf16 | fp16)
+    log_every_n_steps: int = 10  # one collective per interval (and one at each epoch's end)
+    eval_every_n_epochs: int = 1  # the last epoch is always evaluated
+    # null: start fresh; auto: continue from last.pt of this run dir or of the
+    # newest earlier run with the same overrides; or a path to a checkpoint.
+    resume: Optional[str] = None
+    # Stop (after checkpointing) once this many epochs are done, while the lr
+    # schedule still spans num_epochs: for time-limited jobs and tests.
+    stop_after_epochs: Optional[int] = None
+    run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
+    progress: ProgressMode = ProgressMode.auto  # auto: a bar on a terminal, log lines otherwise
+    objective: str = "val/acc"  # metric returned to sweepers
+    # NaN/Inf training loss: "error" stops at the step, naming it (checked on
+    # the device, read at log steps: free); "skip" skips that optimizer step
+    # (one host sync and a tiny collective per step).
+    nonfinite_loss: NonFinite = NonFinite.error
+
+    @staticmethod
+    def check(c: Any, key: str = "") -> None:
+        for k, lo, example in (("num_epochs", 1, 10), ("batch_size", 1, 64), ("grad_accum_steps", 1, 1),
+                               ("log_every_n_steps", 1, 10), ("eval_every_n_epochs", 1, 1)):
+            require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
+        require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0")
+        require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
+                "must be > 0 or null", "drop the override")

@@ -1,0 +1,50 @@
+"""``validate(cfg)``: every schema's own range checks, then the rules that span keys.
+
+Runs on every rank before any process group exists. Typed choices are not
+checked here: OmegaConf rejects an unknown option while Hydra composes.
+Strategy-specific refusals (fsdp + compile, dp under torchrun) belong to the
+strategy classes (:func:`ddplab.strategy.check_launch`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ddplab.config.errors import require
+from ddplab.config.groups import AugmentConfig
+from ddplab.config.schema import CheckpointConfig, DistributedConfig, PerfConfig, TrainConfig
+
+# Checked by path, not by node type, so a self-launched rank's untyped copy is checked the same way.
+_OWN_CHECKS = {"": TrainConfig.check, "distributed": DistributedConfig.check, "perf": PerfConfig.check,
+               "checkpoint": CheckpointConfig.check}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and cross-key checks; raises ConfigError naming the key, the value and the fix."""
+    for key, check in _OWN_CHECKS.items():
+        check(cfg.get(key) if key else cfg, key)
+    _any_option_keys(cfg)
+    pf, d = cfg.perf, cfg.distributed
+    require(not pf.compile or d.bucket_cap_mb >= 1, "distributed.bucket_cap_mb", d.bucket_cap_mb,
+            "with perf.compile=true buckets must hold at least DDP's 1 MB first bucket (dynamo splits the graph "
+            "at bucket boundaries)", "pass distributed.bucket_cap_mb=25, or perf.compile=false")
+
+
+def _any_option_keys(cfg: DictConfig) -> None:
+    """Keys that a group option of any origin (ours or a user's yaml) may carry."""
+    ds = cfg.dataset if isinstance(cfg.dataset, DictConfig) else {}
+    if ds.get("augment") is not None:
+        AugmentConfig.check(ds.augment, "dataset.augment")
+    root = ds.get("root")
+    require(root is not None or "root" not in ds, "dataset.root", root,
+            f"{ds.get('_target_', 'this dataset')} reads local files (nothing is downloaded)",
+            "dataset.root=/path/to/the/files (README 'Datasets' says which files and where to get them)")
+    if root:
+        require(Path(root).exists(), "dataset.root", root, "no such file or directory (nothing is downloaded)",
+                "point dataset.root at the folder that holds the dataset's files")
+    lr: Any = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, DictConfig) else None
+    if lr is not None:
+        require(lr > 0, "optimizer.lr", lr, "must be > 0", "pass optimizer.lr=0.1")

@@ -1,0 +1,126 @@
+"""Small named collectives over the job's process group; each is a no-op on one process.
+
+Called with the :class:`~ddplab.runtime.group.DistState` the Session built,
+so a caller never asks ``torch.distributed`` whether a group exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddplab.runtime.group import DistState
+
+
+def broadcast_object(obj: Any, state: DistState) -> Any:
+    """Rank 0's ``obj`` on every rank (small picklable things: paths, decisions)."""
+    if not state.is_distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_object(obj: Any, state: DistState) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (checkpoint-time only)."""
+    if not state.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * state.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_ranks_rows(row: torch.Tensor, state: DistState) -> torch.Tensor:
+    """(world_size, K) matrix of every rank's ``row`` — ONE collective.
+
+    Each rank writes its row into a zero matrix and the matrices are summed.
+    From the result a caller takes sums, maxima and minima over ranks at once,
+    where separate SUM/MAX/MIN all_reduces would cost three round trips; for
+    the handful of numbers logged per interval the extra bytes are free.
+    """
+    if not state.is_distributed:
+        return row.unsqueeze(0)
+    rows = torch.zeros(state.world_size, row.numel(), dtype=row.dtype, device=row.device)
+    rows[state.rank] = row
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+    return rows
+
+
+def any_rank(flag: bool | torch.Tensor, state: DistState) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one tiny collective and a host read)."""
+    t = torch.as_tensor(flag, dtype=torch.float32, device=state.device).reshape(1)
+    return bool(all_ranks_rows(t, state).sum().item() > 0)
+
+
+def barrier(state: DistState) -> None:
+    if state.is_distributed:
+        dist.barrier()
+
+
+def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
+    """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast.
+
+    A module (or submodule) with a ``synced_state()`` method adds the tensors it
+    names: Keras keeps BN moving statistics as non-trainable parameters, not buffers.
+    """
+    extra = [t for m in module.modules() if hasattr(m, "synced_state") for t in m.synced_state()]
+    bufs = [b for b in [*module.buffers(), *extra] if b.is_floating_point()]
+    if not state.is_distributed or not bufs:
+        return
+    flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])
+    dist.broadcast(flat, src=0)
+    with torch.no_grad():
+        for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
+            b.copy_(v.view_as(b))
+
+
+def rank_table(state: DistState, digest: str = "") -> str:
+    """"rank@host:device(local_rank) cfg=digest" for every rank, gathered once at start-up."""
+    me = f"{state.rank}@{socket.gethostname()}:{state.device}(local {state.local_rank})"
+    me += f" cfg={digest}" if digest else ""
+    return ", ".join(gather_object(me, state))
+
+
+def sync_config(cfg: Any, state: DistState) -> Any:
+    """Every rank trains rank 0's config.
+
+    A sweeper running in every rank (Optuna under torchrun) may sample
+    different values per rank; training on them would silently diverge or die
+    on a shape mismatch. Differences are named in a warning.
+    """
+    from omegaconf import OmegaConf
+
+    mine = OmegaConf.to_container(cfg, resolve=True)  # also fails early on a bad interpolation
+    if not state.is_distributed:
+        return cfg
+    ref = broadcast_object(mine, state)
+    if ref != mine:
+        a, b = _flatten(ref), _flatten(mine)
+        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        logging.getLogger("ddplab").warning(
+            "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
+            state.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
+    out = OmegaConf.create(ref)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def config_digest(cfg: Any) -> str:
+    """Short hash of the resolved config: equal on all ranks iff they train the same thing."""
+    from omegaconf import OmegaConf
+
+    return hashlib.sha1(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()[:10]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
+    return out

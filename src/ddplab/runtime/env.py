@@ -1,0 +1,132 @@
+"""The launcher's environment: the ONLY module that reads (or writes) RANK, WORLD_SIZE,
+LOCAL_RANK, SLURM_*, SUBMITIT_*, TORCHELASTIC_* and ddplab's own self-launch flag.
+
+Launch forms it understands::
+
+    python train.py                                      # one process
+    torchrun --standalone --nproc_per_node=2 train.py    # RANK/LOCAL_RANK/WORLD_SIZE set
+    python -m torch.distributed.launch ... train.py      # legacy: --local-rank=N in argv
+    srun / submitit                                      # SLURM_* / SUBMITIT_LOCAL_* task variables
+    python train.py distributed.nproc_per_node=2         # ddplab.runtime.launch sets DDPLAB_SELF_LAUNCHED
+
+Everything else asks this module (or the DistState the Session builds from it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return "127.0.0.1"
+    return m.group(1) + (re.split(r"[,-]", m.group(2))[0] if m.group(2) else "")
+
+
+def adopt_scheduler_env() -> None:
+    """Map SLURM's (srun / submitit_slurm) or submitit_local's task variables onto
+    torch's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, so each task of a
+    multi-task job becomes one rank. No-op when a torch launcher already set RANK."""
+    env = os.environ
+    if "RANK" in env:
+        return
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        rank, world, local = env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0")
+        addr = _first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        port = 10000 + int(env.get("SLURM_JOB_ID", "0")) % 20000  # same on every task of the job
+    elif int(env.get("SUBMITIT_LOCAL_NTASKS", "1")) > 1 and "SUBMITIT_LOCAL_GLOBALID" in env:
+        rank, world = env["SUBMITIT_LOCAL_GLOBALID"], env["SUBMITIT_LOCAL_NTASKS"]
+        local, addr = env.get("SUBMITIT_LOCAL_LOCALID", "0"), "127.0.0.1"
+        port = 10000 + int(env.get("SUBMITIT_LOCAL_JOB_ID", "0")) % 20000
+    else:
+        return
+    env.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local)
+    env.setdefault("MASTER_ADDR", addr)
+    env.setdefault("MASTER_PORT", str(port))
+
+
+def rank() -> int:
+    """Global rank from the launcher's environment (0 when not launched)."""
+    adopt_scheduler_env()
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """World size from the launcher's environment (1 when not launched)."""
+    adopt_scheduler_env()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    adopt_scheduler_env()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_launched() -> bool:
+    """True when a launcher (torchrun, SLURM, submitit) made this process one of several ranks."""
+    adopt_scheduler_env()
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_self_launched() -> bool:
+    return os.environ.get(SELF_LAUNCHED) == "1"
+
+
+def prepare_self_launch(nproc: int) -> None:
+    """Before spawning ``nproc`` local ranks: they inherit the flag (so they never launch
+    again) and, unless the user chose otherwise, one share of the cores each."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[SELF_LAUNCHED] = "1"
+
+
+def elastic_restart_count() -> int:
+    """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def run_dir_memo() -> Path | None:
+    """Where rank 0 notes its run dir, so a torchrun restart continues in the same dir.
+
+    Keyed by torchrun's run id and the agent's pid: both survive a restart,
+    and no two torchrun invocations share them.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    return Path(tempfile.gettempdir()) / f"ddplab-run-{run_id}-{os.getppid()}"
+
+
+def use_own_store(init_method: str) -> None:
+    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes rank 0 a *client* of a store
+    it expects torchrun to host on the port of ``init_method``; for anything but
+    env:// nobody would answer, so the flag goes."""
+    if init_method != "env://":
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def consume_legacy_local_rank(argv: list[str]) -> list[str]:
+    """Strip ``--local-rank=N`` / ``--local_rank N`` that torch.distributed.launch appends.
+
+    Hydra would reject them as overrides; the value goes to LOCAL_RANK, where
+    torchrun would have put it.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        m = re.fullmatch(r"--local[-_]rank(?:=(\d+))?", argv[i])
+        if m:
+            value = m.group(1)
+            if value is None and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            if value is not None:
+                os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            out.append(argv[i])
+        i += 1
+    return out

@@ -1,0 +1,141 @@
+"""The process group: join it from the launcher's environment, describe a failure, leave it.
+
+The Session is the only caller of :func:`init` and :func:`teardown`; every
+other module gets the resulting :class:`DistState` and the named helpers of
+:mod:`ddplab.runtime.collectives`, never ``torch.distributed`` state directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddplab.runtime import env
+
+_generation = 0  # process groups this process has created (the same count on every rank)
+
+
+@dataclass(frozen=True)
+class DistState:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "distributed.device=cuda but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+                "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch."
+            )
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible. "
+                f"Fix: launch at most {n} processes per node (--nproc_per_node={n})."
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(cfg: Any) -> DistState:
+    """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
+    rank, world_size, local_rank = env.rank(), env.world_size(), env.local_rank()
+    device = _pick_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        # Before any CUDA work: otherwise every rank creates a context on GPU 0.
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return DistState(device=device)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise RuntimeError("distributed.backend=nccl needs CUDA devices. Fix: distributed.backend=auto or gloo.")
+    timeout = timedelta(seconds=cfg.timeout_s)
+    env.use_own_store(cfg.init_method)
+    global _generation
+    _generation += 1
+    try:
+        store, rank, world_size = next(dist.rendezvous(cfg.init_method, rank=rank, world_size=world_size,
+                                                       timeout=timeout))
+        # A sweep under torchrun runs several jobs in one process, all on
+        # torchrun's one store: a fresh key prefix per job keeps a new group
+        # from reading the previous group's (dead) addresses and hanging.
+        # torchrun's store also outlives a restart (--max-restarts): the restart count joins the prefix.
+        store = dist.PrefixStore(f"ddplab/{env.elastic_restart_count()}/{_generation}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                **({"device_id": device} if backend == "nccl" else {}))
+    except Exception as e:  # name what was tried and what to change
+        raise RuntimeError(f"rank {rank}/{world_size}: could not join the process group (backend={backend}, "
+                           f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
+                           f"{_join_hint(str(e), world_size, cfg.timeout_s)}") from e
+    return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+def _join_hint(msg: str, world_size: int, timeout_s: float) -> str:
+    if "address already in use" in msg.lower() or "EADDRINUSE" in msg:
+        return (" The port is taken (another job, or a leftover process): use torchrun --standalone, "
+                "or pick a free port (--master_port / the port in init_method).")
+    if "timed out" in msg.lower() or "timeout" in msg.lower():
+        return (f" Not all {world_size} ranks arrived within distributed.timeout_s={timeout_s}: "
+                "check that every process/node was started with the same WORLD_SIZE and address.")
+    return ""
+
+
+def teardown(clean: bool = True) -> None:
+    """Leave the process group. ``clean``: every rank got here normally, so wait
+    for all of them first — a rank that tears down while a peer is still in its
+    last collective can abort the peer. After a failure, never wait (it would hang)."""
+    if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timed out" in text or "timeout" in text
+
+
+def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float) -> str:
+    """A one-paragraph account of why this rank stopped, naming the rank(s) at fault where possible.
+
+    Each failing rank leaves a note in the rendezvous store (no collective: the
+    group may be broken). A rank whose collective timed out waits briefly for
+    the others' notes; ranks that left none never reached the collective —
+    hung, dead or far slower — and are named.
+    """
+    msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {exc}"
+    if not (state.is_distributed and dist.is_initialized()):
+        return msg
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
+        if _is_timeout(exc):
+            time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
+            silent = [r for r in range(state.world_size)
+                      if not store.check([f"ddplab/{job_key}/failed/{r}"])]
+            msg += (f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
+                    f"Rank(s) {silent} never reached it: hung, dead or far slower than the rest "
+                    "(a stuck data loader, a deadlock, a rank-dependent branch that skips a collective).")
+    except Exception:  # the store may be gone too; the plain message still stands
+        pass
+    return msg

@@ -1,0 +1,90 @@
+"""Session: the lifecycle of one job on one rank, entered once by ``ddplab.run``.
+
+Owns, in order: the launcher environment (via :mod:`ddplab.runtime.env`) →
+the process group → rank 0's config on every rank → the run dir agreed by
+rank 0 (and the torchrun-restart memo) → on exit, ``result.json`` and the
+teardown. It must not touch models, data or checkpoints' contents: what runs
+inside the ``with`` block is the trainer's business.
+
+    with Session(cfg) as s:          # s.cfg, s.state, s.run_dir
+        metrics = train(s)
+        s.complete(metrics)
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable
+
+from omegaconf import DictConfig, open_dict
+
+from ddplab import rundir
+from ddplab.runtime import collectives, env, group
+from ddplab.runtime.group import DistState
+
+log = logging.getLogger("ddplab")
+
+
+class Session:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.state: DistState = DistState()
+        self.run_dir: Path = Path()
+        # Where a failure happened, for the report: the trainer replaces it with its position.
+        self.where: Callable[[], str] = lambda: "while building the job"
+
+    def __enter__(self) -> Session:
+        self.state = group.init(self.cfg.distributed)
+        try:
+            self._agree()
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    def _agree(self) -> None:
+        st = self.state
+        if not st.is_main:
+            logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something is wrong
+        self.cfg = collectives.sync_config(self.cfg, st)  # a sweeper may have sampled per rank
+        # One dir per job: rank 0's (Hydra made it); other ranks never make their own.
+        self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), st))
+        memo = env.run_dir_memo()
+        if st.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if memo is not None:
+                memo.write_text(str(self.run_dir))
+        restarts = env.elastic_restart_count()
+        if restarts > 0 and not self.cfg.resume:
+            log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)", restarts)
+            with open_dict(self.cfg):
+                self.cfg.resume = "auto"
+        log.info("ranks: %s", collectives.rank_table(st, collectives.config_digest(self.cfg)))
+
+    def complete(self, metrics: dict[str, Any]) -> None:
+        """The job finished: rank 0 records it; a torchrun restart memo is no longer needed."""
+        if self.state.is_main:
+            rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics})
+            memo = env.run_dir_memo()
+            if memo is not None:
+                memo.unlink(missing_ok=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if isinstance(exc, Exception):
+                report = group.describe_failure(self.state, exc, self.where(), str(self.run_dir),
+                                                self.cfg.distributed.timeout_s)
+                log.error(report)
+                if self.state.is_main and self.run_dir != Path():
+                    rundir.write_result(self.run_dir, {"status": "failed", "error": report})
+        finally:
+            if tb is not None:
+                # The failed frames hold the trainer (and DDP's reducer), which must go
+                # before its process group does.
+                traceback.clear_frames(tb)
+            self.where = lambda: "after the job"
+            group.teardown(clean=exc is None)

@@ -1,0 +1,37 @@
+"""Strategies: none | dp | ddp | fsdp, one class each, chosen once by :func:`make`.
+
+The only place that maps ``distributed.strategy`` to behaviour; see
+:mod:`ddplab.strategy.base` for what a strategy owns.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ddplab.runtime.group import DistState
+from ddplab.strategy.base import Strategy
+from ddplab.strategy.ddp import DDPStrategy
+from ddplab.strategy.fsdp import FSDPStrategy
+from ddplab.strategy.local import DataParallel, Local
+
+__all__ = ["Strategy", "make", "check_launch"]
+
+_CLASSES: dict[str, type[Strategy]] = {c.name: c for c in (Local, DataParallel, DDPStrategy, FSDPStrategy)}
+
+
+def _class(cfg: DictConfig) -> type[Strategy]:
+    return _CLASSES[str(cfg.distributed.strategy)]
+
+
+def check_launch(cfg: DictConfig, world_size: int) -> None:
+    """The configured strategy's refusals, before any process group exists."""
+    _class(cfg).refuse(cfg, world_size)
+
+
+def make(cfg: DictConfig, state: DistState) -> Strategy:
+    """The strategy this job runs: the configured one, or ``none`` when a multi-process
+    strategy finds itself on one process (nothing to reduce or shard)."""
+    cls = _class(cfg)
+    if not state.is_distributed and not cls.one_process:
+        cls = Local
+    return cls(cfg, state)

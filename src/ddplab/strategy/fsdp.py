@@ -1,0 +1,110 @@
+"""distributed=fsdp: FSDP2 ``fully_shard`` — parameters, gradients and optimizer state sharded.
+
+Parameters become DTensors: the clip's norm is one too, fused optimizers have
+no kernels for them, and checkpoints are sharded (torch.distributed.checkpoint,
+every rank writes its part into ``step-N.dcp/`` next to rank 0's ``step-N.pt``).
+FSDP's forward all-gathers, so evaluation runs equal forwards on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from ddplab.checkpoint import Stateful
+from ddplab.config import ConfigError
+from ddplab.strategy.base import Sidecars, Strategy
+
+
+class ShardedState:
+    """Stateful: model + optimizer written by every rank into a sidecar directory (collective)."""
+
+    SUFFIX = "dcp"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sidecars: Sidecars):
+        self.module, self.optimizer, self.sidecars = module, optimizer, sidecars
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = self.sidecars.sidecar_path(self.SUFFIX)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        return {"sidecar": path.name}
+
+    def check(self, ck: dict[str, Any], path: Path) -> None:
+        if "sharded" not in ck:
+            raise RuntimeError(f"resume: {path} was saved without distributed=fsdp (full weights); resume it "
+                               "with the strategy it was saved with, or resume=null")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Read this rank's shards back (any world size: DCP reshards on load); collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = self.sidecars.resolve_sidecar(sd["sidecar"])
+        if not (path / ".metadata").is_file():
+            raise RuntimeError(f"resume: sharded checkpoint {path} is missing or incomplete (no .metadata)")
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    counts_flops = False  # a forward outside the step would all-gather out of step with other ranks
+
+    @classmethod
+    def refuse(cls, cfg: DictConfig, world_size: int) -> None:
+        if cfg.distributed.sync_batchnorm:
+            raise ConfigError("distributed.sync_batchnorm=True: not supported with distributed=fsdp. "
+                              "Fix: distributed.sync_batchnorm=false, or distributed=ddp")
+        if cfg.perf.compile:
+            raise ConfigError("perf.compile=True: not wired for distributed=fsdp yet. "
+                              "Fix: perf.compile=false, or distributed=ddp")
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Each top-level child with parameters is one unit (its all-gather overlaps the previous
+        unit's compute), then the root takes whatever parameters are left. In place: the module
+        that evaluation and checkpoints use is the sharded one too."""
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = self.d.reshard_after_forward
+        for child in module.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, reshard_after_forward=reshard)
+        fully_shard(module, reshard_after_forward=reshard)
+        return module
+
+    def fused_mode(self, mode: str) -> str:
+        return "false" if str(mode).lower() == "auto" else mode  # torch has no fused kernels for DTensors
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def grad_norm(self, norm: Tensor) -> Tensor:
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def checkpoint_entries(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                           sidecars: Sidecars) -> dict[str, Stateful]:
+        return {"sharded": ShardedState(module, optimizer, sidecars)}
+
+    def finish_eval(self, module: nn.Module, forwards_done: int, forwards_needed: int,
+                    forward: Callable[[], Any]) -> None:
+        # Every rank must run as many all-gathering forwards as rank 0 (the largest
+        # shard): extra forwards on one sample, results dropped.
+        for _ in range(forwards_needed - forwards_done):
+            forward()

@@ -1,0 +1,53 @@
+"""The trainer's own small records, each a Stateful checkpoint entry: where the loop is
+(``loop``) and what the evaluations found (``results``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoopState:
+    """Optimizer steps and epochs completed, and the position inside the current epoch."""
+
+    seed: int
+    accum: int
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps completed
+    step_in_epoch: int = 0  # optimizer steps completed in the current epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
+                # The sampler needs no state of its own: (seed, epoch, position) fix its order.
+                "sampler": {"seed": self.seed, "epoch": self.epoch,
+                            "skip_micro_batches": self.step_in_epoch * self.accum}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.step, self.step_in_epoch = sd["epoch"], sd["step"], sd.get("step_in_epoch", 0)
+
+    def position(self) -> str:
+        return f"in epoch {self.epoch + 1}, step {self.step + 1}"
+
+
+@dataclass
+class Results:
+    """The latest validation metrics and the best value of the objective so far (higher is better)."""
+
+    best: float | None = None
+    last_val: dict[str, float] = field(default_factory=dict)
+
+    def update(self, val: dict[str, float], objective: str) -> bool:
+        """Record an evaluation; True if it improved the objective."""
+        self.last_val = val
+        obj = val.get(objective)
+        if obj is not None and (self.best is None or obj > self.best):
+            self.best = obj
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "last_val": self.last_val}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.best, self.last_val = sd["best"], sd.get("last_val", {})

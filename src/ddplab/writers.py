@@ -1,0 +1,86 @@
+"""Where scalars go: rank 0's TensorBoard writer (opened lazily), a do-nothing writer elsewhere.
+
+Chosen once by :func:`make_writer`, so the loop calls the same methods on
+every rank and never asks which rank it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddplab.runtime.group import DistState
+
+
+class NullWriter:
+    """What non-zero ranks get: the loop calls the same methods, nothing happens."""
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        pass
+
+    def text(self, tag: str, value: str) -> None:
+        pass
+
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter(NullWriter):
+    """Rank 0's SummaryWriter, opened at the first scalar (or at close).
+
+    Importing TensorBoard and opening the event file takes a few hundred ms;
+    nothing needs them before the first log step, so they stay off the path
+    from launch to the first training step. Text and HParams written earlier
+    are queued and land first in the file.
+    """
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        self.log_dir, self.purge_step = log_dir, purge_step
+        self._w: Any = None
+        self._queued: list[tuple[str, tuple]] = []
+
+    def _writer(self) -> Any:
+        if self._w is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a crashed run logged past its last checkpoint,
+            # so a resumed run's curves have each step once.
+            self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
+            for method, args in self._queued:
+                getattr(self, method)(*args)
+            self._queued.clear()
+        return self._w
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        w = self._writer()
+        for k, v in values.items():
+            w.add_scalar(k, v, step)
+
+    def text(self, tag: str, value: str) -> None:
+        if self._w is None:
+            self._queued.append(("text", (tag, value)))
+            return
+        # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
+        self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
+
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        """HParams-tab entry for this run, in this run's own event file (add_hparams would
+        make a second run dir). The metric values are the scalars logged under those tags."""
+        if self._w is None:
+            self._queued.append(("hparams", (hparams, metric_tags)))
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        # Typed choices are str-valued enums: plain str for the protobuf.
+        clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
+        for summary in hparams_summary(clean, {t: 0.0 for t in metric_tags}):
+            self._w.file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        self._writer().close()
+
+
+def make_writer(state: DistState, log_dir: str, purge_step: int | None = None) -> Any:
+    return TensorBoardWriter(log_dir, purge_step) if state.is_main else NullWriter()

@@ -1,0 +1,100 @@
+"""House rules of docs/architecture.md, checked on the source: sizes, no import cycles,
+one owner for the strategy, the launcher environment and the checkpoint policy."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ddplab"
+MODULES = sorted(SRC.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+NAMES = {module_name(p): p for p in MODULES}
+
+
+def test_the_rules_look_at_every_module():
+    assert len(MODULES) >= 30 and "ddplab.trainer" in NAMES and "ddplab.strategy.base" in NAMES
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_module_and_function_sizes(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path.name}: over 400 lines"
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(text))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, f"{path.name}: functions over 60 lines: {long}"
+
+
+def imports_of(path: Path) -> set[str]:
+    """ddplab modules ``path`` imports, at module level or inside functions (a lazy import is still an edge)."""
+    me = module_name(path)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if node.level == 0 else ".".join(me.split(".")[:-node.level] + [node.module])
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in NAMES else base)
+    return {m for m in out if m in NAMES and m != me}
+
+
+def test_no_import_cycles():
+    graph = {m: imports_of(p) for m, p in NAMES.items()}
+    # Importing a submodule runs its parent packages' __init__; those edges are implicit, not design.
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+    assert "ddplab.job" not in graph["ddplab.runtime.launch"]  # self-launch takes an entry callable
+
+
+def _outside(*owners: str) -> list[Path]:
+    return [p for p in MODULES if not any(str(p.relative_to(SRC)).startswith(o) for o in owners)]
+
+
+STRATEGY_WORDS = re.compile(r"DistributedDataParallel|DataParallel|fully_shard|full_tensor|(?<!strategy\.)no_sync\(|"
+                            r"set_requires_gradient_sync|\bDTensor|strategy\s*(==|!=|in\b)|\"(ddp|dp|fsdp)\"")
+
+
+def test_only_the_strategy_branches_on_the_strategy():
+    hits = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in _outside("strategy/", "config/")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if STRATEGY_WORDS.search(line)]
+    assert hits == []
+    assert STRATEGY_WORDS.search((SRC / "strategy" / "ddp.py").read_text())  # the pattern does find them
+
+
+def test_only_the_env_module_reads_the_launcher_environment():
+    pattern = re.compile(r"os\.environ|getenv|\"(RANK|WORLD_SIZE|LOCAL_RANK|SLURM_\w*|TORCHELASTIC_\w*)\"")
+    hits = [f"{p.relative_to(SRC)}:{i}" for p in _outside("runtime/env.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    # keras_convnet sets KERAS_BACKEND before importing keras: a library switch, not launcher state.
+    assert hits == ["models/keras_convnet.py:35"]
+
+
+def test_only_the_checkpoint_manager_names_and_times_checkpoints():
+    pattern = re.compile(r"torch\.save\(|last\.pt|best\.pt|step-\{|\bevery_n_steps|keep_last")
+    hits = [f"{p.relative_to(SRC)}:{i}" for p in _outside("checkpoint/", "config/")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
