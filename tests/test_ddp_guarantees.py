@@ -141,21 +141,23 @@ def test_init_methods(tmp_path, scheme):
                     tmp_path, timeout=120)
     assert_ok(proc)
     assert read_scalars(job_dirs(tmp_path)[0] / "tb")["val/num_samples"][-1][1] == 359
-    # The init_method is really what joins the ranks: one nobody can serve fails, naming it.
-    (tmp_path / "bad").mkdir()
-    if scheme == "tcp":
-        with socket.socket() as busy:
-            busy.bind(("127.0.0.1", 0))
-            busy.listen()
-            bad = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
-            proc = torchrun(2, ["model=mlp", f"distributed.init_method={bad}", "distributed.timeout_s=10"],
-                            tmp_path / "bad", timeout=120)
-    else:
-        bad = f"file://{tmp_path}/no/such/dir/rendezvous"
-        proc = torchrun(2, ["model=mlp", f"distributed.init_method={bad}", "distributed.timeout_s=10"],
-                        tmp_path / "bad", timeout=120)
-    assert proc.returncode != 0
-    assert f"could not join the process group (backend=gloo, init_method={bad}" in proc.stdout + proc.stderr
+    # Two plain processes (no launcher, no MASTER_ADDR/PORT): env:// cannot join them, so their joining
+    # shows the init_method is what does.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous2"
+    args = ["model=mlp", "num_epochs=1", "progress=log", "distributed.timeout_s=60"]
+    procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"], cwd=plain,
+                              env={**_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "2 rank(s) on cpu (gloo)" in outs[0]
+    assert read_scalars(job_dirs(plain)[0] / "tb")["val/num_samples"][-1][1] == 359
+    control = subprocess.run([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], cwd=plain,
+                             env={**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                             capture_output=True, text=True, timeout=120)
+    assert control.returncode != 0 and "MASTER_ADDR" in control.stdout + control.stderr
 
 
 # ------------------------------------------------------------ 5. multi-node

@@ -55,7 +55,7 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     run_dir = rundir.own_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
-    job = OmegaConf.to_container(cfg, resolve=True)
+    job = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     job["run_dir"] = str(run_dir)
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
