@@ -54,13 +54,6 @@ def _means(total: list[float], layout: Layout, metric_names: Iterable[str]) -> d
     return out
 
 
-def _store(slot: Tensor, value: Tensor | float) -> None:
-    if isinstance(value, Tensor):
-        slot.copy_(value.detach())  # one kernel, no sync
-    else:
-        slot.fill_(value)
-
-
 class SumMeter:
     """Device-side sums of an evaluation: loss x size, samples, and each metric's (sum, count)."""
 
@@ -136,16 +129,20 @@ class TrainMetrics:
         i = len(self.sizes)
         if i == len(self.losses):
             self._grow()
-        with torch.no_grad():
-            self._loss_slots[i].copy_(out.loss.detach())
-            host = []
+        host = []
+        with torch.no_grad():  # copy_ into the buffers: one kernel each, no sync
+            self._loss_slots[i].copy_(out.loss)
+            sums, counts, metrics = self._sum_slots[i], self._count_slots[i], out.metrics
             for j, m in enumerate(self.metric_names):
-                s, c = out.metrics[m]
-                _store(self._sum_slots[i][j], s)
+                s, c = metrics[m]
+                if isinstance(s, Tensor):
+                    sums[j].copy_(s)
+                else:
+                    sums[j].fill_(s)
                 if isinstance(c, Tensor):
-                    _store(self._count_slots[i][j], c)
+                    counts[j].copy_(c)
                     c = 0.0
-                host.append(float(c))  # a number is shape metadata: no kernel at all
+                host.append(c)  # a number is shape metadata: no kernel at all
         self.sizes.append(out.size)
         self.host_counts.append(host)
 

@@ -36,6 +36,7 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any]):
         """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best); ``meta``: stored as is."""
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
+        self._every = int(policy.every_n_steps)  # read once: due() runs every step
         self.components: dict[str, Stateful] = {}
         self._step = 0
         self._source: Path | None = None  # the checkpoint being loaded
@@ -58,7 +59,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------- saving
     def due(self, step: int, step_in_epoch: int, steps_per_epoch: int) -> bool:
         """A mid-epoch save is due after this optimizer step (epoch ends always save)."""
-        every = self.policy.every_n_steps
+        every = self._every
         return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch
 
     def save(self, step: int, is_best: bool = False) -> None:

@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from ddplab.checkpoint import Stateful
-from ddplab.config import ConfigError
 from ddplab.models.weights import state_dict_mismatch
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
