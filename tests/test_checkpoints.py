@@ -316,3 +316,18 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     assert torch.equal(fresh_ema.weight, before) and picky.n == 0  # checked before anything was loaded
     with pytest.raises(ValueError, match="registered twice"):
         manager(ema, counter).register("ema", ema)
+
+
+def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tmp_path):
+    from ddplab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"objective='val/accuracy': ClassificationTask logs no such metric\. "
+                                          r"Fix: objective= one of val/loss, val/acc"):
+        ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "objective=val/accuracy"], run_dir=tmp_path / "bad"))
+    out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "objective=val/loss", "progress=none"],
+                                 run_dir=tmp_path / "loss"))
+    losses = [v for _, v in read_scalars(tmp_path / "loss" / "tb")["val/loss"]]
+    assert len(set(losses)) == 3 and losses.index(min(losses)) != 0  # the first epoch is not the best
+    assert out["best/val/loss"] == pytest.approx(min(losses), rel=1e-6)  # lower is better for a loss (TB: float32)
+    best = torch.load(tmp_path / "loss" / "checkpoints" / "best.pt", weights_only=True)
+    assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["best/val/loss"]

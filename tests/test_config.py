@@ -109,6 +109,14 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("perf.peak_tflops=0", "perf.peak_tflops"),
     ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
     ("dataset.augment.crop_padding=-2", "dataset.augment.crop_padding"),
+    # Values that used to run to the end with a wrong meaning:
+    ("dataset.augment.crop_padding=100", "dataset.augment.crop_padding"),  # 8x8 digits: mostly padding
+    ("scheduler.min_lr_ratio=-1", "scheduler.min_lr_ratio"),  # a negative lr at the end
+    ("scheduler.warmup_steps=-10", "scheduler.warmup_steps"),
+    ("scheduler=step scheduler.gamma=0", "scheduler.gamma"),
+    ("dataset=synthetic dataset.num_val=0", "dataset.num_val"),  # no validation, no best.pt
+    ("seed=99999999999999999999", "seed"),  # was "Overflow when unpacking long long"
+    ("objective=train/loss", "objective"),  # best.pt follows validation metrics only
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:

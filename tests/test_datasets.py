@@ -146,3 +146,24 @@ def test_each_dataset_trains_a_step(tmp_path, dataset, maker):
     assert out["step"] >= 1 and np.isfinite(out["val/loss"])
     n_val = {"mnist": 10, "fashion_mnist": 10, "cifar10": 6, "cifar100": 6, "imagefolder": 6}[dataset]
     assert out["val/num_samples"] == n_val
+
+
+def test_a_crafted_cifar_batch_cannot_run_code(tmp_path):
+    """CIFAR batches are pickles: only arrays, lists, bytes and numbers may come out of them."""
+    import os
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    d = tmp_path / "c10" / "cifar-10-batches-py"
+    make_cifar(d, hundred=False)
+    batch = pickle.loads((d / "data_batch_1").read_bytes())
+    batch[b"batch_label"] = Payload()
+    (d / "data_batch_1").write_bytes(pickle.dumps(batch))
+    with pytest.raises(pickle.UnpicklingError, match=r"data_batch_1: refused to load (posix|os)\.system"):
+        cifar10(str(tmp_path / "c10"))
+    assert not marker.exists()
+    assert pickle.loads((d / "data_batch_1").read_bytes()) is not None and marker.exists()  # the payload is real

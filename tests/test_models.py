@@ -109,3 +109,13 @@ def test_keras_adapter_passes_train_and_eval_modes():
     assert torch.equal(m(x), m(x))
     assert len(keras_convnet().state_dict()) == len(m.state_dict())  # same names on a rebuild
     assert set(keras_convnet().state_dict()) == set(m.state_dict())
+
+
+def test_weights_file_that_is_no_state_dict_is_a_clear_error(tmp_path):
+    from ddplab.models import load_weights, resnet18
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match=r"model.weights=.*notes.txt: not a readable torch state_dict file .*"
+                                         r"Fix: the path of a saved state_dict"):
+        load_weights(resnet18(num_classes=10), text)

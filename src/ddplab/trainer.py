@@ -62,10 +62,11 @@ class Trainer:
         seed_everything(cfg.seed)  # same seed on every rank here: identical init weights and data order
         self.strategy = strategy.make(cfg, state)
         self.task = ClassificationTask()
+        self._check_objective()
         self._build_data()
         self._build_model()
         self.loop = LoopState(seed=cfg.seed, accum=self.accum)
-        self.results = Results()
+        self.results = Results(minimize=cfg.objective.endswith("loss"))
         self.rng = RNGStreams(state)
         self.checkpoints = self._checkpoints()
         self._resume()
@@ -75,6 +76,13 @@ class Trainer:
         self._first_step_done = False
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
                               self.precision.dtype, cfg.perf.peak_tflops, state.world_size)
+
+    def _check_objective(self) -> None:
+        """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
+        names = ["val/loss", *(f"val/{m}" for m in self.task.metric_names)]
+        if self.cfg.objective not in names:
+            raise ConfigError(f"objective={self.cfg.objective!r}: {type(self.task).__name__} logs no such metric. "
+                              f"Fix: objective= one of {', '.join(names)}")
 
     def _build_data(self) -> None:
         cfg, st = self.cfg, self.state

@@ -32,8 +32,10 @@ class LoopState:
 
 @dataclass
 class Results:
-    """The latest validation metrics and the best value of the objective so far (higher is better)."""
+    """The latest validation metrics and the best value of the objective so far
+    (higher is better, or lower with ``minimize``: a loss)."""
 
+    minimize: bool = False
     best: float | None = None
     last_val: dict[str, float] = field(default_factory=dict)
 
@@ -41,7 +43,7 @@ class Results:
         """Record an evaluation; True if it improved the objective."""
         self.last_val = val
         obj = val.get(objective)
-        if obj is not None and (self.best is None or obj > self.best):
+        if obj is not None and (self.best is None or (obj < self.best if self.minimize else obj > self.best)):
             self.best = obj
             return True
         return False

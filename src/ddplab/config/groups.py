@@ -127,6 +127,12 @@ class SyntheticConfig:
     seed: int = 0
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        for k in ("num_train", "num_val", "num_classes", "image_size"):
+            # num_val=0 would train with no validation at all: no val metrics, no best.pt.
+            require(c[k] >= 1, f"{key}.{k}", c[k], "must be >= 1", f"pass {key}.{k}=32")
+
 
 @dataclass
 class FilesConfig:
@@ -172,6 +178,10 @@ class ImageFolderConfig(FilesConfig):
 
 
 # ------------------------------------------------------------ optim / sched
+def _check_warmup(c: Any, key: str) -> None:
+    require(c.warmup_steps >= 0, f"{key}.warmup_steps", c.warmup_steps, "must be >= 0", f"pass {key}.warmup_steps=0")
+
+
 @dataclass
 class SGDConfig:
     _target_: str = "torch.optim.SGD"
@@ -201,6 +211,12 @@ class CosineConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
 
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        _check_warmup(c, key)
+        require(0 <= c.min_lr_ratio <= 1, f"{key}.min_lr_ratio", c.min_lr_ratio,
+                "must be in [0, 1] (the final lr as a fraction of optimizer.lr)", f"pass {key}.min_lr_ratio=0.01")
+
 
 @dataclass
 class StepConfig:
@@ -210,12 +226,20 @@ class StepConfig:
     gamma: float = 0.1
     warmup_steps: int = 0
 
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        _check_warmup(c, key)
+        require(c.step_epochs > 0, f"{key}.step_epochs", c.step_epochs, "must be > 0", f"pass {key}.step_epochs=30")
+        require(c.gamma > 0, f"{key}.gamma", c.gamma, "must be > 0", f"pass {key}.gamma=0.1")
+
 
 @dataclass
 class ConstantConfig:
     _target_: str = "ddplab.optim.constant"
     _partial_: bool = True
     warmup_steps: int = 0
+
+    check = staticmethod(_check_warmup)
 
 
 GROUPS = {

@@ -139,7 +139,9 @@ class TrainConfig:
     stop_after_epochs: Optional[int] = None
     run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
     progress: ProgressMode = ProgressMode.auto  # auto: a bar on a terminal, log lines otherwise
-    objective: str = "val/acc"  # metric returned to sweepers
+    # The validation metric that picks best.pt and is returned to sweepers; higher is
+    # better, except for a loss (val/loss), which is minimised.
+    objective: str = "val/acc"
     # NaN/Inf training loss: "error" stops at the step, naming it (checked on
     # the device, read at log steps: free); "skip" skips that optimizer step
     # (one host sync and a tiny collective per step).
@@ -150,6 +152,10 @@ class TrainConfig:
         for k, lo, example in (("num_epochs", 1, 10), ("batch_size", 1, 64), ("grad_accum_steps", 1, 1),
                                ("log_every_n_steps", 1, 10), ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
+        # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
+        require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
+        require(c.objective.startswith("val/"), "objective", c.objective,
+                "must name a validation metric (best.pt and sweepers follow it)", "pass objective=val/acc")
         require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0")
         require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
                 "must be > 0 or null", "drop the override")

@@ -113,10 +113,30 @@ def fashion_mnist(root: str | None = None, num_classes: int = 10, in_channels: i
 
 
 # -------------------------------------------------------------------- CIFAR
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles what CIFAR's python batches hold — dicts, lists, bytes, numbers and numpy
+    arrays — and refuses every other global, so a crafted batch file cannot run code."""
+
+    _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
+                ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+
+    def __init__(self, f, path: Path):
+        super().__init__(f, encoding="bytes")
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"{self.path}: refused to load {module}.{name} — a CIFAR batch holds only arrays, lists, bytes and "
+            "numbers, so this file is not one (or was crafted to run code). Fix: the original CIFAR files")
+
+
 def _unpickle(path: Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+        return _ArraysOnly(f, path).load()
 
 
 def _cifar_split(batches: list[Path], label_key: bytes, name: str) -> TensorData:

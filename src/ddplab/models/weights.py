@@ -44,7 +44,11 @@ def load_weights(model: nn.Module, path: str | Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"model.weights={path}: no such file. Fix: the path of a saved state_dict "
                                 "(nothing is downloaded), or model.weights=null")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a text file, a truncated download, a pickle with code in it
+        raise ValueError(f"model.weights={path}: not a readable torch state_dict file ({type(e).__name__}: "
+                         f"{str(e)[:160]}). Fix: the path of a saved state_dict, or model.weights=null") from e
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
     elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
