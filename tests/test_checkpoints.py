@@ -265,12 +265,44 @@ def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
     dead.wait()  # its pid is free now
     alive = os.getpid()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    private = tmp_path / f"ddplab-{os.getuid()}"
+    private.mkdir(mode=0o700)
     for pid in (dead.pid, alive):
-        (tmp_path / f"ddplab-run-abc123-{pid}").write_text("/some/run/dir")
+        (private / f"run-abc123-{pid}").write_text("/some/run/dir")
         (tmp_path / f"ddplab-rank1-{pid}-xyz").mkdir()
     cli._remove_orphans()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"ddplab-run-abc123-{alive}",
-                                                                 f"ddplab-rank1-{alive}-xyz"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([private.name, f"ddplab-rank1-{alive}-xyz"])
+    assert [p.name for p in private.iterdir()] == [f"run-abc123-{alive}"]
+
+
+def test_restart_memo_lives_in_a_private_dir_and_never_follows_a_symlink(tmp_path, monkeypatch):
+    """The temp dir is everyone's: the memo's directory must be this user's alone, or nothing is written."""
+    import stat
+    import tempfile
+
+    from ddplab.runtime import env
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # plain torchrun's (predictable) run id
+    private = tmp_path / f"ddplab-{os.getuid()}"
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    private.symlink_to(elsewhere)  # planted by someone else before the job started
+    with pytest.raises(RuntimeError, match="is not a private directory of this user"):
+        env.run_dir_memo()
+    private.unlink()
+    private.mkdir(mode=0o777)
+    os.chmod(private, 0o777)  # open to others
+    with pytest.raises(RuntimeError, match="is not a private directory"):
+        env.run_dir_memo()
+    private.rmdir()
+    memo = env.run_dir_memo()  # created 0700 now
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and memo.parent == private
+    (tmp_path / "target").write_text("precious")
+    memo.symlink_to(tmp_path / "target")  # a symlink at the memo's name is replaced, not written through
+    env.write_memo(memo, "/runs/a")
+    assert (tmp_path / "target").read_text() == "precious" and env.read_memo(memo) == "/runs/a"
+    assert stat.S_IMODE(memo.stat().st_mode) == 0o600 and not memo.is_symlink()
 
 
 def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing(tmp_path):
@@ -331,3 +363,24 @@ def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tm
     assert out["best/val/loss"] == pytest.approx(min(losses), rel=1e-6)  # lower is better for a loss (TB: float32)
     best = torch.load(tmp_path / "loss" / "checkpoints" / "best.pt", weights_only=True)
     assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["best/val/loss"]
+
+
+def test_a_run_dir_in_use_is_refused_at_once_naming_its_holder(tmp_path):
+    import time
+
+    from ddplab.rundir import RunDirLock, read_result
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = RunDirLock(run)  # what a running job's rank 0 holds
+    assert held.acquire() is None
+    args = ["model=mlp", "num_epochs=1", "progress=none", f"run_dir={run}"]
+    t0 = time.perf_counter()
+    proc = python_train(args, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 60
+    assert f"run dir {run} is in use by pid {os.getpid()} on " in out and "Fix: give this job another" in out
+    assert sorted(p.name for p in run.iterdir()) == [".ddplab.lock"]  # nothing of the holder's was touched
+    held.release()
+    assert_ok(python_train(args, tmp_path))
+    assert read_result(run)["status"] == "completed" and not (run / ".ddplab.lock").exists()

@@ -62,3 +62,36 @@ def test_resume_from_missing_path_is_a_clear_error(tmp_path):
     proc = python_train(ARGS + [f"resume={tmp_path}/nope.pt"], tmp_path)
     assert proc.returncode != 0
     assert f"resume={tmp_path}/nope.pt: no checkpoint at" in proc.stderr and "Fix:" in proc.stderr
+
+
+def test_resume_auto_with_a_named_run_dir_never_continues_another_run(tmp_path):
+    """An older run of the same command sits next door: a run dir the user named is the only place looked in."""
+    args = ARGS + ["stop_after_epochs=1", "resume=auto"]
+    assert_ok(python_train(args + [f"hydra.run.dir={tmp_path}/X/old"], tmp_path))
+    proc = python_train(args + [f"hydra.run.dir={tmp_path}/X/new"], tmp_path)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "resumed from" not in out and "continuing" not in out
+    assert load(tmp_path / "X" / "new" / "checkpoints" / "last.pt")["loop"]["step"] == 22  # trained from scratch
+
+
+@pytest.mark.dist
+def test_torchrun_restart_continues_its_own_run_never_an_older_one(tmp_path):
+    """Rank 1 is SIGKILLed at step 10, before this run's first checkpoint, while an older finished run of the
+    same overrides exists: the restart starts this run afresh in its own dir, and finishes it."""
+    import sys
+
+    from conftest import REPO, run_cmd
+    from ddplab.rundir import read_result
+
+    args = ARGS + ["model._target_=toy.FaultyMLP", "+model.fault=kill", "+model.fault_rank=1", "+model.fault_call=10"]
+    assert_ok(python_train(args + [f"hydra.run.dir={tmp_path}/X/new"], tmp_path))  # one rank: never faults
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path}/X/new2"]
+    proc = run_cmd(cmd, tmp_path, timeout=300)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "torchrun restart 1" in out and "already finished" not in out and "resume=auto: continuing" not in out
+    new2 = tmp_path / "X" / "new2"
+    assert load(new2 / "checkpoints" / "last.pt")["loop"]["step"] == 44
+    assert read_result(new2)["status"] == "completed" and read_result(new2)["metrics"]["step"] == 44

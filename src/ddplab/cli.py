@@ -37,10 +37,10 @@ def prepare_argv(argv: list[str]) -> list[str]:
     _remove_orphans()
     if rank == 0:
         memo = env.run_dir_memo()
-        if memo and env.elastic_restart_count() > 0 and memo.is_file() and "-m" not in argv \
-                and "--multirun" not in argv:
+        noted = env.read_memo(memo) if memo and env.elastic_restart_count() > 0 else None
+        if noted and "-m" not in argv and "--multirun" not in argv:
             # torchrun restarted us after a failure: continue in the same run dir.
-            argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={memo.read_text()}"]
+            argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={noted}"]
         return argv
     scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-{os.getpid()}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -55,11 +55,11 @@ def _remove_orphans() -> None:
     """Leftovers of processes that are gone (killed: atexit never ran):
 
     * ``ddplab-rank<r>-<pid>-*``: scratch Hydra dirs of non-zero ranks;
-    * ``ddplab-run-<run id>-<agent pid>``: restart memos of torchrun jobs that failed for good.
+    * ``ddplab-<uid>/run-<run id>-<agent pid>``: restart memos of torchrun jobs that failed for good.
     """
     tmp = Path(tempfile.gettempdir())
     found = [(d, d.name.split("-")[2]) for d in tmp.glob("ddplab-rank*-*-*")]
-    found += [(f, f.name.rsplit("-", 1)[-1]) for f in tmp.glob("ddplab-run-*-*")]
+    found += [(f, f.name.rsplit("-", 1)[-1]) for f in env.private_dir().glob("run-*-*")]
     for path, pid in found:
         try:
             os.kill(int(pid), 0)  # raises if no such process

@@ -18,11 +18,13 @@ from ddplab.session import Session
 log = logging.getLogger("ddplab")
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, float]:
     """Train and evaluate as ``cfg`` says; return the final metrics (same dict on every rank).
 
     Rank 0 also leaves ``result.json`` in the run dir — status, metrics or the
-    error — which sweep summaries and ``resume=auto`` read.
+    error — which sweep summaries and ``resume=auto`` read. ``search_earlier_runs``: whether
+    ``resume=auto`` may continue an earlier run of the same command (None: only when Hydra
+    made up this run's dir).
     """
     validate(cfg)  # bad values fail here, before any process group exists
     strategy.check_launch(cfg, env.world_size())
@@ -33,7 +35,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if not env.is_self_launched():
             log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
                         "launched job (torchrun/SLURM)", nproc)
-    with Session(cfg) as session:
+    with Session(cfg, search_earlier_runs) as session:
         metrics = _train(session)
         session.complete(metrics)
     return metrics
@@ -44,7 +46,7 @@ def _train(session: Session) -> dict[str, float]:
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
     from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
 
-    trainer = Trainer(session.cfg, session.state, session.run_dir)
+    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs)
     session.where = trainer.position
     return trainer.fit()
 
@@ -55,8 +57,9 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     run_dir = rundir.own_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
-    job = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    job["run_dir"] = str(run_dir)
+    job = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+           "search_earlier_runs": rundir.is_hydras_default(cfg)}  # decided here, where Hydra's config is
+    job["config"]["run_dir"] = str(run_dir)
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
     except Exception as e:
@@ -66,6 +69,6 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
     """One self-launched rank: the resolved config as a plain dict → ``run``."""
-    cfg = OmegaConf.create(job)
+    cfg = OmegaConf.create(job["config"])
     OmegaConf.set_struct(cfg, True)
-    return run(cfg)
+    return run(cfg, job["search_earlier_runs"])

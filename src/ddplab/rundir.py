@@ -3,8 +3,10 @@ where it is, Hydra's record of the overrides, and ``result.json`` (how the job e
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,60 @@ def own_run_dir(cfg: Any) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir).absolute()
     return (Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")).absolute()
+
+
+class RunDirLock:
+    """An exclusive lock on a run dir that rank 0 holds for the job's life (``flock`` on
+    ``.ddplab.lock``): a second job given the same dir fails at once, naming the holder,
+    instead of two jobs overwriting each other's checkpoints. The kernel drops the lock
+    when the holder dies, so a killed job never leaves its dir locked."""
+
+    NAME = ".ddplab.lock"
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """None once held; else who holds it."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+                os.close(fd)
+                return holder or "another process"
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder removed the file as we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # before closing: nobody can lock the file we remove
+            os.close(self._fd)
+            self._fd = None
+
+
+def is_hydras_default(cfg: Any) -> bool:
+    """True when the run dir is the one Hydra made up (outputs/<date>/<time>, multirun/...), not one the
+    user (``run_dir=``, ``hydra.run.dir=``, ``hydra.sweep.dir=``) or a torchrun restart named."""
+    if cfg.get("run_dir"):
+        return False
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return False
+    named = ("hydra.run.dir=", "hydra.sweep.dir=")
+    return not any(str(o).startswith(named) for o in HydraConfig.get().overrides.hydra)
 
 
 def read_overrides(run_dir: Path) -> list[str] | None:

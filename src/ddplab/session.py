@@ -29,10 +29,13 @@ log = logging.getLogger("ddplab")
 
 
 class Session:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, search_earlier_runs: bool | None = None):
         self.cfg = cfg
         self.state: DistState = DistState()
         self.run_dir: Path = Path()
+        self._lock: rundir.RunDirLock | None = None  # set once rank 0 holds the run dir
+        # resume=auto may look at earlier runs only from a run dir Hydra made up (rank 0 decides).
+        self.search_earlier_runs = search_earlier_runs
         # Where a failure happened, for the report: the trainer replaces it with its position.
         self.where: Callable[[], str] = lambda: "while building the job"
 
@@ -52,17 +55,33 @@ class Session:
         self.cfg = collectives.sync_config(self.cfg, st)  # a sweeper may have sampled per rank
         # One dir per job: rank 0's (Hydra made it); other ranks never make their own.
         self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), st))
-        memo = env.run_dir_memo()
-        if st.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if memo is not None:
-                memo.write_text(str(self.run_dir))
+        if self.search_earlier_runs is None:  # not decided by a self-launching parent
+            self.search_earlier_runs = rundir.is_hydras_default(self.cfg)
+        holder = self._hold_run_dir() if st.is_main else None
+        holder = collectives.broadcast_object(holder, st)
+        if holder:
+            raise RuntimeError(f"run dir {self.run_dir} is in use by {holder}: two jobs in one run dir would "
+                               "overwrite each other's checkpoints and results. Fix: give this job another "
+                               "hydra.run.dir (or run_dir), or wait for that job to end")
         restarts = env.elastic_restart_count()
         if restarts > 0 and not self.cfg.resume:
             log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)", restarts)
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
         log.info("ranks: %s", collectives.rank_table(st, collectives.config_digest(self.cfg)))
+
+    def _hold_run_dir(self) -> str | None:
+        """Rank 0: make the run dir, lock it (None) or name who holds it; note it for a torchrun restart."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = rundir.RunDirLock(self.run_dir)
+        holder = lock.acquire()
+        if holder:
+            return holder
+        self._lock = lock
+        memo = env.run_dir_memo()
+        if memo is not None:
+            env.write_memo(memo, str(self.run_dir))
+        return None
 
     def complete(self, metrics: dict[str, Any]) -> None:
         """The job finished: rank 0 records it; a torchrun restart memo is no longer needed."""
@@ -79,9 +98,12 @@ class Session:
                 report = group.describe_failure(self.state, exc, self.where(), str(self.run_dir),
                                                 self.cfg.distributed.timeout_s)
                 log.error(report)
-                if self.state.is_main and self.run_dir != Path():
+                if self._lock is not None:  # never into a run dir another job holds
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})
         finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             if tb is not None:
                 # The failed frames hold the trainer (and DDP's reducer), which must go
                 # before its process group does.

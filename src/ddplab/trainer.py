@@ -54,8 +54,11 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path):
+    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path, search_earlier_runs: bool = False):
+        """``search_earlier_runs``: resume=auto may continue the newest earlier run of the same command
+        (only for run dirs Hydra made up; see CheckpointManager.resume)."""
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
+        self.search_earlier_runs = search_earlier_runs
         self.global_batch = global_batch_size(cfg, state.world_size)
         self.accum = cfg.grad_accum_steps
         self.grad_clip = float(cfg.grad_clip)
@@ -129,7 +132,7 @@ class Trainer:
         return manager
 
     def _resume(self) -> None:
-        path = self.checkpoints.resume(self.cfg.resume, self.run_dir)
+        path = self.checkpoints.resume(self.cfg.resume, self.run_dir, self.search_earlier_runs)
         if path is None:
             return
         loop = self.loop

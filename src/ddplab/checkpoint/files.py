@@ -127,9 +127,9 @@ def _same_run_key(run_dir: Path) -> list[str] | None:
     return sorted(o for o in overrides if not o.startswith(("resume=", "stop_after_epochs=")))
 
 
-def find_resume(resume: str | None, run_dir: Path) -> list[Path]:
+def find_resume(resume: str | None, run_dir: Path, search: bool = False) -> list[Path]:
     """All checkpoints to try, best candidate first (see :func:`find_resume_path`)."""
-    first = find_resume_path(resume, run_dir)
+    first = find_resume_path(resume, run_dir, search)
     if first is None:
         return []
     if resume != "auto":
@@ -137,13 +137,15 @@ def find_resume(resume: str | None, run_dir: Path) -> list[Path]:
     return _newest_first(first.parent)
 
 
-def find_resume_path(resume: str | None, run_dir: Path) -> Path | None:
+def find_resume_path(resume: str | None, run_dir: Path, search: bool = False) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
-    ``resume=auto`` takes ``last.pt`` of this run dir, else of the newest earlier
-    run under the same output root launched with the same overrides (so
-    re-typing the same command plus ``resume=auto`` continues it; a sweep's
-    jobs each find their own earlier job, and finished ones end at once).
+    ``resume=auto`` takes ``last.pt`` of this run dir; with ``search`` (a run dir
+    Hydra made up), else that of the newest earlier run under the same output
+    root launched with the same overrides (so re-typing the same command plus
+    ``resume=auto`` continues it; a sweep's jobs each find their own earlier job,
+    and finished ones end at once). A run dir someone named — ``run_dir=``,
+    ``hydra.run.dir=``, a torchrun restart's — is the only place looked in.
     """
     if not resume:
         return None
@@ -157,6 +159,8 @@ def find_resume_path(resume: str | None, run_dir: Path) -> Path | None:
     own = _newest_first(run_dir / "checkpoints")
     if own:
         return own[0]
+    if not search:
+        return None
     mine = _same_run_key(run_dir)
     if mine is None:
         return None

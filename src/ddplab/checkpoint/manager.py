@@ -72,9 +72,13 @@ class CheckpointManager:
         barrier(self.state)  # nobody races ahead of (or reads) a half-written file
 
     # ---------------------------------------------------------------- loading
-    def resume(self, resume: str | None, run_dir: Path) -> Path | None:
-        """Load the checkpoint ``resume`` names (null | auto | path) into every component; its path."""
-        found = [str(p) for p in files.find_resume(resume, run_dir)] if self.state.is_main else []
+    def resume(self, resume: str | None, run_dir: Path, search_earlier_runs: bool = False) -> Path | None:
+        """Load the checkpoint ``resume`` names (null | auto | path) into every component; its path.
+
+        ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with ``search_earlier_runs``.
+        """
+        found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs)] \
+            if self.state.is_main else []
         paths = [Path(p) for p in broadcast_object(found, self.state)]
         if not paths:
             return None

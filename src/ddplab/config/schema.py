@@ -131,8 +131,9 @@ class TrainConfig:
     amp_dtype: AmpDtype = AmpDtype.auto  # or bfloat16 | float16 (bf16 | fp16)
     log_every_n_steps: int = 10  # one collective per interval (and one at each epoch's end)
     eval_every_n_epochs: int = 1  # the last epoch is always evaluated
-    # null: start fresh; auto: continue from last.pt of this run dir or of the
-    # newest earlier run with the same overrides; or a path to a checkpoint.
+    # null: start fresh; auto: continue from last.pt of this run dir (or, when
+    # Hydra made up the dir, of the newest earlier run with the same overrides);
+    # or a path to a checkpoint.
     resume: Optional[str] = None
     # Stop (after checkpointing) once this many epochs are done, while the lr
     # schedule still spans num_epochs: for time-limited jobs and tests.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -91,16 +92,55 @@ def elastic_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def private_dir() -> Path:
+    """This user's ddplab directory in the temp dir, created 0700.
+
+    The temp dir is writable by everyone: a file there with a predictable name
+    could be planted, or be a symlink that makes a root job overwrite any file.
+    So restart state lives only in a directory that is this user's own, is no
+    symlink and that nobody else can write; anything else is refused.
+    """
+    d = Path(tempfile.gettempdir()) / f"ddplab-{os.getuid()}"
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{d} is not a private directory of this user (a symlink, another owner, or open to "
+                           "others): refusing to keep restart state there. Fix: remove it; ddplab recreates it 0700")
+    return d
+
+
 def run_dir_memo() -> Path | None:
     """Where rank 0 notes its run dir, so a torchrun restart continues in the same dir.
 
     Keyed by torchrun's run id and the agent's pid: both survive a restart,
-    and no two torchrun invocations share them.
+    and no two torchrun invocations share them; kept in :func:`private_dir`.
     """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
-    return Path(tempfile.gettempdir()) / f"ddplab-run-{run_id}-{os.getppid()}"
+    return private_dir() / f"run-{run_id}-{os.getppid()}"
+
+
+def write_memo(memo: Path, text: str) -> None:
+    """Create-new (never through a symlink), then rename over the memo."""
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, memo)
+
+
+def read_memo(memo: Path) -> str | None:
+    try:
+        fd = os.open(memo, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        return f.read()
 
 
 def use_own_store(init_method: str) -> None:
