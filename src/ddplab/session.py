@@ -57,12 +57,10 @@ class Session:
         self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), st))
         if self.search_earlier_runs is None:  # not decided by a self-launching parent
             self.search_earlier_runs = rundir.is_hydras_default(self.cfg)
-        holder = self._hold_run_dir() if st.is_main else None
-        holder = collectives.broadcast_object(holder, st)
-        if holder:
-            raise RuntimeError(f"run dir {self.run_dir} is in use by {holder}: two jobs in one run dir would "
-                               "overwrite each other's checkpoints and results. Fix: give this job another "
-                               "hydra.run.dir (or run_dir), or wait for that job to end")
+        # Rank 0's verdict goes to every rank, so all stop together instead of waiting on rank 0.
+        problem = collectives.broadcast_object(self._hold_run_dir() if st.is_main else None, st)
+        if problem:
+            raise RuntimeError(problem)
         restarts = env.elastic_restart_count()
         if restarts > 0 and not self.cfg.resume:
             log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)", restarts)
@@ -71,16 +69,21 @@ class Session:
         log.info("ranks: %s", collectives.rank_table(st, collectives.config_digest(self.cfg)))
 
     def _hold_run_dir(self) -> str | None:
-        """Rank 0: make the run dir, lock it (None) or name who holds it; note it for a torchrun restart."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = rundir.RunDirLock(self.run_dir)
-        holder = lock.acquire()
-        if holder:
-            return holder
-        self._lock = lock
-        memo = env.run_dir_memo()
-        if memo is not None:
-            env.write_memo(memo, str(self.run_dir))
+        """Rank 0: make and lock the run dir, note it for a torchrun restart; None, or why it cannot."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = rundir.RunDirLock(self.run_dir)
+            holder = lock.acquire()
+            if holder:
+                return (f"run dir {self.run_dir} is in use by {holder}: two jobs in one run dir would overwrite "
+                        "each other's checkpoints and results. Fix: give this job another hydra.run.dir (or "
+                        "run_dir), or wait for that job to end")
+            self._lock = lock
+            memo = env.run_dir_memo()
+            if memo is not None:
+                env.write_memo(memo, str(self.run_dir))
+        except (OSError, RuntimeError) as e:
+            return f"run dir {self.run_dir}: {type(e).__name__}: {e}"
         return None
 
     def complete(self, metrics: dict[str, Any]) -> None:
