@@ -78,3 +78,16 @@ def slow_synthetic(delay_s: float = 0.002, slow_rank: int = 1, **kw) -> Splits:
     """synthetic() served through a DataLoader, with per-sample delay on one rank."""
     s = synthetic(**kw)
     return Splits(_Slow(s.train, delay_s, slow_rank), s.val, s.num_classes)
+
+
+class SlowMLP(MLP):
+    """An MLP whose training forward sleeps ``delay_s``: a run long enough to be signalled mid-way."""
+
+    def __init__(self, delay_s: float = 0.02, **kw):
+        super().__init__(**kw)
+        self.delay_s = delay_s
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay_s)
+        return super().forward(x)

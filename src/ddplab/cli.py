@@ -7,13 +7,16 @@ import atexit
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ddplab.config import ConfigError
 from ddplab.job import run
 from ddplab.runtime import env
+from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
 
@@ -36,6 +39,7 @@ def prepare_argv(argv: list[str]) -> list[str]:
     rank = env.rank()
     _remove_orphans()
     if rank == 0:
+        _check_writable(argv)
         memo = env.run_dir_memo()
         noted = env.read_memo(memo) if memo and env.elastic_restart_count() > 0 else None
         if noted and "-m" not in argv and "--multirun" not in argv:
@@ -49,6 +53,27 @@ def prepare_argv(argv: list[str]) -> list[str]:
     if not any(a.startswith("hydra/hydra_logging=") for a in argv):
         extra.append("hydra/hydra_logging=disabled")  # rank 0 alone announces the sweep's jobs
     return argv + extra
+
+
+def _check_writable(argv: list[str]) -> None:
+    """Refuse a run dir nobody can write, in one line, before Hydra fails on it with a traceback
+    ("Unable to configure handler 'file'") — a read-only mount, a missing permission."""
+    multirun = "-m" in argv or "--multirun" in argv
+    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    named = [a[len(key):] for a in argv if a.startswith(key)]
+    target = Path(named[-1].split("${")[0] or ".") if named else Path.cwd()
+    probe = target.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(f"{probe} is not a directory")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        sys.stderr.write(f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
+                         f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}\n")
+        raise SystemExit(2)
 
 
 def _remove_orphans() -> None:
@@ -84,6 +109,15 @@ def main(cfg: DictConfig) -> float | None:
     """
     try:
         metrics = run(cfg)
+    except Preempted as e:  # checkpointed; stop here, sweep or not: the machine is going away
+        raise SystemExit(e.exit_code) from None
+    except ConfigError as e:
+        if not _is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed
+            if env.rank() == 0:
+                log.error("config error: %s", e)
+            raise SystemExit(2) from None
+        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
+        return float("nan")
     except Exception as e:
         if not _is_multirun():
             raise

@@ -11,8 +11,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
-from ddplab.config import validate
+from ddplab.config import ConfigError, validate
 from ddplab.runtime import env
+from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
 
 log = logging.getLogger("ddplab")
@@ -31,6 +32,7 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     nproc = cfg.distributed.nproc_per_node
     if nproc > 1:
         if not env.is_launched():
+            _check_room(cfg)
             return _self_launch(cfg)
         if not env.is_self_launched():
             log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
@@ -46,9 +48,21 @@ def _train(session: Session) -> dict[str, float]:
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
     from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
 
-    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs)
+    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs, session.stop)
     session.where = trainer.position
     return trainer.fit()
+
+
+def _check_room(cfg: DictConfig) -> None:
+    """More local ranks than devices never reach a step (64 ranks on 2 cores start and stall)."""
+    import torch
+
+    nproc, d = cfg.distributed.nproc_per_node, cfg.distributed
+    on_gpu = str(d.device) == "cuda" or (str(d.device) == "auto" and torch.cuda.is_available())
+    have, what = (torch.cuda.device_count(), "CUDA devices") if on_gpu else (env.usable_cores(), "CPU cores")
+    if nproc > have:
+        raise ConfigError(f"distributed.nproc_per_node={nproc}: this machine has {have} {what} for them. Fix: pass "
+                          f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, SLURM)")
 
 
 def _self_launch(cfg: DictConfig) -> dict[str, float]:
@@ -62,6 +76,10 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     job["config"]["run_dir"] = str(run_dir)
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
+    except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
+        noted = rundir.read_result(run_dir) or {}
+        raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
+                        noted.get("checkpoint")) from None
     except Exception as e:
         rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
         raise

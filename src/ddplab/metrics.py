@@ -93,7 +93,7 @@ class TrainMetrics:
     """
 
     _FIXED = ["loss", "num_samples", "grad_norm", "grad_norm.count", "step_time", "data_time", "steps", "wall",
-              "peak_mem", "nonfinite", "nonfinite_step"]
+              "peak_mem", "stop", "nonfinite", "nonfinite_step"]
 
     def __init__(self, state: DistState, metric_names: Iterable[str], nonfinite: str = "error", accum: int = 1,
                  capacity: int = 64):
@@ -104,6 +104,9 @@ class TrainMetrics:
         self._cuda = state.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
         self.skipped = 0  # steps skipped by nonfinite_loss=skip (host: that mode syncs anyway)
+        # A rank asked to stop (preemption signal): rides in the interval's row, so every rank
+        # learns it from the same collective at the same step, for free.
+        self.stop_agreed = False
         self._alloc(capacity)
         self.reset()
 
@@ -171,7 +174,7 @@ class TrainMetrics:
         self.data_time += data_time
         self.steps += 1
 
-    def _local_row(self, last_step: int) -> Tensor:
+    def _local_row(self, last_step: int, stop: bool) -> Tensor:
         """This rank's packed sums (device ops only; the caller's collective is the sync)."""
         k, dev, lay = len(self.sizes), self.state.device, self.layout
         row = torch.zeros(len(lay), dtype=torch.float64, device=dev)
@@ -195,17 +198,19 @@ class TrainMetrics:
         row[lay["nonfinite"]] = bad.sum()
         row[lay["nonfinite_step"]] = torch.where(bad.any(), first_step, 0.0)
         mem = torch.cuda.max_memory_allocated(dev) / 2**30 if self._cuda else 0.0
-        host = [self.step_time, self.data_time, self.steps, time.perf_counter() - self.t_start, mem]
-        row[lay["step_time"]: lay["peak_mem"] + 1] = torch.tensor(host, dtype=torch.float64)
+        host = [self.step_time, self.data_time, self.steps, time.perf_counter() - self.t_start, mem, float(stop)]
+        row[lay["step_time"]: lay["stop"] + 1] = torch.tensor(host, dtype=torch.float64)
         return row
 
-    def reduce(self, where: str = "", last_step: int = 0) -> dict[str, float]:
+    def reduce(self, where: str = "", last_step: int = 0, stop: bool = False) -> dict[str, float]:
         """ONE collective; returns ``train/*`` and ``perf/*`` scalars (same on every rank).
 
         ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss.
+        ``stop``: this rank was asked to stop; afterwards ``stop_agreed`` says whether any rank was.
         """
         lay = self.layout
-        rows = all_ranks_rows(self._local_row(last_step), self.state).cpu()
+        rows = all_ranks_rows(self._local_row(last_step, stop), self.state).cpu()
+        self.stop_agreed = bool(rows[:, lay["stop"]].sum() > 0)
         self._raise_if_nonfinite(rows, where)
         total = rows.sum(0).tolist()
         sums = _means(total, lay, self.metric_names)

@@ -71,3 +71,21 @@ def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, wa
 
 
 
+
+
+def apply_hyperparameters(optimizer: Optimizer, scheduler: LambdaLR, fresh: list[dict[str, Any]]) -> None:
+    """After loading a checkpoint: make the current config's optimizer values and schedule the ones in force.
+
+    ``fresh``: the param groups (without ``params``) of the optimizer as the current config built
+    it, taken before the checkpoint was loaded over them. Loading restores the saved lr,
+    momentum, ... and the scheduler's base lrs; here the new ones replace them, and the lr of
+    the step being resumed is recomputed from the new base lr and the (new) schedule, so a
+    changed lr is used from the first resumed step. Momentum buffers and step counts stay.
+    """
+    for group, new in zip(optimizer.param_groups, fresh):
+        group.update({k: v for k, v in new.items() if k != "lr"})
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    step = scheduler.last_epoch
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -89,11 +90,21 @@ def read_overrides(run_dir: Path) -> list[str] | None:
     return [str(o) for o in OmegaConf.load(f)]
 
 
-def write_result(run_dir: Path, result: dict[str, Any]) -> None:
-    """``run_dir/result.json``: how the job ended (status, metrics or error), written atomically."""
+def write_result(run_dir: Path, result: dict[str, Any]) -> bool:
+    """``run_dir/result.json``: how the job ended (status, metrics or error), written atomically.
+
+    Never raises: it runs while a job ends, often because of the very disk problem that could
+    stop it (the error it would hide matters more); a failed write is logged instead.
+    """
     tmp = run_dir / f".{RESULT}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(result, indent=2, default=str))
-    os.replace(tmp, run_dir / RESULT)
+    try:
+        tmp.write_text(json.dumps(result, indent=2, default=str))
+        os.replace(tmp, run_dir / RESULT)
+        return True
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        logging.getLogger("ddplab").error("could not write %s: %s", run_dir / RESULT, e)
+        return False
 
 
 def read_result(run_dir: Path) -> dict[str, Any] | None:

@@ -22,8 +22,10 @@ from typing import Any, Callable
 from omegaconf import DictConfig, open_dict
 
 from ddplab import rundir
+from ddplab.config.errors import ConfigError
 from ddplab.runtime import collectives, env, group
 from ddplab.runtime.group import DistState
+from ddplab.runtime.signals import Preempted, StopSignal
 
 log = logging.getLogger("ddplab")
 
@@ -38,8 +40,11 @@ class Session:
         self.search_earlier_runs = search_earlier_runs
         # Where a failure happened, for the report: the trainer replaces it with its position.
         self.where: Callable[[], str] = lambda: "while building the job"
+        # SIGTERM/SIGINT/SIGUSR1 from here on ask for a checkpointed stop (runtime.signals).
+        self.stop = StopSignal()
 
     def __enter__(self) -> Session:
+        self.stop.install()
         self.state = group.init(self.cfg.distributed)
         try:
             self._agree()
@@ -97,7 +102,16 @@ class Session:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if isinstance(exc, Exception):
+            if isinstance(exc, Preempted):  # every rank stopped at the same step, after its checkpoint
+                log.warning("preempted: %s", exc)
+                if self._lock is not None:
+                    rundir.write_result(self.run_dir, {"status": "preempted", "signal": exc.signal_name,
+                                                       "step": exc.step, "checkpoint": exc.checkpoint,
+                                                       "resume": "run the same command with resume=auto"})
+            elif isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
+                if self._lock is not None:
+                    rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
+            elif isinstance(exc, Exception):
                 report = group.describe_failure(self.state, exc, self.where(), str(self.run_dir),
                                                 self.cfg.distributed.timeout_s)
                 log.error(report)
@@ -112,4 +126,5 @@ class Session:
                 # before its process group does.
                 traceback.clear_frames(tb)
             self.where = lambda: "after the job"
-            group.teardown(clean=exc is None)
+            self.stop.uninstall()
+            group.teardown(clean=exc is None or isinstance(exc, Preempted))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,13 +34,17 @@ from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
 from ddplab.reporting import Progress, hparams_of
+from ddplab.resuming import ResumeGuard
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
+from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.task import ClassificationTask
 from ddplab.trainstate import LoopState, Results
 from ddplab.writers import make_writer
 
 log = logging.getLogger("ddplab")
+# torch's words for a model/input shape mismatch (conv kernels, matmuls, reshapes).
+_SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
 
 
 def global_batch_size(cfg: DictConfig, world_size: int) -> int:
@@ -54,10 +59,13 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path, search_earlier_runs: bool = False):
+    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path, search_earlier_runs: bool = False,
+                 stop: StopSignal | None = None):
         """``search_earlier_runs``: resume=auto may continue the newest earlier run of the same command
-        (only for run dirs Hydra made up; see CheckpointManager.resume)."""
+        (only for run dirs Hydra made up; see CheckpointManager.resume). ``stop``: the Session's
+        preemption flag (a fresh, never-set one when None)."""
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
+        self.stop = stop or StopSignal()
         self.search_earlier_runs = search_earlier_runs
         self.global_batch = global_batch_size(cfg, state.world_size)
         self.accum = cfg.grad_accum_steps
@@ -72,6 +80,7 @@ class Trainer:
         self.results = Results(minimize=cfg.objective.endswith("loss"))
         self.rng = RNGStreams(state)
         self.checkpoints = self._checkpoints()
+        self.config_changes: str | None = None
         self._resume()
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.loop.step + 1 if self.loop.step else None)
         self.metrics = TrainMetrics(state, self.task.metric_names, cfg.nonfinite_loss, self.accum,
@@ -121,7 +130,9 @@ class Trainer:
 
     def _checkpoints(self) -> CheckpointManager:
         meta = {"config": OmegaConf.to_yaml(self.cfg, resolve=True), "world_size": self.state.world_size}
-        manager = CheckpointManager(self.run_dir / "checkpoints", self.cfg.checkpoint, self.state, meta)
+        self.guard = ResumeGuard(self.cfg, self.state.world_size)  # a checkpoint of another config is refused
+        manager = CheckpointManager(self.run_dir / "checkpoints", self.cfg.checkpoint, self.state, meta,
+                                    check_meta=self.guard.check)
         for key, component in self.strategy.checkpoint_entries(self.module, self.optimizer, manager).items():
             manager.register(key, component)
         manager.register("scheduler", self.scheduler)
@@ -132,10 +143,14 @@ class Trainer:
         return manager
 
     def _resume(self) -> None:
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         path = self.checkpoints.resume(self.cfg.resume, self.run_dir, self.search_earlier_runs)
         if path is None:
             return
         loop = self.loop
+        # Opted-in config changes go into force now; rank 0 records them in the run dir.
+        self.config_changes = self.guard.apply(self.optimizer, self.scheduler, fresh, loop.step_in_epoch,
+                                               loop.step, self.run_dir if self.state.is_main else None)
         if loop.step_in_epoch and self.rng.saved_world_size != self.state.world_size:
             log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
                         "order, but random layers (dropout) draw new streams", self.state.world_size,
@@ -169,6 +184,8 @@ class Trainer:
     def _announce(self) -> None:
         cfg, st = self.cfg, self.state
         self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+        if self.config_changes:
+            self.writer.text("config_changes", self.config_changes)
         self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
                             ["val/acc", "val/loss", "train/loss", "best/" + cfg.objective])
         log.info(
@@ -191,13 +208,20 @@ class Trainer:
             improved = self.results.update(val, cfg.objective)
             self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
             log.info("epoch %d/%d  %s", loop.epoch, cfg.num_epochs, "  ".join(f"{k}={v:.4g}" for k, v in val.items()))
-        self.checkpoints.save(loop.step, is_best=improved)
+        saved = self.checkpoints.save(loop.step, is_best=improved)
+        if self.metrics.stop_agreed:  # agreed in the epoch's last log step: the epoch-end save is the stop's
+            self._preempt(saved)
         return last_train
+
+    def _preempt(self, checkpoint: str | None) -> None:
+        """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
+        raise Preempted(self.stop.name or "a signal to another rank", self.loop.step, checkpoint)
 
     def _train_epoch(self) -> dict[str, float]:
         cfg, loop = self.cfg, self.loop
         # Plain values, read once: a config node's attribute access costs microseconds per step.
         log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
+        stop_now_alone = not self.state.is_distributed
         self.model.train()
         spe = self.sampler.steps_per_epoch
         # New global permutation each epoch; after a mid-epoch resume, skip what was done.
@@ -208,10 +232,7 @@ class Trainer:
         batches = iter(self.train_loader)
         t_step = time.perf_counter()
         for _ in range(spe - loop.step_in_epoch):
-            data_time = self._forward_backward(batches)
-            if not self._first_step_done:
-                self._first_step_done = True
-                self.strategy.after_first_backward(self.module)
+            data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
             if skip_nonfinite and self._skip_nonfinite_step():
                 continue
             self._optimizer_step()
@@ -219,8 +240,12 @@ class Trainer:
             self.metrics.add_step(now - t_step, data_time)
             t_step = now
             bar.update(1)
-            if loop.step % log_every == 0:
+            # One process acts on a stop signal at once; ranks agree on it in a log step's collective.
+            if loop.step % log_every == 0 or (stop_now_alone and self.stop.requested):
                 reduced = self._log(bar)
+                if self.metrics.stop_agreed and loop.step_in_epoch < spe:  # at the epoch's end: after its eval
+                    bar.close()
+                    self._preempt(self.checkpoints.save(loop.step))
             if self.checkpoints.due(loop.step, loop.step_in_epoch, spe):
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
@@ -254,6 +279,23 @@ class Trainer:
             self.metrics.add_micro(out)
         return data_time
 
+    def _first_step(self, batches: Iterator[Any]) -> float:
+        """The first forward/backward: a model that cannot take the data's shapes fails here, said plainly."""
+        try:
+            data_time = self._forward_backward(batches)
+        except RuntimeError as e:
+            if not _SHAPE_ERROR.search(str(e)):
+                raise
+            ds, name = self.cfg.dataset, self.cfg.model.get("_target_", "the model")
+            sizes = ", ".join(f"dataset.{k}={ds[k]}" for k in ("in_channels", "image_size", "num_classes") if k in ds)
+            raise ConfigError(
+                f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
+                f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
+                "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)") from e
+        self._first_step_done = True
+        self.strategy.after_first_backward(self.module)
+        return data_time
+
     def _optimizer_step(self) -> None:
         norm = self.precision.step(self.optimizer, self.params, self.grad_clip)
         if norm is not None:
@@ -275,7 +317,8 @@ class Trainer:
 
     def _log(self, bar: Progress) -> dict[str, float]:
         step = self.loop.step
-        values = self.metrics.reduce(self.position(), step)  # the one collective (and host sync) of this interval
+        # The one collective (and host sync) of this interval; it also carries this rank's stop request.
+        values = self.metrics.reduce(self.position(), step, self.stop.requested)
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["perf/samples_per_s"]))
         scale = self.precision.loss_scale()

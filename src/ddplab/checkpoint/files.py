@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ddplab import rundir
+from ddplab.config import drift
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,37 @@ def _link_atomic(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, quota, permissions); the message says where and why."""
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free"
+    except OSError:
+        return "free space unknown"
+
+
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file, fsync, rename: a crash mid-write leaves the old file intact."""
+    """Write to a temporary file, fsync, rename: a crash mid-write leaves the old file intact.
+
+    A failed write (ENOSPC, EDQUOT, EIO) removes its temporary file at once — a partial
+    checkpoint left behind would keep the disk full for every retry — and raises
+    :class:`CheckpointWriteError` naming the path and the space left.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError too
+        tmp.unlink(missing_ok=True)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path}: {type(e).__name__}: {e} ({_free_space(path.parent)} on its "
+            "file system). The previous checkpoint is intact. Fix: free space (or point run_dir elsewhere), "
+            "then run the same command with resume=auto") from e
     os.replace(tmp, path)  # atomic on POSIX
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -127,9 +151,9 @@ def _same_run_key(run_dir: Path) -> list[str] | None:
     return sorted(o for o in overrides if not o.startswith(("resume=", "stop_after_epochs=")))
 
 
-def find_resume(resume: str | None, run_dir: Path, search: bool = False) -> list[Path]:
+def find_resume(resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None) -> list[Path]:
     """All checkpoints to try, best candidate first (see :func:`find_resume_path`)."""
-    first = find_resume_path(resume, run_dir, search)
+    first = find_resume_path(resume, run_dir, search, digest)
     if first is None:
         return []
     if resume != "auto":
@@ -137,15 +161,45 @@ def find_resume(resume: str | None, run_dir: Path, search: bool = False) -> list
     return _newest_first(first.parent)
 
 
-def find_resume_path(resume: str | None, run_dir: Path, search: bool = False) -> Path | None:
+def _trains_the_same(ckpt: Path, digest: str | None) -> bool:
+    """The checkpoint's own config trains what ``digest`` describes (same trajectory keys)."""
+    if digest is None:
+        return True
+    try:
+        meta = torch.load(ckpt, map_location="cpu", weights_only=True).get("meta", {})
+        return drift.digest(meta.get("config", "")) == digest
+    except Exception:  # unreadable or foreign: not ours to continue
+        return False
+
+
+def _earlier_runs(run_dir: Path) -> list[Path]:
+    """Checkpoints of the other runs under this run's own outputs/ or multirun/ root, newest first.
+
+    Hydra's default dirs are ``outputs/<date>/<time>`` (single runs) and
+    ``multirun/<date>/<time>/<job num>`` (sweeps): a job number names a sweep job, whose root is
+    one level further up. Never a different root: a single run does not continue a sweep job.
+    """
+    sweep_job = run_dir.name.isdigit()
+    depth = 2 if sweep_job else 1
+    if len(run_dir.parents) <= depth:
+        return []
+    root = run_dir.parents[depth]
+    pattern = ("*", "*", "*") if sweep_job else ("*", "*")
+    found = glob.glob(str(root.joinpath(*pattern, "checkpoints", "*.pt")))
+    return sorted((Path(p) for p in found if Path(p).parent.parent != run_dir),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
     ``resume=auto`` takes ``last.pt`` of this run dir; with ``search`` (a run dir
     Hydra made up), else that of the newest earlier run under the same output
-    root launched with the same overrides (so re-typing the same command plus
-    ``resume=auto`` continues it; a sweep's jobs each find their own earlier job,
-    and finished ones end at once). A run dir someone named — ``run_dir=``,
-    ``hydra.run.dir=``, a torchrun restart's — is the only place looked in.
+    root launched with the same overrides and whose checkpoint's config has the same
+    trajectory ``digest`` (:func:`ddplab.config.drift.digest`), so re-typing the same
+    command plus ``resume=auto`` continues it; a sweep's jobs each find their own
+    earlier job, and finished ones end at once. A run dir someone named —
+    ``run_dir=``, ``hydra.run.dir=``, a torchrun restart's — is the only place looked in.
     """
     if not resume:
         return None
@@ -164,13 +218,15 @@ def find_resume_path(resume: str | None, run_dir: Path, search: bool = False) ->
     mine = _same_run_key(run_dir)
     if mine is None:
         return None
-    # Earlier runs: outputs/<date>/<time> (single runs) and multirun/<date>/<time>/<num> (sweeps).
-    found = set(glob.glob(str(run_dir.parent.parent / "*" / "*" / "checkpoints" / "*.pt")))
-    found |= set(glob.glob(str(run_dir.parent.parent.parent / "*" / "*" / "*" / "checkpoints" / "*.pt")))
-    candidates = sorted((Path(p) for p in found), key=lambda p: p.stat().st_mtime, reverse=True)
-    for p in candidates:
-        if p.parent.parent != run_dir and _same_run_key(p.parent.parent) == mine:
-            log.info("resume=auto: continuing %s", p.parent.parent)
-            return _newest_first(p.parent)[0]
-    log.info("resume=auto: no earlier run with overrides %s; starting fresh", mine)
+    seen: set[Path] = set()
+    for p in _earlier_runs(run_dir):
+        other = p.parent.parent
+        if other in seen:
+            continue
+        seen.add(other)
+        newest = _newest_first(p.parent)[0]
+        if _same_run_key(other) == mine and _trains_the_same(newest, digest):
+            log.info("resume=auto: continuing %s", other)
+            return newest
+    log.info("resume=auto: no earlier run with overrides %s and this config; starting fresh", mine)
     return None

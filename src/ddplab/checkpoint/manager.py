@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from ddplab.checkpoint import files
-from ddplab.runtime.collectives import barrier, broadcast_object
+from ddplab.config import drift
+from ddplab.runtime.collectives import broadcast_object
 from ddplab.runtime.group import DistState
 
 log = logging.getLogger("ddplab")
@@ -33,9 +34,12 @@ class Stateful(Protocol):
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any]):
-        """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best); ``meta``: stored as is."""
+    def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any],
+                 check_meta: Callable[[dict[str, Any], Path], None] | None = None):
+        """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best); ``meta``: stored as is;
+        ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before any load)."""
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
+        self.check_meta = check_meta
         self._every = int(policy.every_n_steps)  # read once: due() runs every step
         self.components: dict[str, Stateful] = {}
         self._step = 0
@@ -62,14 +66,26 @@ class CheckpointManager:
         every = self._every
         return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch
 
-    def save(self, step: int, is_best: bool = False) -> None:
-        """Collective: every rank gathers its components' state; rank 0 writes; all wait."""
+    def save(self, step: int, is_best: bool = False) -> str:
+        """Collective: every rank gathers its components' state; rank 0 writes; all wait. The path.
+
+        Rank 0's outcome goes to every rank (in place of a plain barrier, at the same cost): a
+        failed write (a full disk) stops all ranks together with rank 0's message, instead of
+        leaving the others waiting in a barrier until the timeout.
+        """
         self._step = step
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
+        outcome: tuple[str, str] = ("", "")
         if self.state.is_main:
-            files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
-                       is_best and self.policy.save_best)
-        barrier(self.state)  # nobody races ahead of (or reads) a half-written file
+            try:
+                outcome = (str(files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
+                                          is_best and self.policy.save_best)), "")
+            except OSError as e:
+                outcome = ("", str(e))
+        path, error = broadcast_object(outcome, self.state)  # nobody races ahead of (or reads) a half-written file
+        if error:
+            raise files.CheckpointWriteError(error)
+        return path
 
     # ---------------------------------------------------------------- loading
     def resume(self, resume: str | None, run_dir: Path, search_earlier_runs: bool = False) -> Path | None:
@@ -77,7 +93,8 @@ class CheckpointManager:
 
         ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with ``search_earlier_runs``.
         """
-        found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs)] \
+        digest = drift.digest(self.meta["config"]) if "config" in self.meta else None
+        found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)] \
             if self.state.is_main else []
         paths = [Path(p) for p in broadcast_object(found, self.state)]
         if not paths:
@@ -91,6 +108,8 @@ class CheckpointManager:
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
             path, ck = got
         self._source = path
+        if self.check_meta is not None:
+            self.check_meta(ck.get("meta", {}), path)
         for c in self.components.values():
             if hasattr(c, "check"):
                 c.check(ck, path)

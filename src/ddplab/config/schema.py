@@ -4,6 +4,7 @@ its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -57,6 +58,11 @@ class DistributedConfig:
                 f"pass {key}.max_restarts=0")
         require(d.init_method.split("://")[0] in ("env", "tcp", "file"), f"{key}.init_method", d.init_method,
                 "unknown scheme", "use env://, tcp://HOST:PORT or file:///PATH")
+        if d.init_method.startswith("file://"):  # torch would wait 300 s for a file it can never create
+            folder = os.path.dirname(d.init_method[len("file://"):]) or "."
+            require(os.path.isdir(folder), f"{key}.init_method", d.init_method,
+                    f"its directory {folder} does not exist", "create it on a file system every rank sees, "
+                    "or use env:// (torchrun sets it up)")
 
 
 @dataclass
@@ -135,6 +141,9 @@ class TrainConfig:
     # Hydra made up the dir, of the newest earlier run with the same overrides);
     # or a path to a checkpoint.
     resume: Optional[str] = None
+    # Resuming with a config that trains differently (lr, batch, model, data, seed, ...) is refused,
+    # listing the differences; true continues from the checkpoint with the new values applied.
+    resume_apply_changes: bool = False
     # Stop (after checkpointing) once this many epochs are done, while the lr
     # schedule still spans num_epochs: for time-limited jobs and tests.
     stop_after_epochs: Optional[int] = None

@@ -87,6 +87,20 @@ def prepare_self_launch(nproc: int) -> None:
     os.environ[SELF_LAUNCHED] = "1"
 
 
+def master_address() -> str:
+    """MASTER_ADDR:MASTER_PORT as env:// will use them (for messages)."""
+    adopt_scheduler_env()
+    return f"{os.environ.get('MASTER_ADDR', '<MASTER_ADDR unset>')}:{os.environ.get('MASTER_PORT', '<MASTER_PORT unset>')}"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which SLURM and containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def elastic_restart_count() -> int:
     """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -10,14 +10,19 @@ so this module never imports the job (no import cycle).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import multiprocessing
+import os
+import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ddplab.runtime import env
+from ddplab.runtime.signals import SIGNALS, Preempted
 
 log = logging.getLogger("ddplab")
 
@@ -29,24 +34,33 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
 
     ``entry`` must be importable by name (a module-level function): the ranks are spawned.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     env.prepare_self_launch(nproc)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port per job
-        max_restarts=max_restarts, monitor_interval=0.2,
-    )
+    # The agent also hands SIGUSR1 (SLURM's warning before the time limit) on to the ranks.
+    extra = {"signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"} \
+        if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
     if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside joblib's loky workers the global start method is "loky", which
         # the ranks spawned below cannot resolve; they only need plain spawn.
         multiprocessing.set_start_method("spawn", force=True)
     log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
     try:
-        results = elastic_launch(config, _rank_main)(entry, job, str(run_dir))
+        with _loopback_stores() as port:
+            config = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
+                max_restarts=max_restarts, monitor_interval=0.2, **extra,
+            )
+            results = elastic_launch(config, _rank_main)(entry, job, str(run_dir))
+    except SignalException as e:  # the agent stopped the ranks with our signal; they checkpointed
+        raise Preempted(e.sigval.name, -1, None) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if failure.exitcode in {128 + int(s) for s in SIGNALS}:  # a rank was preempted (runtime.signals)
+            raise Preempted(f"exit code {failure.exitcode} of rank {rank}", -1, None) from None
         raise RuntimeError(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
             f"{failure.exitcode}: {failure.message or 'see its log above'}") from e
@@ -65,4 +79,41 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
         h.setFormatter(fmt)
         root.addHandler(h)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    return entry(job)
+    try:
+        return entry(job)
+    except Preempted as e:  # the exit code tells the agent (and our parent) that this was a preemption
+        sys.exit(e.exit_code)
+
+
+@contextlib.contextmanager
+def _loopback_stores() -> Iterator[int]:
+    """Both stores of a self-launched job listen on 127.0.0.1 only, never on every interface.
+
+    torch's TCPStore binds the wildcard address whatever host it is given, so another host
+    could read and write a job's keys. It can instead serve a socket bound beforehand
+    (``master_listen_fd``), and a ``multi_tenant`` store reuses the server already serving its
+    port in this process. So: the rendezvous store's server is made here on a loopback socket
+    (the agent's own store then reuses it), and the agent's second store for the ranks
+    (``_create_tcp_store_server``) is made the same way while the job runs.
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    def loopback_server(host: str, port: int) -> Any:
+        sock = socket.create_server((host, port), backlog=512)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                              master_listen_fd=os.dup(sock.fileno()))
+        sock.close()  # the store listens on its own duplicate
+        return store
+
+    handler = dr.DynamicRendezvousHandler
+    original = handler.__dict__.get("_create_tcp_store_server")
+    rdzv = loopback_server("127.0.0.1", 0)
+    if original is not None:
+        handler._create_tcp_store_server = lambda self, addr, port: loopback_server(addr, port)  # type: ignore
+    try:
+        yield rdzv.port
+    finally:
+        if original is not None:
+            handler._create_tcp_store_server = original  # type: ignore[method-assign]
+        del rdzv

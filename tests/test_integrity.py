@@ -1,0 +1,210 @@
+"""Runs that never get mixed up and never fail silently: config drift on resume, the earlier-run
+search, a full disk, waits bounded by distributed.timeout_s, and config errors said once."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import ddplab
+from conftest import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, torchrun
+from ddplab.checkpoint import files
+from ddplab.config import ConfigError
+
+BASE = ["model=mlp", "num_epochs=2", "progress=none"]  # digits: 22 steps per epoch
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------ config drift on resume
+def test_resume_with_a_changed_config_is_refused_listing_every_difference(tmp_path):
+    ddplab.run(compose_cfg(BASE + ["stop_after_epochs=1"], tmp_path / "a"))
+    with pytest.raises(ConfigError) as e:
+        ddplab.run(compose_cfg(BASE + [f"resume={tmp_path / 'a'}", "optimizer.lr=0.5", "batch_size=32"],
+                               tmp_path / "b"))
+    msg = str(e.value)
+    assert "optimizer.lr: 0.1 in the checkpoint -> 0.5 now" in msg
+    assert "batch_size: 64 in the checkpoint -> 32 now" in msg
+    assert "resume_apply_changes=true" in msg and "Fix:" in msg
+    assert not (tmp_path / "b" / "checkpoints").exists()  # refused before anything trained
+    # Keys that do not change the trajectory never block a resume.
+    out = ddplab.run(compose_cfg(BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=3", "checkpoint.keep_last=4"],
+                                 tmp_path / "c"))
+    assert out["step"] == 44
+
+
+def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_records_it(tmp_path):
+    ddplab.run(compose_cfg(BASE + ["stop_after_epochs=1"], tmp_path / "a"))
+    same = BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=1"]
+    ddplab.run(compose_cfg(same, tmp_path / "old"))
+    ddplab.run(compose_cfg(same + ["optimizer.lr=0.5", "resume_apply_changes=true"], tmp_path / "new"))
+    old, new = (read_scalars(tmp_path / d / "tb")["train/lr"] for d in ("old", "new"))
+    assert [s for s, _ in new] == list(range(23, 45))  # from the first resumed step on
+    for (s, lo), (_, ln) in zip(old, new):
+        assert ln == pytest.approx(5 * lo, rel=1e-6, abs=1e-12), s  # 0.5 / 0.1 (float32 events): same schedule, new base
+    assert new[0][1] > 0.1  # not the checkpoint's lr
+    changes = yaml.safe_load((tmp_path / "new" / "config_changes.yaml").read_text())
+    assert changes[0]["step"] == 22 and changes[0]["changes"]["optimizer.lr"] == {"checkpoint": 0.1, "now": 0.5}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "new" / "tb"))
+    acc.Reload()
+    assert "config_changes/text_summary" in acc.Tags()["tensors"]
+
+
+def test_a_batch_change_mid_epoch_is_refused_even_with_the_opt_in(tmp_path):
+    ddplab.run(compose_cfg(BASE + ["num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10"],
+                           tmp_path / "a"))
+    mid = tmp_path / "a" / "checkpoints" / "step-00000005.pt"
+    with pytest.raises(ConfigError, match=r"batch_size changed, but .* was saved mid-epoch \(5 steps into it\)"):
+        ddplab.run(compose_cfg(BASE + ["num_epochs=1", f"resume={mid}", "batch_size=32", "resume_apply_changes=true"],
+                               tmp_path / "b"))
+
+
+# ------------------------------------------------------------------ the earlier-run search
+def _fake_run(d: Path, overrides: list[str], config: str, mtime: float) -> Path:
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    ck = d / "checkpoints" / "last.pt"
+    ck.parent.mkdir()
+    torch.save({"meta": {"config": config}}, ck)
+    import os
+
+    os.utime(ck, (mtime, mtime))
+    return ck
+
+
+def test_resume_auto_search_matches_the_config_digest_and_stays_in_its_own_root(tmp_path):
+    from ddplab.config import drift
+
+    cfg = "model:\n  name: a\noptimizer:\n  lr: 0.1\nresume: auto\n"
+    other = "model:\n  name: a\noptimizer:\n  lr: 0.2\nresume: auto\n"
+    ov = ["model=mlp"]
+    mine = tmp_path / "outputs" / "2026-01-02" / "10-00-00"
+    (mine / ".hydra").mkdir(parents=True)
+    (mine / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(ov + ["resume=auto"]))
+    # Newest first: a sweep job in multirun/ (another root), then a run whose config differs, then the match.
+    _fake_run(tmp_path / "multirun" / "2026-01-02" / "09-00-00" / "0", ov, cfg, 300)
+    _fake_run(tmp_path / "outputs" / "2026-01-01" / "09-00-00", ov, other, 200)
+    match = _fake_run(tmp_path / "outputs" / "2026-01-01" / "08-00-00", ov, cfg, 100)
+    assert files.find_resume_path("auto", mine, True, drift.digest(cfg)) == match
+    assert files.find_resume_path("auto", mine, True, drift.digest("model:\n  name: b\n")) is None
+    # Harmless keys (where it runs, how long this invocation lasts) do not change the digest.
+    assert drift.digest(cfg) == drift.digest(cfg.replace("resume: auto", "resume: null") + "stop_after_epochs: 1\n")
+
+
+# ------------------------------------------------------------------ a full disk
+def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_continues(tmp_path, monkeypatch):
+    args = BASE + ["checkpoint.every_n_steps=5"]
+    real_save, calls = torch.save, []
+
+    def full_disk(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # the step-15 checkpoint: half written, then the disk is full
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(files.CheckpointWriteError) as e:
+        ddplab.run(compose_cfg(args, tmp_path / "run"))
+    msg = str(e.value)
+    ckdir = tmp_path / "run" / "checkpoints"
+    assert f"could not write checkpoint {ckdir / 'step-00000015.pt'}" in msg
+    assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg)
+    assert "resume=auto" in msg
+    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "step-00000005.pt", "step-00000010.pt"]  # no tmp
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["status"] == "failed" and "step-00000015.pt" in res["error"]
+
+    monkeypatch.setattr(torch, "save", real_save)  # space freed: the same command continues
+    rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    assert rest["step"] == 44 and rest["val/acc"] == ref["val/acc"]
+    a, b = load(ckdir / "last.pt")["model"], load(tmp_path / "ref" / "checkpoints" / "last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ waits bounded by the timeout
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+def test_a_lone_rank_says_what_it_waits_for_and_gives_up_soon_after_the_timeout(tmp_path):
+    timeout = 8
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    t0 = time.monotonic()
+    proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.timeout_s={timeout}"], tmp_path,
+                   timeout=120, extra_env=env)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"rank 1/2: waiting for all 2 ranks to join at 127.0.0.1:{env['MASTER_PORT']}" in out, out[-3000:]
+    assert took < timeout + 5 + 6, took  # the timeout, the grace, and the interpreter's start-up
+
+
+@pytest.mark.dist
+def test_file_init_in_a_missing_dir_is_refused_at_once_under_torchrun(tmp_path):
+    t0 = time.monotonic()
+    proc = torchrun(2, ["model=mlp", f"distributed.init_method=file://{tmp_path}/missing/dir/x"], tmp_path, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 30
+    out = proc.stdout + proc.stderr
+    assert out.count(f"its directory {tmp_path}/missing/dir does not exist") == 1, out[-3000:]
+
+
+def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    proc = python_train([f"distributed.nproc_per_node={cores + 62}"], tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert f"distributed.nproc_per_node={cores + 62}: this machine has {cores} CPU cores" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ errors said once, plainly
+@pytest.mark.dist
+def test_a_config_error_under_torchrun_is_said_once_by_rank_zero_without_a_traceback(tmp_path):
+    proc = torchrun(3, ["model=mlp", "batch_size=64"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [ln for ln in out.splitlines() if "config error" in ln]
+    assert len(lines) == 1 and "batch_size=64 (global) does not split evenly over 3 ranks" in lines[0], out
+    assert out.index("config error") < out.index("ChildFailedError")  # first, before torchrun's summary
+    assert "ddplab" not in out[out.index("Traceback"):] if "Traceback" in out else True  # torchrun's own only
+    assert "ConfigError" not in out
+
+
+def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot train on .*dataset.image_size=1.* Fix: "):
+        ddplab.run(compose_cfg(["dataset=synthetic", "dataset.image_size=1", "num_epochs=1"], tmp_path / "r"))
+
+
+def test_a_read_only_run_dir_is_one_clear_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        proc = python_train([f"hydra.run.dir={ro}/run", "num_epochs=1"], tmp_path, timeout=60)
+    finally:
+        subprocess.run(["umount", str(ro)])
+    assert proc.returncode == 2
+    assert f"cannot write the run dir {ro}/run (Read-only file system at {ro})" in proc.stderr
+    assert "Fix: hydra.run.dir=" in proc.stderr and "Traceback" not in proc.stderr
