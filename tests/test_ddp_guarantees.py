@@ -191,6 +191,8 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     assert elapsed < 8 + 40  # timeout + start-up + teardown, not "forever"
     assert "rank 0/2 failed in epoch 1, step 3" in out
     assert "Rank(s) [1] never reached it" in out
+    # While it waits, rank 0 says so (after 5 s, before the 8 s timeout ends the job).
+    assert re.search(r"rank 0/2: step 3 has run [5-8]s \(the one before took [\d.e-]+s\): waiting for another rank", out)
 
 
 def test_crashed_rank_fails_the_job_naming_it(tmp_path):

@@ -208,3 +208,22 @@ def test_a_read_only_run_dir_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert f"cannot write the run dir {ro}/run (Read-only file system at {ro})" in proc.stderr
     assert "Fix: hydra.run.dir=" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path):
+    import os
+
+    from ddplab.rundir import RunDirLock
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- the holder's overrides\n")
+    held = RunDirLock(run)
+    assert held.acquire() is None
+    try:
+        proc = python_train(["model=mlp", "num_epochs=1", f"hydra.run.dir={run}"], tmp_path, timeout=60)
+    finally:
+        held.release()
+    assert proc.returncode == 2 and f"run dir {run} is in use by pid {os.getpid()} on " in proc.stderr
+    assert (run / ".hydra" / "overrides.yaml").read_text() == "- the holder's overrides\n"
+    assert sorted(p.name for p in run.iterdir()) == [".hydra"]  # no train.log, no config.yaml of ours

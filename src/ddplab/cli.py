@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ddplab import rundir
 from ddplab.config import ConfigError
 from ddplab.job import run
 from ddplab.runtime import env
@@ -56,8 +57,9 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
 
 def _check_writable(argv: list[str]) -> None:
-    """Refuse a run dir nobody can write, in one line, before Hydra fails on it with a traceback
-    ("Unable to configure handler 'file'") — a read-only mount, a missing permission."""
+    """Refuse, in one line and before Hydra writes anything there, a named run dir that another
+    job holds, and a run dir nobody can write (Hydra would fail with "Unable to configure
+    handler 'file'"): a read-only mount, a missing permission."""
     multirun = "-m" in argv or "--multirun" in argv
     key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
     named = [a[len(key):] for a in argv if a.startswith(key)]
@@ -65,6 +67,10 @@ def _check_writable(argv: list[str]) -> None:
     probe = target.absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    holder = rundir.lock_holder(target) if named else None
+    if holder:  # before Hydra writes its .hydra/ files and train.log into the running job's dir
+        sys.stderr.write(f"error: {rundir.in_use(target.absolute(), holder)}\n")
+        raise SystemExit(2)
     try:
         if not probe.is_dir():
             raise NotADirectoryError(f"{probe} is not a directory")

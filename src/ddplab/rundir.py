@@ -67,6 +67,27 @@ class RunDirLock:
             self._fd = None
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock right now (without taking it), or None."""
+    try:
+        fd = os.open(run_dir / RunDirLock.NAME, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # drops a shared lock taken above
+
+
+def in_use(run_dir: Path, holder: str) -> str:
+    return (f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would overwrite each other's "
+            "checkpoints and results. Fix: give this job another hydra.run.dir (or run_dir), or wait for that "
+            "job to end")
+
+
 def is_hydras_default(cfg: Any) -> bool:
     """True when the run dir is the one Hydra made up (outputs/<date>/<time>, multirun/...), not one the
     user (``run_dir=``, ``hydra.run.dir=``, ``hydra.sweep.dir=``) or a torchrun restart named."""

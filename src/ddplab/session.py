@@ -80,9 +80,7 @@ class Session:
             lock = rundir.RunDirLock(self.run_dir)
             holder = lock.acquire()
             if holder:
-                return (f"run dir {self.run_dir} is in use by {holder}: two jobs in one run dir would overwrite "
-                        "each other's checkpoints and results. Fix: give this job another hydra.run.dir (or "
-                        "run_dir), or wait for that job to end")
+                return rundir.in_use(self.run_dir, holder)
             self._lock = lock
             memo = env.run_dir_memo()
             if memo is not None:

@@ -38,6 +38,7 @@ from ddplab.resuming import ResumeGuard
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
+from ddplab.runtime.watch import StallWatch
 from ddplab.task import ClassificationTask
 from ddplab.trainstate import LoopState, Results
 from ddplab.writers import make_writer
@@ -86,6 +87,7 @@ class Trainer:
         self.metrics = TrainMetrics(state, self.task.metric_names, cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
         self._first_step_done = False
+        self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s)  # a hung peer gets said
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
                               self.precision.dtype, cfg.perf.peak_tflops, state.world_size)
 
@@ -169,8 +171,11 @@ class Trainer:
             log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs or cfg.num_epochs
-        while loop.epoch < min(cfg.num_epochs, stop):
-            last_train = self.run_epoch() or last_train
+        try:
+            while loop.epoch < min(cfg.num_epochs, stop):
+                last_train = self.run_epoch() or last_train
+        finally:
+            self.watch.close()
         best = self.results.best
         if best is not None:
             self.writer.scalars({"best/" + cfg.objective: best}, loop.step)
@@ -231,6 +236,7 @@ class Trainer:
         reduced: dict[str, float] = {}
         batches = iter(self.train_loader)
         t_step = time.perf_counter()
+        self.watch.mark(loop.step + 1, t_step)
         for _ in range(spe - loop.step_in_epoch):
             data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
             if skip_nonfinite and self._skip_nonfinite_step():
@@ -239,6 +245,7 @@ class Trainer:
             now = time.perf_counter()
             self.metrics.add_step(now - t_step, data_time)
             t_step = now
+            self.watch.mark(loop.step + 1, now)
             bar.update(1)
             # One process acts on a stop signal at once; ranks agree on it in a log step's collective.
             if loop.step % log_every == 0 or (stop_now_alone and self.stop.requested):
@@ -250,6 +257,7 @@ class Trainer:
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
                 self.checkpoints.save(loop.step)
+        self.watch.pause()
         if self.metrics.steps:  # the epoch's tail since the last log step
             reduced = self._log(bar)
         bar.close()

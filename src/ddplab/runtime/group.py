@@ -7,22 +7,17 @@ other module gets the resulting :class:`DistState` and the named helpers of
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddplab.runtime import env
+from ddplab.runtime.watch import deadline
 
-log = logging.getLogger("ddplab")
 _generation = 0  # process groups this process has created (the same count on every rank)
 
 
@@ -98,40 +93,6 @@ def init(cfg: Any) -> DistState:
                            f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
                            f"{_join_hint(str(e), world_size, cfg.timeout_s)}") from e
     return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
-
-
-GRACE_S = 5.0  # past distributed.timeout_s, a wait torch itself does not end is ended here
-NOTICE_S = 5.0  # a waiting rank says what it waits for after this long, and again as often
-
-
-@contextlib.contextmanager
-def deadline(what: str, timeout_s: float) -> Iterator[None]:
-    """A wait that says what it waits for and never outlives ``timeout_s`` by more than GRACE_S.
-
-    torch's own timeouts do not bound every wait: a TCPStore client retries after its
-    timeout (about 2x in all), and a FileStore in a missing directory waits its own 300 s.
-    A watcher thread logs the wait every NOTICE_S seconds and, past the deadline, ends the
-    process with the reason — nothing else can interrupt a C++ call that does not return.
-    """
-    done = threading.Event()
-    t0 = time.monotonic()
-
-    def watch() -> None:
-        while not done.wait(NOTICE_S):
-            waited = time.monotonic() - t0
-            if waited > timeout_s + GRACE_S:
-                sys.stderr.write(f"{what}: gave up after {waited:.0f}s (distributed.timeout_s={timeout_s}). Fix: "
-                                 "start every rank with the same WORLD_SIZE and address (MASTER_ADDR/MASTER_PORT "
-                                 "or distributed.init_method), or raise distributed.timeout_s\n")
-                sys.stderr.flush()
-                os._exit(1)
-            log.warning("%s: %.0fs so far (gives up after distributed.timeout_s=%s)", what, waited, timeout_s)
-
-    threading.Thread(target=watch, name="ddplab-deadline", daemon=True).start()
-    try:
-        yield
-    finally:
-        done.set()
 
 
 def _join_hint(msg: str, world_size: int, timeout_s: float) -> str:
