@@ -108,11 +108,11 @@ class CheckpointManager:
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
             path, ck = got
         self._source = path
-        if self.check_meta is not None:
-            self.check_meta(ck.get("meta", {}), path)
         for c in self.components.values():
             if hasattr(c, "check"):
                 c.check(ck, path)
+        if self.check_meta is not None:  # after the components': a model that does not fit says exactly how
+            self.check_meta(ck.get("meta", {}), path)
         missing = [k for k in self.components if k not in ck]
         if missing:
             raise RuntimeError(f"resume: {path} has no {missing} entries (saved by another ddplab version or "
