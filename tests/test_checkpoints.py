@@ -230,7 +230,8 @@ def test_mid_epoch_resume_on_another_world_size_warns_about_random_streams(tmp_p
             "progress=log", "run_dir=run", "+model.fault_rank=0", "distributed.timeout_s=30"]
     crashed = torchrun(2, args + ["+model.fault_call=8"], tmp_path)  # checkpoint at step 5, crash at 8
     assert crashed.returncode != 0 and "injected crash" in crashed.stdout + crashed.stderr
-    proc = python_train(args + ["+model.fault_call=1000000", "resume=auto"], tmp_path)
+    # Switching the injected fault off changes a model key: a deliberate change, so the opt-in says so.
+    proc = python_train(args + ["+model.fault_call=1000000", "resume=auto", "resume_apply_changes=true"], tmp_path)
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "0 epoch(s), 5 step(s) done" in out
