@@ -91,3 +91,39 @@ class SlowMLP(MLP):
         if self.training:
             time.sleep(self.delay_s)
         return super().forward(x)
+
+
+class BadTask:
+    """ClassificationTask that returns something wrong on purpose (fault=vector_loss | nonfinite | zero_count)."""
+
+    metric_names = ("acc",)
+    maximize = ("acc",)
+
+    def __init__(self, fault: str = "vector_loss"):
+        from ddplab.task import ClassificationTask
+
+        self.fault, self.inner = fault, ClassificationTask()
+
+    def __call__(self, model, batch):
+        from ddplab.task import TaskOutput
+
+        out = self.inner(model, batch)
+        if self.fault == "vector_loss":
+            return TaskOutput(out.loss.repeat(3), out.size, out.metrics)
+        if self.fault == "nonfinite":
+            return TaskOutput(out.loss * float("nan"), out.size, out.metrics)
+        if self.fault == "zero_count":
+            return TaskOutput(out.loss, out.size, {"acc": (out.metrics["acc"][0], 0)})
+        return out
+
+
+def ragged_digits(**kw):
+    """digits whose collate function drops one label: a batch whose tensors disagree on their length."""
+    from ddplab.data import digits
+
+    s = digits(**kw)
+
+    def collate(samples):
+        return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])[:-1]
+
+    return {"train": s.train, "val": s.val, "collate_fn": collate}

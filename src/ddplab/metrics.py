@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ddplab.runtime.collectives import all_ranks_rows
 from ddplab.runtime.group import DistState
-from ddplab.task import TaskOutput
+from ddplab.task import TaskError, TaskOutput
 
 
 class Layout:
@@ -41,8 +41,13 @@ def _metric_slots(metric_names: Iterable[str]) -> list[str]:
     return [s for m in metric_names for s in (f"{m}.sum", f"{m}.count")]
 
 
-def _means(total: list[float], layout: Layout, metric_names: Iterable[str]) -> dict[str, float]:
-    """num_samples, the sample-weighted loss and each metric's sum/count from summed rows."""
+def _means(total: list[float], layout: Layout, metric_names: Iterable[str], where: str = "") -> dict[str, float]:
+    """num_samples, the sample-weighted loss and each metric's sum/count from summed rows.
+
+    A declared metric whose count is 0 over samples that exist has no mean: that is a task
+    bug (a count that is not the number of items summed), said here, where the host has the
+    numbers anyway.
+    """
     count = total[layout["num_samples"]]
     out = {"num_samples": count}
     if count:
@@ -51,6 +56,10 @@ def _means(total: list[float], layout: Layout, metric_names: Iterable[str]) -> d
         n = total[layout[f"{m}.count"]]
         if n:
             out[m] = total[layout[f"{m}.sum"]] / n
+        elif count:
+            raise TaskError(f"metric {m!r} has count 0 over {count:.0f} samples ({where}): its mean is undefined "
+                            f"(sum {total[layout[f'{m}.sum']]!r}). Fix: return ({m} sum, count) with count = the "
+                            "number of items the sum is over, > 0 for a batch that has any")
     return out
 
 
@@ -72,10 +81,10 @@ class SumMeter:
                 self.sums[2 + 2 * j] += s
                 self.sums[3 + 2 * j] += c
 
-    def reduce(self, state: DistState) -> dict[str, float]:
+    def reduce(self, state: DistState, where: str = "evaluation") -> dict[str, float]:
         """Exact validation metrics from every rank's sums (one collective)."""
         total = all_ranks_rows(self.sums, state).sum(0).tolist()  # the one host-device sync
-        return {f"val/{k}": v for k, v in _means(total, self.layout, self.metric_names).items()}
+        return {f"val/{k}": v for k, v in _means(total, self.layout, self.metric_names, where).items()}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -213,7 +222,7 @@ class TrainMetrics:
         self.stop_agreed = bool(rows[:, lay["stop"]].sum() > 0)
         self._raise_if_nonfinite(rows, where)
         total = rows.sum(0).tolist()
-        sums = _means(total, lay, self.metric_names)
+        sums = _means(total, lay, self.metric_names, f"training, {where}")
         if total[lay["grad_norm.count"]]:
             sums["grad_norm"] = total[lay["grad_norm"]] / total[lay["grad_norm.count"]]
         steps = max(rows[0, lay["steps"]].item(), 1.0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import re
 import sys
 import time
@@ -28,8 +27,10 @@ from ddplab import build, strategy
 from ddplab.checkpoint import CheckpointManager
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.config import ConfigError
-from ddplab.data import ShardedGlobalSampler, TensorData, TrainLoader, eval_batches, eval_shard, on_device, to_device
-from ddplab.metrics import SumMeter, TrainMetrics
+from ddplab.data import ShardedGlobalSampler, TensorData, TrainLoader, on_device, to_device
+from ddplab.data.batches import first_tensor, map_tensors
+from ddplab.evaluation import Evaluator, derived
+from ddplab.metrics import TrainMetrics
 from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
@@ -39,7 +40,7 @@ from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.runtime.watch import StallWatch
-from ddplab.task import ClassificationTask
+from ddplab.task import check_batch, check_output, logged_names, name_of
 from ddplab.trainstate import LoopState, Results
 from ddplab.writers import make_writer
 
@@ -73,19 +74,23 @@ class Trainer:
         self.grad_clip = float(cfg.grad_clip)
         seed_everything(cfg.seed)  # same seed on every rank here: identical init weights and data order
         self.strategy = strategy.make(cfg, state)
-        self.task = ClassificationTask()
+        self.task = build.task(cfg)
+        self._step_fn = self.task  # the first step swaps in a checking wrapper (_first_step)
         self._check_objective()
         self._build_data()
         self._build_model()
         self.loop = LoopState(seed=cfg.seed, accum=self.accum)
-        self.results = Results(minimize=cfg.objective.endswith("loss"))
+        # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
+        self.results = Results(minimize=cfg.objective[len("val/"):] not in getattr(self.task, "maximize", ()))
         self.rng = RNGStreams(state)
         self.checkpoints = self._checkpoints()
         self.config_changes: str | None = None
         self._resume()
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.loop.step + 1 if self.loop.step else None)
-        self.metrics = TrainMetrics(state, self.task.metric_names, cfg.nonfinite_loss, self.accum,
+        self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
+        self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
+                                   max(self.sampler.per_rank_batch, 256), self._layout)
         self._first_step_done = False
         self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s)  # a hung peer gets said
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
@@ -93,9 +98,9 @@ class Trainer:
 
     def _check_objective(self) -> None:
         """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
-        names = ["val/loss", *(f"val/{m}" for m in self.task.metric_names)]
+        names = [f"val/{m}" for m in logged_names(self.task)]
         if self.cfg.objective not in names:
-            raise ConfigError(f"objective={self.cfg.objective!r}: {type(self.task).__name__} logs no such metric. "
+            raise ConfigError(f"objective={self.cfg.objective!r}: {name_of(self.task)} logs no such metric. "
                               f"Fix: objective= one of {', '.join(names)}")
 
     def _build_data(self) -> None:
@@ -114,7 +119,7 @@ class Trainer:
                 f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
                 f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
         self.train_loader = TrainLoader(self.data.train, self.sampler, st.device, augment, cfg.perf.num_workers,
-                                        cfg.perf.pin_memory, indexed=indexed)
+                                        cfg.perf.pin_memory, indexed=indexed, collate_fn=self.data.collate_fn)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
     def _build_model(self) -> None:
@@ -192,7 +197,7 @@ class Trainer:
         if self.config_changes:
             self.writer.text("config_changes", self.config_changes)
         self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
-                            ["val/acc", "val/loss", "train/loss", "best/" + cfg.objective])
+                            [*(f"val/{m}" for m in logged_names(self.task)), "train/loss", "best/" + cfg.objective])
         log.info(
             "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
             "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
@@ -212,6 +217,7 @@ class Trainer:
             val = self.evaluate()
             improved = self.results.update(val, cfg.objective)
             self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
+            self.evaluator.visualize(self.writer, loop.step)
             log.info("epoch %d/%d  %s", loop.epoch, cfg.num_epochs, "  ".join(f"{k}={v:.4g}" for k, v in val.items()))
         saved = self.checkpoints.save(loop.step, is_best=improved)
         if self.metrics.stop_agreed:  # agreed in the epoch's last log step: the epoch-end save is the stop's
@@ -282,13 +288,14 @@ class Trainer:
             # Gradients all-reduce only on the last micro-batch of a step.
             with self.strategy.no_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
                 with self.precision.autocast():
-                    out = self.task(self.model, batch)
+                    out = self._step_fn(self.model, batch)
                 self.precision.backward(out.loss / self.accum if self.accum > 1 else out.loss)
             self.metrics.add_micro(out)
         return data_time
 
     def _first_step(self, batches: Iterator[Any]) -> float:
         """The first forward/backward: a model that cannot take the data's shapes fails here, said plainly."""
+        self._step_fn = self._checked_step
         try:
             data_time = self._forward_backward(batches)
         except RuntimeError as e:
@@ -300,9 +307,15 @@ class Trainer:
                 f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
                 f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
                 "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)") from e
+        self._step_fn = self.task
         self._first_step_done = True
         self.strategy.after_first_backward(self.module)
         return data_time
+
+    def _checked_step(self, model: Any, batch: Any) -> Any:
+        """The task's step with its batch and output checked (first step only: host metadata, no sync)."""
+        check_batch(self.task, batch)
+        return check_output(self.task, self.task(model, batch))
 
     def _optimizer_step(self) -> None:
         norm = self.precision.step(self.optimizer, self.params, self.grad_clip)
@@ -326,7 +339,8 @@ class Trainer:
     def _log(self, bar: Progress) -> dict[str, float]:
         step = self.loop.step
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values = self.metrics.reduce(self.position(), step, self.stop.requested)
+        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stop.requested)
+        values.update(derived(self.task, values, "train/"))
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["perf/samples_per_s"]))
         scale = self.precision.loss_scale()
@@ -338,15 +352,17 @@ class Trainer:
         return values
 
     def _layout(self, batch: Any) -> Any:
-        """Inputs in the model's memory format (NHWC with perf.channels_last; a no-op otherwise)."""
-        if self.memory_format is None:
+        """Image batches (4-D float tensors) in the model's memory format (NHWC with perf.channels_last)."""
+        fmt = self.memory_format
+        if fmt is None:
             return batch
-        x, *rest = batch
-        return (x.contiguous(memory_format=self.memory_format), *rest)
+        return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
+                           else t)
 
-    def _flop_sample(self) -> torch.Tensor:
-        x = self.data.train[0][0][None].to(self.state.device)
-        return x if self.memory_format is None else x.contiguous(memory_format=self.memory_format)
+    def _flop_sample(self) -> torch.Tensor | None:
+        """One sample's input, for counting the model's FLOPs (the first tensor of a training sample)."""
+        x = first_tensor(self.data.train[0])
+        return None if x is None else self._layout(x[None].to(self.state.device))
 
     def _describe_model(self) -> str:
         pf = self.cfg.perf
@@ -355,28 +371,8 @@ class Trainer:
         parts.append("fused optimizer" if self.optimizer.defaults.get("fused") else "unfused optimizer")
         return ", ".join(parts + self.strategy.describe())
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        st = self.state
-        self.strategy.before_eval(self.module)
-        self.module.eval()
-        meter = SumMeter(st.device, self.task.metric_names)
-        bs = max(self.sampler.per_rank_batch, 256)
-        done, batch = 0, None
-        for batch in eval_batches(self.data.val, st.world_size, st.rank, bs, st.device):
-            batch = self._layout(batch)
-            with self.precision.autocast():
-                meter.update(self.task(self.module, batch))  # unwrapped: no DDP collectives on uneven shards
-            done += 1
-        sample = batch[0][:1] if batch is not None else self.data.val[0][0][None].to(st.device)
-
-        def forward() -> None:
-            with self.precision.autocast():
-                self.module(sample)
-
-        needed = math.ceil(len(eval_shard(len(self.data.val), st.world_size, 0)) / bs)  # rank 0: the largest shard
-        self.strategy.finish_eval(self.module, done, needed, forward)
-        return meter.reduce(st)
+        return self.evaluator.run()
 
     def _progress_bar(self) -> Progress:
         mode = self.cfg.progress

@@ -23,6 +23,9 @@ class NullWriter:
     def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
         pass
 
+    def image(self, tag: str, image: Any, step: int) -> None:
+        """``image``: a (C, H, W) tensor with values in [0, 1] (C = 1 or 3)."""
+
     def close(self) -> None:
         pass
 
@@ -77,6 +80,9 @@ class TensorBoardWriter(NullWriter):
         clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
         for summary in hparams_summary(clean, {t: 0.0 for t in metric_tags}):
             self._w.file_writer.add_summary(summary)
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        self._writer().add_image(tag, image, step)
 
     def close(self) -> None:
         self._writer().close()

@@ -9,6 +9,7 @@ factory with a yaml of their own, with or without one of these schemas.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,6 +39,37 @@ class ResNetConfig(ModelConfig):
     # state_dict keys stay torchvision's.
     small_input: bool = False
     zero_init_residual: bool = False
+
+
+@dataclass
+class VAEConfig:
+    """A small fully connected VAE over flattened images (task=vae)."""
+
+    _target_: str = "ddplab.models.VAE"
+    in_channels: int = 1
+    image_size: int = 8
+    hidden: int = 128
+    latent: int = 8
+    weights: Optional[str] = None
+
+
+@dataclass
+class GPTConfig:
+    """A small causal transformer over bytes (task=lm), nanoGPT-style."""
+
+    _target_: str = "ddplab.models.TinyGPT"
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    weights: Optional[str] = None
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.n_embd % c.n_head == 0, f"{key}.n_embd", c.n_embd, f"must be a multiple of {key}.n_head={c.n_head}",
+                f"pass {key}.n_embd={c.n_head * max(1, c.n_embd // c.n_head)}")
 
 
 @dataclass
@@ -177,6 +209,38 @@ class ImageFolderConfig(FilesConfig):
     augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=0, hflip=True))
 
 
+@dataclass
+class DiabetesConfig:
+    """scikit-learn's diabetes regression data: 442 patients, 10 standardised features (task=regression)."""
+
+    _target_: str = "ddplab.data.diabetes"
+    val_fraction: float = 0.2
+    split_seed: int = 0
+    # Read by the model configs through interpolation: 10 features = a 1x1 "image" of 10 channels.
+    num_classes: int = 1
+    in_channels: int = 10
+    image_size: int = 1
+
+
+@dataclass
+class TextConfig:
+    """A local text file as bytes, in windows of block_size (task=lm); null path: a generated corpus."""
+
+    _target_: str = "ddplab.data.text"
+    path: Optional[str] = None
+    block_size: int = 64
+    val_fraction: float = 0.1
+    vocab_size: int = 256  # bytes
+    split_seed: int = 0
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.path is None or os.path.isfile(os.path.expanduser(c.path)), f"{key}.path", c.path,
+                "no such file (nothing is downloaded)", f"point {key}.path at a text file, or {key}.path=null for "
+                "the generated corpus")
+        require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
+
+
 # ------------------------------------------------------------ optim / sched
 def _check_warmup(c: Any, key: str) -> None:
     require(c.warmup_steps >= 0, f"{key}.warmup_steps", c.warmup_steps, "must be >= 0", f"pass {key}.warmup_steps=0")
@@ -244,9 +308,9 @@ class ConstantConfig:
 
 GROUPS = {
     "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
-              "keras_convnet": KerasConvNetConfig},
+              "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig},
     "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
-                "imagefolder": ImageFolderConfig},
+                "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
 }

@@ -120,6 +120,8 @@ class TrainConfig:
     dataset: Any = MISSING
     optimizer: Any = MISSING
     scheduler: Any = MISSING
+    # What a batch means: a Task class (``_target_``) and its arguments; conf/task/ (ddplab.task).
+    task: Any = MISSING
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)

@@ -5,7 +5,8 @@ from ddplab.data.augment import BatchAugment
 from ddplab.data.files import DatasetFilesError, cifar10, cifar100, fashion_mnist, imagefolder, mnist, read_idx
 from ddplab.data.loaders import TrainLoader, eval_batches, on_device, to_device
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
+from ddplab.data.tabular import diabetes, text
 
 __all__ = ["Splits", "TensorData", "digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100",
            "imagefolder", "read_idx", "DatasetFilesError", "TrainLoader", "eval_batches", "on_device", "to_device", "BatchAugment",
-           "ShardedGlobalSampler", "eval_shard"]
+           "ShardedGlobalSampler", "eval_shard", "diabetes", "text"]

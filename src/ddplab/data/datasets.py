@@ -6,6 +6,7 @@ No Hydra here: the factory arguments are the keys of conf/dataset/*.yaml.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -13,7 +14,8 @@ from torch import Tensor
 
 @dataclass
 class TensorData:
-    """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64.
+    """Inputs ``x`` (N, ...) and targets ``y`` (N, ...): images and labels, features and values,
+    token windows and next tokens.
 
     Also a map-style torch Dataset, so a DataLoader can read it; the trainer
     instead indexes whole batches at once (no per-sample collate).
@@ -35,9 +37,13 @@ class TensorData:
 
 @dataclass
 class Splits:
+    """What a dataset factory returns (a ``(train, val)`` pair or a dict with those keys work too)."""
+
     train: TensorData | torch.utils.data.Dataset
     val: TensorData | torch.utils.data.Dataset
-    num_classes: int
+    num_classes: int | None = None
+    # Turns a list of samples into a batch (DataLoader's collate_fn); None: torch's default.
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 def _expect(name: str, given: int, actual: int) -> None:

@@ -1,14 +1,16 @@
-"""Iterables of (x, y) batches on the training device, one per rank."""
+"""Iterables of batches on the training device, one per rank: (x, y) pairs from tensors, or
+whatever a dataset's samples (and its collate function) make — tuples, dicts, nested."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddplab.data.augment import BatchAugment, PerSampleAugment
+from ddplab.data.batches import move
 from ddplab.data.datasets import TensorData
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
 
@@ -41,8 +43,9 @@ class TrainLoader:
 
     def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
                  augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True,
-                 indexed: bool | None = None):
-        """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can."""
+                 indexed: bool | None = None, collate_fn: Callable[[list[Any]], Any] | None = None):
+        """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can.
+        ``collate_fn``: the dataset's own, for the DataLoader path."""
         self.data, self.sampler, self.device = data, sampler, device
         self.augment = augment if augment is not None and augment.enabled else None
         self._loader = None
@@ -54,6 +57,7 @@ class TrainLoader:
             source = PerSampleAugment(data, self.augment) if self.augment else data
             self._loader = DataLoader(
                 source, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
+                collate_fn=collate_fn,
                 pin_memory=pin_memory and device.type == "cuda", persistent_workers=num_workers > 0,
                 # Its own generator: the loader draws a seed per epoch, which would
                 # otherwise come from the global RNG and shift dropout's stream.
@@ -72,11 +76,11 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         if self._loader is not None:
             nb = self._loader.pin_memory  # async host->device copy out of pinned memory
-            for x, y in self._loader:
-                yield x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
+            for batch in self._loader:
+                yield move(batch, self.device, nb)
             return
         # One host->device copy of the epoch's indices, then pure device indexing.
         idx = self.sampler.batches()[self.sampler.skip:].to(self.device)
@@ -85,8 +89,8 @@ class TrainLoader:
             yield (self.augment(x) if self.augment else x), self.data.y[i]
 
 
-def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int,
-                 device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, device: torch.device,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
     """This rank's exact validation shard (every sample on exactly one rank)."""
     shard = eval_shard(len(data), world_size, rank)
     nb = device.type == "cuda"
@@ -94,5 +98,6 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int,
         for idx in shard.to(data.x.device).split(batch_size):
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
-    for x, y in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size, pin_memory=nb):
-        yield x.to(device, non_blocking=nb), y.to(device, non_blocking=nb)
+    for batch in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size, pin_memory=nb,
+                            collate_fn=collate_fn):
+        yield move(batch, device, nb)

@@ -1,0 +1,80 @@
+"""Exact evaluation for any task: this rank's shard of the validation set through the task's
+evaluation step, one collective for the sums, the task's derived scalars, and its
+``visualize`` hook on the first batch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ddplab.data import Splits, eval_batches, eval_shard
+from ddplab.metrics import SumMeter
+from ddplab.precision import Precision
+from ddplab.runtime.group import DistState
+from ddplab.task import check_batch, check_output, name_of
+
+
+def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float]:
+    """The task's extra scalars from reduced means (``train/`` or ``val/`` ones), under the same prefix."""
+    derive = getattr(task, "derive", None)
+    if derive is None:
+        return {}
+    means = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+    return {f"{prefix}{k}": float(v) for k, v in derive(means).items()}
+
+
+class Evaluator:
+    def __init__(self, task: Any, module: nn.Module, data: Splits, state: DistState, precision: Precision,
+                 strategy: Any, batch_size: int, layout: Callable[[Any], Any]):
+        self.task, self.module, self.data, self.state = task, module, data, state
+        self.precision, self.strategy, self.batch_size, self.layout = precision, strategy, batch_size, layout
+        self.step = getattr(task, "evaluate", task)
+        self.sample: Any = None  # this rank's first validation batch (for visualize and FSDP's extra forwards)
+        self._checked = False
+
+    def _batches(self, world_size: int, rank: int, batch_size: int) -> Any:
+        return eval_batches(self.data.val, world_size, rank, batch_size, self.state.device, self.data.collate_fn)
+
+    @torch.no_grad()
+    def run(self) -> dict[str, float]:
+        st, task = self.state, self.task
+        self.strategy.before_eval(self.module)
+        self.module.eval()
+        meter = SumMeter(st.device, getattr(task, "metric_names", ()))
+        done, first = 0, None
+        for batch in self._batches(st.world_size, st.rank, self.batch_size):
+            batch = self.layout(batch)
+            if not self._checked:
+                check_batch(task, batch)
+            with self.precision.autocast():
+                out = self.step(self.module, batch)  # unwrapped: no DDP collectives on uneven shards
+            if not self._checked:
+                out, self._checked = check_output(task, out), True
+            meter.update(out)
+            first = batch if first is None else first
+            done += 1
+        # A rank with an empty shard borrows one sample: FSDP needs the same number of forwards everywhere.
+        self.sample = first if first is not None else self.layout(next(iter(self._batches(1, 0, 1))))
+
+        def forward() -> None:
+            with self.precision.autocast():
+                self.step(self.module, self.sample)
+
+        needed = math.ceil(len(eval_shard(len(self.data.val), st.world_size, 0)) / self.batch_size)  # rank 0's
+        self.strategy.finish_eval(self.module, done, needed, forward)
+        values = meter.reduce(st, f"evaluation; task {name_of(task)}")
+        values.update(derived(task, values, "val/"))
+        return values
+
+    @torch.no_grad()
+    def visualize(self, writer: Any, step: int) -> None:
+        """The task's drawing of this evaluation (every rank runs it; the writer draws on rank 0 only)."""
+        draw = getattr(self.task, "visualize", None)
+        if draw is None or self.sample is None:
+            return
+        self.module.eval()
+        with self.precision.autocast():
+            draw(self.module, self.sample, writer, step)
