@@ -20,6 +20,7 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         return str(target).rsplit(".", 1)[-1] if target else target
 
     hp: dict[str, Any] = {
+        "task": short(cfg.task.get("_target_")) if cfg.get("task") else None,
         "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
         "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
         "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
