@@ -4,13 +4,15 @@ on the model, dataset and task groups: the dataset's splits + augmentation, the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ddplab.data import BatchAugment, Splits
+from ddplab.config import ConfigError
+from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, on_device,
+                         to_device)
 
 
 def dataset(cfg: DictConfig) -> tuple[Splits, BatchAugment | None]:
@@ -57,3 +59,56 @@ def model(cfg: DictConfig) -> nn.Module:
 
         load_weights(module, weights)
     return module
+
+
+def callbacks(cfg: DictConfig) -> dict[str, Any]:
+    """name -> the callback ``cfg.callbacks.<name>`` makes (entries set to null are left out)."""
+    spec = OmegaConf.to_container(cfg.get("callbacks") or {}, resolve=True, enum_to_str=True)
+    made = {}
+    for name, node in spec.items():
+        if node is None:
+            continue
+        if not isinstance(node, dict) or "_target_" not in node:
+            raise TypeError(f"callbacks.{name}={node!r}: a callback entry needs a _target_ (a class) and its "
+                            f"arguments. Fix: callbacks.{name}._target_=mypkg.MyCallback, or drop it")
+        made[name] = instantiate(node, _convert_="all")
+    return made
+
+
+class TrainData(NamedTuple):
+    data: Splits
+    sampler: ShardedGlobalSampler
+    loader: TrainLoader
+    steps_per_epoch: int
+
+
+def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> TrainData:
+    """The dataset on its device (the fast path where it fits), this rank's sampler and loader,
+    and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
+    data, augment = dataset(cfg)
+    if cfg.get("overfit_batches"):
+        keep = min(len(data.train), cfg.overfit_batches * global_batch * accum)
+        data.train = _head(data.train, keep)
+        data.val = data.train  # learning at all shows first on the very batches it trains on
+    indexed = on_device(data.train, state.device, cfg.perf.data_on_device)
+    if indexed:
+        data.train = to_device(data.train, state.device)
+        if isinstance(data.val, TensorData):
+            data.val = to_device(data.val, state.device)
+    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum)
+    if sampler.steps_per_epoch == 0:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {global_batch * accum} samples per "
+            f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
+    loader = TrainLoader(data.train, sampler, state.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
+                         indexed=indexed, collate_fn=data.collate_fn)
+    steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
+    return TrainData(data, sampler, loader, steps)
+
+
+def _head(ds: Any, n: int) -> Any:
+    if isinstance(ds, TensorData):
+        return TensorData(ds.x[:n], ds.y[:n])
+    from torch.utils.data import Subset
+
+    return Subset(ds, range(n))

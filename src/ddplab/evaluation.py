@@ -28,9 +28,11 @@ def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float
 
 class Evaluator:
     def __init__(self, task: Any, module: nn.Module, data: Splits, state: DistState, precision: Precision,
-                 strategy: Any, batch_size: int, layout: Callable[[Any], Any]):
+                 strategy: Any, batch_size: int, layout: Callable[[Any], Any], max_batches: int | None = None):
+        """``max_batches``: evaluate at most this many batches per rank (limit_val_batches; debugging)."""
         self.task, self.module, self.data, self.state = task, module, data, state
         self.precision, self.strategy, self.batch_size, self.layout = precision, strategy, batch_size, layout
+        self.max_batches = max_batches
         self.step = getattr(task, "evaluate", task)
         self.sample: Any = None  # this rank's first validation batch (for visualize and FSDP's extra forwards)
         self._checked = False
@@ -46,6 +48,8 @@ class Evaluator:
         meter = SumMeter(st.device, getattr(task, "metric_names", ()))
         done, first = 0, None
         for batch in self._batches(st.world_size, st.rank, self.batch_size):
+            if self.max_batches is not None and done >= self.max_batches:
+                break
             batch = self.layout(batch)
             if not self._checked:
                 check_batch(task, batch)
@@ -64,6 +68,7 @@ class Evaluator:
                 self.step(self.module, self.sample)
 
         needed = math.ceil(len(eval_shard(len(self.data.val), st.world_size, 0)) / self.batch_size)  # rank 0's
+        needed = min(needed, self.max_batches) if self.max_batches is not None else needed
         self.strategy.finish_eval(self.module, done, needed, forward)
         values = meter.reduce(st, f"evaluation; task {name_of(task)}")
         values.update(derived(task, values, "val/"))

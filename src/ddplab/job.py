@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, validate
+from ddplab.resuming import eval_config
 from ddplab.runtime import env
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
@@ -28,6 +29,8 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     made up this run's dir).
     """
     validate(cfg)  # bad values fail here, before any process group exists
+    if cfg.get("mode") == "eval":  # the checkpoint's own config, this command's launch settings
+        cfg = eval_config(cfg)
     strategy.check_launch(cfg, env.world_size())
     nproc = cfg.distributed.nproc_per_node
     if nproc > 1:
@@ -39,7 +42,7 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
                         "launched job (torchrun/SLURM)", nproc)
     with Session(cfg, search_earlier_runs) as session:
         metrics = _train(session)
-        session.complete(metrics)
+        session.complete(metrics, session.note)
     return metrics
 
 
@@ -50,7 +53,15 @@ def _train(session: Session) -> dict[str, float]:
 
     trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs, session.stop)
     session.where = trainer.position
-    return trainer.fit()
+    if session.provenance:
+        trainer.writer.text("provenance", session.provenance)
+    if trainer.eval_only:
+        metrics = trainer.evaluate_only()
+        log.info("evaluation of %s: %s", session.cfg.resume, "  ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+        return metrics
+    metrics = trainer.fit()
+    session.note = trainer.stop_reason
+    return metrics
 
 
 def _check_room(cfg: DictConfig) -> None:

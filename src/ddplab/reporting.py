@@ -36,6 +36,36 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
     return {k: v for k, v in hp.items() if v is not None}
 
 
+def announce(t: Any) -> None:
+    """Trainer ``t``'s first words: the config (and opted-in changes) and HParams into TensorBoard,
+    and the run's layout, data path and model in two log lines."""
+    cfg, st = t.cfg, t.state
+    from ddplab.task import logged_names
+
+    t.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+    if t.config_changes:
+        t.writer.text("config_changes", t.config_changes)
+    t.writer.hparams(hparams_of(cfg, t.run_dir, st.world_size),
+                     [*(f"val/{m}" for m in logged_names(t.task)), *t.callbacks.logged_names(), "train/loss",
+                      "best/" + cfg.objective])
+    log.info(
+        "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
+        "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
+        t.run_dir, st.world_size, st.device, st.backend or "no process group", t.precision.describe(),
+        t.global_batch, st.world_size, t.sampler.per_rank_batch, t.accum, t.global_batch * t.accum,
+        t.steps_per_epoch, cfg.num_epochs)
+    log.info("data: %s | model: %s%s", t.train_loader.describe(), _describe_model(t),
+             f" | callbacks: {', '.join(t.callbacks.describe())}" if t.callbacks.named else "")
+
+
+def _describe_model(t: Any) -> str:
+    pf = t.cfg.perf
+    parts = [type(t.module).__name__, f"{sum(p.numel() for p in t.params):,} params"]
+    parts += ["channels_last"] * pf.channels_last + [f"compiled ({pf.compile_backend})"] * pf.compile
+    parts.append("fused optimizer" if t.optimizer.defaults.get("fused") else "unfused optimizer")
+    return ", ".join(parts + t.strategy.describe())
+
+
 class Progress:
     """tqdm bar on a terminal, periodic log lines otherwise, nothing on other ranks."""
 

@@ -1,9 +1,10 @@
-"""What a resume may change: the checkpoint's config against the current one, and — when the
-user opted in with ``resume_apply_changes=true`` — new values really applied and recorded.
+"""The trainer's checkpoints and how a run resumes: which of its parts are checkpointed
+(:func:`checkpoints_of`), the checkpoint's config against the current one, and — when the
+user opted in with ``resume_apply_changes=true`` — new values really applied and recorded
+(:func:`resume`). ``mode=eval`` takes its config from the checkpoint (:func:`eval_config`).
 
-The trainer hands :meth:`ResumeGuard.check` to the CheckpointManager (it runs before any
-component loads, so a refused checkpoint changes nothing) and calls :meth:`ResumeGuard.apply`
-after the load.
+:meth:`ResumeGuard.check` goes to the CheckpointManager (it runs before any component
+loads, so a refused checkpoint changes nothing); :meth:`ResumeGuard.apply` runs after the load.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
 
@@ -83,3 +86,60 @@ class ResumeGuard:
 
 def _plain(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+
+
+def checkpoints_of(t: Any) -> tuple[CheckpointManager, ResumeGuard]:
+    """The CheckpointManager with every stateful part of trainer ``t`` registered, and its drift guard."""
+    meta = {"config": OmegaConf.to_yaml(t.cfg, resolve=True), "world_size": t.state.world_size}
+    guard = ResumeGuard(t.cfg, t.state.world_size)  # a checkpoint of another config is refused
+    manager = CheckpointManager(t.run_dir / "checkpoints", t.cfg.checkpoint, t.state, meta, check_meta=guard.check)
+    entries = {**t.strategy.checkpoint_entries(t.module, t.optimizer, manager), "scheduler": t.scheduler,
+               "scaler": t.precision, "loop": t.loop,
+               "rng": t.rng,  # every rank's streams: dropout/augmentation continue exactly
+               "results": t.results, **t.callbacks.stateful()}
+    for key, component in entries.items():
+        manager.register(key, component)
+    return manager, guard
+
+
+def resume(t: Any) -> str | None:
+    """Load what ``resume`` names into trainer ``t``; the opted-in changes as text, or None."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
+    path = t.checkpoints.resume(t.cfg.resume, t.run_dir, t.search_earlier_runs)
+    if path is None:
+        return None
+    loop = t.loop
+    # Opted-in config changes go into force now; rank 0 records them in the run dir.
+    changes = t.guard.apply(t.optimizer, t.scheduler, fresh, loop.step_in_epoch, loop.step,
+                            t.run_dir if t.state.is_main else None)
+    if loop.step_in_epoch and t.rng.saved_world_size != t.state.world_size:
+        log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
+                    "order, but random layers (dropout) draw new streams", t.state.world_size, t.rng.saved_world_size)
+    log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
+    t.callbacks("on_load", t, str(path))
+    return changes
+
+
+# Keys mode=eval takes from the command line; everything else comes from the checkpoint's config.
+_EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches", "callbacks",
+             "log_every_n_steps")
+
+
+def eval_config(cfg: DictConfig) -> DictConfig:
+    """mode=eval: the checkpoint's own config (model, data, task, ...) with this command's
+    launch settings, so ``python train.py mode=eval resume=<run dir>`` needs nothing else."""
+    from ddplab.checkpoint import files
+
+    path = files.find_resume_path(cfg.resume, Path("."))
+    assert path is not None
+    saved = files.load(path, torch.device("cpu")).get("meta", {}).get("config")
+    if not saved:
+        raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
+    merged = OmegaConf.create(saved)
+    mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for key in _EVAL_OWN:
+        if key in mine:
+            merged[key] = mine[key]
+    merged.resume = str(path)
+    OmegaConf.set_struct(merged, True)
+    return merged

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from ddplab import rundir
+from ddplab import provenance, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.runtime import collectives, env, group
 from ddplab.runtime.group import DistState
@@ -42,6 +42,8 @@ class Session:
         self.where: Callable[[], str] = lambda: "while building the job"
         # SIGTERM/SIGINT/SIGUSR1 from here on ask for a checkpointed stop (runtime.signals).
         self.stop = StopSignal()
+        self.provenance = ""  # rank 0: provenance.json's text, once the ranks are known
+        self.note: str | None = None  # how the job ended, besides its metrics (early stopping)
 
     def __enter__(self) -> Session:
         self.stop.install()
@@ -71,7 +73,10 @@ class Session:
             log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)", restarts)
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
-        log.info("ranks: %s", collectives.rank_table(st, collectives.config_digest(self.cfg)))
+        table, rows = collectives.rank_table(st, collectives.config_digest(self.cfg))
+        log.info("ranks: %s", table)
+        # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
+        self.provenance = provenance.write(self.run_dir, provenance.collect(rows, st.backend)) if st.is_main else ""
 
     def _hold_run_dir(self) -> str | None:
         """Rank 0: make and lock the run dir, note it for a torchrun restart; None, or why it cannot."""
@@ -89,10 +94,12 @@ class Session:
             return f"run dir {self.run_dir}: {type(e).__name__}: {e}"
         return None
 
-    def complete(self, metrics: dict[str, Any]) -> None:
-        """The job finished: rank 0 records it; a torchrun restart memo is no longer needed."""
+    def complete(self, metrics: dict[str, Any], note: str | None = None) -> None:
+        """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early); a torchrun
+        restart memo is no longer needed."""
         if self.state.is_main:
-            rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics})
+            rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics,
+                                               **({"note": note} if note else {})})
             memo = env.run_dir_memo()
             if memo is not None:
                 memo.unlink(missing_ok=True)

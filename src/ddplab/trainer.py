@@ -21,21 +21,20 @@ from typing import Any, Iterator
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ddplab import build, strategy
-from ddplab.checkpoint import CheckpointManager
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.config import ConfigError
-from ddplab.data import ShardedGlobalSampler, TensorData, TrainLoader, on_device, to_device
 from ddplab.data.batches import first_tensor, map_tensors
 from ddplab.evaluation import Evaluator, derived
 from ddplab.metrics import TrainMetrics
 from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
-from ddplab.reporting import Progress, hparams_of
-from ddplab.resuming import ResumeGuard
+from ddplab.callbacks import Callbacks
+from ddplab.reporting import Progress, announce
+from ddplab.resuming import checkpoints_of, resume
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
@@ -49,8 +48,11 @@ log = logging.getLogger("ddplab")
 _SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
 
 
-def global_batch_size(cfg: DictConfig, world_size: int) -> int:
+def global_batch_size(cfg: DictConfig, world_size: int, exact: bool = True) -> int:
+    """Samples per micro-step over all ranks. ``exact=False`` (evaluation only): rounded to split."""
     gb = cfg.batch_size * (world_size if cfg.batch_size_scope == "per_rank" else 1)
+    if gb % world_size and not exact:
+        return max(world_size, gb // world_size * world_size)
     if gb % world_size:
         raise ConfigError(
             f"batch_size={cfg.batch_size} (global) does not split evenly over {world_size} ranks. "
@@ -69,28 +71,34 @@ class Trainer:
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
         self.stop = stop or StopSignal()
         self.search_earlier_runs = search_earlier_runs
-        self.global_batch = global_batch_size(cfg, state.world_size)
+        self.eval_only = cfg.get("mode") == "eval"
+        self.global_batch = global_batch_size(cfg, state.world_size, exact=not self.eval_only)
         self.accum = cfg.grad_accum_steps
         self.grad_clip = float(cfg.grad_clip)
         seed_everything(cfg.seed)  # same seed on every rank here: identical init weights and data order
         self.strategy = strategy.make(cfg, state)
         self.task = build.task(cfg)
         self._step_fn = self.task  # the first step swaps in a checking wrapper (_first_step)
-        self._check_objective()
-        self._build_data()
+        self.callbacks = Callbacks(build.callbacks(cfg))
+        self.data, self.sampler, self.train_loader, self.steps_per_epoch = build.train_data(
+            cfg, state, self.global_batch, self.accum)
+        self.memory_format = torch.channels_last if cfg.perf.channels_last else None
         self._build_model()
         self.loop = LoopState(seed=cfg.seed, accum=self.accum)
         # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
-        self.results = Results(minimize=cfg.objective[len("val/"):] not in getattr(self.task, "maximize", ()))
+        self.results = Results(minimize=cfg.objective.split("/", 1)[-1] not in getattr(self.task, "maximize", ()))
         self.rng = RNGStreams(state)
-        self.checkpoints = self._checkpoints()
-        self.config_changes: str | None = None
-        self._resume()
+        self.stop_reason: str | None = None  # set by request_stop (early stopping)
+        self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
+                                   max(self.sampler.per_rank_batch, 256), self._layout, cfg.get("limit_val_batches"))
+        self.callbacks("setup", self)
+        self._check_objective()
+        self.checkpoints, self.guard = checkpoints_of(self)
+        self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.loop.step + 1 if self.loop.step else None)
         self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
-        self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
-                                   max(self.sampler.per_rank_batch, 256), self._layout)
+        self._step_hooks = self.callbacks.hooks["on_step_end"]  # per step: an empty loop when none
         self._first_step_done = False
         self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s)  # a hung peer gets said
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
@@ -98,29 +106,10 @@ class Trainer:
 
     def _check_objective(self) -> None:
         """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
-        names = [f"val/{m}" for m in logged_names(self.task)]
+        names = [f"val/{m}" for m in logged_names(self.task)] + self.callbacks.logged_names()
         if self.cfg.objective not in names:
             raise ConfigError(f"objective={self.cfg.objective!r}: {name_of(self.task)} logs no such metric. "
                               f"Fix: objective= one of {', '.join(names)}")
-
-    def _build_data(self) -> None:
-        cfg, st = self.cfg, self.state
-        self.data, augment = build.dataset(cfg)
-        indexed = on_device(self.data.train, st.device, cfg.perf.data_on_device)
-        if indexed:
-            self.data.train = to_device(self.data.train, st.device)
-            if isinstance(self.data.val, TensorData):
-                self.data.val = to_device(self.data.val, st.device)
-        self.sampler = ShardedGlobalSampler(len(self.data.train), self.global_batch, st.world_size, st.rank,
-                                            cfg.seed, self.accum)
-        if self.sampler.steps_per_epoch == 0:
-            raise ConfigError(
-                f"batch_size={cfg.batch_size} x grad_accum_steps={self.accum} needs "
-                f"{self.global_batch * self.accum} samples per optimizer step, but the training set has "
-                f"{len(self.data.train)}. Fix: lower batch_size or grad_accum_steps.")
-        self.train_loader = TrainLoader(self.data.train, self.sampler, st.device, augment, cfg.perf.num_workers,
-                                        cfg.perf.pin_memory, indexed=indexed, collate_fn=self.data.collate_fn)
-        self.memory_format = torch.channels_last if cfg.perf.channels_last else None
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -130,55 +119,36 @@ class Trainer:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), self.params,
                                         self.strategy.fused_mode(cfg.perf.fused_optimizer))
-        spe = self.sampler.steps_per_epoch
+        spe = self.steps_per_epoch
         self.scheduler = instantiate(cfg.scheduler, _convert_="all")(
             self.optimizer, total_steps=spe * cfg.num_epochs, steps_per_epoch=spe)
         self.precision = Precision(cfg.amp, cfg.amp_dtype, self.state.device)
-
-    def _checkpoints(self) -> CheckpointManager:
-        meta = {"config": OmegaConf.to_yaml(self.cfg, resolve=True), "world_size": self.state.world_size}
-        self.guard = ResumeGuard(self.cfg, self.state.world_size)  # a checkpoint of another config is refused
-        manager = CheckpointManager(self.run_dir / "checkpoints", self.cfg.checkpoint, self.state, meta,
-                                    check_meta=self.guard.check)
-        for key, component in self.strategy.checkpoint_entries(self.module, self.optimizer, manager).items():
-            manager.register(key, component)
-        manager.register("scheduler", self.scheduler)
-        manager.register("scaler", self.precision)
-        manager.register("loop", self.loop)
-        manager.register("rng", self.rng)  # every rank's streams: dropout/augmentation continue exactly
-        manager.register("results", self.results)
-        return manager
-
-    def _resume(self) -> None:
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        path = self.checkpoints.resume(self.cfg.resume, self.run_dir, self.search_earlier_runs)
-        if path is None:
-            return
-        loop = self.loop
-        # Opted-in config changes go into force now; rank 0 records them in the run dir.
-        self.config_changes = self.guard.apply(self.optimizer, self.scheduler, fresh, loop.step_in_epoch,
-                                               loop.step, self.run_dir if self.state.is_main else None)
-        if loop.step_in_epoch and self.rng.saved_world_size != self.state.world_size:
-            log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
-                        "order, but random layers (dropout) draw new streams", self.state.world_size,
-                        self.rng.saved_world_size)
-        log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
 
     def position(self) -> str:
         return self.loop.position()
 
     # ------------------------------------------------------------------- loop
+    def request_stop(self, reason: str) -> None:
+        """Stop after the current epoch's evaluation and checkpoint (callbacks: decide alike on every rank)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.info("%s", reason)
+
     def fit(self) -> dict[str, float]:
         cfg, loop = self.cfg, self.loop
-        self._announce()
+        announce(self)
+        self.callbacks("on_fit_start", self)
         last_train: dict[str, float] = {}
         if loop.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs or cfg.num_epochs
         try:
-            while loop.epoch < min(cfg.num_epochs, stop):
+            while loop.epoch < min(cfg.num_epochs, stop) and self.stop_reason is None:
                 last_train = self.run_epoch() or last_train
+        except BaseException as e:
+            self.callbacks("on_exception", self, e)
+            raise
         finally:
             self.watch.close()
         best = self.results.best
@@ -189,22 +159,18 @@ class Trainer:
                "time_s": time.perf_counter() - t0}
         if best is not None:
             out["best/" + cfg.objective] = best
+        self.callbacks("on_fit_end", self, out)
         return out
 
-    def _announce(self) -> None:
-        cfg, st = self.cfg, self.state
-        self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-        if self.config_changes:
-            self.writer.text("config_changes", self.config_changes)
-        self.writer.hparams(hparams_of(cfg, self.run_dir, st.world_size),
-                            [*(f"val/{m}" for m in logged_names(self.task)), "train/loss", "best/" + cfg.objective])
-        log.info(
-            "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
-            "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
-            self.run_dir, st.world_size, st.device, st.backend or "no process group", self.precision.describe(),
-            self.global_batch, st.world_size, self.sampler.per_rank_batch, self.accum,
-            self.global_batch * self.accum, self.sampler.steps_per_epoch, cfg.num_epochs)
-        log.info("data: %s | model: %s", self.train_loader.describe(), self._describe_model())
+    def evaluate_only(self) -> dict[str, float]:
+        """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
+        announce(self)
+        val = self.evaluate()
+        for extra in self.callbacks("on_eval_end", self, val):
+            val.update(extra or {})
+        self.writer.scalars(val, self.loop.step)
+        self.writer.close()
+        return {**val, "epoch": float(self.loop.epoch), "step": float(self.loop.step)}
 
     def run_epoch(self) -> dict[str, float]:
         """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
@@ -215,14 +181,22 @@ class Trainer:
         improved = False
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
             val = self.evaluate()
+            for extra in self.callbacks("on_eval_end", self, val):  # e.g. val_ema/*
+                val.update(extra or {})
             improved = self.results.update(val, cfg.objective)
             self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
             self.evaluator.visualize(self.writer, loop.step)
             log.info("epoch %d/%d  %s", loop.epoch, cfg.num_epochs, "  ".join(f"{k}={v:.4g}" for k, v in val.items()))
-        saved = self.checkpoints.save(loop.step, is_best=improved)
+        saved = self._save(is_best=improved)
         if self.metrics.stop_agreed:  # agreed in the epoch's last log step: the epoch-end save is the stop's
             self._preempt(saved)
         return last_train
+
+    def _save(self, is_best: bool = False) -> str:
+        path = self.checkpoints.save(self.loop.step, is_best=is_best)
+        if path:
+            self.callbacks("on_save", self, path)
+        return path
 
     def _preempt(self, checkpoint: str | None) -> None:
         """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
@@ -234,7 +208,7 @@ class Trainer:
         log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
         stop_now_alone = not self.state.is_distributed
         self.model.train()
-        spe = self.sampler.steps_per_epoch
+        spe = self.steps_per_epoch
         # New global permutation each epoch; after a mid-epoch resume, skip what was done.
         self.train_loader.set_epoch(loop.epoch, skip=loop.step_in_epoch * self.accum)
         self._seed_epoch()
@@ -248,6 +222,8 @@ class Trainer:
             if skip_nonfinite and self._skip_nonfinite_step():
                 continue
             self._optimizer_step()
+            for hook in self._step_hooks:  # device-only work (EMA); none by default
+                hook(self, loop.step)
             now = time.perf_counter()
             self.metrics.add_step(now - t_step, data_time)
             t_step = now
@@ -258,11 +234,11 @@ class Trainer:
                 reduced = self._log(bar)
                 if self.metrics.stop_agreed and loop.step_in_epoch < spe:  # at the epoch's end: after its eval
                     bar.close()
-                    self._preempt(self.checkpoints.save(loop.step))
+                    self._preempt(self._save())
             if self.checkpoints.due(loop.step, loop.step_in_epoch, spe):
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
-                self.checkpoints.save(loop.step)
+                self._save()
         self.watch.pause()
         if self.metrics.steps:  # the epoch's tail since the last log step
             reduced = self._log(bar)
@@ -341,6 +317,7 @@ class Trainer:
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
         values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stop.requested)
         values.update(derived(self.task, values, "train/"))
+        self.callbacks("on_log", self, values, step)
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["perf/samples_per_s"]))
         scale = self.precision.loss_scale()
@@ -364,13 +341,6 @@ class Trainer:
         x = first_tensor(self.data.train[0])
         return None if x is None else self._layout(x[None].to(self.state.device))
 
-    def _describe_model(self) -> str:
-        pf = self.cfg.perf
-        parts = [type(self.module).__name__, f"{sum(p.numel() for p in self.params):,} params"]
-        parts += ["channels_last"] * pf.channels_last + [f"compiled ({pf.compile_backend})"] * pf.compile
-        parts.append("fused optimizer" if self.optimizer.defaults.get("fused") else "unfused optimizer")
-        return ", ".join(parts + self.strategy.describe())
-
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run()
 
@@ -380,4 +350,4 @@ class Trainer:
             mode = "bar" if sys.stdout.isatty() else "log"
         if not self.state.is_main:
             mode = "none"
-        return Progress(str(mode), self.sampler.steps_per_epoch, self.loop.epoch, self.cfg.num_epochs)
+        return Progress(str(mode), self.steps_per_epoch, self.loop.epoch, self.cfg.num_epochs)

@@ -41,6 +41,7 @@ class CheckpointManager:
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
         self.check_meta = check_meta
         self._every = int(policy.every_n_steps)  # read once: due() runs every step
+        self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
         self._step = 0
         self._source: Path | None = None  # the checkpoint being loaded
@@ -64,7 +65,7 @@ class CheckpointManager:
     def due(self, step: int, step_in_epoch: int, steps_per_epoch: int) -> bool:
         """A mid-epoch save is due after this optimizer step (epoch ends always save)."""
         every = self._every
-        return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch
+        return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch and self._enabled
 
     def save(self, step: int, is_best: bool = False) -> str:
         """Collective: every rank gathers its components' state; rank 0 writes; all wait. The path.
@@ -73,6 +74,8 @@ class CheckpointManager:
         failed write (a full disk) stops all ranks together with rank 0's message, instead of
         leaving the others waiting in a barrier until the timeout.
         """
+        if not self._enabled:
+            return ""
         self._step = step
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
         outcome: tuple[str, str] = ("", "")
@@ -113,10 +116,15 @@ class CheckpointManager:
                 c.check(ck, path)
         if self.check_meta is not None:  # after the components': a model that does not fit says exactly how
             self.check_meta(ck.get("meta", {}), path)
-        missing = [k for k in self.components if k not in ck]
+        # A callback added since the checkpoint (callbacks=[ema] on resume) starts fresh; anything else must be there.
+        fresh = [k for k in self.components if k not in ck and k.startswith("callbacks.")]
+        for k in fresh:
+            log.info("resume: %s has no %s entry; it starts fresh", path, k)
+        missing = [k for k in self.components if k not in ck and k not in fresh]
         if missing:
             raise RuntimeError(f"resume: {path} has no {missing} entries (saved by another ddplab version or "
                                "setup). Fix: resume=null to start fresh.")
         for key, c in self.components.items():
-            c.load_state_dict(ck[key])
+            if key in ck:
+                c.load_state_dict(ck[key])
         return path

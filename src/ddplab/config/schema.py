@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from ddplab.config.choices import (TRI_STATE, AmpDtype, Backend, BatchScope, CommHook, CompileMode, Device,
+from ddplab.config.choices import (TRI_STATE, AmpDtype, Backend, BatchScope, CommHook, CompileMode, Device, Mode,
                                    NonFinite, ProgressMode, Strategy)
 from ddplab.config.errors import require
 
@@ -106,6 +106,7 @@ class CheckpointConfig:
     every_n_steps: int = 0
     keep_last: int = 2  # step files kept (plus best.pt); last.pt always points at the newest
     save_best: bool = True  # best.pt: the checkpoint with the best `objective` so far
+    enabled: bool = True  # false: write no checkpoints at all (debug runs)
 
     @staticmethod
     def check(c: Any, key: str = "checkpoint") -> None:
@@ -122,6 +123,10 @@ class TrainConfig:
     scheduler: Any = MISSING
     # What a batch means: a Task class (``_target_``) and its arguments; conf/task/ (ddplab.task).
     task: Any = MISSING
+    # name -> a Callback ``_target_`` and its arguments: 'callbacks=[ema,early_stopping]' (ddplab.callbacks).
+    callbacks: Any = field(default_factory=dict)
+    # train: the job trains; eval: evaluate the checkpoint `resume` names, with its own config, and stop.
+    mode: Mode = Mode["train"]
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
@@ -150,6 +155,12 @@ class TrainConfig:
     # schedule still spans num_epochs: for time-limited jobs and tests.
     stop_after_epochs: Optional[int] = None
     run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
+    # Debugging (debug=fast_dev_run, debug=overfit): at most this many optimizer steps per epoch,
+    # at most this many evaluation batches per rank, and training/evaluating on the first N
+    # global batches only (the same ones each epoch, shuffled). null / 0: off.
+    limit_train_steps: Optional[int] = None
+    limit_val_batches: Optional[int] = None
+    overfit_batches: int = 0
     progress: ProgressMode = ProgressMode.auto  # auto: a bar on a terminal, log lines otherwise
     # The validation metric that picks best.pt and is returned to sweepers; higher is
     # better, except for a loss (val/loss), which is minimised.
@@ -166,8 +177,14 @@ class TrainConfig:
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
         # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
         require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
-        require(c.objective.startswith("val/"), "objective", c.objective,
+        require(c.objective.split("/", 1)[0].startswith("val") and "/" in c.objective, "objective", c.objective,
                 "must name a validation metric (best.pt and sweepers follow it)", "pass objective=val/acc")
         require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0")
         require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
                 "must be > 0 or null", "drop the override")
+        for k in ("limit_train_steps", "limit_val_batches"):
+            require(c.get(k) is None or c[k] > 0, k, c.get(k), "must be > 0 or null", f"pass {k}=null")
+        require(c.get("overfit_batches", 0) >= 0, "overfit_batches", c.get("overfit_batches"), "must be >= 0",
+                "pass overfit_batches=0 (off)")
+        require(c.get("mode", "train") != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
+                "mode=eval evaluates a checkpoint: name it", "pass resume=<checkpoint .pt or run dir>")

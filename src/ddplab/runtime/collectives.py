@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 from typing import Any
 
@@ -79,11 +80,15 @@ def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
             b.copy_(v.view_as(b))
 
 
-def rank_table(state: DistState, digest: str = "") -> str:
-    """"rank@host:device(local_rank) cfg=digest" for every rank, gathered once at start-up."""
-    me = f"{state.rank}@{socket.gethostname()}:{state.device}(local {state.local_rank})"
-    me += f" cfg={digest}" if digest else ""
-    return ", ".join(gather_object(me, state))
+def rank_table(state: DistState, digest: str = "") -> tuple[str, list[dict[str, Any]]]:
+    """Every rank's host, device, local rank, pid and config digest — gathered once at start-up —
+    as the "rank@host:device(local_rank) cfg=digest" line and as rows (for provenance)."""
+    me = {"rank": state.rank, "local_rank": state.local_rank, "host": socket.gethostname(),
+          "device": str(state.device), "pid": os.getpid(), "config_digest": digest}
+    rows = gather_object(me, state)
+    text = ", ".join(f"{r['rank']}@{r['host']}:{r['device']}(local {r['local_rank']})"
+                     + (f" cfg={r['config_digest']}" if r["config_digest"] else "") for r in rows)
+    return text, rows
 
 
 def sync_config(cfg: Any, state: DistState) -> Any:

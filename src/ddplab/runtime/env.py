@@ -101,6 +101,24 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def launcher() -> dict[str, str]:
+    """How this job was started: the launcher and its job identifiers (for provenance)."""
+    e = os.environ
+    if is_self_launched():
+        kind = "self-launch (distributed.nproc_per_node)"
+    elif "TORCHELASTIC_RUN_ID" in e:
+        kind = "torchrun"
+    elif "SLURM_JOB_ID" in e:
+        kind = "slurm"
+    elif "SUBMITIT_LOCAL_JOB_ID" in e:
+        kind = "submitit_local"
+    else:
+        kind = "python"
+    keys = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID",
+            "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+    return {"kind": kind, **{k: e[k] for k in keys if k in e}}
+
+
 def elastic_restart_count() -> int:
     """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

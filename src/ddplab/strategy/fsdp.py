@@ -102,6 +102,21 @@ class FSDPStrategy(Strategy):
                            sidecars: Sidecars) -> dict[str, Stateful]:
         return {"sharded": ShardedState(module, optimizer, sidecars)}
 
+    def full_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
+        # DTensor shards → the whole tensor on every rank (an all-gather each; checkpoint time only).
+        return [t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+                for t in tensors]
+
+    def load_full_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for t, f in zip(into, full):
+                if hasattr(t, "device_mesh"):  # this rank's shard of the whole tensor
+                    t.copy_(distribute_tensor(f.to(t.device), t.device_mesh, t.placements))
+                else:
+                    t.copy_(f.to(t.device))
+
     def finish_eval(self, module: nn.Module, forwards_done: int, forwards_needed: int,
                     forward: Callable[[], Any]) -> None:
         # Every rank must run as many all-gathering forwards as rank 0 (the largest

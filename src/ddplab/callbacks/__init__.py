@@ -1,0 +1,70 @@
+"""Callbacks: code that runs at a few points of a job, from the ``callbacks`` config group.
+
+    python train.py 'callbacks=[ema,early_stopping]' callbacks.ema.decay=0.998
+
+Each entry of ``cfg.callbacks`` is a ``_target_`` (ddplab's or a user's own class, named
+from a yaml in their own config dir) made once per job. Every hook is optional; the
+trainer calls only the hooks a callback overrides. Hooks get the Trainer (``trainer.module``,
+``.optimizer``, ``.loop``, ``.state``, ``.run_dir``, ``.evaluator``, ``.strategy``):
+
+* ``setup(trainer)`` — the parts exist, nothing resumed yet;
+* ``on_fit_start(trainer)``;
+* ``on_step_end(trainer, step)`` — after EVERY optimizer step: keep it on the device
+  (no ``.item()``, no collective), or say otherwise in the callback's docstring;
+* ``on_log(trainer, values, step)`` — each log step, with the reduced values (the same on every rank);
+* ``on_eval_end(trainer, metrics) -> dict | None`` — after each evaluation; returns extra metrics
+  to log and record (``objective`` may name those listed in ``logged_names``);
+* ``on_save(trainer, path)`` / ``on_load(trainer, path)`` — after a checkpoint write / load;
+* ``on_exception(trainer, exc)``; ``on_fit_end(trainer, metrics)``.
+
+A callback with ``state_dict()``/``load_state_dict()`` is checkpointed as entry
+``callbacks.<name>`` by the CheckpointManager and restored on resume. To stop training,
+call ``trainer.request_stop(reason)`` (all ranks must decide alike: decide from reduced values).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+HOOKS = ("setup", "on_fit_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_load", "on_exception",
+         "on_fit_end")
+
+
+class Callback:
+    logged_names: tuple[str, ...] = ()  # metric tags it logs, e.g. ("val_ema/acc",)
+
+    def setup(self, trainer: Any) -> None: ...
+    def on_fit_start(self, trainer: Any) -> None: ...
+    def on_step_end(self, trainer: Any, step: int) -> None: ...
+    def on_log(self, trainer: Any, values: dict[str, float], step: int) -> None: ...
+    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float] | None: ...
+    def on_save(self, trainer: Any, path: str) -> None: ...
+    def on_load(self, trainer: Any, path: str) -> None: ...
+    def on_exception(self, trainer: Any, exc: BaseException) -> None: ...
+    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None: ...
+
+
+def _overrides(cb: Any, hook: str) -> bool:
+    mine = getattr(type(cb), hook, None)
+    return mine is not None and mine is not getattr(Callback, hook, None)
+
+
+class Callbacks:
+    """The job's callbacks by name, and per hook the list of those that implement it."""
+
+    def __init__(self, named: dict[str, Any]):
+        self.named = named
+        self.hooks = {h: [getattr(cb, h) for cb in named.values() if _overrides(cb, h)] for h in HOOKS}
+
+    def __call__(self, hook: str, *args: Any) -> list[Any]:
+        return [fn(*args) for fn in self.hooks[hook]]
+
+    def stateful(self) -> dict[str, Any]:
+        return {f"callbacks.{name}": cb for name, cb in self.named.items()
+                if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")}
+
+    def logged_names(self) -> list[str]:
+        return [n for cb in self.named.values() for n in getattr(cb, "logged_names", ())]
+
+    def describe(self) -> list[str]:
+        return list(self.named)

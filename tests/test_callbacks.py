@@ -1,0 +1,236 @@
+"""Callbacks and the features built on them (EMA, early stopping, profiler), the eval entry,
+experiment/debug presets and provenance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddplab
+from conftest import CONF, REPO, TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd
+
+BASE = ["model=mlp", "progress=none"]  # digits: 22 steps per epoch
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def torchrun_cmd(nproc: int, args: list[str], script: Path = TRAIN) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+            *args]
+
+
+# ------------------------------------------------------------------------------------- EMA
+def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_path):
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    seen: list[list[torch.Tensor]] = []
+
+    def snap(opt, *_):
+        seen.append([p.detach().clone() for g in opt.param_groups for p in g["params"]])
+
+    pre = register_optimizer_step_pre_hook(lambda opt, *_: None if seen else snap(opt))  # the initial weights
+    post = register_optimizer_step_post_hook(snap)
+    try:
+        out = ddplab.run(compose_cfg(BASE + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.9",
+                                             "objective=val_ema/acc"], tmp_path / "r"))
+    finally:
+        pre.remove(), post.remove()
+    initial, steps = seen[0], seen[1:]
+    assert len(steps) == 22
+    shadow = [t.clone() for t in initial]
+    for n, weights in enumerate(steps):
+        d = min(0.9, (1 + n) / (10 + n))
+        shadow = [torch.lerp(s, w, 1 - d) for s, w in zip(shadow, weights)]
+    ck = load(tmp_path / "r" / "checkpoints" / "last.pt")["callbacks.ema"]
+    assert ck["updates"] == 22
+    for got, want in zip(ck["shadow"], shadow):
+        assert torch.equal(got, want)
+    assert out["val_ema/acc"] > 0.5 and out["best/val_ema/acc"] == out["val_ema/acc"]
+
+
+def test_ema_is_restored_bitwise_on_resume(tmp_path):
+    args = BASE + ["num_epochs=2", "callbacks=[ema]", "checkpoint.every_n_steps=5"]
+    ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls: list[int] = []
+
+    def kill(opt, *_):
+        calls.append(1)
+        if len(calls) == 32:  # the last checkpoint was at step 30
+            raise RuntimeError("killed at step 32")
+
+    handle = register_optimizer_step_post_hook(kill)
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            ddplab.run(compose_cfg(args, tmp_path / "run"))
+    finally:
+        handle.remove()
+    ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    a = load(tmp_path / "run" / "checkpoints" / "last.pt")["callbacks.ema"]
+    b = load(tmp_path / "ref" / "checkpoints" / "last.pt")["callbacks.ema"]
+    assert a["updates"] == b["updates"] == 44
+    assert all(torch.equal(x, y) for x, y in zip(a["shadow"], b["shadow"]))
+
+
+@pytest.mark.dist
+def test_ema_under_fsdp_is_sharded_and_matches_ddp(tmp_path):
+    args = BASE + ["num_epochs=2", "callbacks=[ema]", "model.dropout=0"]
+    for strategy in ("ddp", "fsdp"):
+        assert_ok(run_cmd(torchrun_cmd(2, args + [f"distributed={strategy}", f"hydra.run.dir={tmp_path / strategy}"]),
+                          tmp_path, timeout=240))
+    a = load(tmp_path / "fsdp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
+    b = load(tmp_path / "ddp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
+    assert [t.shape for t in a] == [t.shape for t in b]  # whole tensors in the checkpoint, not one rank's shard
+    for x, y in zip(a, b):
+        assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5
+    s = read_scalars(tmp_path / "fsdp" / "tb")
+    assert [st for st, _ in s["val_ema/acc"]] == [22, 44]
+
+
+# ------------------------------------------------------------------------- early stopping
+@pytest.mark.dist
+def test_early_stopping_stops_every_rank_at_the_same_step_and_says_so(tmp_path):
+    # min_delta=1.0: the loss never improves by that much, so the second evaluation stops the job.
+    args = BASE + ["num_epochs=10", "callbacks=[early_stopping]", "callbacks.early_stopping.patience=1",
+                   "callbacks.early_stopping.min_delta=1.0", "distributed.timeout_s=20", f"hydra.run.dir={tmp_path / 'r'}"]
+    t0 = time.monotonic()
+    assert_ok(run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120))
+    assert time.monotonic() - t0 < 20  # a rank that trained on would block the other until the timeout
+    res = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert res["status"] == "completed" and res["metrics"]["step"] == 44 and res["metrics"]["epoch"] == 2
+    assert res["note"].startswith("stopped early at epoch 2: val/loss did not improve by more than 1.0 for 1 checks")
+    assert [st for st, _ in read_scalars(tmp_path / "r" / "tb")["val/loss"]] == [22, 44]
+
+
+# ------------------------------------------------------------------------------- profiler
+@pytest.mark.dist
+def test_profiler_writes_one_trace_per_rank_that_parses(tmp_path):
+    args = BASE + ["num_epochs=1", "callbacks=[profiler]", "callbacks.profiler.steps=[3,5]",
+                   f"hydra.run.dir={tmp_path / 'r'}", "progress=log"]
+    proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120)
+    assert_ok(proc)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "r" / "profile" / f"trace-rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any("Optimizer.step" in n for n in names), sorted(names)[:20]
+    assert f"profiler: steps 3-5 of rank 0 in {tmp_path / 'r' / 'profile' / 'trace-rank0.json'}" in proc.stdout + proc.stderr
+
+
+@pytest.mark.dist
+def test_built_in_callbacks_add_no_collective_or_sync_between_log_steps(tmp_path):
+    log_every, spe = 5, 22
+    worker = REPO / "tests" / "workers" / "count_worker.py"
+    args = ["model=mlp", "num_epochs=2", f"log_every_n_steps={log_every}", "progress=log", "run_dir=run",
+            "callbacks=[ema,early_stopping]", "callbacks.early_stopping.monitor=train/loss"]
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+                    *args], tmp_path, timeout=180, extra_env={"COUNT_OUT": str(tmp_path / "counts")})
+    assert_ok(proc)
+    for rank in range(2):
+        steps = json.loads((tmp_path / f"counts.{rank}").read_text())
+        assert len(steps) == 2 * spe
+        for k in range(1, len(steps)):
+            if k % spe == 0:
+                continue  # epoch end: evaluation (twice: the EMA's too) and checkpoint
+            expect = 1 if k % log_every == 0 else 0
+            assert steps[k]["collectives"] == expect, (rank, k, steps[k])
+            if not expect:
+                assert steps[k] == {"collectives": 0, "syncs": 0, "cuda_syncs": 0}, (rank, k, steps[k])
+
+
+# ---------------------------------------------------------------------------- eval entry
+@pytest.mark.dist
+def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_path):
+    run = tmp_path / "run"
+    assert_ok(run_cmd(torchrun_cmd(2, BASE + ["num_epochs=2", f"hydra.run.dir={run}"]), tmp_path, timeout=180))
+    last = json.loads((run / "result.json").read_text())["metrics"]
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    for n in (1, 3):
+        out = tmp_path / f"eval{n}"
+        # Only the checkpoint is named: model, data and task come from its own config.
+        cmd = ([sys.executable, str(TRAIN)] if n == 1 else torchrun_cmd(n, []))
+        proc = run_cmd(cmd + ["mode=eval", f"resume={run}", f"hydra.run.dir={out}"], tmp_path, timeout=180)
+        assert_ok(proc)
+        got = json.loads((out / "result.json").read_text())["metrics"]
+        assert got["val/num_samples"] == last["val/num_samples"] == 359
+        assert got["val/acc"] == last["val/acc"]  # correct / samples: exact
+        assert got["val/loss"] == pytest.approx(last["val/loss"], rel=1e-6)
+        assert not (out / "checkpoints").exists()
+        assert f"evaluation of {run / 'checkpoints' / 'last.pt'}" in proc.stdout + proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before  # untouched
+
+
+def test_eval_mode_without_a_checkpoint_is_a_clear_error(tmp_path):
+    proc = python_train(["mode=eval"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and "mode=eval evaluates a checkpoint: name it" in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("experiment", ["digits_convnet", "vae_digits", "lm_text"])
+def test_experiment_presets_run_under_fast_dev_run(tmp_path, experiment):
+    out = ddplab.run(compose_cfg([f"experiment={experiment}", "debug=fast_dev_run", "progress=none"], tmp_path / "r"))
+    assert out["step"] == 2 and out["epoch"] == 1
+    assert not (tmp_path / "r" / "checkpoints").exists()  # fast_dev_run writes none
+    assert out["val/num_samples"] <= 2 * 256  # 2 evaluation batches at most
+
+
+def test_cifar10_preset_composes_for_when_the_files_exist():
+    cfg = compose_cfg(["experiment=cifar10_resnet18"])
+    assert cfg.model._target_.endswith("resnet18") and cfg.dataset._target_.endswith("cifar10")
+    assert cfg.objective == "val_ema/acc" and "ema" in cfg.callbacks
+
+
+def test_debug_overfit_learns_its_few_batches(tmp_path):
+    out = ddplab.run(compose_cfg(BASE + ["debug=overfit", "num_epochs=15"], tmp_path / "r"))
+    assert out["val/num_samples"] == 128 and out["val/acc"] == 1.0  # the 2 batches it trained on, learned
+
+
+def test_debug_profiler_preset(tmp_path):
+    ddplab.run(compose_cfg(BASE + ["debug=profiler"], tmp_path / "r"))
+    assert "traceEvents" in json.loads((tmp_path / "r" / "profile" / "trace-rank0.json").read_text())
+
+
+# ------------------------------------------------------------------------------ provenance
+def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_path):
+    repo = tmp_path / "code"
+    repo.mkdir()
+    shutil.copy(TRAIN, repo / "train.py")
+    shutil.copytree(CONF, repo / "conf")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+        subprocess.run(git + cmd, cwd=repo, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    (repo / "conf" / "train.yaml").write_text((repo / "conf" / "train.yaml").read_text() + "# an edit\n")
+    run = tmp_path / "run"
+    assert_ok(run_cmd([sys.executable, str(repo / "train.py"), "model=mlp", "num_epochs=1", f"hydra.run.dir={run}"],
+                      tmp_path, timeout=120))
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["code"]["commit"] == commit and prov["code"]["dirty"] is True
+    assert "# an edit" in (run / prov["code"]["diff_file"]).read_text()
+    assert prov["packages"]["torch"] == torch.__version__ and prov["packages"]["ddplab"]
+    assert prov["launcher"]["kind"] == "python" and prov["world"]["size"] == 1
+    assert prov["world"]["ranks"][0]["host"] and "model=mlp" in prov["command"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert "provenance/text_summary" in acc.Tags()["tensors"]
+
+
+@pytest.mark.dist
+def test_provenance_lists_every_rank_under_torchrun(tmp_path):
+    run = tmp_path / "run"
+    assert_ok(run_cmd(torchrun_cmd(2, BASE + ["num_epochs=1", f"hydra.run.dir={run}"]), tmp_path, timeout=120))
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["launcher"]["kind"] == "torchrun" and prov["world"]["size"] == 2
+    assert [r["rank"] for r in prov["world"]["ranks"]] == [0, 1] and prov["world"]["backend"] == "gloo"
+    assert len({r["pid"] for r in prov["world"]["ranks"]}) == 2
