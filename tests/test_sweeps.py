@@ -200,7 +200,10 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
     from ddplab.runtime import env
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+        # set, then delete: monkeypatch then restores the original state (absent) after the test, also
+        # for the values adopt_scheduler_env writes below (a bare delenv of an absent key records nothing)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")

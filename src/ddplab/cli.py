@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from ddplab import rundir
 from ddplab.config import ConfigError
 from ddplab.job import run
-from ddplab.runtime import env
+from ddplab.runtime import env, watch
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -113,6 +113,7 @@ def main(cfg: DictConfig) -> float | None:
     different points (one mid-collective), and continuing would pair them up
     on different jobs; self-launched jobs (distributed.nproc_per_node) survive.
     """
+    watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
     try:
         metrics = run(cfg)
     except Preempted as e:  # checkpointed; stop here, sweep or not: the machine is going away

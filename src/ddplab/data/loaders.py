@@ -96,6 +96,8 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, dev
     nb = device.type == "cuda"
     if isinstance(data, TensorData):
         for idx in shard.to(data.x.device).split(batch_size):
+            if not len(idx):  # an empty shard splits into one empty chunk: no batch at all
+                continue
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
     for batch in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size, pin_memory=nb,

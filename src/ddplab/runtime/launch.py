@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ddplab.runtime import env
+from ddplab.runtime import env, watch
 from ddplab.runtime.signals import SIGNALS, Preempted
 
 log = logging.getLogger("ddplab")
@@ -79,6 +79,7 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
         h.setFormatter(fmt)
         root.addHandler(h)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    watch.own_the_process()  # this spawned rank is ddplab's own
     try:
         return entry(job)
     except Preempted as e:  # the exit code tells the agent (and our parent) that this was a preemption

@@ -21,6 +21,17 @@ GRACE_S = 5.0  # past distributed.timeout_s, a wait torch itself does not end is
 NOTICE_S = 5.0  # a waiting rank says what it waits for after this long, and again as often
 
 
+# Whether a wait past its deadline may end the process: only where ddplab owns it (train.py, a
+# self-launched rank). A library call (``ddplab.run`` from a notebook or a test) never kills its host
+# process; there the watcher keeps saying what it waits for until torch's own timeout raises.
+_may_exit = False
+
+
+def own_the_process() -> None:
+    global _may_exit
+    _may_exit = True
+
+
 @contextlib.contextmanager
 def deadline(what: str, timeout_s: float) -> Iterator[None]:
     """A wait that says what it waits for and never outlives ``timeout_s`` by more than GRACE_S.
@@ -36,7 +47,7 @@ def deadline(what: str, timeout_s: float) -> Iterator[None]:
     def watch() -> None:
         while not done.wait(NOTICE_S):
             waited = time.monotonic() - t0
-            if waited > timeout_s + GRACE_S:
+            if waited > timeout_s + GRACE_S and _may_exit:
                 sys.stderr.write(f"{what}: gave up after {waited:.0f}s (distributed.timeout_s={timeout_s}). Fix: "
                                  "start every rank with the same WORLD_SIZE and address (MASTER_ADDR/MASTER_PORT "
                                  "or distributed.init_method), or raise distributed.timeout_s\n")
