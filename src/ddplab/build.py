@@ -63,7 +63,8 @@ def model(cfg: DictConfig) -> nn.Module:
 
 def callbacks(cfg: DictConfig) -> dict[str, Any]:
     """name -> the callback ``cfg.callbacks.<name>`` makes (entries set to null are left out)."""
-    spec = OmegaConf.to_container(cfg.get("callbacks") or {}, resolve=True, enum_to_str=True)
+    node = cfg.get("callbacks")
+    spec = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if node else {}
     made = {}
     for name, node in spec.items():
         if node is None:

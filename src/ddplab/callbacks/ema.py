@@ -52,20 +52,26 @@ class EMA(Callback):
         if not self.evaluate:
             return None
         backup = [t.clone() for t in self.live]
-        torch._foreach_copy_(self.live, self.shadow)
+        _copy(self.live, self.shadow)
         try:
             ema = trainer.evaluator.run()
         finally:
-            torch._foreach_copy_(self.live, backup)
+            _copy(self.live, backup)
         return {"val_ema/" + k[len("val/"):]: v for k, v in ema.items() if k.startswith("val/")}
 
     def state_dict(self) -> dict[str, Any]:
         # Full tensors (a collective under FSDP: checkpoints are saved on every rank together).
-        return {"shadow": self.strategy.full_tensors(self.shadow), "updates": self.updates, "decay": self.decay}
+        return {"shadow": self.strategy.whole_tensors(self.shadow), "updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if len(sd["shadow"]) != len(self.shadow):
             raise ValueError(f"callbacks.ema: the checkpoint holds {len(sd['shadow'])} EMA tensors, this model has "
                              f"{len(self.shadow)}. Fix: resume with the model it was saved with")
-        self.strategy.load_full_tensors(self.shadow, sd["shadow"])
+        self.strategy.load_whole_tensors(self.shadow, sd["shadow"])
         self.updates = int(sd["updates"])
+
+
+def _copy(into: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    # One copy_ per tensor (evaluation time only): sharded parameters have no rule for _foreach_copy_.
+    for t, v in zip(into, src):
+        t.copy_(v)

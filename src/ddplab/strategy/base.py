@@ -126,11 +126,11 @@ class Strategy:
                     forward: Callable[[], Any]) -> None:
         """After this rank's evaluation batches: extra forwards, where the strategy needs lockstep."""
 
-    def full_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
+    def whole_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
         """Whole, plain copies of tensors shaped like the parameters (for a checkpoint); every rank calls it."""
         return [t.detach().clone() for t in tensors]
 
-    def load_full_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
+    def load_whole_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
         """Copy whole tensors (from a checkpoint) into tensors shaped like the parameters."""
         with torch.no_grad():
             for t, f in zip(into, full):

@@ -102,12 +102,12 @@ class FSDPStrategy(Strategy):
                            sidecars: Sidecars) -> dict[str, Stateful]:
         return {"sharded": ShardedState(module, optimizer, sidecars)}
 
-    def full_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
+    def whole_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
         # DTensor shards → the whole tensor on every rank (an all-gather each; checkpoint time only).
         return [t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
                 for t in tensors]
 
-    def load_full_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
+    def load_whole_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
         from torch.distributed.tensor import distribute_tensor
 
         with torch.no_grad():
