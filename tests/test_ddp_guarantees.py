@@ -273,9 +273,12 @@ def test_only_rank_zero_writes(tmp_path):
     run = str(job_dirs(tmp_path)[0].relative_to(tmp_path))
     tb = [f for f in files if "/tb/" in f]
     assert len(tb) == 1
+    # provenance.diff exists only when the code's git tree was dirty (provenance.json says so).
+    dirty = json.loads((tmp_path / run / "provenance.json").read_text())["code"].get("dirty")
     assert sorted(set(files) - set(tb)) == sorted(f"{run}/{x}" for x in [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log",
-        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt", "result.json"])
+        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt", "result.json",
+        "provenance.json", *(["provenance.diff"] if dirty else [])])
 
 
 # ------------------------------------------------------------- 10. stragglers
