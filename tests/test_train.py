@@ -129,3 +129,25 @@ def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
     assert "ranks: 0@" in streams["0", "stdout"]  # rank 0 logs as usual
     assert "step 10  loss=" not in streams["0", "stdout"]  # the bar replaces the periodic log lines
     assert streams["1", "stdout"] == "" and streams["1", "stderr"] == ""  # rank 1 said nothing at all
+
+
+def test_a_run_ends_with_a_summary_and_a_hint_when_it_is_not_converging(tmp_path, caplog):
+    import logging
+
+    import ddplab
+    from conftest import compose_cfg
+
+    run = tmp_path / "ok"
+    with caplog.at_level(logging.INFO, logger="ddplab"):
+        out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "progress=none"], run))
+    text = caplog.text
+    assert f"done: 3/3 epochs, 66 steps, {out['time_s']:.1f} s this run" in text
+    best = out["best/val/acc"]
+    assert f"best val/acc={best:.4g} at epoch " in text and f"final val/loss={out['val/loss']:.4g}" in text
+    assert f"checkpoints: {run / 'checkpoints'}" in text and f"tensorboard --logdir {run / 'tb'}" in text
+    assert "hint:" not in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddplab"):  # lr 50: the loss explodes after step 1 (logged)
+        out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "optimizer.lr=50", "log_every_n_steps=1",
+                                      "progress=none"], tmp_path / "bad"))
+    assert "hint: val/loss ended at" in caplog.text and "not converging" in caplog.text, caplog.text[-2000:]

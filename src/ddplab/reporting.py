@@ -58,6 +58,33 @@ def announce(t: Any) -> None:
              f" | callbacks: {', '.join(t.callbacks.describe())}" if t.callbacks.named else "")
 
 
+def run_summary(t: Any, out: dict[str, float]) -> list[str]:
+    """A few lines at the end of a run (rank 0 logs them; other ranks log only warnings): best
+    objective and when, final metrics, time and throughput, where the checkpoints and events are,
+    the command that opens TensorBoard, and a hint when validation loss ended above where it began."""
+    cfg, res, obj = t.cfg, t.results, t.cfg.objective
+    steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
+    samples = (steps - t.loop_start_step) * t.global_batch * t.accum
+    lines = [f"done: {int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps, {secs:.1f} s this run"
+             + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
+    if res.best is not None:
+        lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step}); final "
+                     + " ".join(f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")))
+    where = t.run_dir / "checkpoints"
+    lines.append(f"checkpoints: {where}" if cfg.checkpoint.get("enabled", True) else "checkpoints: none written")
+    lines.append(f"TensorBoard: tensorboard --logdir {t.run_dir / 'tb'}")
+    last = res.last_val.get("val/loss")
+    yardsticks = [("the first logged train/loss", t.first_train_loss)]
+    if res.first_val != res.last_val:  # more than one evaluation
+        yardsticks.insert(0, ("its first evaluation", res.first_val.get("val/loss")))
+    above = [(what, v) for what, v in yardsticks if v is not None and last is not None and last > v]
+    if above:
+        what, v = above[0]
+        lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging — try a "
+                     "lower optimizer.lr, more epochs, grad_clip=1.0, or amp=false")
+    return lines
+
+
 def _describe_model(t: Any) -> str:
     pf = t.cfg.perf
     parts = [type(t.module).__name__, f"{sum(p.numel() for p in t.params):,} params"]

@@ -33,7 +33,7 @@ from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
 from ddplab.callbacks import Callbacks
-from ddplab.reporting import Progress, announce
+from ddplab.reporting import Progress, announce, run_summary
 from ddplab.resuming import checkpoints_of, resume
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
@@ -95,6 +95,8 @@ class Trainer:
         self._check_objective()
         self.checkpoints, self.guard = checkpoints_of(self)
         self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
+        self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
+        self.first_train_loss: float | None = None
         self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.loop.step + 1 if self.loop.step else None)
         self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
@@ -159,6 +161,8 @@ class Trainer:
                "time_s": time.perf_counter() - t0}
         if best is not None:
             out["best/" + cfg.objective] = best
+        for line in run_summary(self, out):  # rank 0's last words: how it went, where things are
+            log.info("%s", line)
         self.callbacks("on_fit_end", self, out)
         return out
 
@@ -183,7 +187,7 @@ class Trainer:
             val = self.evaluate()
             for extra in self.callbacks("on_eval_end", self, val):  # e.g. val_ema/*
                 val.update(extra or {})
-            improved = self.results.update(val, cfg.objective)
+            improved = self.results.update(val, cfg.objective, loop.epoch, loop.step)
             self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
             self.evaluator.visualize(self.writer, loop.step)
             log.info("epoch %d/%d  %s", loop.epoch, cfg.num_epochs, "  ".join(f"{k}={v:.4g}" for k, v in val.items()))
@@ -317,6 +321,8 @@ class Trainer:
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
         values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stop.requested)
         values.update(derived(self.task, values, "train/"))
+        if self.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
+            self.first_train_loss = values.get("train/loss")
         self.callbacks("on_log", self, values, step)
         values["train/lr"] = self.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["perf/samples_per_s"]))

@@ -37,19 +37,26 @@ class Results:
 
     minimize: bool = False
     best: float | None = None
+    best_epoch: int = 0  # the epoch (1-based) and step of the best evaluation
+    best_step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
+    first_val: dict[str, float] = field(default_factory=dict)  # the run's first evaluation (for the summary)
 
-    def update(self, val: dict[str, float], objective: str) -> bool:
+    def update(self, val: dict[str, float], objective: str, epoch: int = 0, step: int = 0) -> bool:
         """Record an evaluation; True if it improved the objective."""
         self.last_val = val
+        self.first_val = self.first_val or dict(val)
         obj = val.get(objective)
         if obj is not None and (self.best is None or (obj < self.best if self.minimize else obj > self.best)):
-            self.best = obj
+            self.best, self.best_epoch, self.best_step = obj, epoch, step
             return True
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "last_val": self.last_val}
+        return {"best": self.best, "best_epoch": self.best_epoch, "best_step": self.best_step,
+                "last_val": self.last_val, "first_val": self.first_val}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.best, self.last_val = sd["best"], sd.get("last_val", {})
+        self.best_epoch, self.best_step = sd.get("best_epoch", 0), sd.get("best_step", 0)
+        self.first_val = sd.get("first_val", {})
