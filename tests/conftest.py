@@ -68,13 +68,33 @@ def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout)
 
 
-def count_steps(tmp_path: Path, nproc: int, args: list[str]) -> list[list[dict[str, int]]]:
+def count_steps(tmp_path: Path, nproc: int, args: list[str],
+                extra_env: dict[str, str] | None = None) -> list[list[dict[str, int]]]:
     """Per-step collective/sync counts of every rank of `torchrun count_worker.py ARGS`."""
     worker = REPO / "tests" / "workers" / "count_worker.py"
     proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    str(worker), *args], tmp_path, timeout=180, extra_env={"COUNT_OUT": str(tmp_path / "counts")})
+                    str(worker), *args], tmp_path, timeout=180,
+                   extra_env={**(extra_env or {}), "COUNT_OUT": str(tmp_path / "counts")})
     assert_ok(proc)
     return [json.loads((tmp_path / f"counts.{r}").read_text()) for r in range(nproc)]
+
+
+def assert_quiet_between_log_steps(ranks: list[list[dict[str, int]]], steps_per_epoch: int, epochs: int,
+                                   log_every: int) -> None:
+    """count_steps' result: one collective (and some host reads) after each log step, nothing at all after
+    any other step; epoch ends (evaluation, checkpoint) are collectives by design and not checked."""
+    for rank, steps in enumerate(ranks):
+        assert len(steps) == epochs * steps_per_epoch
+        # steps[k] covers what ran after optimizer step k (1-based) and up to step k+1.
+        for k in range(1, len(steps)):
+            where = f"rank {rank}, between steps {k} and {k + 1}"
+            if k % steps_per_epoch == 0:
+                continue
+            if k % log_every == 0:
+                assert steps[k]["collectives"] == 1, (where, steps[k])
+                assert steps[k]["syncs"] > 0, (where, steps[k])  # the counter works
+            else:
+                assert steps[k] == {"collectives": 0, "syncs": 0, "cuda_syncs": 0}, (where, steps[k])
 
 
 def job_dirs(cwd: Path) -> list[Path]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import REPO, TRAIN, assert_ok, compose_cfg, read_scalars, run_cmd
+from conftest import REPO, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, read_scalars, run_cmd
 from ddplab.task import TaskError
 
 
@@ -231,23 +231,10 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
 @pytest.mark.dist
 def test_a_user_task_with_three_metrics_adds_no_collective_or_sync_between_log_steps(tmp_path, user_pkg):
     pkg, env = user_pkg
-    log_every, spe = 3, 10  # 240 samples / global batch 24
-    worker = REPO / "tests" / "workers" / "count_worker.py"
-    args = ["--config-dir", str(pkg / "conf"), "task=fit", "num_epochs=2", f"log_every_n_steps={log_every}",
-            "progress=log", "run_dir=run"]
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-                    *args], tmp_path, timeout=180, extra_env={**env, "COUNT_OUT": str(tmp_path / "counts")})
-    assert_ok(proc)
-    for rank in range(2):
-        steps = json.loads((tmp_path / f"counts.{rank}").read_text())
-        assert len(steps) == 2 * spe
-        for k in range(1, len(steps)):
-            if k % spe == 0:
-                continue  # epoch end: evaluation and checkpoint
-            if k % log_every == 0:
-                assert steps[k]["collectives"] == 1, (rank, k, steps[k])
-            else:
-                assert steps[k] == {"collectives": 0, "syncs": 0, "cuda_syncs": 0}, (rank, k, steps[k])
+    args = ["--config-dir", str(pkg / "conf"), "task=fit", "num_epochs=2", "log_every_n_steps=3", "progress=log",
+            "run_dir=run"]
+    # 240 samples / global batch 24 = 10 steps per epoch
+    assert_quiet_between_log_steps(count_steps(tmp_path, 2, args, extra_env=env), 10, 2, 3)
 
 
 def test_a_sweep_over_a_task_metric_objective(tmp_path):

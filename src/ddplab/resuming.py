@@ -96,9 +96,11 @@ def checkpoints_of(t: Any) -> tuple[CheckpointManager, ResumeGuard]:
     entries = {**t.strategy.checkpoint_entries(t.module, t.optimizer, manager), "scheduler": t.scheduler,
                "scaler": t.precision, "loop": t.loop,
                "rng": t.rng,  # every rank's streams: dropout/augmentation continue exactly
-               "results": t.results, **t.callbacks.stateful()}
+               "results": t.results}
     for key, component in entries.items():
         manager.register(key, component)
+    for key, component in t.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh
+        manager.register(key, component, optional=True)
     return manager, guard
 
 

@@ -169,9 +169,7 @@ class Trainer:
     def evaluate_only(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
         announce(self)
-        val = self.evaluate()
-        for extra in self.callbacks("on_eval_end", self, val):
-            val.update(extra or {})
+        val = self._evaluate_all()
         self.writer.scalars(val, self.loop.step)
         self.writer.close()
         return {**val, "epoch": float(self.loop.epoch), "step": float(self.loop.step)}
@@ -184,9 +182,7 @@ class Trainer:
         loop.step_in_epoch = 0
         improved = False
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
-            val = self.evaluate()
-            for extra in self.callbacks("on_eval_end", self, val):  # e.g. val_ema/*
-                val.update(extra or {})
+            val = self._evaluate_all()
             improved = self.results.update(val, cfg.objective, loop.epoch, loop.step)
             self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
             self.evaluator.visualize(self.writer, loop.step)
@@ -349,6 +345,13 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run()
+
+    def _evaluate_all(self) -> dict[str, float]:
+        """The evaluation plus what callbacks add to it (e.g. val_ema/*)."""
+        val = self.evaluate()
+        for extra in self.callbacks("on_eval_end", self, val):
+            val.update(extra or {})
+        return val
 
     def _progress_bar(self) -> Progress:
         mode = self.cfg.progress

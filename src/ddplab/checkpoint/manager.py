@@ -43,13 +43,18 @@ class CheckpointManager:
         self._every = int(policy.every_n_steps)  # read once: due() runs every step
         self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
+        self._optional: set[str] = set()
         self._step = 0
         self._source: Path | None = None  # the checkpoint being loaded
 
-    def register(self, key: str, component: Stateful) -> None:
+    def register(self, key: str, component: Stateful, optional: bool = False) -> None:
+        """``optional``: a checkpoint without this entry still loads; the component keeps its fresh state
+        (a callback added since the checkpoint was written, e.g. ``callbacks=[ema]`` on resume)."""
         if key in self.components or key == "meta":
             raise ValueError(f"checkpoint entry {key!r} is registered twice (or reserved)")
         self.components[key] = component
+        if optional:
+            self._optional.add(key)
 
     # ------------------------------------------------------ sidecar directories
     def sidecar_path(self, suffix: str) -> Path:
@@ -116,8 +121,7 @@ class CheckpointManager:
                 c.check(ck, path)
         if self.check_meta is not None:  # after the components': a model that does not fit says exactly how
             self.check_meta(ck.get("meta", {}), path)
-        # A callback added since the checkpoint (callbacks=[ema] on resume) starts fresh; anything else must be there.
-        fresh = [k for k in self.components if k not in ck and k.startswith("callbacks.")]
+        fresh = [k for k in self.components if k not in ck and k in self._optional]
         for k in fresh:
             log.info("resume: %s has no %s entry; it starts fresh", path, k)
         missing = [k for k in self.components if k not in ck and k not in fresh]
