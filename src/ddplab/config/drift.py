@@ -45,7 +45,8 @@ def flatten(cfg: Any) -> dict[str, Any]:
 
 
 def _matters(key: str) -> bool:
-    return not any(key == h or key.startswith(h) or key.startswith(h + ".") for h in HARMLESS)
+    # "callbacks." also covers an empty "callbacks" node (flattened as a leaf: {})
+    return not any(key in (h, h.rstrip(".")) or key.startswith(h) or key.startswith(h + ".") for h in HARMLESS)
 
 
 def trajectory(cfg: Any) -> dict[str, Any]:
