@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train_throughput(cmd: list[str], run_dir: Path) -> float:
     """Run ``cmd + [hydra.run.dir=run_dir]`` (a train.py command line); return the median
-    ``perf/samples_per_s`` over its log intervals, the first one left out as warm-up."""
+    ``vitals/samples_per_s`` over its log intervals, the first one left out as warm-up."""
     sys.path.insert(0, str(REPO / "src"))
     from ddplab.events import read_scalars
 
@@ -20,5 +20,5 @@ def train_throughput(cmd: list[str], run_dir: Path) -> float:
                           text=True)
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}")
-    values = [v for _, v in read_scalars(run_dir / "tb")["perf/samples_per_s"]][1:]
+    values = [v for _, v in read_scalars(run_dir / "tb")["vitals/samples_per_s"]][1:]
     return statistics.median(values)

@@ -9,7 +9,7 @@ default: the dataset lives on the training device, each batch is one index
 op, and random crop + flip run on the whole batch. The default model is the
 small MLP, so that the data path, not the convolutions, sets the pace (as it
 does on a GPU). Each row is ``train.py``
-run end to end; samples/s is ``perf/samples_per_s`` (median over log
+run end to end; samples/s is ``vitals/samples_per_s`` (median over log
 intervals, the first one left out as warm-up), read back from TensorBoard.
 """
 

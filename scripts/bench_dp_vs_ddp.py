@@ -7,7 +7,7 @@ The comparison the multi-GPU tutorials make: ``distributed=dp`` is one process
 that scatters each batch over the GPUs and gathers the outputs on GPU 0;
 ``distributed=ddp`` is one process per GPU (torchrun), each with its own
 shard of the batch, gradients all-reduced. Same model, data and global batch;
-images/s is ``perf/samples_per_s`` (median over log intervals, the first left
+images/s is ``vitals/samples_per_s`` (median over log intervals, the first left
 out as warm-up). Needs at least 2 GPUs; with fewer it says so and exits 0.
 """
 

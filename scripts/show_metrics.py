@@ -7,15 +7,15 @@
 import argparse
 from pathlib import Path
 
-from ddplab.events import read_scalars
+from ddplab.events import events_in, read_scalars
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path, help="run dir (or its tb/ folder)")
+    ap.add_argument("run", type=Path, help="run dir (or its events folder: tb/, or a sweep job's lr=0.1,...)")
     ap.add_argument("--prefix", default="", help="only tags starting with this, e.g. val/")
     args = ap.parse_args()
-    log_dir = args.run / "tb" if (args.run / "tb").is_dir() else args.run
+    log_dir = events_in(args.run)
     scalars = read_scalars(log_dir)
     if not scalars:
         raise SystemExit(f"no TensorBoard scalars under {log_dir}: is it a ddplab run dir?")

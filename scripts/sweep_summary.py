@@ -6,6 +6,8 @@
 Reads each job's result.json (written when the job ends, with its error if it
 failed), falling back to its TensorBoard events for jobs that never finished.
 Prints markdown; writes CSV to --csv (default: <sweep dir>/summary.csv).
+A sweep writes this summary itself when it ends (ddplab.sweep.SweepSummary);
+this script is for sweeps still running, interrupted, or made before that.
 """
 
 import argparse
@@ -18,7 +20,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep_dir", type=Path, help="multirun/<date>/<time>")
     ap.add_argument("--objective", default="val/acc")
-    ap.add_argument("--minimize", action="store_true", help="lower objective is better (e.g. val/loss)")
+    ap.add_argument("--minimize", action="store_true", default=None,
+                    help="lower objective is better (default: as the jobs recorded it; a loss is minimised)")
     ap.add_argument("--csv", type=Path, default=None, help="CSV output path (default <sweep_dir>/summary.csv)")
     args = ap.parse_args()
     if not args.sweep_dir.is_dir():

@@ -55,7 +55,7 @@ def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_pa
     assert ck["updates"] == 22
     for got, want in zip(ck["shadow"], shadow):
         assert torch.equal(got, want)
-    assert out["val_ema/acc"] > 0.5 and out["best/val_ema/acc"] == out["val_ema/acc"]
+    assert out["val_ema/acc"] > 0.5 and out["val_ema/acc_best"] == out["val_ema/acc"]
 
 
 def test_ema_is_restored_bitwise_on_resume(tmp_path):

@@ -181,7 +181,7 @@ def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
     toy._FAULTED.clear()  # fault again in the skip run
     out = ddplab.run(compose_cfg(args + ["nonfinite_loss=skip"], run_dir=tmp_path / "skip"))
     s = read_scalars(tmp_path / "skip" / "tb")
-    assert s["train/skipped_steps"][-1][1] == 1.0
+    assert s["vitals/skipped_steps"][-1][1] == 1.0
     assert out["step"] == 21 and out["val/acc"] > 0.5  # 22 batches, one step skipped, weights intact
 
 
@@ -195,7 +195,7 @@ def test_fp16_scaler_skips_are_counted_not_errors(tmp_path):
     ref, s = read_scalars(tmp_path / "ref" / "tb"), read_scalars(tmp_path / "inf" / "tb")
     assert s["train/fp16_skipped_steps"] == [(5, 0.0), (10, 1.0), (15, 0.0), (20, 0.0), (22, 0.0)]
     assert [v for _, v in ref["train/fp16_skipped_steps"]] == [0.0] * 5  # no overflow of its own
-    scale, ref_scale = dict(s["train/loss_scale"]), dict(ref["train/loss_scale"])
+    scale, ref_scale = dict(s["vitals/loss_scale"]), dict(ref["vitals/loss_scale"])
     assert scale[5] == ref_scale[5] == 65536.0 and scale[10] == ref_scale[10] / 2 == 32768.0
     assert out["step"] == 22 and math.isfinite(out["train/loss"])  # not an error: every step still counted
 
@@ -361,9 +361,9 @@ def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tm
                                  run_dir=tmp_path / "loss"))
     losses = [v for _, v in read_scalars(tmp_path / "loss" / "tb")["val/loss"]]
     assert len(set(losses)) == 3 and losses.index(min(losses)) != 0  # the first epoch is not the best
-    assert out["best/val/loss"] == pytest.approx(min(losses), rel=1e-6)  # lower is better for a loss (TB: float32)
+    assert out["val/loss_best"] == pytest.approx(min(losses), rel=1e-6)  # lower is better for a loss (TB: float32)
     best = torch.load(tmp_path / "loss" / "checkpoints" / "best.pt", weights_only=True)
-    assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["best/val/loss"]
+    assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["val/loss_best"]
 
 
 def test_a_run_dir_in_use_is_refused_at_once_naming_its_holder(tmp_path):

@@ -18,8 +18,8 @@ def test_amp_on_cuda(tmp_path, dtype, scaler):
                       run_dir=tmp_path)
     out = ddplab.run(cfg)
     s = read_scalars(tmp_path / "tb")
-    assert ("train/loss_scale" in s) == scaler  # GradScaler only for fp16
-    assert s["perf/peak_mem_gb"][-1][1] > 0
+    assert ("vitals/loss_scale" in s) == scaler  # GradScaler only for fp16
+    assert s["vitals/peak_mem_gb"][-1][1] > 0
     assert out["val/num_samples"] == 359
 
 

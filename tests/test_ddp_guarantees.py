@@ -288,7 +288,7 @@ def test_a_slow_rank_shows_in_max_over_ranks(tmp_path):
                         "log_every_n_steps=4", "progress=log"], tmp_path)
     assert_ok(proc)
     s = read_scalars(job_dirs(tmp_path)[0] / "tb")
-    mx, mn = s["perf/data_time_ms_max"][-1][1], s["perf/data_time_ms_min"][-1][1]
+    mx, mn = s["vitals/data_time_ms_max"][-1][1], s["vitals/data_time_ms_min"][-1][1]
     print(f"\nslow rank: data time max {mx:.1f} ms, min {mn:.1f} ms per step")
     assert mx > 32 * 2 * 0.9  # 32 samples x 2 ms on rank 1
     assert mn < mx / 4

@@ -50,7 +50,7 @@ def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_re
     same = BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=1"]
     ddplab.run(compose_cfg(same, tmp_path / "old"))
     ddplab.run(compose_cfg(same + ["optimizer.lr=0.5", "resume_apply_changes=true"], tmp_path / "new"))
-    old, new = (read_scalars(tmp_path / d / "tb")["train/lr"] for d in ("old", "new"))
+    old, new = (read_scalars(tmp_path / d / "tb")["vitals/lr"] for d in ("old", "new"))
     assert [s for s, _ in new] == list(range(23, 45))  # from the first resumed step on
     for (s, lo), (_, ln) in zip(old, new):
         assert ln == pytest.approx(5 * lo, rel=1e-6, abs=1e-12), s  # 0.5 / 0.1 (float32 events): same schedule, new base

@@ -24,10 +24,10 @@ def test_unequal_counts_give_exact_global_mean(tmp_path):
     assert res["train"]["train/loss"] == pytest.approx(exact_loss, rel=1e-12)
     assert res["train"]["train/acc"] == pytest.approx(18 / 21, rel=1e-12)
     # Stragglers: per-rank step times 10, 20, 30 ms.
-    assert res["train"]["perf/step_time_ms_max"] == pytest.approx(30.0)
-    assert res["train"]["perf/step_time_ms_min"] == pytest.approx(10.0)
-    assert res["train"]["perf/step_time_ms"] == pytest.approx(20.0)
-    assert res["train"]["perf/data_time_ms_max"] == pytest.approx(3.0)
+    assert res["train"]["vitals/step_time_ms_max"] == pytest.approx(30.0)
+    assert res["train"]["vitals/step_time_ms_min"] == pytest.approx(10.0)
+    assert res["train"]["vitals/step_time_ms"] == pytest.approx(20.0)
+    assert res["train"]["vitals/data_time_ms_max"] == pytest.approx(3.0)
     # One collective per reduction, train and eval alike.
     assert res["train_calls"] == 1
     assert res["total_calls"] == 2

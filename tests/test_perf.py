@@ -44,7 +44,7 @@ def test_data_on_device_and_dataloader_paths_train_identically(tmp_path, caplog)
         caplog.clear()
         with caplog.at_level("INFO", logger="ddplab"):
             outs[name] = (ddplab.run(compose_cfg(base + extra, run_dir=d)), final_weights(d))
-        assert f"data: {path} |" in caplog.text, name
+        assert f"data: {path}\n" in caplog.text, name
     ref_metrics, ref_w = outs["device"]
     for name in ("loader", "workers"):
         metrics, w = outs[name]
@@ -89,9 +89,9 @@ def test_channels_last_fused_and_perf_scalars(tmp_path):
     w = final_weights(tmp_path / "cl")["features.3.weight"]  # (24, 12, 6, 6)
     assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
     s = read_scalars(tmp_path / "cl" / "tb")
-    assert s["perf/tflops"][-1][1] > 0
-    assert s["perf/mfu"][-1][1] == pytest.approx(s["perf/tflops"][-1][1] / 0.5)
-    assert "perf/mfu" not in read_scalars(tmp_path / "ref" / "tb")  # CPU: peak unknown unless configured
+    assert s["vitals/tflops"][-1][1] > 0
+    assert s["vitals/mfu"][-1][1] == pytest.approx(s["vitals/tflops"][-1][1] / 0.5)
+    assert "vitals/mfu" not in read_scalars(tmp_path / "ref" / "tb")  # CPU: peak unknown unless configured
 
 
 def test_fused_optimizer_choice():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
+from ddplab.events import events_in, read_hparams
 from ddplab.rundir import read_result
 from ddplab.sweep import summarize
 
@@ -20,22 +21,6 @@ def sweep_jobs(cwd: Path) -> list[Path]:
     sweeps = sorted((cwd / "multirun").glob("*/*"))
     return sorted((p for s in sweeps for p in s.iterdir() if p.is_dir() and p.name.isdigit()),
                   key=lambda p: (p.parent.name, int(p.name)))
-
-
-def hparams_of_run(tb: Path) -> dict:
-    """The HParams plugin's session-start record of one run's event file."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    acc = EventAccumulator(str(tb))
-    acc.Reload()
-    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    data = plugin_data_pb2.HParamsPluginData.FromString(content)
-    out = {}
-    for k, v in data.session_start_info.hparams.items():
-        kind = v.WhichOneof("kind")
-        out[k] = getattr(v, kind)
-    return out
 
 
 def scratch_dirs() -> set[str]:
@@ -53,16 +38,16 @@ def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
     assert scratch_dirs() <= before
     seen = set()
     for job in jobs:
-        events = list((job / "tb").glob("events.out.tfevents*"))
+        events = list(events_in(job).glob("events.out.tfevents*"))
         assert len(events) == 1
-        hp = hparams_of_run(job / "tb")
-        s = read_scalars(job / "tb")
+        hp = read_hparams(job)
+        s = read_scalars(job)
         res = read_result(job)
         assert res["status"] == "completed"
         assert hp["world_size"] == 2.0 and hp["model"] in ("mlp", "convnet")
         seen.add((hp["optimizer.lr"], hp["model"]))
         assert s["val/acc"][-1][1] == pytest.approx(res["metrics"]["val/acc"], abs=1e-6)
-        assert s["best/val/acc"][-1][1] == pytest.approx(res["metrics"]["best/val/acc"], abs=1e-6)
+        assert s["val/acc_best"][-1][1] == pytest.approx(res["metrics"]["val/acc_best"], abs=1e-6)
     assert seen == {(0.1, "mlp"), (0.1, "convnet"), (0.01, "mlp"), (0.01, "convnet")}
 
     # The summary tool agrees with each job's own numbers and sorts by the objective.
@@ -77,7 +62,8 @@ def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
     assert table.stdout.splitlines()[2].startswith(f"| {best['job']} | completed | ")
     assert f"{best['objective']:.6g}" in table.stdout.splitlines()[2]
     csv = (jobs[0].parent / "summary.csv").read_text().splitlines()
-    assert csv[0].startswith("job,status,overrides,objective") and len(csv) == 5
+    assert csv[0].startswith("job,status,swept,objective") and len(csv) == 5
+    assert all(re.search(r',"lr=0\.0?1,model=(mlp|convnet)",', row) for row in csv[1:])  # what the sweep varied
 
 
 def _log_window(job: Path) -> tuple[datetime, datetime]:
@@ -98,7 +84,7 @@ def test_joblib_runs_two_self_launched_ddp_jobs_in_parallel(tmp_path):
     for job in jobs:
         assert read_result(job)["status"] == "completed"
         assert "2 rank(s) on cpu (gloo)" in (job / "train.log").read_text()
-        assert len(list((job / "tb").glob("events*"))) == 1
+        assert len(list(events_in(job).glob("events*"))) == 1
     (a0, a1), (b0, b1) = _log_window(jobs[0]), _log_window(jobs[1])
     assert a0 < b1 and b0 < a1  # the two jobs' training overlapped in time
 
@@ -159,7 +145,7 @@ def test_optuna_under_torchrun_trains_rank_zero_sample_on_every_rank(tmp_path):
     for job in jobs:
         overrides = (job / ".hydra" / "overrides.yaml").read_text()
         lr = float(re.search(r"optimizer\.lr=([0-9.e-]+)", overrides).group(1))
-        assert hparams_of_run(job / "tb")["optimizer.lr"] == pytest.approx(lr)  # rank 0's sample was used
+        assert read_hparams(job)["optimizer.lr"] == pytest.approx(lr)  # rank 0's sample was used
         assert read_result(job)["status"] == "completed"
     assert "Best value:" in out
 

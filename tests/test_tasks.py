@@ -75,7 +75,7 @@ def test_regression_is_exact_over_world_sizes_1_2_3_and_minimises_its_objective(
             assert runs[n][m] == pytest.approx(runs[1][m], rel=1e-5), (n, m)
     assert runs[1]["val/mse"] < 0.7  # predicting the mean scores 1.0 on standardised targets
     maes = [v for _, v in read_scalars(tmp_path / "1" / "tb")["val/mae"]]
-    assert runs[1]["best/val/mae"] == pytest.approx(min(maes), rel=1e-6)  # an error is minimised (float32 events)
+    assert runs[1]["val/mae_best"] == pytest.approx(min(maes), rel=1e-6)  # an error is minimised (float32 events)
 
 
 LM = ["task=lm", "dataset.block_size=32", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
@@ -225,7 +225,7 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
             assert runs[n][m] == pytest.approx(runs[1][m], rel=1e-5), (n, m)
     assert runs[1]["val/sq_err"] < 0.1 and runs[1]["val/within_half"] > 0.9  # it learned the linear map
     hits = [v for _, v in read_scalars(tmp_path / "1" / "tb")["val/within_half"]]
-    assert runs[1]["best/val/within_half"] == pytest.approx(max(hits), rel=1e-6)  # declared maximize
+    assert runs[1]["val/within_half_best"] == pytest.approx(max(hits), rel=1e-6)  # declared maximize
 
 
 @pytest.mark.dist
@@ -244,7 +244,7 @@ def test_a_sweep_over_a_task_metric_objective(tmp_path):
     assert_ok(proc)
     for job in ("0", "1"):
         res = json.loads((tmp_path / "sweep" / job / "result.json").read_text())
-        assert res["status"] == "completed" and "best/val/mae" in res["metrics"]
+        assert res["status"] == "completed" and "val/mae_best" in res["metrics"]
 
 
 # --------------------------------------------------------------------------- bad task output

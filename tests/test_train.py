@@ -40,15 +40,15 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     steps = DIGITS_TRAIN // 128  # 11 optimizer steps
     assert [st for st, _ in s["train/loss"]] == [5, 10, 11]  # every 5 steps + the epoch's tail
     assert [st for st, _ in s["val/acc"]] == [steps]
-    for tag in ["train/loss", "train/acc", "train/lr", "val/loss", "val/acc", "perf/samples_per_s",
-                "perf/step_time_ms", "perf/step_time_ms_max", "perf/data_time_ms"]:
+    for tag in ["train/loss", "train/acc", "vitals/lr", "val/loss", "val/acc", "vitals/samples_per_s",
+                "vitals/step_time_ms", "vitals/step_time_ms_max", "vitals/data_time_ms"]:
         assert all(math.isfinite(v) for _, v in s[tag]), tag
     assert s["val/num_samples"] == [(steps, float(DIGITS_VAL))]  # each val sample exactly once
     assert all(0 <= v <= 1 for _, v in s["train/acc"] + s["val/acc"])
-    assert all(v > 0 for _, v in s["perf/samples_per_s"])
-    assert all(mx >= mean for (_, mx), (_, mean) in zip(s["perf/step_time_ms_max"], s["perf/step_time_ms"]))
+    assert all(v > 0 for _, v in s["vitals/samples_per_s"])
+    assert all(mx >= mean for (_, mx), (_, mean) in zip(s["vitals/step_time_ms_max"], s["vitals/step_time_ms"]))
     assert "amp bfloat16" in proc.stderr + proc.stdout  # bf16 autocast on CPU, no GradScaler
-    first = next(line for line in proc.stdout.splitlines() if "][ddplab][" in line)
+    first = next(line for line in proc.stdout.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line))  # ddplab's lines
     assert "ranks: 0@" in first and ", 1@" in first  # the rank table is the job's first log line
 
     table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
@@ -95,8 +95,8 @@ def test_single_process_has_the_same_config_semantics(tmp_path):
     m1, m2 = (torch.load(d / "checkpoints" / "last.pt", weights_only=True)["meta"] for d in (d1, d2))
     assert m1["config"] == m2["config"] and (m1["world_size"], m2["world_size"]) == (1, 2)
     # batch_size is global: both runs take the same optimizer steps over the same samples.
-    assert "64 global = 1 rank(s) x 64 per rank" in p1.stdout + p1.stderr
-    assert "64 global = 2 rank(s) x 32 per rank" in p2.stdout + p2.stderr
+    assert "batch: 64 samples per optimizer step = 1 rank(s) x 64 per rank" in p1.stdout + p1.stderr
+    assert "batch: 64 samples per optimizer step = 2 rank(s) x 32 per rank" in p2.stdout + p2.stderr
     s1, s2 = read_scalars(d1 / "tb"), read_scalars(d2 / "tb")
     assert [st for st, _ in s1["val/acc"]] == [st for st, _ in s2["val/acc"]] == [22, 44]
     assert s1["val/num_samples"][-1][1] == s2["val/num_samples"][-1][1] == DIGITS_VAL
@@ -109,11 +109,12 @@ def test_accumulation_clipping_syncbn_and_fp16_scaler_together(tmp_path):
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "amp float16 + GradScaler" in out
-    assert "x 2 accumulation = 128 samples per optimizer step | 11 steps/epoch" in out
+    assert "batch: 128 samples per optimizer step = 2 rank(s) x 32 per rank x 2 accumulation" in out
+    assert "| 11 steps/epoch x 1 epochs" in out
     s = read_scalars(job_dirs(tmp_path)[0] / "tb")
     assert [st for st, _ in s["train/loss"]] == [5, 10, 11]  # 1438 // 128 optimizer steps
     assert all(v > 0 and math.isfinite(v) for _, v in s["train/grad_norm"])  # pre-clip norm, logged
-    assert all(v >= 1.0 for _, v in s["train/loss_scale"])
+    assert all(v >= 1.0 for _, v in s["vitals/loss_scale"])
     assert s["val/num_samples"][-1][1] == DIGITS_VAL
 
 
@@ -142,9 +143,10 @@ def test_a_run_ends_with_a_summary_and_a_hint_when_it_is_not_converging(tmp_path
         out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "progress=none"], run))
     text = caplog.text
     assert f"done: 3/3 epochs, 66 steps, {out['time_s']:.1f} s this run" in text
-    best = out["best/val/acc"]
-    assert f"best val/acc={best:.4g} at epoch " in text and f"final val/loss={out['val/loss']:.4g}" in text
-    assert f"checkpoints: {run / 'checkpoints'}" in text and f"tensorboard --logdir {run / 'tb'}" in text
+    best = out["val/acc_best"]
+    assert f"best val/acc={best:.4g} at epoch " in text and f"final: val/loss={out['val/loss']:.4g}" in text
+    assert f"checkpoints: {run / 'checkpoints'}" in text and f"events: {run / 'tb'}" in text
+    assert f"open: tensorboard --logdir {run}\n" in text
     assert "hint:" not in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ddplab"):  # lr 50: the loss explodes after step 1 (logged)

@@ -124,6 +124,7 @@ def main(cfg: DictConfig) -> float | None:
                 log.error("config error: %s", e)
             raise SystemExit(2) from None
         log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
+        _record_failure(cfg, f"config error: {e}")
         return float("nan")
     except Exception as e:
         if not _is_multirun():
@@ -135,8 +136,17 @@ def main(cfg: DictConfig) -> float | None:
             # so torchrun ends the other ranks (a peer may be blocked mid-collective).
             raise SystemExit(1) from e
         log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
+        _record_failure(cfg, f"{type(e).__name__}: {e}")
         return float("nan")
     return metrics.get(cfg.objective)
+
+
+def _record_failure(cfg: DictConfig, error: str) -> None:
+    """A sweep job that failed before its Session (a bad value, a refused launch) has no result.json
+    yet: write one, so the sweep's summary lists it as failed, with why."""
+    run_dir = rundir.own_run_dir(cfg)
+    if env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
+        rundir.write_result(run_dir, {"status": "failed", "error": error})
 
 
 def _is_multirun() -> bool:

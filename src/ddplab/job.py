@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, validate
+from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
 from ddplab.runtime import env
 from ddplab.runtime.signals import Preempted
@@ -42,7 +43,7 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
                         "launched job (torchrun/SLURM)", nproc)
     with Session(cfg, search_earlier_runs) as session:
         metrics = _train(session)
-        session.complete(metrics, session.note)
+        session.complete(metrics, session.note, session.objective)
     return metrics
 
 
@@ -61,6 +62,7 @@ def _train(session: Session) -> dict[str, float]:
         return metrics
     metrics = trainer.fit()
     session.note = trainer.stop_reason
+    session.objective = {"name": session.cfg.objective, "minimize": trainer.results.minimize}
     return metrics
 
 
@@ -83,7 +85,8 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
     job = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-           "search_earlier_runs": rundir.is_hydras_default(cfg)}  # decided here, where Hydra's config is
+           "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided here, where Hydra's config is
+           "log_tag": job_tag()}
     job["config"]["run_dir"] = str(run_dir)
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)

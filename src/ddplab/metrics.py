@@ -212,7 +212,7 @@ class TrainMetrics:
         return row
 
     def reduce(self, where: str = "", last_step: int = 0, stop: bool = False) -> dict[str, float]:
-        """ONE collective; returns ``train/*`` and ``perf/*`` scalars (same on every rank).
+        """ONE collective; returns ``train/*`` and ``vitals/*`` scalars (same on every rank).
 
         ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss.
         ``stop``: this rank was asked to stop; afterwards ``stop_agreed`` says whether any rank was.
@@ -230,18 +230,18 @@ class TrainMetrics:
         data_ms = rows[:, lay["data_time"]] / steps * 1e3
         out = {f"train/{k}": v for k, v in sums.items() if k != "num_samples"}
         out.update({
-            "perf/samples_per_s": sums["num_samples"] / max(rows[:, lay["wall"]].max().item(), 1e-9),
-            "perf/step_time_ms": step_ms.mean().item(),
-            "perf/step_time_ms_max": step_ms.max().item(),  # the straggler sets the pace
-            "perf/step_time_ms_min": step_ms.min().item(),
-            "perf/data_time_ms": data_ms.mean().item(),
-            "perf/data_time_ms_max": data_ms.max().item(),
-            "perf/data_time_ms_min": data_ms.min().item(),
+            "vitals/samples_per_s": sums["num_samples"] / max(rows[:, lay["wall"]].max().item(), 1e-9),
+            "vitals/step_time_ms": step_ms.mean().item(),
+            "vitals/step_time_ms_max": step_ms.max().item(),  # the straggler sets the pace
+            "vitals/step_time_ms_min": step_ms.min().item(),
+            "vitals/data_time_ms": data_ms.mean().item(),
+            "vitals/data_time_ms_max": data_ms.max().item(),
+            "vitals/data_time_ms_min": data_ms.min().item(),
         })
         if self._cuda:
-            out["perf/peak_mem_gb"] = rows[:, lay["peak_mem"]].max().item()
+            out["vitals/peak_mem_gb"] = rows[:, lay["peak_mem"]].max().item()
         if self.skipped:
-            out["train/skipped_steps"] = float(self.skipped)
+            out["vitals/skipped_steps"] = float(self.skipped)
         self.reset()
         return out
 

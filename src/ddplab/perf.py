@@ -1,4 +1,4 @@
-"""Model FLOPs and device peaks, for the ``perf/tflops`` and ``perf/mfu`` scalars.
+"""Model FLOPs and device peaks, for the ``vitals/tflops`` and ``vitals/mfu`` scalars.
 
 FLOPs are counted once with ``torch.utils.flop_counter`` on one eval-mode
 sample (no running-stat update, no random numbers drawn) and multiplied by 3
@@ -34,7 +34,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
     for key, low, fp32 in _PEAKS:
         if key in name:
             return low if dtype in (torch.bfloat16, torch.float16) else fp32
-    log.info("perf/mfu off: peak TFLOP/s of %r unknown; set perf.peak_tflops to log it", name)
+    log.info("vitals/mfu off: peak TFLOP/s of %r unknown; set perf.peak_tflops to log it", name)
     return None
 
 
@@ -50,7 +50,7 @@ def train_flops_per_sample(module: nn.Module, sample: Tensor) -> float | None:
             module(sample[:1])
         flops = counter.get_total_flops()
     except Exception as e:  # exotic ops: no MFU, but never a failed run
-        log.info("perf/tflops off: FLOPs of the model could not be counted (%s)", e)
+        log.info("vitals/tflops off: FLOPs of the model could not be counted (%s)", e)
         return None
     finally:
         module.train(was_training)
@@ -58,7 +58,7 @@ def train_flops_per_sample(module: nn.Module, sample: Tensor) -> float | None:
 
 
 class FlopRate:
-    """``perf/tflops`` (model FLOPs the job achieves) and ``perf/mfu`` where the device peak is known.
+    """``vitals/tflops`` (model FLOPs the job achieves) and ``vitals/mfu`` where the device peak is known.
 
     The FLOPs are counted on first use — the first log step, off the path from
     launch to the first training step — and never when ``enabled`` is False.
@@ -79,7 +79,7 @@ class FlopRate:
             self.peak = peak_tflops(self._device, self._dtype, self._override)
         if not self.per_sample:
             return {}
-        out = {"perf/tflops": self.per_sample * samples_per_s / 1e12}
+        out = {"vitals/tflops": self.per_sample * samples_per_s / 1e12}
         if self.peak:
-            out["perf/mfu"] = out["perf/tflops"] / (self.peak * self._world)
+            out["vitals/mfu"] = out["vitals/tflops"] / (self.peak * self._world)
         return out

@@ -14,12 +14,47 @@ from ddplab import rundir
 log = logging.getLogger("ddplab")
 
 
+WIDTH = 100  # a console message's budget: the time stamp and a job tag fill the rest of 120 columns
+
+
+def shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working directory when inside it."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def wrap(head: str, items: list[str], sep: str = "  ", width: int = WIDTH) -> list[str]:
+    """``head`` then ``items`` (the first after a space, the rest after ``sep``), as lines of at most
+    ``width`` characters where the items allow; continuation lines indented."""
+    lines, line = [], head
+    for i, item in enumerate(items):
+        glue = sep if i else " "
+        if len(line) + len(glue) + len(item) > width and line.strip():
+            lines.append(line)
+            line = "  " + item
+        else:
+            line += glue + item
+    return lines + [line]
+
+
 def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any]:
-    """What a sweep varies (this job's overrides, as typed values) plus the key settings."""
+    """The HParams entry: what a sweep varies first (typed: the config's value, or the option name
+    of a group), then this job's other overrides, then the key settings."""
     def short(target: Any) -> Any:
         return str(target).rsplit(".", 1)[-1] if target else target
 
-    hp: dict[str, Any] = {
+    def typed(key: str, value: str) -> Any:
+        node = OmegaConf.select(cfg, key, default=None)
+        return value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
+
+    hp = {k: typed(k, v) for k, v in rundir.swept(run_dir).items()}
+    for o in rundir.read_overrides(run_dir) or []:
+        key, _, value = o.lstrip("+~").partition("=")
+        if not (key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir") or key in hp):
+            hp[key] = typed(key, value)
+    settings: dict[str, Any] = {
         "task": short(cfg.task.get("_target_")) if cfg.get("task") else None,
         "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
         "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
@@ -27,35 +62,51 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "amp": cfg.amp,
         "seed": cfg.seed, "world_size": world_size,
     }
-    for o in rundir.read_overrides(run_dir) or []:
-        key, _, value = o.lstrip("+~").partition("=")
-        if key.startswith("hydra") or key in ("resume", "stop_after_epochs", "run_dir"):
-            continue
-        node = OmegaConf.select(cfg, key, default=None)
-        hp[key] = value if isinstance(node, DictConfig) or node is None else node  # group=option: the name
-    return {k: v for k, v in hp.items() if v is not None}
+    return {k: v for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
+
+
+def layout_of(t: Any) -> dict[str, dict[str, list[str]]]:
+    """The Custom Scalars tab: train against val for each of the task's metrics (with a callback's
+    variant, e.g. val_ema/acc, and the objective's best), then the vitals, folded."""
+    from ddplab.task import logged_names
+    from ddplab.trainstate import best_name
+
+    obj, extra = t.cfg.objective, t.callbacks.logged_names()
+    learning: dict[str, list[str]] = {}
+    for m in logged_names(t.task):
+        tags = [f"train/{m}", f"val/{m}", *(e for e in extra if e.split("/", 1)[-1] == m)]
+        learning[f"{m}: train vs val"] = tags + [best_name(obj)] * (obj in tags)
+    v = "vitals/"
+    vitals = {"learning rate": [v + "lr"], "samples/s (all ranks)": [v + "samples_per_s"],
+              "step time ms: mean, slowest, fastest rank": [v + "step_time_ms", v + "step_time_ms_max", v + "step_time_ms_min"],
+              "data wait ms: mean, slowest, fastest rank": [v + "data_time_ms", v + "data_time_ms_max", v + "data_time_ms_min"],
+              "epoch": [v + "epoch"]}
+    if t.state.device.type == "cuda":
+        vitals["peak memory GB (max over ranks)"] = [v + "peak_mem_gb"]
+    return {"is it learning?": learning, "vitals": vitals}
 
 
 def announce(t: Any) -> None:
-    """Trainer ``t``'s first words: the config (and opted-in changes) and HParams into TensorBoard,
-    and the run's layout, data path and model in two log lines."""
+    """Trainer ``t``'s first words: the config (and opted-in changes), HParams and the dashboard
+    layout into TensorBoard; the run's layout, batch, data path and model on the console."""
     cfg, st = t.cfg, t.state
-    from ddplab.task import logged_names
-
     t.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     if t.config_changes:
         t.writer.text("config_changes", t.config_changes)
-    t.writer.hparams(hparams_of(cfg, t.run_dir, st.world_size),
-                     [*(f"val/{m}" for m in logged_names(t.task)), *t.callbacks.logged_names(), "train/loss",
-                      "best/" + cfg.objective])
-    log.info(
-        "run dir %s | %d rank(s) on %s (%s) | %s | batch: %d global = %d rank(s) x %d per rank, "
-        "x %d accumulation = %d samples per optimizer step | %d steps/epoch, %d epochs",
-        t.run_dir, st.world_size, st.device, st.backend or "no process group", t.precision.describe(),
-        t.global_batch, st.world_size, t.sampler.per_rank_batch, t.accum, t.global_batch * t.accum,
-        t.steps_per_epoch, cfg.num_epochs)
-    log.info("data: %s | model: %s%s", t.train_loader.describe(), _describe_model(t),
-             f" | callbacks: {', '.join(t.callbacks.describe())}" if t.callbacks.named else "")
+    t.writer.hparams(hparams_of(cfg, t.run_dir, st.world_size), f"{t.run_dir.name}/{t.events_dir.name}")
+    t.writer.layout(layout_of(t))
+    per_step = t.global_batch * t.accum
+    lines = [f"run dir: {shown(t.run_dir)}",
+             f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
+             f"{t.precision.describe()} | {t.steps_per_epoch} steps/epoch x {cfg.num_epochs} epochs",
+             *wrap("batch:", [f"{per_step} samples per optimizer step = {st.world_size} rank(s) x "
+                              f"{t.sampler.per_rank_batch} per rank x {t.accum} accumulation"]),
+             *wrap("data:", [t.train_loader.describe()]),
+             *wrap("model:", _describe_model(t), ", ")]
+    if t.callbacks.named:
+        lines += wrap("callbacks:", t.callbacks.describe(), ", ")
+    for line in lines:
+        log.info("%s", line)
 
 
 def run_summary(t: Any, out: dict[str, float]) -> list[str]:
@@ -68,11 +119,12 @@ def run_summary(t: Any, out: dict[str, float]) -> list[str]:
     lines = [f"done: {int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps, {secs:.1f} s this run"
              + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
     if res.best is not None:
-        lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step}); final "
-                     + " ".join(f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")))
-    where = t.run_dir / "checkpoints"
+        lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step})")
+        lines += wrap("final:", [f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")])
+    where = shown(t.run_dir / "checkpoints")
     lines.append(f"checkpoints: {where}" if cfg.checkpoint.get("enabled", True) else "checkpoints: none written")
-    lines.append(f"TensorBoard: tensorboard --logdir {t.run_dir / 'tb'}")
+    lines.append(f"events: {shown(t.events_dir)}")
+    lines.append(f"open: tensorboard --logdir {shown(t.run_dir)}")
     last = res.last_val.get("val/loss")
     yardsticks = [("the first logged train/loss", t.first_train_loss)]
     if res.first_val != res.last_val:  # more than one evaluation
@@ -80,17 +132,17 @@ def run_summary(t: Any, out: dict[str, float]) -> list[str]:
     above = [(what, v) for what, v in yardsticks if v is not None and last is not None and last > v]
     if above:
         what, v = above[0]
-        lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging — try a "
-                     "lower optimizer.lr, more epochs, grad_clip=1.0, or amp=false")
+        lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging")
+        lines.append("  try a lower optimizer.lr, more epochs, grad_clip=1.0, or amp=false")
     return lines
 
 
-def _describe_model(t: Any) -> str:
+def _describe_model(t: Any) -> list[str]:
     pf = t.cfg.perf
     parts = [type(t.module).__name__, f"{sum(p.numel() for p in t.params):,} params"]
     parts += ["channels_last"] * pf.channels_last + [f"compiled ({pf.compile_backend})"] * pf.compile
     parts.append("fused optimizer" if t.optimizer.defaults.get("fused") else "unfused optimizer")
-    return ", ".join(parts + t.strategy.describe())
+    return parts + t.strategy.describe()
 
 
 class Progress:
@@ -115,8 +167,8 @@ class Progress:
         elif self.mode == "log":
             log.info("epoch %d step %d  loss=%.4f acc=%.3f lr=%.3g  %.0f samples/s  step %.1f ms (max %.1f)",
                      epoch + 1, step, values.get("train/loss", math.nan), values.get("train/acc", math.nan),
-                     values["train/lr"], values["perf/samples_per_s"], values["perf/step_time_ms"],
-                     values["perf/step_time_ms_max"])
+                     values["vitals/lr"], values["vitals/samples_per_s"], values["vitals/step_time_ms"],
+                     values["vitals/step_time_ms_max"])
 
     def close(self) -> None:
         if self._bar is not None:

@@ -133,3 +133,53 @@ def read_result(run_dir: Path) -> dict[str, Any] | None:
         return json.loads((run_dir / RESULT).read_text())
     except (OSError, ValueError):
         return None
+
+
+def swept(run_dir: Path) -> dict[str, str]:
+    """What this sweep job's sweep varies, ``{key: value}`` as the job got it; empty outside a sweep.
+
+    A job's overrides (``.hydra/overrides.yaml``) minus those the sweep command passed as they are
+    (``../multirun.yaml``, which Hydra's basic sweeper writes), plus the keys a sweeper samples
+    (``hydra.sweeper.params``: Optuna's search space, or the basic sweeper's params in config).
+    """
+    mine = read_overrides(run_dir)
+    if not mine:
+        return {}
+    from omegaconf import OmegaConf
+
+    def load(f: Path) -> Any:
+        return OmegaConf.load(f) if f.is_file() else None
+
+    command, hydra = load(run_dir.parent / "multirun.yaml"), load(run_dir / ".hydra" / "hydra.yaml")
+    if hydra is None or str(OmegaConf.select(hydra, "hydra.mode", default="")) != "MULTIRUN":
+        return {}
+    given = set(OmegaConf.select(command, "hydra.overrides.task", default=None) or []) if command else set()
+    sampled = set(OmegaConf.select(hydra, "hydra.sweeper.params", default=None) or {})
+    out = {}
+    for o in mine:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key in sampled or (command is not None and o not in given):
+            out[key] = value
+    return out
+
+
+def label(values: dict[str, str], limit: int = 100) -> str:
+    """A short name for a sweep job's values (``lr=0.1,model=mlp``): keys by their last part where
+    that is unambiguous, numbers to 4 significant digits, no path separators."""
+    last = [k.rsplit(".", 1)[-1] for k in values]
+
+    def short(v: str) -> str:
+        try:
+            return v if "." not in v and "e" not in v.lower() else f"{float(v):.4g}"
+        except ValueError:
+            return v
+
+    keys = [s if last.count(s) == 1 else k for s, k in zip(last, values)]
+    text = ",".join(f"{k}={short(v)}" for k, v in zip(keys, values.values())).replace("/", "_")
+    return text if len(text) <= limit else text[:limit - 1] + "~"
+
+
+def events_dir(run_dir: Path) -> Path:
+    """Where a run's TensorBoard events go: ``tb``, or in a sweep job a folder named after its swept
+    values, so that TensorBoard's run list reads ``0/lr=0.1,model=mlp`` rather than ``0/tb``."""
+    return run_dir / (label(swept(run_dir)) or "tb")

@@ -44,6 +44,7 @@ class Session:
         self.stop = StopSignal()
         self.provenance = ""  # rank 0: provenance.json's text, once the ranks are known
         self.note: str | None = None  # how the job ended, besides its metrics (early stopping)
+        self.objective: dict[str, Any] | None = None  # the objective and its direction, for sweep summaries
 
     def __enter__(self) -> Session:
         self.stop.install()
@@ -94,12 +95,14 @@ class Session:
             return f"run dir {self.run_dir}: {type(e).__name__}: {e}"
         return None
 
-    def complete(self, metrics: dict[str, Any], note: str | None = None) -> None:
-        """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early); a torchrun
-        restart memo is no longer needed."""
+    def complete(self, metrics: dict[str, Any], note: str | None = None,
+                 objective: dict[str, Any] | None = None) -> None:
+        """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
+        objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
         if self.state.is_main:
             rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics,
-                                               **({"note": note} if note else {})})
+                                               **({"note": note} if note else {}),
+                                               **({"objective": objective} if objective else {})})
             memo = env.run_dir_memo()
             if memo is not None:
                 memo.unlink(missing_ok=True)

@@ -1,16 +1,28 @@
-"""Summaries of a multirun directory: overrides vs final/best metrics, failures with their errors."""
+"""Summaries of a multirun directory: overrides vs final/best metrics, failures with their errors.
+
+:class:`SweepSummary` (a Hydra callback, ``conf/train.yaml``) prints one and writes ``summary.md`` and
+``summary.csv`` into the sweep dir when a sweep ends; ``scripts/sweep_summary.py`` does it for any
+sweep dir, old ones included.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
-from ddplab.rundir import read_overrides, read_result
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
-COLUMNS = ["job", "status", "overrides", "objective", "best", "val/loss", "train/loss", "error"]
+from ddplab.reporting import shown
+from ddplab.rundir import label, read_overrides, read_result, swept
+from ddplab.trainstate import best_name
+
+COLUMNS = ["job", "status", "swept", "objective", "best", "val/loss", "train/loss", "overrides", "error"]
+log = logging.getLogger("ddplab")
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
@@ -18,15 +30,25 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def _from_events(job: Path) -> dict[str, float]:
-    if not (job / "tb").is_dir():
-        return {}
     from ddplab.events import read_scalars
 
-    return {tag: values[-1][1] for tag, values in read_scalars(job / "tb").items() if values}
+    return {tag: values[-1][1] for tag, values in read_scalars(job).items() if values}
 
 
-def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool = False) -> list[dict[str, Any]]:
-    """One row per job, best first; failed and unfinished jobs last."""
+def direction(sweep_dir: Path, objective: str) -> bool:
+    """Whether lower ``objective`` is better, as the jobs recorded it (their task decides: a loss or
+    an error is minimised); for older sweeps that did not record it, a loss is."""
+    for job in _job_dirs(sweep_dir):
+        noted = (read_result(job) or {}).get("objective") or {}
+        if noted.get("name") == objective:
+            return bool(noted["minimize"])
+    return objective.rsplit("/", 1)[-1].endswith("loss")
+
+
+def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool | None = None) -> list[dict[str, Any]]:
+    """One row per job, best first; failed and unfinished jobs last. ``minimize``: None, as the jobs
+    recorded it."""
+    minimize = direction(sweep_dir, objective) if minimize is None else minimize
     rows = []
     for job in _job_dirs(sweep_dir):
         overrides = " ".join(read_overrides(job) or [])
@@ -38,8 +60,8 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool = Fals
             if status != "completed" and not metrics:
                 metrics = _from_events(job)
         rows.append({
-            "job": int(job.name), "status": status, "overrides": overrides,
-            "objective": metrics.get(objective), "best": metrics.get("best/" + objective),
+            "job": int(job.name), "status": status, "overrides": overrides, "swept": label(swept(job), 60),
+            "objective": metrics.get(objective), "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),  # older runs: best/…
             "val/loss": metrics.get("val/loss"), "train/loss": metrics.get("train/loss"),
             "error": " ".join(str(error).split())[:300],
         })
@@ -52,8 +74,8 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool = Fals
     return sorted(rows, key=key)
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.6g}" if isinstance(v, float) else ("" if v is None else str(v))
+def _fmt(v: Any, digits: int = 6) -> str:
+    return f"{v:.{digits}g}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
 def to_markdown(rows: list[dict[str, Any]], objective: str) -> str:
@@ -72,3 +94,40 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         w.writerow({c: _fmt(r[c]) for c in COLUMNS})
     return buf.getvalue()
+
+
+def to_console(rows: list[dict[str, Any]], objective: str, minimize: bool, width: int = 85) -> list[str]:
+    """The sweep's jobs as short console lines, best first (a failure's error shortened); 85 columns
+    leave room for Hydra's log prefix, which these lines get."""
+    done = sum(r["status"] == "completed" for r in rows)
+    lines = [f"sweep: {len(rows)} jobs, {done} completed, {len(rows) - done} not; by {objective} "
+             f"({'lower' if minimize else 'higher'} is better)",
+             f"{'job':>4}  {'status':<10} {objective[-10:]:>10} {'best':>10}  swept"]
+    for r in rows:
+        line = f"{r['job']:>4}  {r['status'][:10]:<10} {_fmt(r['objective'], 4):>10} {_fmt(r['best'], 4):>10}  {r['swept']}"
+        if r["error"]:
+            line += f"  {r['error']}"
+        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+    return lines
+
+
+class SweepSummary(Callback):
+    """At a sweep's end (in the process that ran the sweep: rank 0 of a torchrun sweep): its jobs
+    sorted by the objective on the console, and as summary.md / summary.csv in the sweep dir."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from ddplab.runtime import env
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if env.rank() != 0 or not sweep_dir.is_dir():  # other ranks swept in scratch dirs
+            return
+        objective = str(config.get("objective") or "val/acc")
+        minimize = direction(sweep_dir, objective)
+        rows = summarize(sweep_dir, objective, minimize)
+        if not rows:
+            return
+        (sweep_dir / "summary.md").write_text(to_markdown(rows, objective) + "\n")
+        (sweep_dir / "summary.csv").write_text(to_csv(rows))
+        for line in to_console(rows, objective, minimize):
+            log.info("%s", line)
+        log.info("table: %s (and summary.csv)", shown(sweep_dir / "summary.md"))

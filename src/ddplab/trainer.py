@@ -23,7 +23,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ddplab import build, strategy
+from ddplab import build, rundir, strategy
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.config import ConfigError
 from ddplab.data.batches import first_tensor, map_tensors
@@ -33,14 +33,14 @@ from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
 from ddplab.callbacks import Callbacks
-from ddplab.reporting import Progress, announce, run_summary
+from ddplab.reporting import Progress, announce, run_summary, wrap
 from ddplab.resuming import checkpoints_of, resume
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.runtime.watch import StallWatch
 from ddplab.task import check_batch, check_output, logged_names, name_of
-from ddplab.trainstate import LoopState, Results
+from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
 
 log = logging.getLogger("ddplab")
@@ -97,7 +97,8 @@ class Trainer:
         self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
         self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
         self.first_train_loss: float | None = None
-        self.writer = make_writer(state, str(run_dir / "tb"), purge_step=self.loop.step + 1 if self.loop.step else None)
+        self.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
+        self.writer = make_writer(state, str(self.events_dir), purge_step=self.loop.step + 1 if self.loop.step else None)
         self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
         self._step_hooks = self.callbacks.hooks["on_step_end"]  # per step: an empty loop when none
@@ -154,13 +155,11 @@ class Trainer:
         finally:
             self.watch.close()
         best = self.results.best
-        if best is not None:
-            self.writer.scalars({"best/" + cfg.objective: best}, loop.step)
         self.writer.close()
         out = {**last_train, **self.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
                "time_s": time.perf_counter() - t0}
         if best is not None:
-            out["best/" + cfg.objective] = best
+            out[best_name(cfg.objective)] = best
         for line in run_summary(self, out):  # rank 0's last words: how it went, where things are
             log.info("%s", line)
         self.callbacks("on_fit_end", self, out)
@@ -184,9 +183,11 @@ class Trainer:
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
             val = self._evaluate_all()
             improved = self.results.update(val, cfg.objective, loop.epoch, loop.step)
-            self.writer.scalars({**val, "train/epoch": loop.epoch}, loop.step)
+            best = {} if self.results.best is None else {best_name(cfg.objective): self.results.best}
+            self.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
             self.evaluator.visualize(self.writer, loop.step)
-            log.info("epoch %d/%d  %s", loop.epoch, cfg.num_epochs, "  ".join(f"{k}={v:.4g}" for k, v in val.items()))
+            for line in wrap(f"epoch {loop.epoch}/{cfg.num_epochs} ", [f"{k}={v:.4g}" for k, v in val.items()]):
+                log.info("%s", line)
         saved = self._save(is_best=improved)
         if self.metrics.stop_agreed:  # agreed in the epoch's last log step: the epoch-end save is the stop's
             self._preempt(saved)
@@ -320,11 +321,11 @@ class Trainer:
         if self.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
             self.first_train_loss = values.get("train/loss")
         self.callbacks("on_log", self, values, step)
-        values["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        values.update(self.flops.rates(values["perf/samples_per_s"]))
+        values["vitals/lr"] = self.optimizer.param_groups[0]["lr"]
+        values.update(self.flops.rates(values["vitals/samples_per_s"]))
         scale = self.precision.loss_scale()
         if scale is not None:
-            values["train/loss_scale"] = scale
+            values["vitals/loss_scale"] = scale
             values["train/fp16_skipped_steps"] = self.precision.pop_overflow_steps()  # not errors: the scaler's job
         self.writer.scalars(values, step)
         bar.show(self.loop.epoch, step, values)

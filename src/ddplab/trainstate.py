@@ -30,6 +30,12 @@ class LoopState:
         return f"in epoch {self.epoch + 1}, step {self.step + 1}"
 
 
+def best_name(objective: str) -> str:
+    """Where the best value of ``objective`` is logged and returned: beside it (``val/acc_best``),
+    so TensorBoard draws it in the objective's own group, right after it."""
+    return f"{objective}_best"
+
+
 @dataclass
 class Results:
     """The latest validation metrics and the best value of the objective so far

@@ -20,7 +20,10 @@ class NullWriter:
     def text(self, tag: str, value: str) -> None:
         pass
 
-    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+    def hparams(self, hparams: dict[str, Any], trial: str) -> None:
+        pass
+
+    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
         pass
 
     def image(self, tag: str, image: Any, step: int) -> None:
@@ -68,18 +71,41 @@ class TensorBoardWriter(NullWriter):
         # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
         self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
 
-    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
-        """HParams-tab entry for this run, in this run's own event file (add_hparams would
-        make a second run dir). The metric values are the scalars logged under those tags."""
+    def hparams(self, hparams: dict[str, Any], trial: str) -> None:
+        """This run's HParams session, in its own event file (add_hparams would make a second run
+        dir). TensorBoard's own builder keeps the types: torch's writes a bool as a number (amp
+        0.0000). No experiment record per run: TensorBoard then derives one from all runs' values,
+        which marks the keys whose values differ (a sweep's) and lists them first. The metrics are
+        the scalar tags; a sweep's end writes an experiment record that orders them
+        (:mod:`ddplab.sweep`)."""
         if self._w is None:
-            self._queued.append(("hparams", (hparams, metric_tags)))
+            self._queued.append(("hparams", (hparams, trial)))
             return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 
         # Typed choices are str-valued enums: plain str for the protobuf.
         clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
-        for summary in hparams_summary(clean, {t: 0.0 for t in metric_tags}):
-            self._w.file_writer.add_summary(summary)
+        self._w.file_writer.add_summary(hparams_pb(clean, trial_id=trial))
+
+    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
+        """The Custom Scalars tab: ``{category: {chart title: [tags drawn together]}}``; the first
+        category open, the others folded. Tags are matched exactly (TensorBoard takes regexes)."""
+        if self._w is None:
+            self._queued.append(("layout", (categories,)))
+            return
+        import re
+
+        from tensorboard.plugins.custom_scalar import layout_pb2
+        from torch.utils.tensorboard.summary import custom_scalars
+
+        summary = custom_scalars({cat: {title: ["Multiline", [re.escape(t) + "$" for t in tags]]
+                                        for title, tags in charts.items()} for cat, charts in categories.items()})
+        # torch's builder has no "closed": set it on the layout it serialised.
+        proto = layout_pb2.Layout.FromString(summary.value[0].tensor.string_val[0])
+        for category in proto.category[1:]:
+            category.closed = True
+        summary.value[0].tensor.string_val[0] = proto.SerializeToString()
+        self._w.file_writer.add_summary(summary)
 
     def image(self, tag: str, image: Any, step: int) -> None:
         self._writer().add_image(tag, image, step)

@@ -85,7 +85,7 @@ class PerfConfig:
     # Loader-based datasets only (data that is not an in-memory tensor pair).
     num_workers: int = 0
     pin_memory: bool = True  # with CUDA: page-locked batches, copied with non_blocking
-    # Peak TFLOP/s of one device for perf/mfu; null: looked up for known GPUs.
+    # Peak TFLOP/s of one device for vitals/mfu; null: looked up for known GPUs.
     peak_tflops: Optional[float] = None
 
     @staticmethod

@@ -69,15 +69,17 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
 
 def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:
     """Body of each spawned rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
+    from ddplab.runtime.console import ConsoleFormatter
+
     rank = env.rank()
-    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     root = logging.getLogger()
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
+    console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    console.setFormatter(ConsoleFormatter(job.get("log_tag", "") + (f" [rank {rank}]" if rank else "")))
+    root.addHandler(console)
     if rank == 0:
-        handlers.append(logging.FileHandler(Path(run_dir) / "train.log"))
-    for h in handlers:
-        h.setFormatter(fmt)
-        root.addHandler(h)
+        file = logging.FileHandler(Path(run_dir) / "train.log")
+        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(file)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     watch.own_the_process()  # this spawned rank is ddplab's own
     try:

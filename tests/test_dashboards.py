@@ -1,0 +1,168 @@
+"""What a person sees: TensorBoard's first screens (read with TensorBoard's own loaders and HParams
+plugin), sweep run names, the console's lines and the end-of-run and end-of-sweep summaries."""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, python_train
+from ddplab.events import events_in, read_hparams, read_scalars
+from ddplab.reporting import wrap
+from ddplab.rundir import label, swept
+from ddplab.sweep import summarize, to_console
+
+STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # ddplab's console lines start with the time
+
+
+def ddplab_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if STAMP.match(line)]
+
+
+def tb_groups(tags: list[str]) -> list[str]:
+    """The Time Series dashboard's groups, in its order: tags sorted, grouped by their first part
+    (TensorBoard expands the first two on a fresh page)."""
+    return list(dict.fromkeys(t.split("/", 1)[0] for t in sorted(tags)))
+
+
+def custom_scalars_layout(run: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    acc = EventAccumulator(str(events_in(run)), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("custom_scalars__config__")
+    return layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+
+
+def hparams_experiment(logdir: Path):
+    """What the HParams tab asks for: the experiment TensorBoard's plugin builds from all runs."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment
+
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    tb = base_plugin.TBContext(logdir=str(logdir), multiplexer=mux,
+                               data_provider=data_provider.MultiplexerDataProvider(mux, str(logdir)))
+    request = api_pb2.GetExperimentRequest()
+    exp = get_experiment.Handler(context.RequestContext(), backend_context.Context(tb), "", request).run()
+    return sorted(mux.Runs()), exp
+
+
+def test_a_run_opens_on_train_and_val_with_a_layout_typed_hparams_and_a_short_console(tmp_path):
+    proc = python_train(["num_epochs=3", "model=mlp", "progress=log", "log_every_n_steps=10"], tmp_path)
+    assert_ok(proc)
+    (run,) = [p for p in (tmp_path / "outputs").glob("*/*")]
+    s = read_scalars(run)
+    # Scalars / Time Series: the groups people came for come first (the two TensorBoard opens).
+    assert tb_groups(list(s)) == ["train", "val", "vitals"]
+    assert {"train/loss", "train/acc", "val/loss", "val/acc", "vitals/lr", "vitals/epoch"} <= set(s)
+    # The best so far is a curve beside the objective, not a lone dot: a running max at each evaluation.
+    acc, best = [v for _, v in s["val/acc"]], s["val/acc_best"]
+    assert [st for st, _ in best] == [st for st, _ in s["val/acc"]] == [22, 44, 66]
+    assert [v for _, v in best] == pytest.approx([max(acc[:i + 1]) for i in range(3)])
+    # Custom Scalars: train vs val on one chart, open; the vitals after it, folded; no empty chart.
+    layout = custom_scalars_layout(run)
+    first, second = layout.category
+    assert (first.title, first.closed, second.title, second.closed) == ("is it learning?", False, "vitals", True)
+    charts = {c.title: list(c.multiline.tag) for c in first.chart}
+    assert charts["loss: train vs val"] == ["train/loss$", "val/loss$"]
+    assert charts["acc: train vs val"] == ["train/acc$", "val/acc$", "val/acc_best$"]
+    for c in [*first.chart, *second.chart]:
+        for pattern in c.multiline.tag:
+            assert any(re.match(pattern, t) for t in s), (c.title, pattern)
+    # HParams: real types (torch's own writer logged amp as 0.0).
+    hp = read_hparams(run)
+    assert hp["amp"] is False and hp["batch_size"] == 64.0 and hp["model"] == "mlp" and hp["dataset"] == "digits"
+    # Console: short lines, and the summary says what result.json says.
+    lines = ddplab_lines(proc.stdout)
+    assert len(lines) > 10 and max(map(len, proc.stdout.splitlines())) <= 120
+    res = json.loads((run / "result.json").read_text())["metrics"]
+    rel = run.relative_to(tmp_path)
+    text = "\n".join(lines)
+    assert f"best val/acc={res['val/acc_best']:.4g} at epoch " in text
+    assert re.search(rf"final: val/loss={res['val/loss']:.4g}  val/acc={res['val/acc']:.4g}$", text, re.M)
+    assert f"done: 3/3 epochs, 66 steps, {res['time_s']:.1f} s this run" in text
+    assert [ln[9:] for ln in lines[-3:]] == [f"checkpoints: {rel / 'checkpoints'}", f"events: {rel / 'tb'}",
+                                             f"open: tensorboard --logdir {rel}"]
+
+
+@pytest.mark.dist
+def test_a_parallel_sweep_names_runs_by_swept_values_and_ends_with_a_summary(tmp_path):
+    proc = python_train(["-m", "optimizer.lr=0.1,0.01,-1", "model=mlp", "num_epochs=1", "progress=log",
+                         "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], tmp_path)
+    assert_ok(proc)
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    runs, exp = hparams_experiment(sweep)
+    assert runs == ["0/lr=0.1", "1/lr=0.01"]  # TensorBoard's run names; job 2 failed before logging
+    kinds = {h.name: h for h in exp.hparam_infos}
+    assert exp.hparam_infos[0].name == "optimizer.lr" and exp.hparam_infos[0].differs  # swept: first, shown
+    assert [h.name for h in exp.hparam_infos if h.differs] == ["optimizer.lr"]
+    from tensorboard.plugins.hparams import api_pb2
+
+    types = {n: api_pb2.DataType.Name(kinds[n].type) for n in ("optimizer.lr", "amp", "model", "batch_size")}
+    assert types == {"optimizer.lr": "DATA_TYPE_FLOAT64", "amp": "DATA_TYPE_BOOL", "model": "DATA_TYPE_STRING",
+                     "batch_size": "DATA_TYPE_FLOAT64"}
+    metrics = [m.name.tag for m in exp.metric_infos]
+    assert {"val/acc", "val/acc_best"} <= set(metrics[:5])  # the first five are ticked in the HParams tab
+    # Console: every line of a job carries its tag; the two jobs ran side by side.
+    lines = ddplab_lines(proc.stdout)
+    ours = lines + proc.stdout[proc.stdout.index("sweep: 3 jobs"):].splitlines()  # Hydra's own lines aside
+    # An error stays on one line, whole, to be searched for; everything else fits 120 columns.
+    assert max(len(ln) for ln in ours if " ERROR: " not in ln) <= 120
+    for job in (0, 1):
+        mine = [ln for ln in lines if f" [job {job}] " in ln]
+        assert any("run dir: " in ln for ln in mine) and any("best val/acc=" in ln for ln in mine)
+    assert all(re.match(r"^\S+ \[job \d\] ", ln) for ln in lines)
+    assert "[job 2] ERROR: job failed, the sweep goes on: ConfigError: optimizer.lr=-1.0" in proc.stdout
+    # End of sweep: a table sorted by the objective (failures last) on the console and in the sweep dir.
+    results = {j: json.loads((sweep / str(j) / "result.json").read_text()) for j in range(3)}
+    acc = {j: results[j]["metrics"]["val/acc"] for j in (0, 1)}
+    order = sorted(acc, key=acc.get, reverse=True) + [2]
+    table = proc.stdout[proc.stdout.index("sweep: 3 jobs, 2 completed, 1 not; by val/acc (higher is better)"):]
+    rows = [ln.split("] ", 1)[1].split() for ln in table.splitlines()[2:5]]
+    assert [int(r[0]) for r in rows] == order and rows[2][1] == "failed"
+    assert rows[0][2] == f"{acc[order[0]]:.4g}" and rows[0][4] == ("lr=0.1" if order[0] == 0 else "lr=0.01")
+    with open(sweep / "summary.csv") as f:
+        written = list(csv.DictReader(f))
+    assert [int(r["job"]) for r in written] == order
+    assert float(written[0]["objective"]) == pytest.approx(acc[order[0]], rel=1e-5)
+    assert written[2]["status"] == "failed" and "must be > 0" in written[2]["error"]
+    assert (sweep / "summary.md").read_text().startswith("| job | status | swept | val/acc |")
+
+
+def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path):
+    items = [f"val/metric_{i}=0.{i}234" for i in range(12)]
+    lines = wrap("epoch 3/10", items)
+    assert len(lines) > 1 and max(map(len, lines)) <= 100
+    assert " ".join(lines).split() == ["epoch", "3/10", *items]  # nothing lost, nothing reordered
+    assert label({"optimizer.lr": "0.0123456789", "model": "mlp", "dataset.root": "/data/x"}) == \
+        "lr=0.01235,model=mlp,root=_data_x"
+    assert label({"optimizer.lr": "0.1", "scheduler.lr": "1e-3"}) == "optimizer.lr=0.1,scheduler.lr=0.001"
+    # Which overrides a sweep varies: the command's sweeps and a sweeper's sampled params, not fixed values.
+    sweep = tmp_path / "sweep"
+    job = sweep / "3"
+    (job / ".hydra").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: ['optimizer.lr=0.1,0.01', 'num_epochs=2']\n")
+    (job / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=0.01\n- num_epochs=2\n- optimizer.momentum=0.8\n")
+    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+                                               "      optimizer.momentum: interval(0.5, 0.99)\n")
+    assert swept(job) == {"optimizer.lr": "0.01", "optimizer.momentum": "0.8"}
+    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
+    assert swept(job) == {}  # a single run is no sweep
+    # The sweep table: the direction the jobs recorded (a minimised objective), failures last, short lines.
+    for j, (status, v) in enumerate([("completed", 0.5), ("failed", None), ("completed", 0.2)]):
+        d = tmp_path / "s2" / str(j)
+        d.mkdir(parents=True)
+        metrics = {"val/mae": v, "val/mae_best": v} if v is not None else {}
+        (d / "result.json").write_text(json.dumps({"status": status, "metrics": metrics, "error": "x" * 300,
+                                                   "objective": {"name": "val/mae", "minimize": True}}))
+    rows = summarize(tmp_path / "s2", "val/mae")
+    assert [r["job"] for r in rows] == [2, 0, 1]
+    out = to_console(rows, "val/mae", True)
+    assert out[0].endswith("by val/mae (lower is better)") and max(map(len, out)) <= 85
