@@ -192,6 +192,7 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09]")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
@@ -201,3 +202,32 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
     assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("8", "1", "gpu03")
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 20000)
     assert env._first_host("node7,node8") == "node7"
+
+
+def test_a_slurm_batch_job_is_named_for_its_run_dir_and_requeue(monkeypatch):
+    from ddplab import cli
+    from ddplab.runtime import env
+
+    for k in ("RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR",
+              "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    monkeypatch.setenv("ENVIRONMENT", "BATCH")
+    assert env.slurm_job() == "77" and env.restarts() == {"SLURM requeue": 2}
+    assert cli.prepare_argv(["train.py", "num_epochs=1"])[-1] == "hydra.run.dir=outputs/slurm-77"
+    assert cli.prepare_argv(["train.py", "hydra.run.dir=mine"]) == ["train.py", "hydra.run.dir=mine"]  # named: kept
+    assert "hydra.run.dir=outputs/slurm-77" not in cli.prepare_argv(["train.py", "-m", "a=1,2"])  # a sweep: its own
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    assert env.slurm_job() == "70_7"  # how scontrol requeue names an array task
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert env.slurm_job() is None  # submitit requeues its own jobs
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")
+    monkeypatch.setenv("ENVIRONMENT", "")
+    assert env.slurm_job() is None  # salloc / interactive srun: no batch script to run again
+    # The batch script's own shell (no job step) is one process, not rank 0 of SLURM_NTASKS.
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    assert not env.is_launched()

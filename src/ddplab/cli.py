@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from ddplab import rundir
 from ddplab.config import ConfigError
 from ddplab.job import run
-from ddplab.runtime import env, watch
+from ddplab.runtime import env, requeue, watch
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -43,9 +43,14 @@ def prepare_argv(argv: list[str]) -> list[str]:
         _check_writable(argv)
         memo = env.run_dir_memo()
         noted = env.read_memo(memo) if memo and env.elastic_restart_count() > 0 else None
-        if noted and "-m" not in argv and "--multirun" not in argv:
+        single = "-m" not in argv and "--multirun" not in argv
+        if noted and single:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={noted}"]
+        elif env.slurm_job() and single and not any(a.startswith(("hydra.run.dir=", "run_dir=")) for a in argv):
+            # A SLURM batch job's dir is named after the job, so a requeued job (same id, the batch
+            # script run again) finds its checkpoints: outputs/slurm-1234 (array task: slurm-1234_7).
+            argv = argv + [f"hydra.run.dir=outputs/slurm-{env.slurm_job()}"]
         return argv
     scratch = tempfile.mkdtemp(prefix=f"ddplab-rank{rank}-{os.getpid()}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -117,6 +122,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run(cfg)
     except Preempted as e:  # checkpointed; stop here, sweep or not: the machine is going away
+        requeue.after_preemption(e)  # SLURM time limit: back in the queue; submitit: its own protocol
         raise SystemExit(e.exit_code) from None
     except ConfigError as e:
         if not _is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed

@@ -69,9 +69,10 @@ class Session:
         problem = collectives.broadcast_object(self._hold_run_dir() if st.is_main else None, st)
         if problem:
             raise RuntimeError(problem)
-        restarts = env.elastic_restart_count()
-        if restarts > 0 and not self.cfg.resume:
-            log.info("torchrun restart %d: continuing from the last checkpoint (resume=auto)", restarts)
+        restarts = env.restarts()
+        if restarts and not self.cfg.resume:
+            log.info("%s: continuing from the last checkpoint (resume=auto)",
+                     ", ".join(f"{why} {n}" for why, n in restarts.items()))
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
         table, rows = collectives.rank_table(st, collectives.config_digest(self.cfg))

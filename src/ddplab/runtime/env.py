@@ -38,7 +38,9 @@ def adopt_scheduler_env() -> None:
     env = os.environ
     if "RANK" in env:
         return
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+    # Only inside a job step (srun): a batch script's own shell also has SLURM_PROCID=0 and the
+    # job's SLURM_NTASKS, but it is one process, and taking it for rank 0 of N would wait forever.
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         rank, world, local = env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0")
         addr = _first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
         port = 10000 + int(env.get("SLURM_JOB_ID", "0")) % 20000  # same on every task of the job
@@ -107,14 +109,16 @@ def launcher() -> dict[str, str]:
     if is_self_launched():
         kind = "self-launch (distributed.nproc_per_node)"
     elif "TORCHELASTIC_RUN_ID" in e:
-        kind = "torchrun"
+        kind = "torchrun" + (" in a SLURM job" if "SLURM_JOB_ID" in e else "")
+    elif under_submitit():
+        kind = "submitit_slurm"
     elif "SLURM_JOB_ID" in e:
         kind = "slurm"
     elif "SUBMITIT_LOCAL_JOB_ID" in e:
         kind = "submitit_local"
     else:
         kind = "python"
-    keys = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID",
+    keys = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
             "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
     return {"kind": kind, **{k: e[k] for k in keys if k in e}}
 
@@ -122,6 +126,29 @@ def launcher() -> dict[str, str]:
 def elastic_restart_count() -> int:
     """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restarts() -> dict[str, int]:
+    """Why this process is not the job's first start: torchrun's restarts and SLURM's requeues
+    (``SLURM_RESTART_COUNT``: preemption, time-limit requeue, ``scontrol requeue``); empty if it is."""
+    counts = {"torchrun restart": elastic_restart_count(), "SLURM requeue": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+    return {k: v for k, v in counts.items() if v > 0}
+
+
+def under_submitit() -> bool:
+    """True inside a job that submitit started on SLURM: submitit owns its requeueing."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+
+
+def slurm_job() -> str | None:
+    """This process's SLURM batch job as ``scontrol requeue`` names it (an array task as
+    ``<array job>_<task>``), or None outside one (and under submitit, which requeues its own jobs)."""
+    e = os.environ
+    if "SLURM_JOB_ID" not in e or e.get("ENVIRONMENT") != "BATCH" or under_submitit():  # salloc: no requeue
+        return None
+    if "SLURM_ARRAY_JOB_ID" in e and "SLURM_ARRAY_TASK_ID" in e:
+        return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}"
+    return e["SLURM_JOB_ID"]
 
 
 def private_dir() -> Path:

@@ -3,7 +3,8 @@ that every rank agrees on, checkpoint there and exit with status ``preempted``.
 
 A cluster sends SIGTERM (Kubernetes, SLURM at the end of a job or on preemption,
 torchrun forwarding its own SIGTERM), SIGUSR1 (SLURM's ``--signal=USR1@N`` warning
-before the time limit) or SIGINT (Ctrl-C). The handler only sets a flag: the trainer
+before the time limit; ddplab then requeues the job, see :mod:`.requeue`), SIGUSR2
+(submitit's warning) or SIGINT (Ctrl-C). The handler only sets a flag: the trainer
 reads it where it already synchronises, so a normal step pays nothing (see
 :class:`ddplab.metrics.TrainMetrics`, which carries the flag in the log interval's
 one collective). A second signal, a second or more after the first, exits at once
@@ -23,7 +24,8 @@ from types import FrameType
 
 log = logging.getLogger("ddplab")
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# SIGUSR2: submitit's preemption / time-limit signal (ddplab checkpoints, then hands it on to submitit).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _SAME_EVENT_S = 1.0  # repeats closer than this are one event delivered twice
 
 
