@@ -57,16 +57,20 @@ def job_info(job: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+def release(job: str, info: dict[str, str]) -> None:
+    """SLURM holds a requeued batch job for about 2 minutes (its EligibleTime is set ~121 s after the
+    requeue); an operator may release it at once, as these tests do to stay short."""
+    if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts") != "0":
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+
+
 def wait_job(job: str, tmp_path: Path, timeout: float = 240) -> dict[str, str]:
     t0 = time.monotonic()
     while True:
         info = job_info(job)
         if info.get("JobState") in DONE:
             return info
-        if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts") != "0":
-            # SLURM holds a requeued batch job for about 2 minutes (its EligibleTime is set ~121 s after the
-            # requeue); an operator may release it at once, as this test does to stay short.
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        release(job, info)
         if time.monotonic() - t0 > timeout:
             subprocess.run(["scancel", job])
             logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("slurm-*.out"))
@@ -213,3 +217,38 @@ def test_operator_requeue_resumes_bitwise(tmp_path):
     lag = _signal_to_checkpoint(log)
     _assert_same_as_uninterrupted(run, _reference(tmp_path))
     print(f"operator requeue: signal -> checkpoint {lag} s, bitwise equal")
+
+
+def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path):
+    """submitit's protocol: its signal (USR2) reaches ddplab first, which checkpoints at the next agreed
+    step, then hands the signal to submitit's handler, which resubmits the job and requeues it."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(TRAIN), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
+           "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2", f"hydra.sweep.dir={sweep}",
+           # submitit counts a signal in the last 20 % (or 10 min) of the time limit as a time-out, and
+           # requeues those only max_num_timeout times (0 by default); 60 min: this one is a preemption.
+           "hydra.launcher.timeout_min=60", *SLOW, "+model.delay_s=0.15"]
+    with open(tmp_path / "sweep.log", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        log = sweep / "0" / "train.log"
+        t0 = time.monotonic()
+        while not (log.exists() and "epoch 1 step 10 " in log.read_text()):
+            assert time.monotonic() - t0 < 120 and proc.poll() is None, (tmp_path / "sweep.log").read_text()[-3000:]
+            time.sleep(0.2)
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        while proc.poll() is None:
+            assert time.monotonic() - t0 < 300, (tmp_path / "sweep.log").read_text()[-3000:]
+            release(job, job_info(job))
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "sweep.log").read_text()[-3000:]
+    text = log.read_text()
+    assert "preempted: stopped by SIGUSR2 at step" in text and "handing SIGUSR2 to submitit" in text
+    assert "SLURM requeue 1: continuing from the last checkpoint" in text
+    assert int(job_info(job)["Restarts"]) == 1
+    _assert_same_as_uninterrupted(sweep / "0", _reference(tmp_path))
+    print(f"submitit preemption: signal -> checkpoint {_signal_to_checkpoint(text)} s, bitwise equal")

@@ -63,6 +63,11 @@ class Session:
         self.cfg = collectives.sync_config(self.cfg, st)  # a sweeper may have sampled per rank
         # One dir per job: rank 0's (Hydra made it); other ranks never make their own.
         self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), st))
+        if not st.is_main:  # submitit runs Hydra in every task: only rank 0 writes the job's train.log
+            for h in [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]:
+                if Path(h.baseFilename).parent == self.run_dir.absolute():
+                    logging.getLogger().removeHandler(h)
+                    h.close()
         if self.search_earlier_runs is None:  # not decided by a self-launching parent
             self.search_earlier_runs = rundir.is_hydras_default(self.cfg)
         # Rank 0's verdict goes to every rank, so all stop together instead of waiting on rank 0.
