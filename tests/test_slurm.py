@@ -157,8 +157,11 @@ def _signal_to_checkpoint(log: str) -> list[float]:
     return [round(b - a, 2) for a, b in zip(t[:len(got)], t[len(got):])]
 
 
-def _reference(tmp_path: Path) -> Path:
-    """The same training uninterrupted (the sleep only stretches wall time: the numbers are the same)."""
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same training uninterrupted, once for the module (the sleep only stretches wall time: the
+    numbers are the same with none)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
     ref = tmp_path / "ref"
     proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
                     *SLOW, "+model.delay_s=0", f"hydra.run.dir={ref}"], tmp_path, timeout=240)
@@ -174,7 +177,7 @@ def _assert_same_as_uninterrupted(run: Path, ref: Path) -> None:
     assert result(run)["status"] == "completed"
 
 
-def test_time_limit_requeues_and_resumes_bitwise(tmp_path):
+def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
     # --time=1 with USR1 30 s before it: SLURM checks time limits periodically, so the warning comes
     # some 15-45 s after the start (seen: 5-27 s with USR1@45), before the ~55 s of training ends;
     # every start of the job gets its own warning, so it may be requeued more than once.
@@ -195,13 +198,13 @@ def test_time_limit_requeues_and_resumes_bitwise(tmp_path):
     assert len(stops) == log.count(f"requeued SLURM job {job}:") == requeues, log[-4000:]
     assert [f"SLURM requeue {n}: continuing" in log for n in range(1, requeues + 1)] == [True] * requeues
     lag = _signal_to_checkpoint(log)
-    _assert_same_as_uninterrupted(run, _reference(tmp_path))
+    _assert_same_as_uninterrupted(run, reference)
     print(f"time limit: {requeues} requeue(s) at steps {stops}, signal -> checkpoint {lag} s, bitwise equal, "
           f"{secs:.0f} s submit to end")
 
 
-def test_operator_requeue_resumes_bitwise(tmp_path):
-    job = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=0.15"]), ["--ntasks=2", "--cpus-per-task=1", "--requeue"])
+def test_operator_requeue_resumes_bitwise(tmp_path, reference):
+    job = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=0.1"]), ["--ntasks=2", "--cpus-per-task=1", "--requeue"])
     run = tmp_path / "outputs" / f"slurm-{job}"
     t0 = time.monotonic()
     while "epoch 1 step 10 " not in (run / "train.log").read_text() if (run / "train.log").exists() else True:
@@ -215,11 +218,11 @@ def test_operator_requeue_resumes_bitwise(tmp_path):
     assert "preempted: stopped by SIGTERM at step" in log and "SLURM requeue 1: continuing" in log
     assert "requeued SLURM job" not in log  # SLURM requeued it itself: ddplab only checkpointed
     lag = _signal_to_checkpoint(log)
-    _assert_same_as_uninterrupted(run, _reference(tmp_path))
+    _assert_same_as_uninterrupted(run, reference)
     print(f"operator requeue: signal -> checkpoint {lag} s, bitwise equal")
 
 
-def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path):
+def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, reference):
     """submitit's protocol: its signal (USR2) reaches ddplab first, which checkpoints at the next agreed
     step, then hands the signal to submitit's handler, which resubmits the job and requeues it."""
     sweep = tmp_path / "sweep"
@@ -250,5 +253,5 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path):
     assert "preempted: stopped by SIGUSR2 at step" in text and "handing SIGUSR2 to submitit" in text
     assert "SLURM requeue 1: continuing from the last checkpoint" in text
     assert int(job_info(job)["Restarts"]) == 1
-    _assert_same_as_uninterrupted(sweep / "0", _reference(tmp_path))
+    _assert_same_as_uninterrupted(sweep / "0", reference)
     print(f"submitit preemption: signal -> checkpoint {_signal_to_checkpoint(text)} s, bitwise equal")
