@@ -23,9 +23,9 @@ install() {
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then
     return
   fi
-  echo "installing slurm-wlm and munge (apt)..."
+  echo "installing slurmctld, slurmd, slurm-client and munge (apt; Debian's slurm-wlm without its plugins)..."
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
 }
 
 write_conf() {
@@ -105,21 +105,27 @@ up() {
   sinfo
 }
 
+DAEMONS="slurmstepd slurmd slurmctld munged"
+
+running() {  # the cluster's processes still alive (pgrep -x takes one name at a time)
+  local d
+  for d in $DAEMONS; do pgrep -x "$d" >/dev/null && echo "$d"; done
+  return 0
+}
+
 down() {
   need_root
   if pgrep -x slurmctld >/dev/null; then
-    scancel --full --quiet "--user=$(id -un)" 2>/dev/null || true
+    scancel --quiet "--user=$(id -un)" 2>/dev/null || true
   fi
-  for daemon in slurmd slurmctld munged; do
-    pkill -x "$daemon" 2>/dev/null || true
-  done
-  for _ in $(seq 40); do
-    if ! pgrep -x 'slurmd|slurmctld|munged|slurmstepd' >/dev/null; then
-      echo "cluster down"; return 0
-    fi
+  for d in $DAEMONS; do pkill -x "$d" 2>/dev/null || true; done
+  for _ in $(seq 60); do
+    if [ -z "$(running)" ]; then echo "cluster down"; return 0; fi
     sleep 0.25
   done
-  pkill -9 -x 'slurmd|slurmctld|munged|slurmstepd' 2>/dev/null || true
+  for d in $(running); do pkill -9 -x "$d" 2>/dev/null || true; done
+  sleep 0.5
+  if [ -n "$(running)" ]; then echo "slurm_local.sh: still running: $(running)" >&2; return 1; fi
   echo "cluster down (killed)"
 }
 
