@@ -59,9 +59,13 @@ def job_info(job: str) -> dict[str, str]:
 
 def release(job: str, info: dict[str, str]) -> None:
     """SLURM holds a requeued batch job for about 2 minutes (its EligibleTime is set ~121 s after the
-    requeue); an operator may release it at once, as these tests do to stay short."""
+    requeue); an operator may release it early, as these tests do to stay short. Not at once: slurmd
+    refuses to start a job whose credential it revoked within the same second ("Job credential
+    revoked"; the job then fails), so the release waits 3 s after the requeue (the new SubmitTime)."""
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts") != "0":
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        requeued = time.mktime(time.strptime(info["SubmitTime"], "%Y-%m-%dT%H:%M:%S"))
+        if time.time() - requeued >= 3:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
 
 
 def wait_job(job: str, tmp_path: Path, timeout: float = 240) -> dict[str, str]:
