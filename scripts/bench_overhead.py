@@ -24,9 +24,8 @@ loader`` feeds it through a DataLoader (per-sample ``__getitem__`` + collate,
 as the tutorials do); ``tensor`` (default, the stricter baseline) indexes
 whole batches from tensors already on the device, like ddplab.
 
-ddplab's side is its Trainer with metrics, TensorBoard logging, per-epoch
-evaluation and checkpoints on (its defaults); its start-up runs are the real
-``train.py``, Hydra included.
+ddplab's side is its Trainer with metrics, TensorBoard logging, per-epoch evaluation
+and checkpoints on (its defaults); its start-up runs are the real ``train.py``, Hydra included.
 
 Reported per side:
   step ms    median time between consecutive optimizer steps within an epoch
