@@ -97,6 +97,27 @@ def assert_quiet_between_log_steps(ranks: list[list[dict[str, int]]], steps_per_
                 assert steps[k] == {"collectives": 0, "syncs": 0, "cuda_syncs": 0}, (where, steps[k])
 
 
+def run_killed_after_step(cfg: DictConfig, step: int) -> None:
+    """``ddplab.run(cfg)`` in this process, crashed by an exception right after optimizer step ``step``
+    (a process dying mid-run, without any graceful stop)."""
+    import ddplab
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls: list[int] = []
+
+    def kill(opt, *_):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError(f"killed at step {step}")
+
+    handle = register_optimizer_step_post_hook(kill)
+    try:
+        with pytest.raises(RuntimeError, match=f"killed at step {step}"):
+            ddplab.run(cfg)
+    finally:
+        handle.remove()
+
+
 def job_dirs(cwd: Path) -> list[Path]:
     """Hydra single-run dirs under cwd/outputs/<date>/<time>."""
     return sorted(p for p in (cwd / "outputs").glob("*/*") if p.is_dir())

@@ -15,7 +15,7 @@ import torch
 
 import ddplab
 from conftest import (CONF, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, python_train,
-                      read_scalars, run_cmd)
+                      read_scalars, run_cmd, run_killed_after_step)
 
 BASE = ["model=mlp", "progress=none"]  # digits: 22 steps per epoch
 
@@ -61,21 +61,7 @@ def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_pa
 def test_ema_is_restored_bitwise_on_resume(tmp_path):
     args = BASE + ["num_epochs=2", "callbacks=[ema]", "checkpoint.every_n_steps=5"]
     ddplab.run(compose_cfg(args, tmp_path / "ref"))
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    calls: list[int] = []
-
-    def kill(opt, *_):
-        calls.append(1)
-        if len(calls) == 32:  # the last checkpoint was at step 30
-            raise RuntimeError("killed at step 32")
-
-    handle = register_optimizer_step_post_hook(kill)
-    try:
-        with pytest.raises(RuntimeError, match="killed"):
-            ddplab.run(compose_cfg(args, tmp_path / "run"))
-    finally:
-        handle.remove()
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 32)  # the last checkpoint was at step 30
     ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
     a = load(tmp_path / "run" / "checkpoints" / "last.pt")["callbacks.ema"]
     b = load(tmp_path / "ref" / "checkpoints" / "last.pt")["callbacks.ema"]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ddplab
-from conftest import REPO, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, read_scalars, run_cmd
+from conftest import (REPO, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, read_scalars, run_cmd,
+                      run_killed_after_step)
 from ddplab.task import TaskError
 
 
@@ -95,18 +96,7 @@ def test_lm_kill_and_resume_is_bitwise(tmp_path):
     ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
     assert ref["val/perplexity"] == pytest.approx(math.exp(ref["val/loss"]), rel=1e-12)
 
-    def kill(opt, *_):
-        if opt.state and next(iter(opt.state.values()))["step"].item() == 13:
-            raise RuntimeError("killed at step 13")
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    handle = register_optimizer_step_post_hook(kill)
-    try:
-        with pytest.raises(RuntimeError, match="killed at step 13"):
-            ddplab.run(compose_cfg(args, tmp_path / "run"))
-    finally:
-        handle.remove()
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
     a, b = weights(tmp_path / "run"), weights(tmp_path / "ref")
     assert all(torch.equal(a[k], b[k]) for k in a)
