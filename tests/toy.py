@@ -81,15 +81,19 @@ def slow_synthetic(delay_s: float = 0.002, slow_rank: int = 1, **kw) -> Splits:
 
 
 class SlowMLP(MLP):
-    """An MLP whose training forward sleeps ``delay_s``: a run long enough to be signalled mid-way."""
+    """An MLP whose training forward sleeps ``delay_s`` (and eval forward ``eval_delay_s``): a run long enough
+    to be signalled mid-way. ``trace``: rank 0 appends "train|eval <time>" per forward to that file, so a test
+    knows how far the run got when it sends its signal."""
 
-    def __init__(self, delay_s: float = 0.02, **kw):
+    def __init__(self, delay_s: float = 0.02, eval_delay_s: float = 0.0, trace: str | None = None, **kw):
         super().__init__(**kw)
-        self.delay_s = delay_s
+        self.delay_s, self.eval_delay_s, self.trace = delay_s, eval_delay_s, trace
 
     def forward(self, x):
-        if self.training:
-            time.sleep(self.delay_s)
+        if self.trace and _rank() == 0:
+            with open(self.trace, "a") as f:
+                f.write(f"{'train' if self.training else 'eval'} {time.time()}\n")
+        time.sleep(self.delay_s if self.training else self.eval_delay_s)
         return super().forward(x)
 
 

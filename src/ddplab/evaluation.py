@@ -40,13 +40,25 @@ class Evaluator:
     def _batches(self, world_size: int, rank: int, batch_size: int) -> Any:
         return eval_batches(self.data.val, world_size, rank, batch_size, self.state.device, self.data.collate_fn)
 
+    def _common_batches(self) -> int:
+        """The fewest batches any rank evaluates: only those may hold a collective every rank reaches."""
+        n, ws = len(self.data.val), self.state.world_size
+        common = min(math.ceil(len(eval_shard(n, ws, r)) / self.batch_size) for r in range(ws))
+        return min(common, self.max_batches) if self.max_batches is not None else common
+
     @torch.no_grad()
-    def run(self) -> dict[str, float]:
+    def run(self, stopper: Any = None) -> dict[str, float] | None:
+        """``stopper`` (a runtime.stopping.StopAgreement): None is returned on every rank when all
+        agreed to stop part-way (a preemption signal during a long evaluation)."""
         st, task = self.state, self.task
         self.strategy.before_eval(self.module)
         self.module.eval()
         meter = SumMeter(st.device, getattr(task, "metric_names", ()))
         done, first = 0, None
+        common = 0
+        if stopper is not None:
+            stopper.start_eval()
+            common = self._common_batches()
         for batch in self._batches(st.world_size, st.rank, self.batch_size):
             if self.max_batches is not None and done >= self.max_batches:
                 break
@@ -60,6 +72,8 @@ class Evaluator:
             meter.update(out)
             first = batch if first is None else first
             done += 1
+            if stopper is not None and stopper.after_eval_batch(done - 1, common):
+                return None  # every rank stops at this same batch: no further collective here
         # A rank with an empty shard borrows one sample: FSDP needs the same number of forwards everywhere.
         self.sample = first if first is not None else self.layout(next(iter(self._batches(1, 0, 1))))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,13 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{num_epochs}", leave=False, dynamic_ncols=True)
+
+    @classmethod
+    def for_rank(cls, mode: str, is_main: bool, total: int, epoch: int, num_epochs: int) -> Progress:
+        """``progress=auto``: a bar on a terminal, log lines otherwise; other ranks draw nothing."""
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "log"
+        return cls(mode if is_main else "none", total, epoch, num_epochs)
 
     def update(self, n: int) -> None:
         if self._bar is not None:

@@ -117,6 +117,7 @@ def write_result(run_dir: Path, result: dict[str, Any]) -> bool:
     Never raises: it runs while a job ends, often because of the very disk problem that could
     stop it (the error it would hide matters more); a failed write is logged instead.
     """
+    result = _keep_measured(read_result(run_dir), result)
     tmp = run_dir / f".{RESULT}.tmp{os.getpid()}"
     try:
         tmp.write_text(json.dumps(result, indent=2, default=str))
@@ -126,6 +127,20 @@ def write_result(run_dir: Path, result: dict[str, Any]) -> bool:
         tmp.unlink(missing_ok=True)
         logging.getLogger("ddplab").error("could not write %s: %s", run_dir / RESULT, e)
         return False
+
+
+def _keep_measured(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """What an earlier invocation measured survives a later one's record: a record without metrics (a
+    resume that failed or was refused, a preemption) keeps the last one with metrics under ``previous``;
+    metrics of the same step keep the keys this invocation did not measure again."""
+    if not old:
+        return new
+    if "metrics" in new:
+        if old.get("metrics") and old["metrics"].get("step") == new["metrics"].get("step"):
+            return {**new, "metrics": {**old["metrics"], **new["metrics"]}}
+        return new
+    earlier = old if old.get("metrics") else old.get("previous")
+    return {**new, "previous": earlier} if earlier else new
 
 
 def read_result(run_dir: Path) -> dict[str, Any] | None:

@@ -47,7 +47,7 @@ class Session:
         self.objective: dict[str, Any] | None = None  # the objective and its direction, for sweep summaries
 
     def __enter__(self) -> Session:
-        self.stop.install()
+        self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
         self.state = group.init(self.cfg.distributed)
         try:
             self._agree()

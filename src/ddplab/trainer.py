@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,10 +34,11 @@ from ddplab.precision import Precision
 from ddplab.callbacks import Callbacks
 from ddplab.reporting import Progress, announce, run_summary, wrap
 from ddplab.resuming import checkpoints_of, resume
-from ddplab.runtime import collectives
+from ddplab.runtime import collectives, env
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
-from ddplab.runtime.watch import StallWatch
+from ddplab.runtime.stopping import StopAgreement, slow_save_warning
+from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.task import check_batch, check_output, logged_names, name_of
 from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
@@ -70,6 +70,8 @@ class Trainer:
         preemption flag (a fresh, never-set one when None)."""
         self.cfg, self.state, self.run_dir = cfg, state, run_dir
         self.stop = stop or StopSignal()
+        self.stopper = StopAgreement(self.stop, state)  # when every rank stops together (a signal, a dead launcher)
+        self.grace_s = env.launcher_grace_s()  # how long a launcher waits for a stopping rank (None: forever)
         self.search_earlier_runs = search_earlier_runs
         self.eval_only = cfg.get("mode") == "eval"
         self.global_batch = global_batch_size(cfg, state.world_size, exact=not self.eval_only)
@@ -95,6 +97,8 @@ class Trainer:
         self._check_objective()
         self.checkpoints, self.guard = checkpoints_of(self)
         self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
+        # The resumed run's last save: would a preemption's checkpoint be written within the launcher's grace?
+        slow_save_warning(self.loop.last_save_s, self.grace_s, "the last checkpoint of the resumed run")
         self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
         self.first_train_loss: float | None = None
         self.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
@@ -103,7 +107,7 @@ class Trainer:
                                     cfg.log_every_n_steps * self.accum)
         self._step_hooks = self.callbacks.hooks["on_step_end"]  # per step: an empty loop when none
         self._first_step_done = False
-        self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s)  # a hung peer gets said
+        self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
                               self.precision.dtype, cfg.perf.peak_tflops, state.world_size)
 
@@ -147,6 +151,8 @@ class Trainer:
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs or cfg.num_epochs
         try:
+            if loop.eval_pending:  # stopped before its epoch-end evaluation: that runs first
+                self._end_epoch()
             while loop.epoch < min(cfg.num_epochs, stop) and self.stop_reason is None:
                 last_train = self.run_epoch() or last_train
         except BaseException as e:
@@ -156,7 +162,8 @@ class Trainer:
             self.watch.close()
         best = self.results.best
         self.writer.close()
-        out = {**last_train, **self.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
+        # The checkpoint's record when this invocation trained nothing (resumed after the last step).
+        out = {**(last_train or self.results.last_train), **self.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
                "time_s": time.perf_counter() - t0}
         if best is not None:
             out[best_name(cfg.objective)] = best
@@ -175,51 +182,66 @@ class Trainer:
 
     def run_epoch(self) -> dict[str, float]:
         """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
-        cfg, loop = self.cfg, self.loop
+        loop = self.loop
         last_train = self._train_epoch()
         loop.epoch += 1
-        loop.step_in_epoch = 0
+        loop.step_in_epoch = loop.batches_in_epoch = 0
+        loop.eval_pending = True
+        if self.stopper.agreed:  # agreed in the epoch's last steps: its evaluation runs on resume
+            self._preempt(self._save())
+        self._end_epoch()
+        return last_train
+
+    def _end_epoch(self) -> None:
+        """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
+        cfg, loop = self.cfg, self.loop
         improved = False
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
-            val = self._evaluate_all()
+            val = self._evaluate_all(interruptible=True)
+            if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
+                self._preempt(self._save())
             improved = self.results.update(val, cfg.objective, loop.epoch, loop.step)
             best = {} if self.results.best is None else {best_name(cfg.objective): self.results.best}
             self.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
             self.evaluator.visualize(self.writer, loop.step)
             for line in wrap(f"epoch {loop.epoch}/{cfg.num_epochs} ", [f"{k}={v:.4g}" for k, v in val.items()]):
                 log.info("%s", line)
-        saved = self._save(is_best=improved)
-        if self.metrics.stop_agreed:  # agreed in the epoch's last log step: the epoch-end save is the stop's
-            self._preempt(saved)
-        return last_train
+        loop.eval_pending = False
+        self._save(is_best=improved)
 
     def _save(self, is_best: bool = False) -> str:
+        self.watch.pause()  # a save is not a step: the stall watch must not time it
+        t0 = time.perf_counter()
         path = self.checkpoints.save(self.loop.step, is_best=is_best)
+        took = time.perf_counter() - t0
         if path:
+            self.loop.last_save_s = took  # recorded in the next checkpoint: a resumed run warns at start-up
+            slow_save_warning(took, self.grace_s, f"checkpoint {Path(path).name}")
             self.callbacks("on_save", self, path)
         return path
 
+
     def _preempt(self, checkpoint: str | None) -> None:
         """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
-        raise Preempted(self.stop.name or "a signal to another rank", self.loop.step, checkpoint)
+        raise Preempted(self.stopper.reason, self.loop.step, checkpoint)
 
     def _train_epoch(self) -> dict[str, float]:
-        cfg, loop = self.cfg, self.loop
+        cfg, loop, stopper = self.cfg, self.loop, self.stopper
         # Plain values, read once: a config node's attribute access costs microseconds per step.
         log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
-        stop_now_alone = not self.state.is_distributed
         self.model.train()
         spe = self.steps_per_epoch
-        # New global permutation each epoch; after a mid-epoch resume, skip what was done.
-        self.train_loader.set_epoch(loop.epoch, skip=loop.step_in_epoch * self.accum)
+        # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
+        self.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * self.accum)
         self._seed_epoch()
         bar = self._progress_bar()
         reduced: dict[str, float] = {}
         batches = iter(self.train_loader)
         t_step = time.perf_counter()
         self.watch.mark(loop.step + 1, t_step)
-        for _ in range(spe - loop.step_in_epoch):
+        for _ in range(spe - loop.batches_in_epoch):
             data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
+            loop.batches_in_epoch += 1  # consumed, whether or not the step below is taken
             if skip_nonfinite and self._skip_nonfinite_step():
                 continue
             self._optimizer_step()
@@ -230,16 +252,22 @@ class Trainer:
             t_step = now
             self.watch.mark(loop.step + 1, now)
             bar.update(1)
-            # One process acts on a stop signal at once; ranks agree on it in a log step's collective.
-            if loop.step % log_every == 0 or (stop_now_alone and self.stop.requested):
+            # The stop agreement rides in a log step's collective, or in a tiny one about once a second.
+            if loop.step % log_every == 0:
                 reduced = self._log(bar)
-                if self.metrics.stop_agreed and loop.step_in_epoch < spe:  # at the epoch's end: after its eval
-                    bar.close()
-                    self._preempt(self._save())
-            if self.checkpoints.due(loop.step, loop.step_in_epoch, spe):
+            else:
+                stopper.after_step()
+            if stopper.agreed and loop.batches_in_epoch < spe:  # at the epoch's end: run_epoch saves
+                if self.metrics.steps:  # the interval so far is logged before the checkpoint: none lost
+                    reduced = self._log(bar)
+                bar.close()
+                self._preempt(self._save())
+            if self.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
                 self._save()
+                t_step = time.perf_counter()
+                self.watch.mark(loop.step + 1, t_step)
         self.watch.pause()
         if self.metrics.steps:  # the epoch's tail since the last log step
             reduced = self._log(bar)
@@ -248,7 +276,7 @@ class Trainer:
 
     def _seed_epoch(self) -> None:
         """Random streams for dropout/augmentation at the start of (a part of) an epoch."""
-        if self.loop.step_in_epoch:
+        if self.loop.batches_in_epoch:
             self.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
             return
         # Per-rank stream: differs between ranks and depends only on (seed, epoch, rank),
@@ -257,15 +285,18 @@ class Trainer:
 
     def _forward_backward(self, batches: Iterator[Any]) -> float:
         """The micro-batches of one optimizer step; returns the time spent waiting for data."""
-        data_time = 0.0
+        data_time, watch = 0.0, self.watch  # watch.phase: where a stalled step is, should one stall
         for micro in range(self.accum):
             t = time.perf_counter()
+            watch.phase = "data loading"
             batch = self._layout(next(batches))
             data_time += time.perf_counter() - t
             # Gradients all-reduce only on the last micro-batch of a step.
             with self.strategy.no_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
+                watch.phase = "forward"
                 with self.precision.autocast():
                     out = self._step_fn(self.model, batch)
+                watch.phase = "backward"
                 self.precision.backward(out.loss / self.accum if self.accum > 1 else out.loss)
             self.metrics.add_micro(out)
         return data_time
@@ -295,6 +326,7 @@ class Trainer:
         return check_output(self.task, self.task(model, batch))
 
     def _optimizer_step(self) -> None:
+        self.watch.phase = "optimizer"
         norm = self.precision.step(self.optimizer, self.params, self.grad_clip)
         if norm is not None:
             self.metrics.add_grad_norm(self.strategy.grad_norm(norm))
@@ -315,8 +347,10 @@ class Trainer:
 
     def _log(self, bar: Progress) -> dict[str, float]:
         step = self.loop.step
+        self.watch.phase = "log collective"
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stop.requested)
+        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stopper.requested)
+        self.stopper.heard_at_log_step(self.metrics.stop_agreed)
         values.update(derived(self.task, values, "train/"))
         if self.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
             self.first_train_loss = values.get("train/loss")
@@ -329,6 +363,7 @@ class Trainer:
             values["train/fp16_skipped_steps"] = self.precision.pop_overflow_steps()  # not errors: the scaler's job
         self.writer.scalars(values, step)
         bar.show(self.loop.epoch, step, values)
+        self.results.last_train = values
         return values
 
     def _layout(self, batch: Any) -> Any:
@@ -347,17 +382,16 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run()
 
-    def _evaluate_all(self) -> dict[str, float]:
-        """The evaluation plus what callbacks add to it (e.g. val_ema/*)."""
-        val = self.evaluate()
+    def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
+        """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when
+        every rank agreed to stop during it (a preemption signal)."""
+        val = self.evaluator.run(self.stopper if interruptible else None)
+        if val is None:
+            return None
         for extra in self.callbacks("on_eval_end", self, val):
             val.update(extra or {})
         return val
 
     def _progress_bar(self) -> Progress:
-        mode = self.cfg.progress
-        if mode == "auto":
-            mode = "bar" if sys.stdout.isatty() else "log"
-        if not self.state.is_main:
-            mode = "none"
-        return Progress(str(mode), self.steps_per_epoch, self.loop.epoch, self.cfg.num_epochs)
+        return Progress.for_rank(str(self.cfg.progress), self.state.is_main, self.steps_per_epoch, self.loop.epoch,
+                                 self.cfg.num_epochs)

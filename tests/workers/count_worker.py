@@ -6,7 +6,8 @@
 * every Python-level read of a tensor's value on the host (``item``,
   ``tolist``, ``bool``/``float``/``int``, ``numpy``, ``cpu``): each is a
   host-device sync on a GPU;
-* with CUDA, also the syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports.
+* with CUDA, also the syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports;
+* the stop agreement's checks (``StopAgreement._check``), and when each step ended.
 
 An optimizer-step hook snapshots the counters at every step; each rank writes
 the per-step deltas as JSON to ``$COUNT_OUT.<rank>``.
@@ -16,6 +17,7 @@ import json
 import os
 import runpy
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-counts = {"collectives": 0, "syncs": 0, "cuda_syncs": 0}
+counts = {"collectives": 0, "syncs": 0, "cuda_syncs": 0, "stop_checks": 0}
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
                "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "barrier",
@@ -44,6 +46,12 @@ for name in COLLECTIVES:
 for name in HOST_READS:
     setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), "syncs"))
 
+# The stop agreement's own checks (one tiny collective about once a second, outside log steps) are counted
+# apart, so the tests can hold them to exactly that budget.
+from ddplab.runtime.stopping import StopAgreement  # noqa: E402
+
+StopAgreement._check = counting(StopAgreement._check, "stop_checks")
+
 if torch.cuda.is_available():
     torch.cuda.set_sync_debug_mode("warn")
     _show = warnings.showwarning
@@ -63,7 +71,7 @@ last = dict(counts)
 
 def on_step(*_):
     global last
-    steps.append({k: counts[k] - last[k] for k in counts})
+    steps.append({**{k: counts[k] - last[k] for k in counts}, "t": time.perf_counter()})
     last = dict(counts)
 
 

@@ -123,6 +123,31 @@ def launcher() -> dict[str, str]:
     return {"kind": kind, **{k: e[k] for k in keys if k in e}}
 
 
+def launcher_pid() -> int | None:
+    """The process whose death orphans this rank: torchrun's agent, the self-launch parent, or
+    SLURM's step daemon under ``srun`` — this process's parent in each case. None for a process
+    nobody launched (``python train.py``: a closed shell is not a reason to stop), and under an
+    ``sbatch`` script without ``srun`` (SLURM ends that whole process tree itself)."""
+    e = os.environ
+    if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "SLURM_STEP_ID" in e:
+        return os.getppid()
+    return None
+
+
+# How long a launcher waits after forwarding its stop signal before it kills the ranks: torchrun's
+# agent closes its workers with a 30 s timeout, SLURM's KillWait and Kubernetes'
+# terminationGracePeriodSeconds are 30 s by default. A checkpoint slower than this is lost on preemption.
+LAUNCHER_GRACE_S = 30.0
+
+
+def launcher_grace_s() -> float | None:
+    """The grace a preempted rank has to checkpoint (None: no launcher kills it)."""
+    e = os.environ
+    if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "SLURM_JOB_ID" in e or "KUBERNETES_SERVICE_HOST" in e:
+        return LAUNCHER_GRACE_S
+    return None
+
+
 def elastic_restart_count() -> int:
     """How often torchrun (--max-restarts) has restarted this worker group (0: first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -27,6 +27,7 @@ log = logging.getLogger("ddplab")
 # SIGUSR2: submitit's preemption / time-limit signal (ddplab checkpoints, then hands it on to submitit).
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _SAME_EVENT_S = 1.0  # repeats closer than this are one event delivered twice
+LAUNCHER_POLL_S = 1.0  # how often a rank looks whether its launcher is still alive
 
 
 class Preempted(Exception):
@@ -40,7 +41,8 @@ class Preempted(Exception):
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal number, as a shell reports a process ended by that signal."""
+        """128 + the signal number, as a shell reports a process ended by that signal (SIGTERM's for a
+        stop that no signal asked for: the launcher died)."""
         return 128 + int(getattr(signal, self.signal_name, signal.SIGTERM))
 
 
@@ -51,21 +53,54 @@ class StopSignal:
         self.name: str | None = None  # the first signal's name, once one arrived
         self.at = 0.0  # monotonic time of the first signal
         self._old: dict[int, object] = {}
+        self._watching = threading.Event()  # set: stop watching the launcher
+        self._launcher: int | None = None
 
     @property
     def requested(self) -> bool:
         return self.name is not None
 
-    def install(self) -> StopSignal:
+    def install(self, launcher_pid: int | None = None) -> StopSignal:
+        """``launcher_pid``: the process that started this rank (torchrun's agent, the self-launch
+        parent, SLURM's step daemon); when it dies, this rank stops as if signalled."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
+        self._launcher = launcher_pid
+        if launcher_pid is not None:
+            self._watching.clear()
+            threading.Thread(target=self._watch_launcher, args=(launcher_pid,), name="ddplab-launcher-watch",
+                             daemon=True).start()
         return self
 
     def uninstall(self) -> None:
+        self._watching.set()
         for sig, old in self._old.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
         self._old.clear()
+
+    def reason(self) -> str | None:
+        """Why this rank stops: the first signal's name, or that its launcher died. torch's spawned ranks
+        (self-launch) get SIGINT as their parent-death signal, maybe before they are re-parented: asked
+        later (when the stop is carried out), the parent pid tells which it was."""
+        if self.name and self._launcher is not None and not self.name.startswith("launcher died") \
+                and os.getppid() != self._launcher:
+            return f"launcher died (pid {self._launcher}; {self.name})"
+        return self.name
+
+    def request(self, reason: str) -> None:
+        """Ask for the same checkpointed stop a signal asks for (the first reason is kept)."""
+        if self.name is None:
+            self.name, self.at = reason, time.monotonic()
+            log.warning("%s: stopping at the next step boundary all ranks agree on, after a checkpoint", reason)
+
+    def _watch_launcher(self, pid: int) -> None:
+        """A rank whose launcher died is an orphan: nobody will stop it, restart it or collect its exit
+        code. The kernel re-parents it (to init or a subreaper), so its parent pid changes: poll that."""
+        while not self._watching.wait(LAUNCHER_POLL_S):
+            if os.getppid() != pid:
+                self.request(f"launcher died (pid {pid})")
+                return
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -1,0 +1,145 @@
+"""Preemption off the millisecond path: a stop is agreed within seconds at any step time and any log
+interval, during a long evaluation too, and a rank whose launcher died stops instead of training on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TRAIN, assert_ok, read_scalars, run_cmd
+from ddplab.runtime.group import DistState
+from ddplab.runtime.signals import StopSignal
+from ddplab.runtime.stopping import StopAgreement
+from test_preemption import children, finish, result, start
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
+
+
+def traced(path: Path, kind: str = "train") -> list[float]:
+    """Times of rank 0's training (or eval) forwards, from toy.SlowMLP's trace file."""
+    if not path.exists():
+        return []
+    return [float(t) for k, t in (line.split() for line in path.read_text().splitlines()) if k == kind]
+
+
+def wait_until(cond, proc, log: Path, timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if proc.poll() is not None or time.monotonic() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"condition never met (exit {proc.poll()})\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def test_cadence_spaces_checks_by_time_not_steps():
+    """Unit: the next check is ~1 s of steps away, measured from the slowest rank; nothing in between."""
+    agreement = StopAgreement(StopSignal(), DistState(), period_s=1.0)
+    agreement.alone = False  # exercise the multi-rank cadence (one process: the "collective" is the row itself)
+    c = agreement._train
+    c.since -= 0.25  # pretend: step 1 took 0.25 s (and a bit); its check comes at once: 3 such steps fit in 1 s
+    agreement.after_step()
+    assert agreement.checks == 1 and c.interval == 3
+    for _ in range(2):
+        agreement.after_step()
+    assert agreement.checks == 1  # steps 2-3: nothing
+    c.since -= 3 * 0.002  # 3 steps of 2 ms → about 500 steps per second
+    agreement.after_step()
+    assert agreement.checks == 2 and 400 <= c.interval <= 500
+    agreement.signal.request("test")
+    for _ in range(c.interval - 1):
+        assert not agreement.after_step()
+    assert agreement.after_step() and agreement.agreed  # the request is heard at the next check
+    # A log step's collective carries the flag: it restarts the count.
+    assert agreement.heard_at_log_step(False) and c.left == c.interval
+
+
+@pytest.mark.dist
+def test_slow_steps_with_rare_logs_preempt_within_seconds(tmp_path):
+    """1.5 s steps, a log every 100 steps: SIGTERM to torchrun's agent after step 2 is acted on at the next step
+    (the old agreement waited for step 100, torchrun SIGKILLed the ranks after 30 s and nothing was saved)."""
+    run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
+    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=1.5", f"+model.trace={trace}",
+            "num_epochs=1", "log_every_n_steps=100", "progress=log", f"hydra.run.dir={run}"]
+    proc = start(TORCHRUN + args, tmp_path, log)
+    wait_until(lambda: len(traced(trace)) >= 3, proc, log)  # step 3's forward began: steps 1-2 are done
+    done_at_signal = len(traced(trace)) - 1
+    proc.send_signal(signal.SIGTERM)
+    t_signal = time.monotonic()
+    finish(proc, log, timeout=60)
+    res = result(run)
+    assert res["status"] == "preempted" and res["signal"] == "SIGTERM", res
+    assert res["step"] >= done_at_signal  # nothing done before the signal is lost
+    saved = Path(res["checkpoint"]).stat().st_mtime
+    took = saved - (time.time() - (time.monotonic() - t_signal))
+    assert took < 10, took  # one more 1.5 s step, the check, the save: well inside torchrun's 30 s grace
+
+
+@pytest.mark.dist
+def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns(tmp_path):
+    """An evaluation of 4 batches x 2 s per rank: SIGTERM in its first batch stops it after that batch; on resume
+    the evaluation runs again, once, and result.json keeps the training metrics of the run before."""
+    run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
+    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0", "+model.eval_delay_s=2",
+            f"+model.trace={trace}", "dataset=synthetic", "dataset.image_size=8", "dataset.num_train=256",
+            "dataset.num_val=2048", "num_epochs=1", "log_every_n_steps=2", "progress=log", f"hydra.run.dir={run}"]
+    proc = start(TORCHRUN + args, tmp_path, log)
+    # The FLOP count's one eval forward comes first (at the first log step); the evaluation's begins after step 4.
+    wait_until(lambda: len(traced(trace, "eval")) >= 2, proc, log)
+    proc.send_signal(signal.SIGTERM)
+    took = finish(proc, log, timeout=60)
+    res = result(run)
+    assert res["status"] == "preempted", res
+    assert took < 8, took  # the rest of the evaluation (3 more batches, 6 s) did not run
+    assert len(traced(trace, "eval")) <= 3
+    ck = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
+    assert ck["loop"]["eval_pending"] and ck["loop"]["epoch"] == 1 and ck["loop"]["step"] == 4
+
+    resumed = [a for a in args if not a.startswith("+model.eval_delay_s")] + ["+model.eval_delay_s=0", "resume=auto"]
+    assert_ok(run_cmd(TORCHRUN + resumed, tmp_path, timeout=180))
+    res = result(run)
+    assert res["status"] == "completed", res
+    assert {"train/loss", "train/acc", "val/loss", "val/acc"} <= res["metrics"].keys(), res
+    assert [s for s, _ in read_scalars(run / "tb")["val/acc"]] == [4]  # evaluated once, at the epoch's end
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
+def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
+    """kill -9 of torchrun's agent (or the self-launching parent): the ranks, re-parented, notice within a few
+    seconds, checkpoint, write result.json naming the dead launcher and exit — none trains on."""
+    run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
+    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.2", f"+model.trace={trace}",
+            "num_epochs=3", "log_every_n_steps=50", "progress=log", f"hydra.run.dir={run}"]
+    cmd = TORCHRUN + args if launcher == "torchrun" else [sys.executable, str(TRAIN), *args,
+                                                           "distributed.nproc_per_node=2"]
+    proc = start(cmd, tmp_path, log)
+    wait_until(lambda: len(traced(trace)) >= 3, proc, log)
+    ranks = [p for p in children(proc.pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_text()
+             or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert ranks, "no rank processes found"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in ranks) and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    left = [p for p in ranks if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher by 30 s\n{log.read_text()[-3000:]}"
+    res = json.loads((run / "result.json").read_text())
+    assert res["status"] == "preempted" and "launcher died" in res["signal"], res
+    assert Path(res["checkpoint"]).is_file() and res["step"] < 3 * 22  # stopped long before the last epoch
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
