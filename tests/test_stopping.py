@@ -143,3 +143,25 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def test_a_checkpoint_slower_than_the_launchers_grace_is_said_after_the_save_and_at_start_up(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """A save that outlasts the launcher's grace (torchrun's 30 s; here the grace is made tiny instead of the
+    save slow) would be killed half-written on preemption: said after each save, and again at the start of a
+    run resumed from such a checkpoint, with the figures."""
+    import ddplab
+    from conftest import compose_cfg
+    from ddplab.runtime import env
+
+    monkeypatch.setattr(env, "launcher_grace_s", lambda: 1e-6)
+    args = ["model=mlp", "num_epochs=1", "progress=none"]
+    ddplab.run(compose_cfg(args, run_dir=tmp_path / "run"))
+    saves = [r.getMessage() for r in caplog.records if "longer than the 0s a launcher waits" in r.getMessage()]
+    assert len(saves) == 1 and saves[0].startswith("checkpoint step-00000022.pt took "), saves
+    caplog.clear()
+    ddplab.run(compose_cfg(["model=mlp", "num_epochs=2", "progress=none", "resume=auto", "resume_apply_changes=true"],
+                           run_dir=tmp_path / "run"))
+    said = [r.getMessage() for r in caplog.records if "longer than the 0s a launcher waits" in r.getMessage()]
+    assert said[0].startswith("the last checkpoint of the resumed run took "), said
+    assert len(said) == 2  # start-up, then epoch 2's save

@@ -98,7 +98,7 @@ class Trainer:
         self.checkpoints, self.guard = checkpoints_of(self)
         self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
         # The resumed run's last save: would a preemption's checkpoint be written within the launcher's grace?
-        slow_save_warning(self.loop.last_save_s, self.grace_s, "the last checkpoint of the resumed run")
+        slow_save_warning(self.checkpoints.resumed_save_s, self.grace_s, "the last checkpoint of the resumed run")
         self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
         self.first_train_loss: float | None = None
         self.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
@@ -211,12 +211,9 @@ class Trainer:
 
     def _save(self, is_best: bool = False) -> str:
         self.watch.pause()  # a save is not a step: the stall watch must not time it
-        t0 = time.perf_counter()
         path = self.checkpoints.save(self.loop.step, is_best=is_best)
-        took = time.perf_counter() - t0
         if path:
-            self.loop.last_save_s = took  # recorded in the next checkpoint: a resumed run warns at start-up
-            slow_save_warning(took, self.grace_s, f"checkpoint {Path(path).name}")
+            slow_save_warning(self.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
             self.callbacks("on_save", self, path)
         return path
 

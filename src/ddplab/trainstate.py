@@ -20,12 +20,10 @@ class LoopState:
     # step that nonfinite_loss=skip dropped. The data resumes from here, not from the step count.
     batches_in_epoch: int = 0
     eval_pending: bool = False  # stopped before the epoch-end evaluation: it runs first on resume
-    last_save_s: float = 0.0  # how long the previous checkpoint took to write (launcher grace checks)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
                 "batches_in_epoch": self.batches_in_epoch, "eval_pending": self.eval_pending,
-                "last_save_s": self.last_save_s,
                 # The sampler needs no state of its own: (seed, epoch, position) fix its order.
                 "sampler": {"seed": self.seed, "epoch": self.epoch,
                             "skip_micro_batches": self.batches_in_epoch * self.accum}}
@@ -34,7 +32,6 @@ class LoopState:
         self.epoch, self.step, self.step_in_epoch = sd["epoch"], sd["step"], sd.get("step_in_epoch", 0)
         self.batches_in_epoch = sd.get("batches_in_epoch", self.step_in_epoch)  # older checkpoints: no skips known
         self.eval_pending = sd.get("eval_pending", False)
-        self.last_save_s = sd.get("last_save_s", 0.0)
 
     def position(self) -> str:
         return f"in epoch {self.epoch + 1}, step {self.step + 1}"

@@ -11,7 +11,10 @@ nothing. It must not decide what a component's state *is*.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -46,6 +49,10 @@ class CheckpointManager:
         self._optional: set[str] = set()
         self._step = 0
         self._source: Path | None = None  # the checkpoint being loaded
+        # Seconds the last save took, and the one resumed from (if known): a save slower than the
+        # launcher's grace after a stop signal is lost on preemption, so the trainer says so.
+        self.last_save_s = 0.0
+        self.resumed_save_s = 0.0
 
     def register(self, key: str, component: Stateful, optional: bool = False) -> None:
         """``optional``: a checkpoint without this entry still loads; the component keeps its fresh state
@@ -81,6 +88,7 @@ class CheckpointManager:
         """
         if not self._enabled:
             return ""
+        t0 = time.perf_counter()
         self._step = step
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
         outcome: tuple[str, str] = ("", "")
@@ -93,6 +101,9 @@ class CheckpointManager:
         path, error = broadcast_object(outcome, self.state)  # nobody races ahead of (or reads) a half-written file
         if error:
             raise files.CheckpointWriteError(error)
+        self.last_save_s = time.perf_counter() - t0
+        if path and self.state.is_main:
+            _note_save_time(self.dir, Path(path).name, self.last_save_s)
         return path
 
     # ---------------------------------------------------------------- loading
@@ -116,6 +127,7 @@ class CheckpointManager:
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
             path, ck = got
         self._source = path
+        self.resumed_save_s = _save_times(path.parent).get(path.name, 0.0)
         for c in self.components.values():
             if hasattr(c, "check"):
                 c.check(ck, path)
@@ -132,3 +144,25 @@ class CheckpointManager:
             if key in ck:
                 c.load_state_dict(ck[key])
         return path
+
+
+_TIMES = "save_seconds.json"  # beside the checkpoints: how long each took to write ("last.pt" too)
+
+
+def _save_times(ckpt_dir: Path) -> dict[str, float]:
+    try:
+        return {k: float(v) for k, v in json.loads((ckpt_dir / _TIMES).read_text()).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _note_save_time(ckpt_dir: Path, name: str, seconds: float) -> None:
+    """Rank 0, after a save: record its duration (for files that still exist). Best effort: never fails a save."""
+    times = {k: v for k, v in _save_times(ckpt_dir).items() if (ckpt_dir / k).exists()}
+    times[name] = times[files.LAST] = round(seconds, 3)
+    tmp = ckpt_dir / f".{_TIMES}.tmp"
+    try:
+        tmp.write_text(json.dumps(times))
+        os.replace(tmp, ckpt_dir / _TIMES)
+    except OSError:
+        tmp.unlink(missing_ok=True)
