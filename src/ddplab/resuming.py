@@ -112,9 +112,9 @@ def resume(t: Any) -> str | None:
         return None
     loop = t.loop
     # Opted-in config changes go into force now; rank 0 records them in the run dir.
-    changes = t.guard.apply(t.optimizer, t.scheduler, fresh, loop.step_in_epoch, loop.step,
+    changes = t.guard.apply(t.optimizer, t.scheduler, fresh, loop.batches_in_epoch, loop.step,
                             t.run_dir if t.state.is_main else None)
-    if loop.step_in_epoch and t.rng.saved_world_size != t.state.world_size:
+    if loop.batches_in_epoch and t.rng.saved_world_size != t.state.world_size:
         log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
                     "order, but random layers (dropout) draw new streams", t.state.world_size, t.rng.saved_world_size)
     log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
