@@ -337,7 +337,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     torch.manual_seed(0)
     saved_ema = torch.nn.Linear(3, 2)
     manager(saved_ema, Counter(7)).save(step=12, is_best=True)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", "last.pt", "step-00000012.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", "last.pt", "save_seconds.json", "step-00000012.pt"]
     ema, counter = torch.nn.Linear(3, 2), Counter(0)
     assert manager(ema, counter).resume("auto", tmp_path).name == "last.pt"
     assert counter.n == 7 and torch.equal(ema.weight, saved_ema.weight)

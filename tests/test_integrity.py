@@ -125,7 +125,7 @@ def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_con
     assert f"could not write checkpoint {ckdir / 'step-00000015.pt'}" in msg
     assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg)
     assert "resume=auto" in msg
-    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "step-00000005.pt", "step-00000010.pt"]  # no tmp
+    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt", "step-00000010.pt"]  # no tmp
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"]
 
