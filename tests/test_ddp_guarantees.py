@@ -290,8 +290,8 @@ def test_only_rank_zero_writes(tmp_path):
     dirty = json.loads((tmp_path / run / "provenance.json").read_text())["code"].get("dirty")
     assert sorted(set(files) - set(tb)) == sorted(f"{run}/{x}" for x in [
         ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log",
-        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt", "result.json",
-        "provenance.json", *(["provenance.diff"] if dirty else [])])
+        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt",
+        "checkpoints/save_seconds.json", "result.json", "provenance.json", *(["provenance.diff"] if dirty else [])])
 
 
 # ------------------------------------------------------------- 10. stragglers
