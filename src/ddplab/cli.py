@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ddplab import rundir
@@ -62,9 +63,9 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
 
 def _check_writable(argv: list[str]) -> None:
-    """Refuse, in one line and before Hydra writes anything there, a named run dir that another
-    job holds, and a run dir nobody can write (Hydra would fail with "Unable to configure
-    handler 'file'"): a read-only mount, a missing permission."""
+    """Refuse, in one line and before Hydra writes anything, a run dir nobody can write (Hydra
+    would fail with "Unable to configure handler 'file'"): a read-only mount, a missing permission.
+    A dir another job holds is refused by :class:`OwnRunDir`, which takes the lock itself."""
     multirun = "-m" in argv or "--multirun" in argv
     key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
     named = [a[len(key):] for a in argv if a.startswith(key)]
@@ -72,10 +73,6 @@ def _check_writable(argv: list[str]) -> None:
     probe = target.absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    holder = rundir.lock_holder(target) if named else None
-    if holder:  # before Hydra writes its .hydra/ files and train.log into the running job's dir
-        sys.stderr.write(f"error: {rundir.in_use(target.absolute(), holder)}\n")
-        raise SystemExit(2)
     try:
         if not probe.is_dir():
             raise NotADirectoryError(f"{probe} is not a directory")
@@ -84,6 +81,38 @@ def _check_writable(argv: list[str]) -> None:
     except OSError as e:
         sys.stderr.write(f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
                          f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}\n")
+        raise SystemExit(2)
+
+
+class OwnRunDir(Callback):
+    """Hydra callback (conf/train.yaml): rank 0 locks the run dir — a sweep's process, the sweep dir —
+    before Hydra writes a byte there (``.hydra/``, ``train.log``, ``multirun.yaml``), so a second job
+    given the same dir is refused in one line, naming the holder, and never leaves its config in
+    the first one's dir. The Session takes the lock over (``rundir.take_held``); a self-launch parent
+    keeps it for its ranks. Hydra's own dated dirs are each made fresh (``rundir.fresh_dir``)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        if env.rank() == 0:
+            target = Path(str(config.get("run_dir") or config.hydra.run.dir)).absolute()
+            # A named dir inside a running sweep's dir is that sweep's job dir.
+            _hold(target.parent, rundir.lock_holder(target.parent))
+            _hold(target, rundir.hold(target))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        if env.rank() == 0:
+            target = Path(str(config.hydra.sweep.dir)).absolute()
+            _hold(target, rundir.hold(target), "hydra.sweep.dir")
+
+    def on_run_end(self, config: DictConfig, **kwargs: object) -> None:
+        rundir.release_held()  # what no Session took over (a self-launch parent's lock)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
+        rundir.release_held()  # listed first in conf/: Hydra ends callbacks in reverse, the summary is written
+
+
+def _hold(target: Path, holder: str | None, key: str = "hydra.run.dir (or run_dir)") -> None:
+    if holder:
+        sys.stderr.write(f"error: {rundir.in_use(target, holder, key)}\n")
         raise SystemExit(2)
 
 

@@ -3,7 +3,9 @@ where it is, Hydra's record of the overrides, and ``result.json`` (how the job e
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -37,9 +39,10 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / self.NAME
         self._fd: int | None = None
+        self.borrowed = False  # held by our launcher on our behalf (self-launch): not ours to release
 
-    def acquire(self) -> str | None:
-        """None once held; else who holds it."""
+    def acquire(self, launcher_pid: int | None = None) -> str | None:
+        """None once held (or held by ``launcher_pid`` on this host, for this process); else who holds it."""
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
@@ -47,7 +50,9 @@ class RunDirLock:
             except BlockingIOError:
                 holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
                 os.close(fd)
-                return holder or "another process"
+                self.borrowed = launcher_pid is not None and holder.startswith(
+                    f"pid {launcher_pid} on {socket.gethostname()} ")
+                return None if self.borrowed else holder or "another process"
             try:
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break
@@ -67,6 +72,55 @@ class RunDirLock:
             self._fd = None
 
 
+_held: dict[Path, RunDirLock] = {}
+
+
+def hold(run_dir: Path) -> str | None:
+    """Lock ``run_dir`` (made if missing) for this process until :func:`take_held` hands the lock
+    on or the process ends; None once held (or already held here), else who holds it. Taken by the
+    Hydra callback (``cli.OwnRunDir``) before Hydra writes a byte there."""
+    run_dir = run_dir.absolute()
+    if run_dir in _held:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir)
+    holder = lock.acquire()
+    if holder is None:
+        if not _held:
+            atexit.register(release_held)  # a job that ends by SystemExit still removes its lock file
+        _held[run_dir] = lock
+    return holder
+
+
+def take_held(run_dir: Path) -> RunDirLock | None:
+    """The lock this process already holds on ``run_dir`` (now the caller's to release), or None."""
+    return _held.pop(run_dir.absolute(), None)
+
+
+def release_held() -> None:
+    while _held:
+        _held.popitem()[1].release()
+
+
+def fresh_dir(path: str) -> str:
+    """The first of ``path``, ``path_1``, ``path_2``, ... that did not exist, made by this call.
+
+    Hydra's default run and sweep dirs are named to the second: two runs started in the same second
+    from the same directory would share one. ``mkdir`` without ``exist_ok`` is atomic, so each gets its
+    own. Registered as the ``fresh_dir`` resolver with caching, so a config resolves it once (Hydra
+    copies the cache into each sweep job's config)."""
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count():
+        candidate = base if n == 0 else base.with_name(f"{base.name}_{n}")
+        try:
+            candidate.mkdir()
+            return str(candidate)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
 def lock_holder(run_dir: Path) -> str | None:
     """Who holds ``run_dir``'s lock right now (without taking it), or None."""
     try:
@@ -82,10 +136,9 @@ def lock_holder(run_dir: Path) -> str | None:
         os.close(fd)  # drops a shared lock taken above
 
 
-def in_use(run_dir: Path, holder: str) -> str:
+def in_use(run_dir: Path, holder: str, key: str = "hydra.run.dir (or run_dir)") -> str:
     return (f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would overwrite each other's "
-            "checkpoints and results. Fix: give this job another hydra.run.dir (or run_dir), or wait for that "
-            "job to end")
+            f"checkpoints and results. Fix: give this job another {key}, or wait for that job to end")
 
 
 def is_hydras_default(cfg: Any) -> bool:

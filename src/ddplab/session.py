@@ -88,11 +88,14 @@ class Session:
     def _hold_run_dir(self) -> str | None:
         """Rank 0: make and lock the run dir, note it for a torchrun restart; None, or why it cannot."""
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = rundir.RunDirLock(self.run_dir)
-            holder = lock.acquire()
-            if holder:
-                return rundir.in_use(self.run_dir, holder)
+            # Held since before Hydra wrote here (cli.OwnRunDir), or by the self-launch parent for its ranks.
+            lock = rundir.take_held(self.run_dir)
+            if lock is None:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                lock = rundir.RunDirLock(self.run_dir)
+                holder = lock.acquire(env.launcher_pid() if env.is_self_launched() else None)
+                if holder:
+                    return rundir.in_use(self.run_dir, holder)
             self._lock = lock
             memo = env.run_dir_memo()
             if memo is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from ddplab import rundir
 from ddplab.config.errors import ConfigError
 from ddplab.config.groups import GROUPS
 from ddplab.config.schema import DistributedConfig, TrainConfig
@@ -24,8 +25,9 @@ __all__ = ["ConfigError", "register_configs", "validate"]
 def register_configs() -> None:
     """Make the schemas visible to conf/'s defaults lists; idempotent.
 
-    Registers ``train_schema`` and ``schema/<group>/<name>``, and the ``lt``
-    resolver that conf/model/resnet*.yaml uses for ``small_input``.
+    Registers ``train_schema`` and ``schema/<group>/<name>``, the ``lt``
+    resolver that conf/model/resnet*.yaml uses for ``small_input``, and ``fresh_dir``
+    (conf/train.yaml's default run and sweep dirs).
     """
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
@@ -35,3 +37,5 @@ def register_configs() -> None:
             cs.store(group=f"schema/{group}", name=name, node=node)
     if not OmegaConf.has_resolver("lt"):
         OmegaConf.register_new_resolver("lt", lambda a, b: a < b)
+    if not OmegaConf.has_resolver("fresh_dir"):  # Hydra's dated run/sweep dirs, one per job (conf/train.yaml)
+        OmegaConf.register_new_resolver("fresh_dir", rundir.fresh_dir, use_cache=True)
