@@ -202,7 +202,9 @@ def test_fp16_scaler_skips_are_counted_not_errors(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_requested_without_gpu(tmp_path):
-    with pytest.raises(RuntimeError, match=r"distributed.device=cuda but torch sees no CUDA GPU.*Fix:"):
+    from ddplab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"distributed.device=cuda but torch sees no CUDA GPU.*Fix:"):
         ddplab.run(compose_cfg(["distributed.device=cuda"], run_dir=tmp_path))
 
 

@@ -4,8 +4,10 @@ on the model, dataset and task groups: the dataset's splits + augmentation, the 
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -22,9 +24,9 @@ def dataset(cfg: DictConfig) -> tuple[Splits, BatchAugment | None]:
     A factory may return :class:`Splits`, a ``(train, val)`` pair of map-style datasets, or a
     dict with ``train``, ``val`` and optionally ``collate_fn``.
     """
-    spec = OmegaConf.to_container(cfg.dataset, resolve=True, enum_to_str=True)
+    spec = _spec(cfg, "dataset")
     aug = spec.pop("augment", None)
-    return splits_of(instantiate(spec, _convert_="all"), spec.get("_target_")), (BatchAugment(**aug) if aug else None)
+    return splits_of(_make(spec, "dataset"), spec.get("_target_")), (BatchAugment(**aug) if aug else None)
 
 
 def splits_of(made: Any, target: Any) -> Splits:
@@ -41,8 +43,8 @@ def splits_of(made: Any, target: Any) -> Splits:
 
 def task(cfg: DictConfig) -> Any:
     """The task object ``cfg.task`` names (a ``_target_`` class and its keyword arguments)."""
-    spec = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
-    made = instantiate(spec, _convert_="all")
+    spec = _spec(cfg, "task")
+    made = _make(spec, "task")
     if not callable(made):
         raise TypeError(f"task._target_={spec.get('_target_')} made a {type(made).__name__}, which cannot be "
                         "called on (model, batch). Fix: point it at a Task class (see ddplab.task)")
@@ -51,9 +53,9 @@ def task(cfg: DictConfig) -> Any:
 
 def model(cfg: DictConfig) -> nn.Module:
     """The model factory's module, with ``model.weights`` (a local file) loaded into it."""
-    spec = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
+    spec = _spec(cfg, "model")
     weights = spec.pop("weights", None)
-    module = instantiate(spec, _convert_="all")
+    module = _make(spec, "model")
     if weights:
         from ddplab.models.weights import load_weights
 
@@ -63,8 +65,7 @@ def model(cfg: DictConfig) -> nn.Module:
 
 def callbacks(cfg: DictConfig) -> dict[str, Any]:
     """name -> the callback ``cfg.callbacks.<name>`` makes (entries set to null are left out)."""
-    node = cfg.get("callbacks")
-    spec = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if node else {}
+    spec = _spec(cfg, "callbacks") if cfg.get("callbacks") else {}
     made = {}
     for name, node in spec.items():
         if node is None:
@@ -72,8 +73,35 @@ def callbacks(cfg: DictConfig) -> dict[str, Any]:
         if not isinstance(node, dict) or "_target_" not in node:
             raise TypeError(f"callbacks.{name}={node!r}: a callback entry needs a _target_ (a class) and its "
                             f"arguments. Fix: callbacks.{name}._target_=mypkg.MyCallback, or drop it")
-        made[name] = instantiate(node, _convert_="all")
+        made[name] = _make(node, f"callbacks.{name}")
     return made
+
+
+def _spec(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """``cfg.<key>`` as a plain dict (validate() has checked that it resolves)."""
+    return OmegaConf.to_container(cfg[key], resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+_NAMES_A_KEY = re.compile(r"^(model|dataset|task|callbacks|optimizer|scheduler)\.[\w.]+[=:]")
+
+
+def _make(spec: dict[str, Any], key: str) -> Any:
+    """``instantiate(spec)``; what is the config's fault becomes a one-line :class:`ConfigError`: a
+    ``_target_`` that does not import, and a factory's own refusal of a value (an error whose message
+    starts with the key it refuses, ``model.n_embd=...: ...``, as ddplab's factories write them). Any
+    other error is a failure of the code, with its traceback."""
+    try:
+        return instantiate(spec, _convert_="all")
+    except InstantiationException as e:
+        cause = e.__cause__
+        if isinstance(cause, ConfigError) or (isinstance(cause, (ValueError, KeyError, TypeError))
+                                              and _NAMES_A_KEY.match(str(cause.args[0]) if cause.args else "")):
+            raise ConfigError(str(cause.args[0])) from None
+        if str(e).startswith("Error locating target"):
+            why = " ".join(str(cause).split("\n")[:2])  # Hydra's: "Error loading 'x.Y':\nModuleNotFoundError(...)"
+            raise ConfigError(f"{key}._target_={spec.get('_target_')!r}: cannot be imported ({why}). Fix: a dotted "
+                              "path to a class or function importable here (is its package on PYTHONPATH?)") from None
+        raise
 
 
 class TrainData(NamedTuple):

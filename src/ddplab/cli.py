@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from ddplab import rundir
 from ddplab.config import ConfigError
 from ddplab.job import run
-from ddplab.runtime import env, requeue, watch
+from ddplab.runtime import env, launch, requeue, watch
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -154,12 +154,14 @@ def main(cfg: DictConfig) -> float | None:
         requeue.after_preemption(e)  # SLURM time limit: back in the queue; submitit: its own protocol
         raise SystemExit(e.exit_code) from None
     except ConfigError as e:
+        _record_failure(cfg, f"config error: {e}")
         if not _is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed
             if env.rank() == 0:
                 log.error("config error: %s", e)
+            else:
+                launch.let_rank_zero_report()
             raise SystemExit(2) from None
         log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
-        _record_failure(cfg, f"config error: {e}")
         return float("nan")
     except Exception as e:
         if not _is_multirun():
@@ -177,8 +179,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _record_failure(cfg: DictConfig, error: str) -> None:
-    """A sweep job that failed before its Session (a bad value, a refused launch) has no result.json
-    yet: write one, so the sweep's summary lists it as failed, with why."""
+    """A job that failed before its Session (a bad value, a refused launch) has no result.json yet:
+    rank 0 writes one, so ``resume=auto`` and a sweep's summary see it failed, and why."""
     run_dir = rundir.own_run_dir(cfg)
     if env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
         rundir.write_result(run_dir, {"status": "failed", "error": error})

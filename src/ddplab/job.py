@@ -14,7 +14,7 @@ from ddplab import rundir, strategy
 from ddplab.config import ConfigError, validate
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
-from ddplab.runtime import env
+from ddplab.runtime import env, group
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
 
@@ -33,6 +33,9 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     if cfg.get("mode") == "eval":  # the checkpoint's own config, this command's launch settings
         cfg = eval_config(cfg)
     strategy.check_launch(cfg, env.world_size())
+    problem = group.refusal(cfg.distributed)  # nccl without CUDA: before any group forms, on every launcher
+    if problem:
+        raise ConfigError(problem)
     nproc = cfg.distributed.nproc_per_node
     if nproc > 1:
         if not env.is_launched():
@@ -88,8 +91,13 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
            "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided here, where Hydra's config is
            "log_tag": job_tag()}
     job["config"]["run_dir"] = str(run_dir)
+    from ddplab.runtime.launch import RankRefusedConfig
+
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
+    except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
+        noted = (rundir.read_result(run_dir) or {}).get("error", "a rank refused the config (see its log)")
+        raise ConfigError(noted.removeprefix("config error: ")) from None
     except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
         noted = rundir.read_result(run_dir) or {}
         raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
@@ -101,6 +109,12 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
     """One self-launched rank: the resolved config as a plain dict → ``run``."""
+    from ddplab.runtime.launch import CONFIG_EXIT, let_rank_zero_report
+
     cfg = OmegaConf.create(job["config"])
     OmegaConf.set_struct(cfg, True)
-    return run(cfg, job["search_earlier_runs"])
+    try:
+        return run(cfg, job["search_earlier_runs"])
+    except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
+        let_rank_zero_report()
+        raise SystemExit(CONFIG_EXIT) from None

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from ddplab.callbacks import Callback
+from ddplab.config.errors import ConfigError
 
 log = logging.getLogger("ddplab")
 
@@ -45,8 +46,9 @@ class EarlyStopping(Callback):
     def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         if not self.monitor.startswith("train/"):
             if self.monitor not in metrics:
-                raise KeyError(f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation logged "
-                               f"{sorted(metrics)}). Fix: monitor one of those")
+                # Found at the first evaluation, alike on every rank: still the config's fault (one line, exit 2).
+                raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation "
+                                  f"logged {sorted(metrics)}). Fix: monitor one of those")
             self._check(trainer, metrics[self.monitor])
 
     def _check(self, trainer: Any, value: float) -> None:

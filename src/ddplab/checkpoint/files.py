@@ -168,8 +168,28 @@ def _trains_the_same(ckpt: Path, digest: str | None) -> bool:
     try:
         meta = torch.load(ckpt, map_location="cpu", weights_only=True).get("meta", {})
         return drift.digest(meta.get("config", "")) == digest
-    except Exception:  # unreadable or foreign: not ours to continue
+    except Exception as e:  # unreadable or foreign: not ours to continue
+        log.warning("resume=auto: skipping %s, which cannot be read as a checkpoint (%s: %s)",
+                    ckpt, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
+
+
+def _run_key_or_none(run_dir: Path) -> list[str] | None:
+    """:func:`_same_run_key` of another run; a malformed ``overrides.yaml`` there is skipped, said once."""
+    try:
+        key = _same_run_key(run_dir)
+        return key if key is None or all(isinstance(o, str) for o in key) else None
+    except Exception as e:  # another job's file: half-written, edited by hand, not YAML
+        log.warning("resume=auto: skipping %s, which cannot be read (%s: %s)", run_dir / ".hydra" / "overrides.yaml",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:  # removed since the glob (that run's keep_last rotation)
+        return -1.0
 
 
 def _earlier_runs(run_dir: Path) -> list[Path]:
@@ -186,8 +206,7 @@ def _earlier_runs(run_dir: Path) -> list[Path]:
     root = run_dir.parents[depth]
     pattern = ("*", "*", "*") if sweep_job else ("*", "*")
     found = glob.glob(str(root.joinpath(*pattern, "checkpoints", "*.pt")))
-    return sorted((Path(p) for p in found if Path(p).parent.parent != run_dir),
-                  key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted((Path(p) for p in found if Path(p).parent.parent != run_dir), key=_mtime, reverse=True)
 
 
 def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None) -> Path | None:
@@ -224,9 +243,9 @@ def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, di
         if other in seen:
             continue
         seen.add(other)
-        newest = _newest_first(p.parent)[0]
-        if _same_run_key(other) == mine and _trains_the_same(newest, digest):
+        newest = _newest_first(p.parent)
+        if newest and _run_key_or_none(other) == mine and _trains_the_same(newest[0], digest):
             log.info("resume=auto: continuing %s", other)
-            return newest
+            return newest[0]
     log.info("resume=auto: no earlier run with overrides %s and this config; starting fresh", mine)
     return None

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
-from ddplab.config.errors import require
+from ddplab.config.errors import ConfigError, require
 from ddplab.config.groups import AugmentConfig
 from ddplab.config.schema import CheckpointConfig, DistributedConfig, PerfConfig, TrainConfig
 
@@ -24,6 +25,12 @@ _OWN_CHECKS = {"": TrainConfig.check, "distributed": DistributedConfig.check, "p
 
 def validate(cfg: DictConfig) -> None:
     """Range and cross-key checks; raises ConfigError naming the key, the value and the fix."""
+    try:  # an interpolation that cannot resolve (model.num_classes: ${dataset.num_classes} on a text dataset)
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        why = str(e.msg).splitlines()[0]
+        raise ConfigError(f"{e.full_key}: {why}. Fix: give {e.full_key} a value, or choose options that fit "
+                          "together (task=lm goes with dataset=text model=gpt)") from None
     for key, check in _OWN_CHECKS.items():
         check(cfg.get(key) if key else cfg, key)
     for key in ("model", "dataset", "optimizer", "scheduler"):  # the option's schema, if it has one

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -194,8 +195,15 @@ class ImageFolder(Dataset):
         from PIL import Image
 
         path, label = self.samples[i]
-        with Image.open(path) as im:
-            im = im.convert(self.mode)
+        try:
+            im = _decode(path, self.mode)
+        except Image.DecompressionBombError as e:  # Pillow's message names the size, not the file
+            raise ImageFileError(f"{path}: {e} Fix: shrink or remove this image, or raise PIL.Image.MAX_IMAGE_PIXELS "
+                                 "in your own code if you trust the file") from None
+        except (OSError, SyntaxError, ValueError) as e:  # truncated, not an image, a broken header
+            raise ImageFileError(f"{path}: cannot be decoded ({type(e).__name__}: {e}). Fix: replace or remove "
+                                 "this file") from None
+        with im:
             w, h = im.size
             s = self.image_size / min(w, h)
             im = im.resize((max(self.image_size, round(w * s)), max(self.image_size, round(h * s))),
@@ -206,6 +214,17 @@ class ImageFolder(Dataset):
             arr = np.asarray(im, dtype=np.float32) / 255.0
         x = torch.from_numpy(arr).reshape(self.image_size, self.image_size, -1).permute(2, 0, 1)
         return (x - self.mean) / self.std, torch.tensor(label)
+
+
+class ImageFileError(ValueError):
+    """An image that cannot be decoded: the message starts with its path."""
+
+
+def _decode(path: Path, mode: str) -> Any:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert(mode)
 
 
 def imagefolder(root: str | None = None, num_classes: int | None = None, in_channels: int = 3,

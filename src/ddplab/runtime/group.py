@@ -38,14 +38,22 @@ class DistState:
         return self.world_size > 1
 
 
+def refusal(cfg: Any) -> str | None:
+    """What in conf/distributed cannot work on this machine, whatever the world size (one process
+    included), said before any process group forms; None when nothing."""
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        return ("distributed.device=cuda but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+                "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch")
+    if cfg.backend == "nccl" and (cfg.device == "cpu" or not cuda):
+        return (f"distributed.backend=nccl needs CUDA devices ({'distributed.device=cpu' if cuda else 'torch sees none'})"
+                ". Fix: distributed.backend=auto or gloo")
+    return None
+
+
 def _pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "distributed.device=cuda but torch sees no CUDA GPU "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
-                "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch."
-            )
         n = torch.cuda.device_count()
         if local_rank >= n:
             raise RuntimeError(
@@ -59,6 +67,9 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
 def init(cfg: Any) -> DistState:
     """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
     rank, world_size, local_rank = env.rank(), env.world_size(), env.local_rank()
+    problem = refusal(cfg)  # ddplab.run asked first, as a config error; this is for direct callers
+    if problem:
+        raise RuntimeError(problem)
     device = _pick_device(cfg.device, local_rank)
     if device.type == "cuda":
         # Before any CUDA work: otherwise every rank creates a context on GPU 0.
@@ -68,8 +79,6 @@ def init(cfg: Any) -> DistState:
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise RuntimeError("distributed.backend=nccl needs CUDA devices. Fix: distributed.backend=auto or gloo.")
     timeout = timedelta(seconds=cfg.timeout_s)
     env.use_own_store(cfg.init_method)
     global _generation

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,6 +28,21 @@ from ddplab.runtime.signals import SIGNALS, Preempted
 log = logging.getLogger("ddplab")
 
 Entry = Callable[[dict[str, Any]], dict[str, float]]
+
+CONFIG_EXIT = 2  # a rank's exit code for a config error (the entry's to use; rank 0 recorded it in result.json)
+CONFIG_REPORT_GRACE_S = 3.0
+
+
+def let_rank_zero_report() -> None:
+    """A config error is found alike on every rank, and the first rank to exit makes the launcher
+    (torchrun's agent or ours) end the others: a rank other than 0 waits a moment, so rank 0 prints
+    the one line and writes result.json first (the launcher then ends this rank, or the grace does)."""
+    if env.rank() != 0:
+        time.sleep(CONFIG_REPORT_GRACE_S)
+
+
+class RankRefusedConfig(RuntimeError):
+    """A rank ended with :data:`CONFIG_EXIT`: the job's config cannot work (see rank 0's result.json)."""
 
 
 def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path) -> dict[str, float]:
@@ -48,7 +64,7 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         multiprocessing.set_start_method("spawn", force=True)
     log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
     try:
-        with _loopback_stores() as port:
+        with _loopback_stores() as port, _quiet_about_config_exits():
             config = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
@@ -61,6 +77,8 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         rank, failure = e.get_first_failure()
         if failure.exitcode in {128 + int(s) for s in SIGNALS}:  # a rank was preempted (runtime.signals)
             raise Preempted(f"exit code {failure.exitcode} of rank {rank}", -1, None) from None
+        if failure.exitcode == CONFIG_EXIT:  # said and recorded by the rank; the caller says it once
+            raise RankRefusedConfig(rank) from None
         raise RuntimeError(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
             f"{failure.exitcode}: {failure.message or 'see its log above'}") from e
@@ -86,6 +104,27 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
         return entry(job)
     except Preempted as e:  # the exit code tells the agent (and our parent) that this was a preemption
         sys.exit(e.exit_code)
+
+
+@contextlib.contextmanager
+def _quiet_about_config_exits() -> Iterator[None]:
+    """torch's agent logs a rank's exit with a traceback of its own polling, and spawn logs ending the
+    other ranks; for a config error that is noise around the one line the caller prints (a rank that
+    crashed keeps its report, and the error this module raises names it)."""
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
+                                               "torch.multiprocessing.spawn")]
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return f"(exitcode: {CONFIG_EXIT})" not in text and not text.startswith("Terminating process")
+
+    for lg in loggers:
+        lg.addFilter(keep)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(keep)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,108 @@
+"""Every config error is one line, once, under every launcher, with result.json and exit 2 (issue 22, item 8);
+files met while searching for resume=auto, and images that cannot be decoded, are named."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, job_dirs, python_train, torchrun
+
+SMALL = ["model=mlp", "num_epochs=1", "progress=none"]
+
+
+def ddplab_lines(out: str) -> list[str]:
+    """What ddplab and Hydra printed, without torchrun's own failure summary (its E/W log lines, its
+    ChildFailedError traceback and the ==== block), which no rank can shorten."""
+    keep, in_summary = [], False
+    for line in out.splitlines():
+        if line.startswith(("E1", "W1", "I1")) or line.startswith("*****") or "OMP_NUM_THREADS" in line:
+            continue
+        if line.startswith("Traceback") and "torch/distributed/run.py" in out.split(line, 1)[1][:400]:
+            in_summary = True
+        if not in_summary and line.strip():
+            keep.append(line)
+    return keep
+
+
+def assert_one_config_error(proc, tmp_path: Path, key: str) -> None:
+    lines = [ln for ln in ddplab_lines(proc.stdout + proc.stderr) if " ranks: " not in ln]
+    assert len(lines) == 1 and "config error: " in lines[0] and key in lines[0] and "Fix: " in lines[0], \
+        "\n".join(lines[-30:])
+    result = json.loads((job_dirs(tmp_path)[0] / "result.json").read_text())
+    assert result["status"] == "failed" and result["error"].startswith("config error: ") and key in result["error"]
+
+
+@pytest.mark.parametrize("override,key", [
+    (["distributed.backend=nccl"], "distributed.backend=nccl"),  # before the process group forms
+    (["callbacks=[ema]", "callbacks.ema.decay=2"], "callbacks.ema.decay=2"),  # while building the job
+    (["+callbacks.foo._target_=nope.Foo"], "callbacks.foo._target_='nope.Foo'"),
+    (["task=lm"], "model.num_classes"),  # an interpolation that cannot resolve
+])
+def test_under_torchrun(tmp_path, override, key):
+    proc = torchrun(2, [*SMALL, *override], tmp_path, timeout=120)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr  # every rank exited 2; torchrun says 1
+    assert_one_config_error(proc, tmp_path, key)
+
+
+def test_in_one_process_nccl_is_refused_not_ignored(tmp_path):
+    proc = python_train([*SMALL, "distributed.backend=nccl"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert_one_config_error(proc, tmp_path, "distributed.backend=nccl")
+
+
+def test_self_launched_ranks_report_a_build_time_error_once(tmp_path):
+    proc = python_train([*SMALL, "distributed.nproc_per_node=2", "callbacks=[ema]", "callbacks.ema.decay=2"],
+                        tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "self-launch:" not in ln and " ranks: " not in ln]
+    assert len(lines) == 1 and "config error: callbacks.ema.decay=2" in lines[0], "\n".join(lines[-30:])
+    assert json.loads((job_dirs(tmp_path)[0] / "result.json").read_text())["error"].startswith(
+        "config error: callbacks.ema.decay=2")
+
+
+def test_resume_auto_skips_a_malformed_earlier_run_naming_the_file(tmp_path):
+    bad = tmp_path / "outputs" / "2020-01-01" / "00-00-00"
+    (bad / ".hydra").mkdir(parents=True)
+    (bad / ".hydra" / "overrides.yaml").write_text("- model=mlp\n  - : [unclosed\n")
+    (bad / "checkpoints").mkdir()
+    (bad / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")
+    same = tmp_path / "outputs" / "2020-01-01" / "00-00-01"  # same overrides, a checkpoint that is not one
+    (same / ".hydra").mkdir(parents=True)
+    (same / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in SMALL))
+    (same / "checkpoints").mkdir()
+    (same / "checkpoints" / "last.pt").write_bytes(b"\x00garbage")
+    proc = python_train([*SMALL, "resume=auto"], tmp_path, timeout=120)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert f"resume=auto: skipping {bad / '.hydra' / 'overrides.yaml'}, which cannot be read" in out
+    assert f"resume=auto: skipping {same / 'checkpoints' / 'last.pt'}, which cannot be read as a checkpoint" in out
+    assert "Traceback" not in out
+
+
+def _png_header_only(path: Path, width: int, height: int) -> None:
+    """A PNG whose header claims width x height pixels (Pillow checks the size when it opens it)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+                     + chunk(b"IEND", b""))
+
+
+def test_an_image_over_pillows_limit_or_broken_names_the_file(tmp_path):
+    from ddplab.data.files import ImageFileError, ImageFolder
+
+    (tmp_path / "cat").mkdir()
+    _png_header_only(tmp_path / "cat" / "bomb.png", 20000, 20000)  # 4e8 pixels: over twice Pillow's limit
+    (tmp_path / "cat" / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    ds = ImageFolder(tmp_path, ["cat"], 8, 3, "imagenet")
+    with pytest.raises(ImageFileError, match=rf"^{tmp_path / 'cat' / 'bomb.png'}: .*decompression bomb.*Fix: "):
+        ds[0]
+    with pytest.raises(ImageFileError, match=rf"^{tmp_path / 'cat' / 'cut.jpg'}: cannot be decoded .*Fix: "):
+        ds[1]
+    assert sys.modules["PIL.Image"].MAX_IMAGE_PIXELS == 89478485  # the default limit, untouched
