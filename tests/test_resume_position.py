@@ -63,3 +63,16 @@ def test_result_json_keeps_the_training_metrics_when_a_finished_run_is_resumed(t
     assert proc.returncode == 2, proc.stderr[-2000:]
     refused = json.loads((run / "result.json").read_text())
     assert refused["status"] == "failed" and refused["previous"]["metrics"] == again, refused
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_with_one_tensorboard_history(tmp_path):
+    """Found by scripts/soak.py (seed 271041745): killed before any checkpoint, resume=auto starts afresh in
+    the same run dir; the dead attempt's logged steps must not show twice in TensorBoard."""
+    from conftest import read_scalars, run_killed_after_step
+
+    args = ["model=mlp", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
+    run_killed_after_step(compose_cfg(args, tmp_path), 12)  # logged steps 5 and 10; no checkpoint yet
+    assert not (tmp_path / "checkpoints" / "last.pt").exists()
+    ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path))
+    steps = [s for s, _ in read_scalars(tmp_path / "tb")["train/loss"]]
+    assert steps == [5, 10, 15, 20, 22]

@@ -102,7 +102,10 @@ class Trainer:
         self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
         self.first_train_loss: float | None = None
         self.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
-        self.writer = make_writer(state, str(self.events_dir), purge_step=self.loop.step + 1 if self.loop.step else None)
+        # Steps after the checkpoint's were logged by an attempt that died: TensorBoard drops them. A run that
+        # starts fresh where an attempt left events (killed before its first checkpoint) purges from step 1.
+        earlier = self.loop.step or any(self.events_dir.glob("events.out.tfevents.*"))
+        self.writer = make_writer(state, str(self.events_dir), purge_step=self.loop.step + 1 if earlier else None)
         self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
         self._step_hooks = self.callbacks.hooks["on_step_end"]  # per step: an empty loop when none

@@ -1,0 +1,384 @@
+"""Randomized fault-injection soak of the preemption promises: nothing lost, bitwise resume, exact metrics,
+no run mixed up with another (issue 22, item 9). One trial at a time (2 ranks at most).
+
+    python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn from seed 1
+    python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (the seed a failure prints)
+    python scripts/soak.py --trials 200 --seed 7 --plan   # the draws only, nothing runs
+
+A trial draws from its seed: the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
+``python train.py distributed.nproc_per_node=2``), the step time (log-uniform 1 ms - 4 s, few steps when long;
+``--long``: ~10x more training), log_every_n_steps (1-100), grad_accum_steps (1-3), checkpoint.every_n_steps, and
+one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase (data fetch, forward,
+backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself, the other rank, its
+launcher or every process of the job (tests/soak_toy.py, from inside the job, once per trial). Then the job
+reruns with ``resume=auto`` until it completes, and the trial checks:
+
+1. final model/optimizer/scheduler/loop/rng/results bitwise equal to an uninterrupted run (cached per config
+   and launcher; run without delays, which only sleep);
+2. TensorBoard: no step twice per tag; val/* bitwise; train/loss, train/acc bitwise where the log interval is
+   the reference's. A stop between log steps logs the interval so far before its checkpoint, splitting the
+   reference's interval (p, t]: its mean must equal the parts' steps-weighted mean (relative 1e-5);
+3. result.json: after SIGTERM/SIGINT/SIGUSR1, ``preempted`` (or ``completed``: the signal came after the last
+   stop check), non-zero exit, step == its checkpoint's loop.step >= the step the fault fired at (any
+   ``preempted`` run: the same consistency); ``completed`` at the end;
+4. no process of the trial (its SOAK_TRIAL_ID environment entry) alive 30 s after the launched one ended;
+5. nothing changed in the trial's working dir outside the run dir; none of ddplab's scratch (``ddplab-rank*``,
+   ``ddplab-<uid>/*``) left in the trial's TMPDIR (others, torch's, are noted);
+6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace).
+
+Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from soak_toy import check_events, describe, kill, same, snapshot, trial_pids  # noqa: E402  (tests/: the in-job half)
+
+TRAIN = REPO / "train.py"
+LAUNCHERS = ("single", "torchrun", "selflaunch")
+TARGETS = {"single": ("self",), "torchrun": ("self", "peer", "launcher", "all"),
+           "selflaunch": ("self", "peer", "launcher", "all")}
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
+PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
+TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 1438, 359, 32  # digits' fixed split; global batch 32
+GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
+PARTS = ["model=mlp", "model._target_=soak_toy.SoakMLP", "dataset._target_=soak_toy.soak_digits",
+         "+callbacks.soak._target_=soak_toy.SoakCallback", f"batch_size={BATCH}", "progress=log"]
+COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")
+
+
+@dataclasses.dataclass
+class Trial:
+    seed: int
+    launcher: str
+    step_s: float
+    epochs: int
+    steps_per_epoch: int
+    accum: int
+    log_every: int
+    every_n: int
+    signal: str
+    target: str
+    rank: int
+    phase: str
+    k: int
+    long: bool = False
+
+    @property
+    def world(self) -> int:
+        return 1 if self.launcher == "single" else 2
+
+    @property
+    def eval_s(self) -> float:
+        return min(self.step_s, 2.0)
+
+    def overrides(self) -> list[str]:
+        return PARTS + [f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
+                        f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
+                        f"checkpoint.every_n_steps={self.every_n}"]
+
+    def label(self) -> str:
+        return (f"{self.launcher:10s} {self.signal:7s}->{self.target}@{self.phase}#{self.k} rank {self.rank} "
+                f"step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} accum {self.accum} "
+                f"log {self.log_every} ckpt {self.every_n}")
+
+
+def calls(t: Trial) -> list[int]:
+    """The values of k at which rank t.rank makes that call in an uninterrupted run (per process)."""
+    steps = t.epochs * t.steps_per_epoch
+    micro = range(1, steps * t.accum + 1)
+    mid_saves = [s for s in range(1, steps + 1) if t.every_n and s % t.every_n == 0 and s % t.steps_per_epoch]
+    return {"data": [k for k in micro if (k - 1) % t.accum == 0], "between": [k for k in micro if (k - 1) % t.accum],
+            "forward": list(micro), "backward": list(micro), "optimizer": list(range(1, steps + 1)),
+            # eval batches of max(per-rank batch, 256) over this rank's shard
+            "evaluation": list(range(1, t.epochs * math.ceil(math.ceil(VAL_SAMPLES / t.world) / 256) + 1)),
+            "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
+
+
+def draw(seed: int, long: bool = False) -> Trial:
+    rng = random.Random(seed)
+    launcher = rng.choice(LAUNCHERS)
+    accum = rng.randint(1, 3)
+    step_s = math.exp(rng.uniform(math.log(1e-3), math.log(4.0)))
+    budget, cap = (60.0, 400) if long else (6.0, 60)
+    total = max(3, min(cap, round(budget / step_s)))
+    epochs = rng.randint(1, min(3, total))
+    spe = min(TRAIN_SAMPLES // (BATCH * accum), math.ceil(total / epochs))
+    log_every = round(math.exp(rng.uniform(0.0, math.log(100))))
+    every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
+    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, rng.choice(SIGNALS),
+              rng.choice(TARGETS[launcher]), 0, "", 0, long)
+    t.rank = rng.randrange(t.world)
+    t.phase = rng.choice([p for p in PHASES if p != "between" or accum > 1])
+    t.k = rng.choice(calls(t))
+    return t
+
+
+def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
+    args = t.overrides() + [f"hydra.run.dir={run}"] + (["resume=auto"] if resume else [])
+    if t.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN), *args]
+    return [sys.executable, str(TRAIN), *args] + (["distributed.nproc_per_node=2"] if t.launcher == "selflaunch" else [])
+
+
+def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
+    """conftest._env's environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tdir / "tmp"), SOAK_TRIAL_ID=trial_id,
+               SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
+    if fault:
+        env.update(SOAK_DELAY_S=repr(t.step_s / t.accum), SOAK_EVAL_DELAY_S=repr(t.eval_s),
+                   SOAK_FAULT=json.dumps({"phase": "fetch" if t.phase in ("data", "between") else t.phase, "k": t.k,
+                                          "rank": t.rank, "target": t.target, "signal": t.signal, "dir": str(tdir)}))
+    return env
+
+
+@dataclasses.dataclass
+class Attempt:
+    rc: int | None
+    ended: float  # the launched process
+    gone: float | None  # every process of the trial (None: some outlived it by 30 s)
+    left: list[str]
+    timed_out: bool
+
+
+def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Attempt:
+    """Run to the end; then wait up to 30 s for the rest of the trial's processes, killing (by pid) any left."""
+    trial_id = env["SOAK_TRIAL_ID"]
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    timed_out = False
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill(trial_pids(trial_id))
+        proc.wait()
+    except BaseException:
+        kill(trial_pids(trial_id))
+        raise
+    ended = time.time()
+    while time.time() - ended < GRACE_S:
+        left = trial_pids(trial_id)
+        if not left:
+            return Attempt(proc.returncode, ended, time.time(), [], timed_out)
+        time.sleep(0.1)
+    left = [describe(p) for p in trial_pids(trial_id)]
+    kill(trial_pids(trial_id))
+    return Attempt(proc.returncode, ended, None, left, timed_out)
+
+
+def read_result(run: Path) -> dict:
+    try:
+        return json.loads((run / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def reference(t: Trial, root: Path, cache: dict) -> Path:
+    """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run."""
+    key = (t.launcher, tuple(t.overrides()))
+    if key not in cache:
+        rdir = root / f"ref-{len(cache)}"
+        (rdir / "cwd").mkdir(parents=True)
+        (rdir / "tmp").mkdir()
+        run = rdir / "cwd" / "run"
+        a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{len(cache)}", False),
+                        rdir / "cwd", rdir / "run.log", 600)
+        if a.rc != 0 or read_result(run).get("status") != "completed":
+            raise RuntimeError(f"the reference run failed (exit {a.rc}): see {rdir / 'run.log'}")
+        cache[key] = run
+    return cache[key]
+
+
+def check_preempted(run: Path, what: str) -> list[str]:
+    """A run that says preempted: its checkpoint exists and holds the step it names."""
+    res = read_result(run)
+    if res.get("status") != "preempted":
+        return []
+    ck = res.get("checkpoint")
+    if not ck or not Path(ck).is_file():
+        return [f"{what}: result.json says preempted at step {res.get('step')} with checkpoint {ck!r}, no such file"]
+    step = load(Path(ck))["loop"]["step"]
+    return [] if step == res.get("step") else [f"{what}: result.json step {res.get('step')} but {ck} holds step {step}"]
+
+
+def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -> list[str]:
+    """The attempt the fault fired in: invariants 3 and 6 for a graceful signal."""
+    if not (tdir / "fired").exists():
+        return ["the fault never fired (k beyond the calls the job made?)"]
+    fired = json.loads((tdir / "fired").read_text())
+    notes.append(f"fired at step {fired['step']}")
+    res = read_result(run)
+    if t.signal == "SIGKILL":
+        notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
+        return []
+    problems = []
+    if a.gone is not None:
+        took = a.gone - fired["time"]
+        notes.append(f"gone {took:.1f}s after the signal")
+        if took >= GRACE_S:
+            problems.append(f"{t.signal}: the job took {took:.1f}s to exit, beyond the {GRACE_S:.0f}s grace")
+    status = res.get("status")
+    if status == "completed" and a.rc == 0:
+        notes.append("completed: the signal came after the last stop check")
+    elif status == "preempted" and a.rc != 0:
+        notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
+        if res["step"] < fired["step"]:
+            problems.append(f"stopped at step {res['step']}, before step {fired['step']} where the signal came: lost")
+    else:
+        problems.append(f"after {t.signal}: exit {a.rc} with result.json status {status!r} ({res.get('error', '')[:300]})")
+    return problems
+
+
+def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
+    """Invariants 1 and 3 (the end): completed, and the final state bitwise the uninterrupted run's. ``skip_rng``:
+    the streams were not restored (RNGStreams restores only mid-epoch: each epoch reseeds them), so the last
+    checkpoint's ``rng`` entry is the fresh process's, not the reference's."""
+    res = read_result(run)
+    if res.get("status") != "completed":
+        return [f"never completed: result.json {json.dumps(res)[:300]}"]
+    mine, theirs = load(run / "checkpoints" / "last.pt"), load(ref / "checkpoints" / "last.pt")
+    problems = [f"final {k} differs from the uninterrupted run's at {d}" for k in COMPARED
+                if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))]
+    mine["results"].pop("last_train"), theirs["results"].pop("last_train")  # its vitals/* are timings
+    problems += [f"final results differ at {d}"] if (d := same(mine["results"], theirs["results"], "results")) else []
+    if res.get("metrics", {}).get("step") != mine["loop"]["step"]:
+        problems.append(f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}")
+    return problems + check_events(run, ref)
+
+
+def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str]) -> list[str]:
+    """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR."""
+    after = snapshot(cwd)
+    outside = sorted(p for p in set(before) | set(after) if p != "run" and not p.startswith("run/")
+                     and before.get(p) != after.get(p))
+    problems = [f"written outside the run dir: {outside[:10]}"] if outside else []
+    ours = [p.name for p in tmp.glob("ddplab-rank*")] + [f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")]
+    if ours:
+        problems.append(f"ddplab scratch left in TMPDIR: {ours}")
+    others = sorted({p.name.split("_")[0] for p in tmp.iterdir() if not p.name.startswith("ddplab-")})
+    if others:
+        notes.append(f"TMPDIR also holds {others} (not ddplab's)")
+    return problems
+
+
+def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
+    """Fault, resume until completed, check; (problems, notes)."""
+    tdir = root / f"trial-{t.seed}"
+    cwd, tmp = tdir / "cwd", tdir / "tmp"
+    cwd.mkdir(parents=True)
+    tmp.mkdir()
+    ref, run, log = reference(t, root, cache), cwd / "run", tdir / "run.log"
+    before, env, notes = snapshot(cwd), job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
+    timeout = 180 + 3 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
+    attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
+    problems = check_fault(t, attempts[0], run, tdir, notes) + check_preempted(run, "the faulted run")
+    final_eval_resume = False  # resumed at the last epoch's end: the RNG streams are not restored (by design)
+    while read_result(run).get("status") != "completed" and len(attempts) < 4:
+        loop = load(run / "checkpoints" / "last.pt")["loop"] if (run / "checkpoints" / "last.pt").exists() else {}
+        final_eval_resume = loop.get("epoch") == t.epochs and not loop.get("batches_in_epoch")
+        attempts.append(run_attempt(command(t, run, resume=True), env, cwd, log, timeout))
+        if attempts[-1].rc != 0:
+            problems.append(f"resume {len(attempts) - 1} exited {attempts[-1].rc}")
+        problems += check_preempted(run, f"resume {len(attempts) - 1}")
+    for i, a in enumerate(attempts):
+        problems += [f"attempt {i} timed out after {timeout:.0f}s"] if a.timed_out else []
+        problems += [f"attempt {i}: processes alive {GRACE_S:.0f}s after it ended: {a.left}"] if a.left else []
+    notes.append(f"{len(attempts)} run(s)")
+    if final_eval_resume:
+        notes.append("rng not compared: resumed at the last epoch's end")
+    return problems + check_final(run, ref, final_eval_resume) + check_files(cwd, before, tmp, notes), notes
+
+
+def trial_seeds(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
+def summary(done: list[tuple[Trial, bool, float]]) -> None:
+    table: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for t, held, _ in done:
+        table[(t.launcher, t.target, t.phase)][0 if held else 1] += 1
+    print(f"\n{'launcher':10s} {'target':8s} {'phase':10s} held failed")
+    for (launcher, target, phase), (held, failed) in sorted(table.items()):
+        print(f"{launcher:10s} {target:8s} {phase:10s} {held:4d} {failed:6d}")
+    walls = [w for _, _, w in done]
+    held = sum(h for _, h, _ in done)
+    print(f"{held}/{len(done)} trials held; wall per trial: median {statistics.median(walls):.0f}s, "
+          f"max {max(walls):.0f}s, total {sum(walls) / 60:.1f} min")
+
+
+def report_failure(t: Trial, problems: list[str], root: Path) -> None:
+    print(f"  FAILED trial seed {t.seed}: {json.dumps(dataclasses.asdict(t))}")
+    for p in problems:
+        print(f"    - {p}")
+    print(f"    files: {root / f'trial-{t.seed}'}")
+    print(f"    reproduce: python scripts/soak.py --only {t.seed}{' --long' if t.long else ''} --keep")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
+    ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
+    ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
+    ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
+    ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
+    args = ap.parse_args(argv)
+    trials = [draw(s, args.long) for s in ([args.only] if args.only is not None else trial_seeds(args.seed, args.trials))]
+    if args.plan:
+        print("\n".join(f"{t.seed:10d} {t.label()}" for t in trials))
+        return 0
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="ddplab-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
+    cache, done = {}, []
+    for i, t in enumerate(trials, 1):
+        t0 = time.time()
+        try:
+            problems, notes = run_trial(t, root, cache)
+        except Exception as e:  # the harness itself: still a failed trial, with its seed
+            problems, notes = [f"harness error: {type(e).__name__}: {e}"], []
+        wall = time.time() - t0
+        done.append((t, not problems, wall))
+        print(f"[{i}/{len(trials)}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
+              f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
+        if problems:
+            report_failure(t, problems, root)
+        elif not args.keep:
+            shutil.rmtree(root / f"trial-{t.seed}", ignore_errors=True)
+    summary(done)
+    if not args.keep and all(h for _, h, _ in done):
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if all(h for _, h, _ in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Fault injection from inside a job, for scripts/soak.py: one signal, at one phase of one rank.
+
+Importable as ``soak_toy.X`` in every rank (the soak puts tests/ on PYTHONPATH, as conftest._env does).
+A job names three parts in its config; they do nothing unless the soak's environment asks:
+
+    model._target_=soak_toy.SoakMLP  dataset._target_=soak_toy.soak_digits  +callbacks.soak._target_=soak_toy.SoakCallback
+
+Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the same):
+
+* ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch;
+* ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir"}``: on its ``k``-th call of ``phase`` rank
+  ``rank`` sends ``signal`` to ``target`` — ``self``, ``peer`` (the other rank), ``launcher`` (its parent: torchrun's
+  agent or the self-launching parent) or ``all`` (every process of the trial) — once per trial: ``dir/fired``
+  is created first (exclusively), so a resumed run never faults again. It records when and at which step.
+* ``SOAK_TRIAL_ID``: every process of the trial carries it (how ``all`` and the driver find them).
+
+Phases: ``fetch`` (collating a micro-batch; the driver picks the first micro-batch of a step for "data" and a
+later one for "between micro-batches"), ``forward``, ``backward`` (a gradient hook, inside autograd), ``optimizer``
+(a step pre-hook), ``evaluation`` (an eval batch's forward inside the epoch-end evaluation) and ``checkpoint``
+(the callback's ``state_dict``, called inside ``CheckpointManager.save`` before rank 0 writes the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from ddplab.callbacks import Callback
+from ddplab.data import Splits, digits
+from ddplab.models import MLP
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def trial_pids(trial_id: str) -> list[int]:
+    """Every live process whose environment carries ``SOAK_TRIAL_ID=trial_id`` (orphans and torchrun's
+    workers, which run in sessions of their own, included)."""
+    key = f"SOAK_TRIAL_ID={trial_id}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if key in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+# --------------------------------------------------------- the driver's helpers (scripts/soak.py)
+def kill(pids: list[int]) -> None:
+    """SIGKILL these (the trial's own) processes, by pid."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def describe(pid: int) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return str(pid)
+    return f"{pid} {cmdline[:120]}"
+
+
+def same(a: Any, b: Any, where: str = "") -> str | None:
+    """Where two checkpoint entries differ (tensors: dtype and bits), or None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return None if ok else where
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{where} keys {sorted(map(str, a.keys() ^ b.keys()))}"
+        return next((d for k in a if (d := same(a[k], b[k], f"{where}.{k}"))), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where} length {len(a)} vs {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := same(x, y, f"{where}[{i}]"))), None)
+    return None if a == b or (a != a and b != b) else f"{where}: {a!r} vs {b!r}"  # NaN == NaN here
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``folder``: (mtime, size) of files, (0, 0) of the rest."""
+    out = {}
+    for p in folder.rglob("*"):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        out[str(p.relative_to(folder))] = (st.st_mtime_ns, st.st_size) if p.is_file() else (0, 0)
+    return out
+
+
+def check_events(run: Path, ref: Path) -> list[str]:
+    """Invariant 2, on TensorBoard's own reading of the events (purged steps dropped, as the dashboard does)."""
+    from ddplab.events import read_scalars
+
+    mine, theirs = read_scalars(run / "tb"), read_scalars(ref / "tb")
+    dups = {tag: sorted({s for s, _ in pts if [x for x, _ in pts].count(s) > 1}) for tag, pts in mine.items()}
+    dups = {tag: steps for tag, steps in dups.items() if steps}
+    problems = [f"steps logged more than once, in {len(dups)} tags: {dict(list(dups.items())[:3])}"] if dups else []
+    problems += [f"{tag}: {mine.get(tag)} vs the reference's {theirs.get(tag)}" for tag in ("val/loss", "val/acc")
+                 if mine.get(tag) != theirs.get(tag)]
+    for tag in ("train/loss", "train/acc"):
+        problems += check_intervals(tag, dict(mine.get(tag, [])), dict(theirs.get(tag, [])))
+    return problems
+
+
+def check_intervals(tag: str, mine: dict[int, float], ref: dict[int, float]) -> list[str]:
+    """Each reference log interval (p, t] is logged once by the run, whole (bitwise) or split at a stop."""
+    problems, prev = [], 0
+    for t in sorted(ref):
+        parts = [u for u in sorted(mine) if prev < u <= t]
+        if not parts or parts[-1] != t:
+            problems.append(f"{tag}: step {t} not logged (run logged {parts} in ({prev}, {t}])")
+        elif parts == [t] and mine[t] != ref[t]:
+            problems.append(f"{tag} at step {t}: {mine[t]!r} vs the reference's {ref[t]!r}")
+        elif len(parts) > 1:
+            bounds = [prev] + parts
+            mean = sum(mine[u] * (u - p) for p, u in zip(bounds, parts)) / (t - prev)
+            if abs(mean - ref[t]) > 1e-5 * max(1.0, abs(ref[t])):
+                problems.append(f"{tag} over ({prev}, {t}] split at {parts[:-1]}: mean {mean!r} vs {ref[t]!r}")
+        prev = t
+    extra = [u for u in mine if u > prev]
+    return problems + ([f"{tag}: logged at steps {extra}, after the reference's last log step"] if extra else [])
+
+
+# ------------------------------------------------------------------------ in the job
+class _Injector:
+    """This process's phase counters and the one fault it may send."""
+
+    def __init__(self) -> None:
+        spec = os.environ.get("SOAK_FAULT")
+        self.spec: dict[str, Any] | None = json.loads(spec) if spec else None
+        if self.spec is not None and self.spec["rank"] != _rank():
+            self.spec = None  # another rank's fault
+        self.calls: dict[str, int] = {}
+        self.trainer: Any = None  # set by SoakCallback.setup: the step a fault lands at
+        self.in_eval = False
+
+    def wants(self, phase: str) -> bool:
+        return self.spec is not None and self.spec["phase"] == phase
+
+    def tick(self, phase: str) -> None:
+        if not self.wants(phase):
+            return
+        self.calls[phase] = n = self.calls.get(phase, 0) + 1
+        if n == self.spec["k"]:
+            self.fire()
+
+    def fire(self) -> None:
+        spec = self.spec
+        try:  # once per trial, whichever attempt and rank gets here first
+            fd = os.open(Path(spec["dir"]) / "fired", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        sig = getattr(signal, spec["signal"])
+        targets = self._targets(spec["target"])
+        step = self.trainer.loop.step if self.trainer is not None else -1
+        record = {"time": time.time(), "step": step, "pid": os.getpid(), "targets": targets, "phase": spec["phase"]}
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record))
+        for pid in sorted(targets, key=lambda p: p == os.getpid()):  # itself last: SIGKILL ends it here
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _targets(self, target: str) -> list[int]:
+        if target == "self":
+            return [os.getpid()]
+        if target == "launcher":
+            return [os.getppid()]
+        if target == "peer":
+            return [int((Path(self.spec["dir"]) / f"pid.{1 - _rank()}").read_text())]
+        return trial_pids(os.environ["SOAK_TRIAL_ID"])  # "all"
+
+
+_INJ: _Injector | None = None
+
+
+def injector() -> _Injector:
+    global _INJ
+    if _INJ is None:
+        _INJ = _Injector()
+    return _INJ
+
+
+def _sleep_around(seconds: float, phase: str) -> None:
+    """Half the delay, the phase's tick, the other half: a signal sent to another process lands mid-phase."""
+    if seconds:
+        time.sleep(seconds / 2)
+    injector().tick(phase)
+    if seconds:
+        time.sleep(seconds / 2)
+
+
+class SoakMLP(MLP):
+    """An MLP whose training forward sleeps ``SOAK_DELAY_S`` (an evaluation batch ``SOAK_EVAL_DELAY_S``), and
+    ticks the forward / backward / evaluation phases."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.delay_s = float(os.environ.get("SOAK_DELAY_S", "0"))
+        self.eval_delay_s = float(os.environ.get("SOAK_EVAL_DELAY_S", "0"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inj = injector()
+        if not self.training:
+            if inj.in_eval:  # the epoch-end evaluation, not the FLOP count's one forward
+                _sleep_around(self.eval_delay_s, "evaluation")
+            return super().forward(x)
+        _sleep_around(self.delay_s, "forward")
+        out = super().forward(x)
+        if inj.wants("backward") and out.requires_grad:
+            out.register_hook(lambda g: inj.tick("backward"))  # runs inside loss.backward()
+        return out
+
+
+class _Samples(Dataset):
+    """A plain map-style view of a TensorData: the trainer then batches it through a DataLoader (and
+    ``_collate``), where a fetch can be ticked, instead of indexing a whole batch on the device."""
+
+    def __init__(self, data: Any):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data[i]
+
+
+def _collate(samples: list[Any]) -> Any:
+    injector().tick("fetch")
+    return default_collate(samples)
+
+
+def soak_digits(**kw: Any) -> Splits:
+    """digits, its training split served per sample through a DataLoader (validation stays in memory)."""
+    s = digits(**kw)
+    return Splits(_Samples(s.train), s.val, s.num_classes, _collate)
+
+
+class SoakCallback(Callback):
+    """Ticks the optimizer-step and checkpoint phases, marks the evaluation, and notes this rank's pid for a
+    peer's ``peer`` fault. Checkpointed (as ``callbacks.soak``) so that ``state_dict`` runs in every save."""
+
+    def setup(self, trainer: Any) -> None:
+        inj = injector()
+        inj.trainer = trainer
+        soak_dir = os.environ.get("SOAK_DIR")
+        if soak_dir:
+            (Path(soak_dir) / f"pid.{_rank()}").write_text(str(os.getpid()))
+        if inj.wants("optimizer"):
+            trainer.optimizer.register_step_pre_hook(lambda *_: inj.tick("optimizer"))
+        run = trainer.evaluator.run
+
+        def evaluating(*args: Any, **kw: Any) -> Any:
+            inj.in_eval = True
+            try:
+                return run(*args, **kw)
+            finally:
+                inj.in_eval = False
+
+        trainer.evaluator.run = evaluating
+
+    def state_dict(self) -> dict[str, Any]:
+        injector().tick("checkpoint")
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
