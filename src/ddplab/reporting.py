@@ -134,7 +134,8 @@ def run_summary(t: Any, out: dict[str, float]) -> list[str]:
     if above:
         what, v = above[0]
         lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging")
-        lines.append("  try a lower optimizer.lr, more epochs, grad_clip=1.0, or amp=false")
+        amp_on = t.precision.dtype.itemsize < 4  # after amp fell back to fp32, amp=false would change nothing
+        lines.append("  try a lower optimizer.lr, more epochs, grad_clip=1.0" + (", or amp=false" if amp_on else ""))
     return lines
 
 

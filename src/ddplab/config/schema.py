@@ -140,7 +140,7 @@ class TrainConfig:
     batch_size_scope: BatchScope = BatchScope["global"]
     grad_accum_steps: int = 1  # optimizer step every k micro-batches
     grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
-    amp: bool = False  # autocast: bf16 on CPU and Ampere+ GPUs, fp16 + GradScaler on older ones
+    amp: bool = False  # autocast: bf16 where native (Ampere+, AVX512-BF16/AMX), fp16 on older GPUs, else fp32
     amp_dtype: AmpDtype = AmpDtype.auto  # or bfloat16 | float16 (bf16 | fp16)
     log_every_n_steps: int = 10  # one collective per interval (and one at each epoch's end)
     eval_every_n_epochs: int = 1  # the last epoch is always evaluated
