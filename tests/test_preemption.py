@@ -81,6 +81,16 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def ranks_of(pid: int) -> dict[int, int]:
+    """{RANK: pid} of the training ranks under ``pid`` (from their environment)."""
+    ranks = {}
+    for p in children(pid):
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in kv)
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = p
+    return ranks
+
+
 def listeners(pids: list[int]) -> list[str]:
     """Local addresses of the TCP listening sockets these processes hold (``ss -ltnp``)."""
     ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
@@ -122,9 +132,7 @@ def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     run, log = tmp_path / "run", tmp_path / "run.log"
     proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log)
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
-    ranks = {int(dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in kv)
-                  .get("RANK", -1)): p for p in children(proc.pid)}
-    os.kill(ranks[1], signal.SIGUSR1)
+    os.kill(ranks_of(proc.pid)[1], signal.SIGUSR1)
     took = finish(proc, log)
     out = log.read_text()
     assert took < 10 and proc.returncode != 0
@@ -182,6 +190,27 @@ def test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm(tmp_pat
     assert proc.returncode == 143 and took < 10, log.read_text()[-3000:]
     res = result(run)
     assert res["status"] == "preempted" and Path(res["checkpoint"]).is_file(), res
+
+
+def test_a_rank_dying_at_exit_after_a_preemption_leaves_the_job_preempted(tmp_path):
+    """Every rank checkpointed and rank 0 recorded the stop; then rank 1 dies of SIGABRT as its interpreter
+    exits (seen once in the soak). The job was preempted, its checkpoint whole: that is what the self-launch
+    parent says, records and exits with, naming the rank that died afterwards."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start([sys.executable, str(TRAIN), *SLOW, "model._target_=toy.AbortAtExitMLP",
+                  f"+model.pid_dir={tmp_path}", "distributed.nproc_per_node=2", f"hydra.run.dir={run}"], tmp_path, log)
+    wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
+    # To a rank (as SLURM's warning comes), not to the parent: the parent learns the outcome from exit codes.
+    os.kill(int((tmp_path / "rank0.pid").read_text()), signal.SIGUSR1)
+    finish(proc, log)
+    out = log.read_text()
+    res = result(run)
+    assert proc.returncode == 138 and res["status"] == "preempted", (proc.returncode, res, out[-3000:])
+    assert Path(res["checkpoint"]).is_file() and res["step"] > 22, res
+    assert re.search(r"rank 1 (\(local 1\) exited )?with (code )?-6", out), out[-3000:]
+    assert_ok(run_cmd([sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}",
+                       "resume=auto"], tmp_path, timeout=180))
+    assert result(run)["status"] == "completed"
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")

@@ -5,6 +5,7 @@ works in every rank. Test code may read RANK; ddplab's own code never does
 outside ddplab.runtime.env.
 """
 
+import atexit
 import os
 import signal
 import time
@@ -95,6 +96,21 @@ class SlowMLP(MLP):
                 f.write(f"{'train' if self.training else 'eval'} {time.time()}\n")
         time.sleep(self.delay_s if self.training else self.eval_delay_s)
         return super().forward(x)
+
+
+class AbortAtExitMLP(SlowMLP):
+    """A SlowMLP whose rank ``abort_rank`` dies of SIGABRT as its interpreter exits, after the job ended (as
+    a rank did once in the soak: "terminate called without an active exception" after a clean preemption)."""
+
+    def __init__(self, abort_rank: int = 1, pid_dir: str | None = None, **kw):
+        super().__init__(**kw)
+        if pid_dir:  # self-launched ranks get RANK after they start: /proc/PID/environ cannot tell them apart
+            with open(os.path.join(pid_dir, f"rank{_rank()}.pid"), "w") as f:
+                f.write(str(os.getpid()))
+        if _rank() == abort_rank:
+            atexit.register(os.abort)
+        else:  # the others take their time to exit: the launcher hears of the abort first
+            atexit.register(time.sleep, 3)
 
 
 class BadTask:

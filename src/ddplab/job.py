@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -93,6 +94,7 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     job["config"]["run_dir"] = str(run_dir)
     from ddplab.runtime.launch import RankRefusedConfig
 
+    started = time.time()
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
     except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
@@ -103,6 +105,12 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
         raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
                         noted.get("checkpoint")) from None
     except Exception as e:
+        noted = rundir.read_result(run_dir, since=started) or {}
+        if noted.get("status") == "preempted" and noted.get("checkpoint"):
+            # Rank 0 records a stop only after every rank's part of its checkpoint is in: a rank that died
+            # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
+            log.warning("%s, after every rank checkpointed at step %s: the job stays preempted", e, noted.get("step"))
+            raise Preempted(noted.get("signal", "SIGTERM"), noted.get("step", -1), noted["checkpoint"]) from None
         rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
         raise
 

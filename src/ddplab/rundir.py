@@ -196,8 +196,12 @@ def _keep_measured(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str,
     return {**new, "previous": earlier} if earlier else new
 
 
-def read_result(run_dir: Path) -> dict[str, Any] | None:
+def read_result(run_dir: Path, since: float | None = None) -> dict[str, Any] | None:
+    """``run_dir/result.json`` (None if absent or unreadable); with ``since`` (a ``time.time()``), only
+    if it was written at or after then — by this job, not by an earlier run in the same dir."""
     try:
+        if since is not None and (run_dir / RESULT).stat().st_mtime < since:
+            return None
         return json.loads((run_dir / RESULT).read_text())
     except (OSError, ValueError):
         return None

@@ -79,9 +79,11 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
             raise Preempted(f"exit code {failure.exitcode} of rank {rank}", -1, None) from None
         if failure.exitcode == CONFIG_EXIT:  # said and recorded by the rank; the caller says it once
             raise RankRefusedConfig(rank) from None
+        others = ", ".join(f"rank {r} with {f.exitcode}" for r, f in sorted(e.failures.items()) if r != rank)
         raise RuntimeError(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
-            f"{failure.exitcode}: {failure.message or 'see its log above'}") from e
+            f"{failure.exitcode}: {failure.message or 'see its log above'}"
+            + (f" (then: {others})" if others else "")) from e
     return results[0]
 
 
