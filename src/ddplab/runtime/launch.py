@@ -64,7 +64,7 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         multiprocessing.set_start_method("spawn", force=True)
     log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
     try:
-        with _loopback_stores() as port, _quiet_about_config_exits():
+        with _loopback_stores() as port, _quiet_about_known_exits():
             config = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
@@ -109,16 +109,18 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
 
 
 @contextlib.contextmanager
-def _quiet_about_config_exits() -> Iterator[None]:
+def _quiet_about_known_exits() -> Iterator[None]:
     """torch's agent logs a rank's exit with a traceback of its own polling, and spawn logs ending the
-    other ranks; for a config error that is noise around the one line the caller prints (a rank that
-    crashed keeps its report, and the error this module raises names it)."""
+    other ranks; for a config error or a preemption (exit 128 + the signal, after the checkpoint) that is
+    noise around the one line the caller prints (a rank that crashed keeps its report, and the error this
+    module raises names it)."""
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
                                                "torch.multiprocessing.spawn")]
+    said = [f"(exitcode: {code})" for code in (CONFIG_EXIT, *(128 + int(s) for s in SIGNALS))]
 
     def keep(record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return f"(exitcode: {CONFIG_EXIT})" not in text and not text.startswith("Terminating process")
+        return not any(s in text for s in said) and not text.startswith("Terminating process")
 
     for lg in loggers:
         lg.addFilter(keep)
