@@ -247,6 +247,9 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
     status = res.get("status")
     if status == "completed" and a.rc == 0:
         notes.append("completed: the signal came after the last stop check")
+    elif status == "completed" and t.launcher == "torchrun" and t.target in ("launcher", "all"):
+        # torchrun's agent, signalled, exits 1 (its SignalException) whatever its ranks did: its code, not ours.
+        notes.append(f"completed: the signal came after the last stop check (torchrun's agent exit {a.rc})")
     elif status == "preempted" and a.rc != 0:
         notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
         if res["step"] < fired["step"]:

@@ -138,6 +138,25 @@ def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
     assert Path(res["checkpoint"]).is_file() and res["step"] < 3 * 22  # stopped long before the last epoch
 
 
+@pytest.mark.dist
+def test_a_job_that_completes_after_its_launcher_died_leaves_no_restart_memo(tmp_path, monkeypatch):
+    """Found by the soak (seed 421128506): torchrun's agent SIGKILLed in the last steps, the ranks finish
+    first; rank 0's restart memo (named after the agent's pid) stayed in TMPDIR, as the ranks' parent pid
+    was no longer the agent's when the job completed."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(TORCHRUN + ["model=mlp", "num_epochs=1", "+callbacks.kill._target_=toy.KillLauncherAtFitEnd",
+                             f"hydra.run.dir={run}"], tmp_path, log)
+    proc.wait(timeout=120)
+    t0 = time.monotonic()
+    while not (run / "result.json").exists() and time.monotonic() - t0 < 30:  # the orphaned ranks finish
+        time.sleep(0.1)
+    assert result(run)["status"] == "completed", log.read_text()[-3000:]
+    time.sleep(1)  # rank 0 removes the memo right after result.json
+    assert [p.name for p in (tmp_path / "tmp").glob("ddplab-*/run-*")] == [], log.read_text()[-3000:]
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]

@@ -113,6 +113,40 @@ class AbortAtExitMLP(SlowMLP):
             atexit.register(time.sleep, 3)
 
 
+RECORDED: list[tuple[str, int]] = []  # (hook, loop step) per Recorder call, in order (in-process runs)
+
+
+class Recorder:
+    """A user's callback (not a ddplab.callbacks.Callback subclass: duck typing is enough) that records
+    every hook it receives."""
+
+    def _note(self, hook, trainer):
+        RECORDED.append((hook, trainer.loop.step))
+
+    def setup(self, trainer): self._note("setup", trainer)
+    def on_fit_start(self, trainer): self._note("on_fit_start", trainer)
+    def on_step_end(self, trainer, step): self._note("on_step_end", trainer)
+    def on_log(self, trainer, values, step): self._note("on_log", trainer)
+    def on_eval_end(self, trainer, metrics): self._note("on_eval_end", trainer)
+    def on_save(self, trainer, path): self._note("on_save", trainer)
+    def on_load(self, trainer, path): self._note("on_load", trainer)
+    def on_exception(self, trainer, exc): self._note("on_exception", trainer)
+    def on_fit_end(self, trainer, metrics): self._note("on_fit_end", trainer)
+
+
+class KillLauncherAtFitEnd:
+    """Rank 0 SIGKILLs its launcher (torchrun's agent) once training is over, and waits to be re-parented:
+    the job then completes with no launcher (as when the agent dies during the last steps)."""
+
+    def on_fit_end(self, trainer, metrics):
+        if _rank() == 0:
+            parent = os.getppid()
+            os.kill(parent, signal.SIGKILL)
+            t0 = time.monotonic()
+            while os.getppid() == parent and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+
+
 class BadTask:
     """ClassificationTask that returns something wrong on purpose (fault=vector_loss | nonfinite | zero_count)."""
 

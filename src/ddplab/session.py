@@ -36,6 +36,9 @@ class Session:
         self.state: DistState = DistState()
         self.run_dir: Path = Path()
         self._lock: rundir.RunDirLock | None = None  # set once rank 0 holds the run dir
+        # torchrun's restart memo, named while the agent is this rank's parent: if the agent dies, the
+        # parent pid changes, and the memo must still be found to be removed when the job completes.
+        self._memo: Path | None = None
         # resume=auto may look at earlier runs only from a run dir Hydra made up (rank 0 decides).
         self.search_earlier_runs = search_earlier_runs
         # Where a failure happened, for the report: the trainer replaces it with its position.
@@ -97,9 +100,9 @@ class Session:
                 if holder:
                     return rundir.in_use(self.run_dir, holder)
             self._lock = lock
-            memo = env.run_dir_memo()
-            if memo is not None:
-                env.write_memo(memo, str(self.run_dir))
+            self._memo = env.run_dir_memo()
+            if self._memo is not None:
+                env.write_memo(self._memo, str(self.run_dir))
         except (OSError, RuntimeError) as e:
             return f"run dir {self.run_dir}: {type(e).__name__}: {e}"
         return None
@@ -112,9 +115,8 @@ class Session:
             rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics,
                                                **({"note": note} if note else {}),
                                                **({"objective": objective} if objective else {})})
-            memo = env.run_dir_memo()
-            if memo is not None:
-                memo.unlink(missing_ok=True)
+            if self._memo is not None:
+                self._memo.unlink(missing_ok=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

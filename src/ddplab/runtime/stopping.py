@@ -71,15 +71,7 @@ class StopAgreement:
         """After an optimizer step that is not a log step: True if every rank stops here.
 
         Per step this is an integer decrement; the collective runs only when a check falls due."""
-        if self.alone:
-            self.agreed = self.signal.requested
-            return self.agreed
-        c = self._train
-        c.steps += 1
-        c.left -= 1
-        if c.left > 0:
-            return False
-        return self._check(c)
+        return self._tick(self._train)
 
     def heard_at_log_step(self, any_rank_stops: bool) -> bool:
         """A log step's collective carried every rank's flag: that was this interval's check."""
@@ -95,19 +87,21 @@ class StopAgreement:
     def after_eval_batch(self, index: int, common: int) -> bool:
         """After eval batch ``index`` (0-based); only batches below ``common`` (the fewest any rank
         has) may hold a check, as every rank must reach it."""
+        if index >= common and not self.alone:
+            return False
+        return self._tick(self._eval)
+
+    # ------------------------------------------------------------------ internal
+    def _tick(self, c: _Cadence) -> bool:
+        """One more step (or batch) of cadence ``c``: a single process reads its own flag; ranks check
+        together when the check falls due."""
         if self.alone:
             self.agreed = self.signal.requested
             return self.agreed
-        if index >= common:
-            return False
-        c = self._eval
         c.steps += 1
         c.left -= 1
-        if c.left > 0:
-            return False
-        return self._check(c)
+        return self._check(c) if c.left <= 0 else False
 
-    # ------------------------------------------------------------------ internal
     def _check(self, c: _Cadence) -> bool:
         now = time.perf_counter()
         row = torch.tensor([float(self.signal.requested), now - c.since], dtype=torch.float64, device=self.state.device)
