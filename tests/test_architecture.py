@@ -102,3 +102,14 @@ def test_only_the_checkpoint_manager_names_and_times_checkpoints():
     hits = [f"{p.relative_to(SRC)}:{i}" for p in _outside("checkpoint/", "config/")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
+
+
+def test_the_readme_is_a_front_door_and_every_docs_page_is_in_the_site():
+    """The README: what ddplab is, the two commands, the common commands, links (<= 200 lines); the manual
+    lives in docs/, every page of it in mkdocs.yml's nav (`mkdocs build --strict` in .ci/run checks links)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert pages and [p for p in pages if f" {p}" not in nav] == []
+    assert [p for p in pages if f"(docs/{p})" not in readme and p != "index.md"] == []  # linked from the front door

@@ -49,3 +49,18 @@ def test_no_host_device_syncs_on_non_log_steps_on_cuda(tmp_path):
         if k % log_every:
             assert steps[k]["cuda_syncs"] == 0 and steps[k]["syncs"] == 0 and steps[k]["collectives"] == 0, (k, steps[k])
     assert sum(s["cuda_syncs"] for s in steps) > 0  # the log steps do sync: the detector works
+
+
+@cuda
+def test_profiler_records_a_cuda_memory_snapshot_of_its_steps(tmp_path):
+    """callbacks=[profiler] on CUDA: besides the trace, the allocations of its steps as a snapshot that
+    torch's viewer (pytorch.org/memory_viz) reads — a pickle with segments and the recorded events."""
+    import pickle
+
+    cfg = compose_cfg(["model=mlp", "num_epochs=1", "callbacks=[profiler]", "callbacks.profiler.steps=[3,5]",
+                       "progress=none"], run_dir=tmp_path)
+    ddplab.run(cfg)
+    snap = pickle.loads((tmp_path / "profile" / "memory-rank0.pickle").read_bytes())
+    assert snap["segments"] and any(trace for trace in snap["device_traces"])  # memory held, allocations recorded
+    assert any(e["action"] == "alloc" for trace in snap["device_traces"] for e in trace)
+    assert (tmp_path / "profile" / "trace-rank0.json").stat().st_size > 0

@@ -110,3 +110,21 @@ def test_augmentation_off_is_the_identity_and_negative_padding_is_refused():
     assert not BatchAugment().enabled and torch.equal(BatchAugment()(x), x)
     with pytest.raises(ValueError, match="crop_padding=-1"):
         BatchAugment(crop_padding=-1)
+
+
+def test_batches_of_namedtuples_lists_and_dicts_keep_their_types_on_the_way_to_the_device():
+    """A user's collate may yield any nesting; the trainer moves it (map_tensors) and the task finds the
+    tensors (tensors) without knowing its shape."""
+    import collections
+
+    from ddplab.data.batches import first_tensor, map_tensors, tensors
+
+    Pair = collections.namedtuple("Pair", "x y")
+    x, y, m = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 0]), torch.ones(2)
+    batch = [Pair(x, y), {"mask": m, "name": "digits"}, (y,)]
+    doubled = map_tensors(batch, lambda t: t * 2)
+    assert type(doubled) is list and type(doubled[0]) is Pair and type(doubled[2]) is tuple
+    assert torch.equal(doubled[0].x, x * 2) and torch.equal(doubled[0].y, y * 2)
+    assert torch.equal(doubled[1]["mask"], m * 2) and doubled[1]["name"] == "digits"  # non-tensors untouched
+    assert [where for where, _ in tensors(batch)] == ["batch[0][0]", "batch[0][1]", "batch[1]['mask']", "batch[2][0]"]
+    assert first_tensor(batch) is x and first_tensor([{"name": "none"}]) is None

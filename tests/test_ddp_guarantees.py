@@ -1,4 +1,4 @@
-"""What ddplab guarantees under DDP (README): exactness across world sizes and the classic pitfalls.
+"""What ddplab guarantees under DDP (docs/guarantees.md): exactness across world sizes and the classic pitfalls.
 
 Each test runs real processes (gloo on CPU) and asserts numbers.
 """
@@ -164,7 +164,7 @@ def test_init_methods(tmp_path, scheme):
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_nodes_form_one_job(tmp_path, rdzv):
     port = free_port()
-    # static: node ranks given, node 0 hosts the store; c10d: the README's multi-node form, where the
+    # static: node ranks given, node 0 hosts the store; c10d: docs/launching.md's multi-node form, where the
     # agents agree on node ranks through the store at the endpoint (one of them hosts it).
     how = {"static": lambda n: [f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}"],
            "c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]}[rdzv]
@@ -192,8 +192,8 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    # Not "forever": the 8 s timeout, then torchrun's fixed 30 s grace for rank 1 (asleep in its forward, it cannot
-    # stop), plus start-up and teardown on 2 loaded cores. The timeout itself is checked from the log below.
+    # Not "forever" (a loose bound: the 8 s timeout, torchrun's fixed 30 s grace for rank 1, asleep in its
+    # forward, plus start-up on 2 loaded cores). The timeout itself is checked, tightly, from the log below.
     assert elapsed < 8 + 30 + 40
     assert "rank 0/2 failed in epoch 1, step 3" in out
     assert "Rank(s) [1] never reached it" in out
@@ -205,7 +205,8 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     warned = re.search(r"(\d\d):(\d\d):(\d\d) WARNING: rank 0/2: step 3 has run (\d+)s", out)
     failed = re.search(r"(\d\d):(\d\d):(\d\d) ERROR: rank 0/2 failed in epoch 1, step 3", out)
     secs = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in (warned.groups()[:3], failed.groups())]
-    assert secs[1] - (secs[0] - int(warned.group(4))) <= 8 + 5, (warned.group(0), failed.group(0))
+    # Whole seconds on both stamps (and "has run Ns" rounds down): 2 s of slack, so 2x the timeout fails.
+    assert secs[1] - (secs[0] - int(warned.group(4))) <= 8 + 2, (warned.group(0), failed.group(0))
 
 
 def test_crashed_rank_fails_the_job_naming_it(tmp_path):

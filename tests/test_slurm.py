@@ -207,6 +207,10 @@ def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
     assert len(stops) == log.count(f"requeued SLURM job {job}:") == requeues, log[-4000:]
     assert [f"SLURM requeue {n}: continuing" in log for n in range(1, requeues + 1)] == [True] * requeues
     lag = _signal_to_checkpoint(log)
+    assert len(lag) == requeues and max(lag) < 30, lag  # each checkpoint inside SLURM's default KillWait
+    # 0 steps lost: every restart resumed at the step its stop checkpointed.
+    resumed = re.findall(r"resumed from \S+: \d+ epoch\(s\), (\d+) step\(s\) done", log)
+    assert resumed == stops, (resumed, stops)
     _assert_same_as_uninterrupted(run, reference)
     print(f"time limit: {requeues} requeue(s) at steps {stops}, signal -> checkpoint {lag} s, bitwise equal, "
           f"{secs:.0f} s submit to end")

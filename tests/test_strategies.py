@@ -64,6 +64,22 @@ def test_single_process_strategies_refuse_torchrun(tmp_path):
     assert "distributed.strategy=none: runs ONE process" in out and "distributed=ddp (or fsdp)" in out
 
 
+@pytest.mark.parametrize("args, says", [
+    (["distributed=dp", "distributed.nproc_per_node=2"],
+     "distributed.nproc_per_node=2: distributed=dp runs one process. Fix: distributed=ddp (or fsdp)"),
+    (["distributed=fsdp", "distributed.sync_batchnorm=true"],
+     "distributed.sync_batchnorm=True: not supported with distributed=fsdp. Fix: distributed.sync_batchnorm=false"),
+    (["distributed=fsdp", "perf.compile=true"], "perf.compile=True: not wired for distributed=fsdp yet. Fix:"),
+])
+def test_strategy_refusals_name_the_key_and_the_fix_before_any_process_starts(tmp_path, args, says):
+    from ddplab.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        ddplab.run(compose_cfg(ARGS + args, run_dir=tmp_path / "r"))
+    assert str(e.value).startswith(says), str(e.value)
+    assert not (tmp_path / "r").exists()  # refused before the run dir, the group, any rank
+
+
 def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
     import subprocess
     import sys

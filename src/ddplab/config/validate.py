@@ -57,7 +57,7 @@ def _any_option_keys(cfg: DictConfig) -> None:
     root = ds.get("root")
     require(root is not None or "root" not in ds, "dataset.root", root,
             f"{ds.get('_target_', 'this dataset')} reads local files (nothing is downloaded)",
-            "dataset.root=/path/to/the/files (README 'Datasets' says which files and where to get them)")
+            "dataset.root=/path/to/the/files (docs/data-and-models.md, 'Datasets', says which files and where to get them)")
     if root:
         require(Path(root).exists(), "dataset.root", root, "no such file or directory (nothing is downloaded)",
                 "point dataset.root at the folder that holds the dataset's files")
