@@ -16,6 +16,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from ddplab import compat
+
 
 def make_optimizer(factory: Callable[..., Optimizer], params: list[nn.Parameter], mode: Any) -> Optimizer:
     """``factory(params)`` with fused kernels per ``perf.fused_optimizer`` (auto | true | false).
@@ -88,4 +90,4 @@ def apply_hyperparameters(optimizer: Optimizer, scheduler: LambdaLR, fresh: list
     step = scheduler.last_epoch
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(step)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports
+    compat.set_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])

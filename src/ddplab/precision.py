@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ddplab import compat
+
 log = logging.getLogger(__name__)
 
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -47,8 +49,8 @@ def cpu_features() -> frozenset[str]:
                     flags |= set(value.lower().split())
     except OSError:
         pass
-    try:  # private torch API (cpuinfo's view, torch 2.13): it may change or vanish
-        flags |= {k.lower() for k, v in torch._C._cpu._get_cpu_capability().items() if v is True}
+    try:  # a private torch API (compat): /proc/cpuinfo above still answers if it vanishes
+        flags |= compat.cpu_capability()
     except Exception:
         pass
     return frozenset(flags)
@@ -133,8 +135,8 @@ class Precision:
             # No .item(): the norm stays on the device until the next log step.
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         if self.scaler:
-            found = self.scaler._found_inf_per_device(optimizer)  # set by unscale_; no sync to read
-            self.overflow_steps += sum(f.to(self.overflow_steps.device) for f in found.values()).clamp(max=1)
+            found = compat.found_inf(self.scaler, optimizer)  # set by unscale_; no sync to read
+            self.overflow_steps += sum(f.to(self.overflow_steps.device) for f in found).clamp(max=1)
             self.scaler.step(optimizer)  # skips the step if grads hold inf/nan
             self.scaler.update()
         else:

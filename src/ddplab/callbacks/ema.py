@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from ddplab import compat
 from ddplab.callbacks import Callback
 
 
 class EMA(Callback):
     """``ema ← ema + (1 - d)·(param − ema)`` after each optimizer step, as one fused
-    ``torch._foreach_lerp_`` over all parameters: a few kernels, no host sync, no collective.
+    ``compat.lerp_all_`` (torch's fused foreach lerp) over all parameters: a few kernels, no host sync, no collective.
 
     ``d`` warms up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates (``warmup=true``), so
     early weights do not dominate. Parameters are identical on every DDP rank, so each rank's
@@ -43,7 +44,7 @@ class EMA(Callback):
 
     @torch.no_grad()
     def on_step_end(self, trainer: Any, step: int) -> None:
-        torch._foreach_lerp_(self.shadow, self.live, 1.0 - self.current_decay())
+        compat.lerp_all_(self.shadow, self.live, 1.0 - self.current_decay())
         self.updates += 1
 
     @torch.no_grad()

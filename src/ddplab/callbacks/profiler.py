@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ddplab import compat
 from ddplab.callbacks import Callback
 
 log = logging.getLogger("ddplab")
@@ -49,7 +50,7 @@ class Profiler(Callback):
         self._prof = torch.profiler.profile(activities=acts, record_shapes=True, profile_memory=True)
         self._prof.__enter__()
         if self.cuda and self.memory_snapshot:
-            torch.cuda.memory._record_memory_history()
+            compat.record_cuda_memory_history(True)
 
     def _stop(self) -> None:
         self._prof.__exit__(None, None, None)
@@ -60,12 +61,12 @@ class Profiler(Callback):
         log.info("profiler: steps %d-%d of rank %d in %s", self.first, self.last, self.rank, trace)
         if self.cuda and self.memory_snapshot:
             self._dump("memory")
-            torch.cuda.memory._record_memory_history(enabled=None)
+            compat.record_cuda_memory_history(False)
 
     def _dump(self, what: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{what}-rank{self.rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
+        compat.dump_cuda_memory(str(path))
         log.info("profiler: CUDA memory snapshot of rank %d in %s", self.rank, path)
 
     def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:

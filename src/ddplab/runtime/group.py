@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddplab import compat
 from ddplab.runtime import env
 from ddplab.runtime.watch import deadline
 
@@ -141,7 +142,7 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     if not (state.is_distributed and dist.is_initialized()):
         return msg
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
         store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
         if _is_timeout(exc):
             time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report

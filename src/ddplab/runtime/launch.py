@@ -140,10 +140,11 @@ def _loopback_stores() -> Iterator[int]:
     (``master_listen_fd``), and a ``multi_tenant`` store reuses the server already serving its
     port in this process. So: the rendezvous store's server is made here on a loopback socket
     (the agent's own store then reuses it), and the agent's second store for the ranks
-    (``_create_tcp_store_server``) is made the same way while the job runs.
+    (``compat.agent_store_servers``) is made the same way while the job runs.
     """
     import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from ddplab import compat
 
     def loopback_server(host: str, port: int) -> Any:
         sock = socket.create_server((host, port), backlog=512)
@@ -152,14 +153,9 @@ def _loopback_stores() -> Iterator[int]:
         sock.close()  # the store listens on its own duplicate
         return store
 
-    handler = dr.DynamicRendezvousHandler
-    original = handler.__dict__.get("_create_tcp_store_server")
     rdzv = loopback_server("127.0.0.1", 0)
-    if original is not None:
-        handler._create_tcp_store_server = lambda self, addr, port: loopback_server(addr, port)  # type: ignore
     try:
-        yield rdzv.port
+        with compat.agent_store_servers(loopback_server):
+            yield rdzv.port
     finally:
-        if original is not None:
-            handler._create_tcp_store_server = original  # type: ignore[method-assign]
         del rdzv

@@ -175,8 +175,8 @@ class StallWatch:
 def default_store() -> Any:
     """The process group's rendezvous store, or None (no group, or a torch without the private accessor)."""
     try:
-        import torch.distributed as dist
+        from ddplab import compat  # torch is imported lazily here: the self-launch parent never needs it
 
-        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        return compat.default_store()
     except Exception:
         return None

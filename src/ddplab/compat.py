@@ -1,0 +1,88 @@
+"""Every private torch API ddplab relies on, in one place.
+
+Each is a leading-underscore name torch may change or drop in any release. Keeping them here means a
+torch upgrade breaks one module, and ``tests/test_compat.py`` names which entry broke (each entry has a
+test that calls it for real). Where a public equivalent appears, replace the body here and nothing else.
+
+| entry                   | private API                                               | why no public one            |
+|-------------------------|-----------------------------------------------------------|------------------------------|
+| found_inf               | ``GradScaler._found_inf_per_device``                      | ``step()`` hides the flag    |
+| set_last_lr             | ``LRScheduler._last_lr``                                  | no setter for get_last_lr()  |
+| default_store           | ``distributed_c10d._get_default_store``                   | the group hides its store    |
+| cpu_capability          | ``torch._C._cpu._get_cpu_capability``                     | cpuinfo's ISA view           |
+| agent_store_servers     | ``DynamicRendezvousHandler._create_tcp_store_server``     | the agent binds the wildcard |
+| lerp_all_               | ``torch._foreach_lerp_``                                  | one kernel per tensor else   |
+| record/dump_cuda_memory | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | documented, still private |
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The per-device inf/nan flags ``scaler.unscale_(optimizer)`` just set, as device tensors: reading them
+    needs no host sync (``scaler.step`` would only skip the step silently)."""
+    return list(scaler._found_inf_per_device(optimizer).values())
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """What ``scheduler.get_last_lr()`` reports, after ddplab set the groups' lr itself (a resume whose
+    config changed the lr recomputes it without stepping the scheduler)."""
+    scheduler._last_lr = list(lrs)
+
+
+def default_store() -> Any:
+    """The default process group's store (the rendezvous key-value store), or None without a group."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+
+
+def cpu_capability() -> set[str]:
+    """ISA features torch's cpuinfo sees on this CPU (lower case, e.g. ``avx512_bf16``, ``amx_bf16``)."""
+    return {k.lower() for k, v in torch._C._cpu._get_cpu_capability().items() if v is True}
+
+
+@contextlib.contextmanager
+def agent_store_servers(make: Callable[[str, int], Any]) -> Iterator[None]:
+    """While inside, torchrun's elastic agent builds the ranks' store server with ``make(host, port)``
+    instead of its own (which listens on every interface). A torch without the hook: unchanged."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    handler = dr.DynamicRendezvousHandler
+    original = handler.__dict__.get("_create_tcp_store_server")
+    if original is not None:
+        handler._create_tcp_store_server = lambda self, addr, port: make(addr, port)  # type: ignore
+    try:
+        yield
+    finally:
+        if original is not None:
+            handler._create_tcp_store_server = original  # type: ignore[method-assign]
+
+
+def has_agent_store_hook() -> bool:
+    """True while torch's agent still builds its store through the hook ``agent_store_servers`` replaces."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    return "_create_tcp_store_server" in dr.DynamicRendezvousHandler.__dict__
+
+
+def lerp_all_(targets: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:
+    """``t += weight * (end - t)`` for every pair, in a few fused kernels."""
+    torch._foreach_lerp_(targets, ends, weight)
+
+
+def record_cuda_memory_history(on: bool) -> None:
+    """Start (or stop) recording CUDA allocations with their stacks, for ``dump_cuda_memory``."""
+    torch.cuda.memory._record_memory_history(enabled="all" if on else None)
+
+
+def dump_cuda_memory(path: str) -> None:
+    """The recorded allocations as a pickle that torch's memory viewer (pytorch.org/memory_viz) opens."""
+    torch.cuda.memory._dump_snapshot(path)
+

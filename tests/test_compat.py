@@ -1,0 +1,85 @@
+"""Each private torch API in ddplab.compat, called for real: when a torch upgrade renames or drops one, the
+test of that entry fails and names it (rather than a run failing, or silently degrading, somewhere later)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddplab import compat
+
+
+def test_found_inf_reads_the_flag_unscale_set_per_device():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale((w * torch.tensor([1.0, float("inf"), 1.0])).sum()).backward()
+    scaler.unscale_(opt)
+    flags = compat.found_inf(scaler, opt)
+    assert len(flags) == 1 and flags[0].item() == 1.0  # an inf gradient: the step will be skipped
+    opt.zero_grad()
+    scaler.update()
+    scaler.scale((w * 2).sum()).backward()
+    scaler.unscale_(opt)
+    assert [f.item() for f in compat.found_inf(scaler, opt)] == [0.0]
+
+
+def test_set_last_lr_is_what_get_last_lr_reports():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    assert sched.get_last_lr() == [0.1]
+    compat.set_last_lr(sched, [0.025])
+    assert sched.get_last_lr() == [0.025]
+
+
+def test_default_store_is_the_groups_key_value_store(tmp_path):
+    assert compat.default_store() is None  # no group yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        store = compat.default_store()
+        store.set("ddplab/compat", "here")
+        assert store.get("ddplab/compat") == b"here" and store.check(["ddplab/compat"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cpu_capability_lists_this_cpus_features():
+    caps = compat.cpu_capability()
+    assert caps and all(k == k.lower() for k in caps)
+    flags = next((line.split(":")[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    if "avx2" in flags:
+        assert "avx2" in caps  # the two views of the same CPU agree
+
+
+def test_agent_store_servers_replaces_the_agents_store_factory_and_restores_it():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    handler = dr.DynamicRendezvousHandler
+    assert compat.has_agent_store_hook(), "torch's agent no longer builds its store via _create_tcp_store_server"
+    original = handler.__dict__["_create_tcp_store_server"]
+    assert list(inspect.signature(original).parameters) == ["self", "master_addr", "master_port"]
+    made = []
+    with compat.agent_store_servers(lambda host, port: made.append((host, port)) or "store"):
+        assert handler._create_tcp_store_server(object(), "127.0.0.1", 29999) == "store"
+    assert made == [("127.0.0.1", 29999)] and handler.__dict__["_create_tcp_store_server"] is original
+
+
+def test_lerp_all_moves_every_tensor_toward_its_end():
+    a, b = [torch.zeros(3), torch.ones(2)], [torch.full((3,), 4.0), torch.full((2,), 3.0)]
+    compat.lerp_all_(a, b, 0.25)
+    assert torch.equal(a[0], torch.full((3,), 1.0)) and torch.equal(a[1], torch.full((2,), 1.5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_history_records_and_dumps(tmp_path):
+    import pickle
+
+    compat.record_cuda_memory_history(True)
+    x = torch.ones(1024, device="cuda")
+    compat.dump_cuda_memory(str(tmp_path / "snap.pickle"))
+    compat.record_cuda_memory_history(False)
+    snap = pickle.loads((tmp_path / "snap.pickle").read_bytes())
+    assert any(e["action"] == "alloc" for trace in snap["device_traces"] for e in trace), x.shape
