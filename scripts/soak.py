@@ -138,7 +138,7 @@ def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
 
 
 def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
-    """conftest._env's environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
+    """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tdir / "tmp"), SOAK_TRIAL_ID=trial_id,

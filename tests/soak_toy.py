@@ -1,6 +1,6 @@
 """Fault injection from inside a job, for scripts/soak.py: one signal, at one phase of one rank.
 
-Importable as ``soak_toy.X`` in every rank (the soak puts tests/ on PYTHONPATH, as conftest._env does).
+Importable as ``soak_toy.X`` in every rank (the soak puts tests/ on PYTHONPATH, as helpers.jobs.job_env does).
 A job names three parts in its config; they do nothing unless the soak's environment asks:
 
     model._target_=soak_toy.SoakMLP  dataset._target_=soak_toy.soak_digits  +callbacks.soak._target_=soak_toy.SoakCallback
@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from ddplab.callbacks import Callback
+from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
 from ddplab.data import Splits, digits
 from ddplab.models import MLP
 
@@ -73,22 +74,6 @@ def describe(pid: int) -> str:
     except OSError:
         return str(pid)
     return f"{pid} {cmdline[:120]}"
-
-
-def same(a: Any, b: Any, where: str = "") -> str | None:
-    """Where two checkpoint entries differ (tensors: dtype and bits), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-        return None if ok else where
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{where} keys {sorted(map(str, a.keys() ^ b.keys()))}"
-        return next((d for k in a if (d := same(a[k], b[k], f"{where}.{k}"))), None)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where} length {len(a)} vs {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := same(x, y, f"{where}[{i}]"))), None)
-    return None if a == b or (a != a and b != b) else f"{where}: {a!r} vs {b!r}"  # NaN == NaN here
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import ddplab
-from conftest import (CONF, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, python_train,
-                      read_scalars, run_cmd, run_killed_after_step)
+from helpers.counting import assert_quiet_between_log_steps, count_steps
+from helpers.jobs import (CONF, TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd,
+    run_killed_after_step)
 
 BASE = ["model=mlp", "progress=none"]  # digits: 22 steps per epoch
 
@@ -253,6 +254,7 @@ def test_debug_profiler_preset(tmp_path):
 
 
 # ------------------------------------------------------------------------------ provenance
+@pytest.mark.slow
 def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_path):
     repo = tmp_path / "code"
     repo.mkdir()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import ddplab
-from conftest import (REPO, _env, assert_ok, compose_cfg, job_dirs, python_train, read_scalars, run_cmd,
-                      torchrun)
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import (REPO, assert_ok, compose_cfg, job_dirs, job_env, python_train, read_scalars, run_cmd,
+    torchrun)
 
 FAULTY = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=2", "checkpoint.every_n_steps=5",
           "log_every_n_steps=5", "progress=none"]  # mlp has dropout: RNG state must be restored too
@@ -26,14 +27,6 @@ def fresh_faults():
 
 def final_state(run_dir):
     return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a, b):
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    for i, st in a["optimizer"]["state"].items():
-        assert torch.equal(st["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
-    assert a["scheduler"] == b["scheduler"] and a["loop"]["step"] == b["loop"]["step"]
 
 
 def steps_of(run_dir, tag="train/loss"):
@@ -61,7 +54,7 @@ def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, k
         out = ddplab.run(compose_cfg(args + ["resume=auto"], run_dir=tmp_path))
     assert f"{resumed} done" in caplog.text
     assert out["step"] == 44
-    assert_bitwise_equal(final_state(uninterrupted), final_state(tmp_path))
+    assert_same_checkpoint(final_state(uninterrupted), final_state(tmp_path))
     # TensorBoard: every step once, and the same steps as the uninterrupted run.
     assert steps_of(tmp_path) == steps_of(uninterrupted)
     full = dict(read_scalars(uninterrupted / "tb")["train/loss"])
@@ -85,7 +78,7 @@ def test_torchrun_max_restarts_sigkill_resumes_bitwise(tmp_path):
     assert "torchrun restart 1: continuing from the last checkpoint" in out
     dirs = job_dirs(killed)
     assert len(dirs) == 1  # the restart continued in the same run dir
-    assert_bitwise_equal(final_state(job_dirs(full)[0]), final_state(dirs[0]))
+    assert_same_checkpoint(final_state(job_dirs(full)[0]), final_state(dirs[0]))
     assert steps_of(dirs[0]) == steps_of(job_dirs(full)[0])  # each step exactly once
 
 
@@ -132,7 +125,7 @@ def dying_save(obj, f):
 torch.save = dying_save
 checkpoint.save({{"step": 2, "w": torch.zeros(1000)}}, d, 2, keep_last=2, is_best=False)
 """
-    proc = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 9
     ck = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ck["step"] == 1 and torch.equal(ck["w"], torch.ones(1000))
@@ -208,6 +201,7 @@ def test_cuda_requested_without_gpu(tmp_path):
         ddplab.run(compose_cfg(["distributed.device=cuda"], run_dir=tmp_path))
 
 
+@pytest.mark.slow
 def test_bad_input_exits_nonzero_with_a_message(tmp_path):
     proc = python_train(["resume=/nonexistent/last.pt"], tmp_path)
     assert proc.returncode != 0
@@ -368,6 +362,7 @@ def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tm
     assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["val/loss_best"]
 
 
+@pytest.mark.slow
 def test_a_run_dir_in_use_is_refused_at_once_naming_its_holder(tmp_path):
     import time
 

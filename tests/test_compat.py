@@ -73,7 +73,7 @@ def test_lerp_all_moves_every_tensor_toward_its_end():
     assert torch.equal(a[0], torch.full((3,), 1.0)) and torch.equal(a[1], torch.full((2,), 1.5))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_memory_history_records_and_dumps(tmp_path):
     import pickle
 

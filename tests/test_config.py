@@ -7,7 +7,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import CONF, compose_cfg, torchrun
+from helpers.jobs import CONF, compose_cfg, torchrun
 from ddplab import build
 from ddplab.config import ConfigError, validate
 from ddplab.trainer import global_batch_size

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_ok, job_dirs, python_train, torchrun
+from helpers.jobs import assert_ok, job_dirs, python_train, torchrun
+
+pytestmark = pytest.mark.slow  # each runs train.py (under torchrun, self-launch or alone) to read its one line
 
 SMALL = ["model=mlp", "num_epochs=1", "progress=none"]
 

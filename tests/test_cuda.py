@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import ddplab
-from conftest import assert_ok, compose_cfg, job_dirs, read_scalars, torchrun
+from helpers.jobs import assert_ok, compose_cfg, job_dirs, read_scalars, torchrun
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.slow
+cuda = pytest.mark.cuda  # skipped without a GPU (conftest)
 
 
 @cuda
@@ -39,7 +40,7 @@ def test_no_host_device_syncs_on_non_log_steps_on_cuda(tmp_path):
     fp16 + GradScaler with the (default) fused optimizer: the scaler hands its
     inf check to the fused kernel instead of reading it on the host each step.
     """
-    from conftest import count_steps
+    from helpers.counting import count_steps
 
     log_every = 5
     args = ["model=resnet18", "num_epochs=1", f"log_every_n_steps={log_every}", "grad_clip=1.0", "amp=true",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_ok, python_train
+from helpers.jobs import assert_ok, python_train
 from ddplab.events import events_in, read_hparams, read_scalars
 from ddplab.reporting import wrap
 from ddplab.rundir import label, swept
@@ -54,6 +54,7 @@ def hparams_experiment(logdir: Path):
     return sorted(mux.Runs()), exp
 
 
+@pytest.mark.slow
 def test_a_run_opens_on_train_and_val_with_a_layout_typed_hparams_and_a_short_console(tmp_path):
     proc = python_train(["num_epochs=3", "model=mlp", "progress=log", "log_every_n_steps=10"], tmp_path)
     assert_ok(proc)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import compose_cfg
+from helpers.jobs import compose_cfg
 from ddplab.config import ConfigError, validate
 from ddplab.data import DatasetFilesError, cifar10, cifar100, imagefolder, mnist, read_idx
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, _env, assert_ok, compose_cfg, job_dirs, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, job_dirs, job_env, read_scalars, run_cmd, torchrun
 from ddplab.data import ShardedGlobalSampler
 
 pytestmark = pytest.mark.dist
@@ -148,14 +148,14 @@ def test_init_methods(tmp_path, scheme):
     url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous2"
     args = ["model=mlp", "num_epochs=1", "progress=log", "distributed.timeout_s=60"]
     procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"], cwd=plain,
-                              env={**_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+                              env={**job_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "2 rank(s) on cpu (gloo)" in outs[0]
     assert read_scalars(job_dirs(plain)[0] / "tb")["val/num_samples"][-1][1] == 359
     control = subprocess.run([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], cwd=plain,
-                             env={**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                             env={**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
                              capture_output=True, text=True, timeout=120)
     assert control.returncode != 0 and "MASTER_ADDR" in control.stdout + control.stderr
 
@@ -171,7 +171,7 @@ def test_two_nodes_form_one_job(tmp_path, rdzv):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", *how(n), "--nproc_per_node=1",
          str(TRAIN), "model=mlp", "num_epochs=1", "progress=log"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+        cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     node0 = next(o for o in outs if "ranks: 0@" in o)  # under c10d either agent may become node 0
@@ -219,7 +219,7 @@ def test_crashed_rank_fails_the_job_naming_it(tmp_path):
 
 def test_rank_that_never_arrives_times_out(tmp_path):
     port = free_port()
-    env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    env = {**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
                            "distributed.timeout_s=5"], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -235,7 +235,7 @@ def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+        env = {**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
         proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp",
                                f"distributed.init_method=tcp://127.0.0.1:{port}", "distributed.timeout_s=5"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import ddplab
-from conftest import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, torchrun
 from ddplab.checkpoint import files
 from ddplab.config import ConfigError
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import REPO, assert_ok, torchrun
+from helpers.jobs import REPO, assert_ok, torchrun
 
 pytestmark = pytest.mark.dist
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import assert_ok, compose_cfg, read_scalars, torchrun
+from helpers.jobs import assert_ok, compose_cfg, read_scalars, torchrun
 from ddplab import build
 from ddplab.models import VisionTransformer, load_weights, resnet18, resnet50
 
@@ -55,6 +55,7 @@ def test_weights_prefixes_checkpoints_and_wrong_architecture(tmp_path):
         load_weights(m, tmp_path / "nope.pth")
 
 
+@pytest.mark.slow
 def test_vit_has_torchvision_keys_and_trains(tmp_path):
     b16 = VisionTransformer(image_size=224, patch_size=16, num_layers=12, num_heads=12, hidden_dim=768,
                             mlp_dim=3072, num_classes=1000)

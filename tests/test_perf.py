@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_quiet_between_log_steps, count_steps
+from helpers.counting import assert_quiet_between_log_steps, count_steps
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +25,7 @@ def test_no_collectives_or_syncs_on_non_log_steps(tmp_path):
 import torch  # noqa: E402
 
 import ddplab  # noqa: E402
-from conftest import assert_ok, compose_cfg, read_scalars, torchrun  # noqa: E402
+from helpers.jobs import assert_ok, compose_cfg, read_scalars, torchrun  # noqa: E402
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
@@ -128,7 +128,7 @@ def test_compile_before_ddp_wrap_with_knobs_on_two_ranks(tmp_path):
     in effect (DDP's own logging data says so), checkpoints keep the plain module's keys, and it trains."""
     import json
 
-    from conftest import REPO
+    from helpers.jobs import REPO
 
     args = ["model=mlp", "num_epochs=2", "progress=none", "perf.compile=true",
             "perf.compile_backend=aot_eager", "distributed.static_graph=true", "distributed.bucket_cap_mb=1",

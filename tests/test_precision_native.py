@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddplab.precision as precision
-from conftest import assert_ok, job_dirs, python_train, torchrun
+from helpers.jobs import assert_ok, job_dirs, python_train, torchrun
 from ddplab.precision import Precision
 
 CPU = torch.device("cpu")

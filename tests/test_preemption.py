@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TRAIN, _env, assert_ok, read_scalars, run_cmd
+from helpers.jobs import TRAIN, assert_ok, job_env, read_scalars, run_cmd
 
 pytestmark = pytest.mark.dist
 
@@ -31,7 +31,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def start(cmd: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     """Start in its own session (so a kill reaches torchrun's workers too), output to ``log``."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 import ddplab
-from conftest import assert_ok, compose_cfg, job_dirs, python_train, read_scalars, torchrun
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import assert_ok, compose_cfg, job_dirs, python_train, read_scalars, torchrun
+
+pytestmark = pytest.mark.slow  # whole runs, stopped and resumed
 
 ARGS = ["model=mlp", "num_epochs=2", "log_every_n_steps=10", "progress=none"]  # mlp has dropout
 
@@ -14,14 +17,8 @@ def load(path):
 
 
 def assert_same_state(a, b):
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        assert torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"])
-    assert a["scheduler"] == b["scheduler"]
-    assert (a["loop"]["epoch"], a["loop"]["step"]) == (b["loop"]["epoch"], b["loop"]["step"]) == (2, 44)
+    assert_same_checkpoint(a, b)
+    assert (a["loop"]["epoch"], a["loop"]["step"]) == (2, 44)
 
 
 def test_in_process_resume_matches_uninterrupted_run(tmp_path):
@@ -81,7 +78,7 @@ def test_torchrun_restart_continues_its_own_run_never_an_older_one(tmp_path):
     same overrides exists: the restart starts this run afresh in its own dir, and finishes it."""
     import sys
 
-    from conftest import REPO, run_cmd
+    from helpers.jobs import REPO, run_cmd
     from ddplab.rundir import read_result
 
     args = ARGS + ["model._target_=toy.FaultyMLP", "+model.fault=kill", "+model.fault_rank=1", "+model.fault_call=10"]

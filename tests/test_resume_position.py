@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import ddplab
 import toy
-from conftest import assert_ok, compose_cfg, python_train
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import assert_ok, compose_cfg, python_train
 
 # Single process, batch 32 x 3 micro-batches: 44 micro-batches → 14 optimizer steps per epoch of digits.
 # The 3rd training forward (step 1's last micro-batch) returns NaN: nonfinite_loss=skip drops step 1.
@@ -22,6 +24,7 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+@pytest.mark.slow
 def test_resume_after_a_skipped_step_starts_at_the_next_unconsumed_batch(tmp_path):
     """A checkpoint taken after a skipped step resumes at the right batch and ends bitwise equal to the
     uninterrupted run (the old position, steps x accumulation, replayed one batch group and ran 1 step more)."""
@@ -43,12 +46,10 @@ def test_resume_after_a_skipped_step_starts_at_the_next_unconsumed_batch(tmp_pat
         torch.set_num_threads(threads)
     a, b = load(full / "checkpoints" / "last.pt"), load(tmp_path / "rest" / "checkpoints" / "last.pt")
     assert (a["loop"]["step"], b["loop"]["step"], rest["step"]) == (27, 27, 27)  # 2 x 14 minus the skipped one
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    for i, s in a["optimizer"]["state"].items():
-        assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"]), i
+    assert_same_checkpoint(a, b)
 
 
+@pytest.mark.slow
 def test_result_json_keeps_the_training_metrics_when_a_finished_run_is_resumed(tmp_path):
     """The same command again with resume=auto after the run finished: "already finished", and result.json
     still has train/loss and train/acc (they are in the checkpoint), with the same values."""
@@ -73,7 +74,7 @@ def test_result_json_keeps_the_training_metrics_when_a_finished_run_is_resumed(t
 def test_a_run_killed_before_its_first_checkpoint_reruns_with_one_tensorboard_history(tmp_path):
     """Found by scripts/soak.py (seed 271041745): killed before any checkpoint, resume=auto starts afresh in
     the same run dir; the dead attempt's logged steps must not show twice in TensorBoard."""
-    from conftest import read_scalars, run_killed_after_step
+    from helpers.jobs import read_scalars, run_killed_after_step
 
     args = ["model=mlp", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
     run_killed_after_step(compose_cfg(args, tmp_path), 12)  # logged steps 5 and 10; no checkpoint yet

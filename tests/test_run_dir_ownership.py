@@ -7,6 +7,7 @@ check that the second is refused before writing, naming the holder, or gets its 
 
 from __future__ import annotations
 
+import pytest
 import json
 import sys
 import time
@@ -15,8 +16,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TRAIN, assert_ok, python_train
+from helpers.jobs import TRAIN, assert_ok, python_train
 from test_preemption import finish, start, wait_for
+
+pytestmark = pytest.mark.slow  # simultaneous launches of real processes
 
 SMALL = ["model=mlp", "num_epochs=1", "progress=none"]
 # 22 steps of 0.25 s: each job of a sweep runs several seconds, long enough to be raced.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TRAIN, _env, read_scalars, run_cmd
+from helpers.jobs import TRAIN, job_env, read_scalars, run_cmd
 from soak_toy import check_intervals
 
 pytestmark = pytest.mark.slurm
@@ -48,7 +48,7 @@ def sbatch(tmp_path: Path, body: str, options: list[str]) -> str:
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n" + body + "\n")
     out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm-%j.out", *options,
-                          str(script)], capture_output=True, text=True, env=_env(), timeout=60)
+                          str(script)], capture_output=True, text=True, env=job_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -245,7 +245,7 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, refere
            # requeues those only max_num_timeout times (0 by default); 60 min: this one is a preemption.
            "hydra.launcher.timeout_min=60", *SLOW, "+model.delay_s=0.15"]
     with open(tmp_path / "sweep.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
         log = sweep / "0" / "train.log"
         t0 = time.monotonic()

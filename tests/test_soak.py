@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import sys
 
-from conftest import REPO, run_cmd
+import pytest
+
+from helpers.jobs import REPO, run_cmd
+
+pytestmark = pytest.mark.slow  # a few whole soak trials
 
 # A fixed seed: CI reruns the same trials (a failure prints the seed and the command that reruns one trial).
 CI_SEED, CI_TRIALS = 1, 4  # seed 1: all three launchers, SIGKILL included (and 271041745, which found a defect)

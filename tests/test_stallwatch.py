@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import assert_ok, torchrun
+from helpers.jobs import assert_ok, torchrun
 from ddplab.runtime.watch import StallWatch
 
 

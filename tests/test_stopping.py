@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TRAIN, assert_ok, read_scalars, run_cmd
+from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import StopSignal
 from ddplab.runtime.stopping import StopAgreement
@@ -164,13 +164,14 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_slower_than_the_launchers_grace_is_said_after_the_save_and_at_start_up(tmp_path, monkeypatch,
                                                                                              caplog):
     """A save that outlasts the launcher's grace (torchrun's 30 s; here the grace is made tiny instead of the
     save slow) would be killed half-written on preemption: said after each save, and again at the start of a
     run resumed from such a checkpoint, with the figures."""
     import ddplab
-    from conftest import compose_cfg
+    from helpers.jobs import compose_cfg
     from ddplab.runtime import env
 
     monkeypatch.setattr(env, "launcher_grace_s", lambda: 1e-6)

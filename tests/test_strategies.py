@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddplab
-from conftest import assert_ok, compose_cfg, read_scalars, torchrun
+from helpers.jobs import assert_ok, compose_cfg, read_scalars, torchrun
 
 ARGS = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=none"]
 
@@ -47,6 +47,7 @@ def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
     assert bad.returncode != 0 and "saved with distributed=fsdp" in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow
 def test_none_and_dp_run_one_process(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="ddplab"):
         dp = ddplab.run(compose_cfg(ARGS + ["distributed=dp"], run_dir=tmp_path / "dp"))
@@ -80,11 +81,12 @@ def test_strategy_refusals_name_the_key_and_the_fix_before_any_process_starts(tm
     assert not (tmp_path / "r").exists()  # refused before the run dir, the group, any rank
 
 
+@pytest.mark.slow
 def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers.jobs import REPO
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has 2 GPUs: the benchmark would run for real")

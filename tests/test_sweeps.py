@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
 from ddplab.events import events_in, read_hparams
 from ddplab.rundir import read_result
 from ddplab.sweep import summarize

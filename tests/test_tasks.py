@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ddplab
-from conftest import (REPO, TRAIN, assert_ok, assert_quiet_between_log_steps, compose_cfg, count_steps, read_scalars, run_cmd,
-                      run_killed_after_step)
+from helpers.counting import assert_quiet_between_log_steps, count_steps
+from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, read_scalars, run_cmd, run_killed_after_step
 from ddplab.task import TaskError
 
 
@@ -41,6 +41,7 @@ def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- shipped examples
+@pytest.mark.slow
 def test_vae_logs_both_losses_and_a_reconstruction_grid_at_one_and_two_ranks(tmp_path):
     out = ddplab.run(compose_cfg(["task=vae", "num_epochs=3", "progress=none"], tmp_path / "one"))
     s = read_scalars(tmp_path / "one" / "tb")
@@ -227,6 +228,7 @@ def test_a_user_task_with_three_metrics_adds_no_collective_or_sync_between_log_s
     assert_quiet_between_log_steps(count_steps(tmp_path, 2, args, extra_env=env), 10, 2, 3)
 
 
+@pytest.mark.slow
 def test_a_sweep_over_a_task_metric_objective(tmp_path):
     proc = run_cmd([sys.executable, str(TRAIN), "-m", "task=regression", "objective=val/mae", "num_epochs=2",
                     "optimizer.lr=0.01,0.02", "progress=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path,

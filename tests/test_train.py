@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, assert_ok, job_dirs, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, job_dirs, python_train, read_scalars, run_cmd, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -136,7 +136,7 @@ def test_a_run_ends_with_a_summary_and_a_hint_when_it_is_not_converging(tmp_path
     import logging
 
     import ddplab
-    from conftest import compose_cfg
+    from helpers.jobs import compose_cfg
 
     run = tmp_path / "ok"
     with caplog.at_level(logging.INFO, logger="ddplab"):

@@ -1,0 +1,7 @@
+"""Helpers the tests share, as modules (fixtures and pytest hooks stay in conftest.py):
+
+* ``helpers.jobs``     — compose the real ``conf/``, launch real processes (torchrun, ``python train.py``),
+  a run crashed after step N, read TensorBoard back;
+* ``helpers.counting`` — per-step collective/sync counts of a job, and the budget they must keep;
+* ``helpers.compare``  — one bitwise comparison of checkpoints (and any nesting of tensors).
+"""

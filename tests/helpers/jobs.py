@@ -1,0 +1,97 @@
+"""Compose the real conf/, launch real processes, read TensorBoard back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+from ddplab.config import register_configs
+from ddplab.events import read_scalars  # noqa: F401  (re-exported for the tests)
+
+register_configs()  # what train.py does before composing
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "train.py"
+CONF = REPO / "conf"
+
+
+def compose_cfg(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
+    """The config `python train.py OVERRIDES` would get, optionally pinned to run_dir."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides or [])
+    if run_dir is not None:
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    # tests/toy.py models and datasets are importable as `toy.X` in every rank.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
+    proc = subprocess.Popen(args, cwd=cwd, env={**job_env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
+             script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N script ARGS` (a free port each time)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *script_args]
+    return run_cmd(cmd, cwd, timeout)
+
+
+def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout)
+
+
+def run_killed_after_step(cfg: DictConfig, step: int) -> None:
+    """``ddplab.run(cfg)`` in this process, crashed by an exception right after optimizer step ``step``
+    (a process dying mid-run, without any graceful stop)."""
+    import ddplab
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls: list[int] = []
+
+    def kill(opt, *_):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError(f"killed at step {step}")
+
+    handle = register_optimizer_step_post_hook(kill)
+    try:
+        with pytest.raises(RuntimeError, match=f"killed at step {step}"):
+            ddplab.run(cfg)
+    finally:
+        handle.remove()
+
+
+def job_dirs(cwd: Path) -> list[Path]:
+    """Hydra single-run dirs under cwd/outputs/<date>/<time>."""
+    return sorted(p for p in (cwd / "outputs").glob("*/*") if p.is_dir())
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
