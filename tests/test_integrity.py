@@ -99,10 +99,10 @@ def test_resume_auto_search_matches_the_config_digest_and_stays_in_its_own_root(
     _fake_run(tmp_path / "multirun" / "2026-01-02" / "09-00-00" / "0", ov, cfg, 300)
     _fake_run(tmp_path / "outputs" / "2026-01-01" / "09-00-00", ov, other, 200)
     match = _fake_run(tmp_path / "outputs" / "2026-01-01" / "08-00-00", ov, cfg, 100)
-    assert files.find_resume_path("auto", mine, True, drift.digest(cfg)) == match
-    assert files.find_resume_path("auto", mine, True, drift.digest("model:\n  name: b\n")) is None
+    assert files.find_resume_path("auto", mine, True, drift.trajectory_digest(cfg)) == match
+    assert files.find_resume_path("auto", mine, True, drift.trajectory_digest("model:\n  name: b\n")) is None
     # Harmless keys (where it runs, how long this invocation lasts) do not change the digest.
-    assert drift.digest(cfg) == drift.digest(cfg.replace("resume: auto", "resume: null") + "stop_after_epochs: 1\n")
+    assert drift.trajectory_digest(cfg) == drift.trajectory_digest(cfg.replace("resume: auto", "resume: null") + "stop_after_epochs: 1\n")
 
 
 # ------------------------------------------------------------------ a full disk

@@ -115,8 +115,9 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
     """The dataset on its device (the fast path where it fits), this rank's sampler and loader,
     and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
     data, augment = dataset(cfg)
+    per_step = global_batch * accum  # samples per optimizer step (ddplab.batch_size)
     if cfg.get("overfit_batches"):
-        keep = min(len(data.train), cfg.overfit_batches * global_batch * accum)
+        keep = min(len(data.train), cfg.overfit_batches * per_step)
         data.train = _head(data.train, keep)
         data.val = data.train  # learning at all shows first on the very batches it trains on
     indexed = on_device(data.train, state.device, cfg.perf.data_on_device)
@@ -127,7 +128,7 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
     sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
-            f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {global_batch * accum} samples per "
+            f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
     loader = TrainLoader(data.train, sampler, state.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
                          indexed=indexed, collate_fn=data.collate_fn)

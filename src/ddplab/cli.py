@@ -44,7 +44,7 @@ def prepare_argv(argv: list[str]) -> list[str]:
         _check_writable(argv)
         memo = env.run_dir_memo()
         noted = env.read_memo(memo) if memo and env.elastic_restart_count() > 0 else None
-        single = "-m" not in argv and "--multirun" not in argv
+        single = not rundir.is_multirun(argv)
         if noted and single:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={noted}"]
@@ -66,8 +66,7 @@ def _check_writable(argv: list[str]) -> None:
     """Refuse, in one line and before Hydra writes anything, a run dir nobody can write (Hydra
     would fail with "Unable to configure handler 'file'"): a read-only mount, a missing permission.
     A dir another job holds is refused by :class:`OwnRunDir`, which takes the lock itself."""
-    multirun = "-m" in argv or "--multirun" in argv
-    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    key = "hydra.sweep.dir=" if rundir.is_multirun(argv) else "hydra.run.dir="
     named = [a[len(key):] for a in argv if a.startswith(key)]
     target = Path(named[-1].split("${")[0] or ".") if named else Path.cwd()
     probe = target.absolute()
@@ -155,7 +154,7 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(e.exit_code) from None
     except ConfigError as e:
         _record_failure(cfg, f"config error: {e}")
-        if not _is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed
+        if not rundir.is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed
             if env.rank() == 0:
                 log.error("config error: %s", e)
             else:
@@ -164,7 +163,7 @@ def main(cfg: DictConfig) -> float | None:
         log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
         return float("nan")
     except Exception as e:
-        if not _is_multirun():
+        if not rundir.is_multirun():
             raise
         if env.is_launched() and not env.is_self_launched():
             log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
@@ -184,10 +183,3 @@ def _record_failure(cfg: DictConfig, error: str) -> None:
     run_dir = rundir.own_run_dir(cfg)
     if env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
         rundir.write_result(run_dir, {"status": "failed", "error": error})
-
-
-def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

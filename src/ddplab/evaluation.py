@@ -28,10 +28,10 @@ def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float
 
 class Evaluator:
     def __init__(self, task: Any, module: nn.Module, data: Splits, state: DistState, precision: Precision,
-                 strategy: Any, batch_size: int, layout: Callable[[Any], Any], max_batches: int | None = None):
+                 strategy: Any, batch_size: int, to_memory_format: Callable[[Any], Any], max_batches: int | None = None):
         """``max_batches``: evaluate at most this many batches per rank (limit_val_batches; debugging)."""
         self.task, self.module, self.data, self.state = task, module, data, state
-        self.precision, self.strategy, self.batch_size, self.layout = precision, strategy, batch_size, layout
+        self.precision, self.strategy, self.batch_size, self.to_memory_format = precision, strategy, batch_size, to_memory_format
         self.max_batches = max_batches
         self.step = getattr(task, "evaluate", task)
         self.sample: Any = None  # this rank's first validation batch (for visualize and FSDP's extra forwards)
@@ -62,7 +62,7 @@ class Evaluator:
         for batch in self._batches(st.world_size, st.rank, self.batch_size):
             if self.max_batches is not None and done >= self.max_batches:
                 break
-            batch = self.layout(batch)
+            batch = self.to_memory_format(batch)
             if not self._checked:
                 check_batch(task, batch)
             with self.precision.autocast():
@@ -75,7 +75,7 @@ class Evaluator:
             if stopper is not None and stopper.after_eval_batch(done - 1, common):
                 return None  # every rank stops at this same batch: no further collective here
         # A rank with an empty shard borrows one sample: FSDP needs the same number of forwards everywhere.
-        self.sample = first if first is not None else self.layout(next(iter(self._batches(1, 0, 1))))
+        self.sample = first if first is not None else self.to_memory_format(next(iter(self._batches(1, 0, 1))))
 
         def forward() -> None:
             with self.precision.autocast():

@@ -2,7 +2,7 @@
 
 Per step, only device-side stores happen (no ``.item()``, no collective):
 on a GPU these are queued kernels and never stall the host. Once per log
-interval every rank's numbers are packed into one row (:class:`Layout` names
+interval every rank's numbers are packed into one row (:class:`Slots` names
 its slots) and exchanged in a single collective
 (:func:`ddplab.runtime.collectives.all_ranks_rows`), from which
 sample-weighted means (sums / counts — not a mean of rank means) and the
@@ -23,8 +23,8 @@ from ddplab.runtime.group import DistState
 from ddplab.task import TaskError, TaskOutput
 
 
-class Layout:
-    """Named slots of a packed per-rank row: ``row[layout["loss"]]`` instead of magic offsets."""
+class Slots:
+    """Named slots of a packed per-rank row: ``row[slots["loss"]]`` instead of magic offsets."""
 
     def __init__(self, names: Iterable[str]):
         self.names = list(names)
@@ -41,24 +41,24 @@ def _metric_slots(metric_names: Iterable[str]) -> list[str]:
     return [s for m in metric_names for s in (f"{m}.sum", f"{m}.count")]
 
 
-def _means(total: list[float], layout: Layout, metric_names: Iterable[str], where: str = "") -> dict[str, float]:
+def _means(total: list[float], slots: Slots, metric_names: Iterable[str], where: str = "") -> dict[str, float]:
     """num_samples, the sample-weighted loss and each metric's sum/count from summed rows.
 
     A declared metric whose count is 0 over samples that exist has no mean: that is a task
     bug (a count that is not the number of items summed), said here, where the host has the
     numbers anyway.
     """
-    count = total[layout["num_samples"]]
+    count = total[slots["num_samples"]]
     out = {"num_samples": count}
     if count:
-        out["loss"] = total[layout["loss"]] / count
+        out["loss"] = total[slots["loss"]] / count
     for m in metric_names:
-        n = total[layout[f"{m}.count"]]
+        n = total[slots[f"{m}.count"]]
         if n:
-            out[m] = total[layout[f"{m}.sum"]] / n
+            out[m] = total[slots[f"{m}.sum"]] / n
         elif count:
             raise TaskError(f"metric {m!r} has count 0 over {count:.0f} samples ({where}): its mean is undefined "
-                            f"(sum {total[layout[f'{m}.sum']]!r}). Fix: return ({m} sum, count) with count = the "
+                            f"(sum {total[slots[f'{m}.sum']]!r}). Fix: return ({m} sum, count) with count = the "
                             "number of items the sum is over, > 0 for a batch that has any")
     return out
 
@@ -68,23 +68,25 @@ class SumMeter:
 
     def __init__(self, device: torch.device, metric_names: Iterable[str]):
         self.metric_names = tuple(metric_names)
-        self.layout = Layout(["loss", "num_samples", *_metric_slots(self.metric_names)])
+        self.slots = Slots(["loss", "num_samples", *_metric_slots(self.metric_names)])
         # float64: exact sample counts and sums far past float32's 2**24.
-        self.sums = torch.zeros(len(self.layout), dtype=torch.float64, device=device)
+        self.sums = torch.zeros(len(self.slots), dtype=torch.float64, device=device)
 
     def update(self, out: TaskOutput) -> None:
         """``out.loss`` is the batch mean; weighted by the batch size so means stay exact."""
+        slots = self.slots
         with torch.no_grad():
-            self.sums[0] += out.loss.detach().double() * out.size
-            self.sums[1] += out.size
-            for j, (s, c) in enumerate(out.metrics[m] for m in self.metric_names):
-                self.sums[2 + 2 * j] += s
-                self.sums[3 + 2 * j] += c
+            self.sums[slots["loss"]] += out.loss.detach().double() * out.size
+            self.sums[slots["num_samples"]] += out.size
+            for m in self.metric_names:
+                s, c = out.metrics[m]
+                self.sums[slots[f"{m}.sum"]] += s
+                self.sums[slots[f"{m}.count"]] += c
 
     def reduce(self, state: DistState, where: str = "evaluation") -> dict[str, float]:
         """Exact validation metrics from every rank's sums (one collective)."""
         total = all_ranks_rows(self.sums, state).sum(0).tolist()  # the one host-device sync
-        return {f"val/{k}": v for k, v in _means(total, self.layout, self.metric_names, where).items()}
+        return {f"val/{k}": v for k, v in _means(total, self.slots, self.metric_names, where).items()}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -108,7 +110,11 @@ class TrainMetrics:
                  capacity: int = 64):
         self.state = state
         self.metric_names = tuple(metric_names)
-        self.layout = Layout(self._FIXED + _metric_slots(self.metric_names))
+        self.slots = Slots(self._FIXED + _metric_slots(self.metric_names))
+        # Where each metric's sum and count go in the row: indices by name, for one scatter per interval.
+        # Index tensors made once on the device: no host-to-device copy on the step path.
+        self._sum_idx = torch.tensor([self.slots[f"{m}.sum"] for m in self.metric_names], device=state.device)
+        self._count_idx = torch.tensor([self.slots[f"{m}.count"] for m in self.metric_names], device=state.device)
         self.accum = accum
         self._cuda = state.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
@@ -185,7 +191,7 @@ class TrainMetrics:
 
     def _local_row(self, last_step: int, stop: bool) -> Tensor:
         """This rank's packed sums (device ops only; the caller's collective is the sync)."""
-        k, dev, lay = len(self.sizes), self.state.device, self.layout
+        k, dev, lay = len(self.sizes), self.state.device, self.slots
         row = torch.zeros(len(lay), dtype=torch.float64, device=dev)
         losses = self.losses[:k].double()
         finite = torch.isfinite(losses)
@@ -195,10 +201,9 @@ class TrainMetrics:
         row[lay["grad_norm"]] = self.norms[: self.norm_n].double().sum()
         row[lay["grad_norm.count"]] = self.norm_n
         if self.metric_names:
-            m0 = lay[f"{self.metric_names[0]}.sum"]
-            row[m0::2] = (self.sums[:k] * finite[:, None]).sum(0)
+            row[self._sum_idx] = (self.sums[:k] * finite[:, None]).sum(0)
             host = torch.tensor(self.host_counts, dtype=torch.float64).reshape(k, -1).to(dev)
-            row[m0 + 1::2] = ((self.counts[:k] + host) * finite[:, None]).sum(0)
+            row[self._count_idx] = ((self.counts[:k] + host) * finite[:, None]).sum(0)
         # First non-finite micro-batch → its optimizer step (steps of an interval are consecutive).
         bad = ~finite
         first_micro = torch.where(bad, torch.arange(k, device=dev, dtype=torch.float64), float(k)).min() \
@@ -217,7 +222,7 @@ class TrainMetrics:
         ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss.
         ``stop``: this rank was asked to stop; afterwards ``stop_agreed`` says whether any rank was.
         """
-        lay = self.layout
+        lay = self.slots
         rows = all_ranks_rows(self._local_row(last_step, stop), self.state).cpu()
         self.stop_agreed = bool(rows[:, lay["stop"]].sum() > 0)
         self._raise_if_nonfinite(rows, where)
@@ -246,7 +251,7 @@ class TrainMetrics:
         return out
 
     def _raise_if_nonfinite(self, rows: Tensor, where: str) -> None:
-        bad, first = rows[:, self.layout["nonfinite"]], rows[:, self.layout["nonfinite_step"]]
+        bad, first = rows[:, self.slots["nonfinite"]], rows[:, self.slots["nonfinite_step"]]
         if self._raise_nonfinite and bad.sum() > 0:  # every rank sees the same rows: all stop here together
             step = int(first[first > 0].min().item())
             ranks = [r for r in range(len(bad)) if bad[r] > 0]

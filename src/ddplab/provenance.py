@@ -1,5 +1,5 @@
 """Provenance: what exactly ran — code version (git commit, and the diff when the tree was dirty),
-package versions, hosts and devices per rank, launcher, world layout, command line — written by
+package versions, hosts and devices per rank, launcher, ranks per host, command line — written by
 rank 0 to ``<run dir>/provenance.json`` (and ``provenance.diff``) and shown in TensorBoard's Text tab.
 
 Gathered once at start-up from the rank table's one collective; git is asked with a short timeout

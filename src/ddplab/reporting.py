@@ -66,7 +66,7 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
     return {k: v for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
 
 
-def layout_of(t: Any) -> dict[str, dict[str, list[str]]]:
+def charts_of(t: Any) -> dict[str, dict[str, list[str]]]:
     """The Custom Scalars tab: train against val for each of the task's metrics (with a callback's
     variant, e.g. val_ema/acc, and the objective's best), then the vitals, folded."""
     from ddplab.task import logged_names
@@ -88,15 +88,15 @@ def layout_of(t: Any) -> dict[str, dict[str, list[str]]]:
 
 
 def announce(t: Any) -> None:
-    """Trainer ``t``'s first words: the config (and opted-in changes), HParams and the dashboard
-    layout into TensorBoard; the run's layout, batch, data path and model on the console."""
+    """Trainer ``t``'s first words: the config (and opted-in changes), HParams and the Custom Scalars
+    charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
     cfg, st = t.cfg, t.state
     t.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     if t.config_changes:
         t.writer.text("config_changes", t.config_changes)
     t.writer.hparams(hparams_of(cfg, t.run_dir, st.world_size), f"{t.run_dir.name}/{t.events_dir.name}")
-    t.writer.layout(layout_of(t))
-    per_step = t.global_batch * t.accum
+    t.writer.charts(charts_of(t))
+    per_step = t.samples_per_step
     lines = [f"run dir: {shown(t.run_dir)}",
              f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
              f"{t.precision.describe()} | {t.steps_per_epoch} steps/epoch x {cfg.num_epochs} epochs",
@@ -116,7 +116,7 @@ def run_summary(t: Any, out: dict[str, float]) -> list[str]:
     the command that opens TensorBoard, and a hint when validation loss ended above where it began."""
     cfg, res, obj = t.cfg, t.results, t.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
-    samples = (steps - t.loop_start_step) * t.global_batch * t.accum
+    samples = (steps - t.loop_start_step) * t.samples_per_step
     lines = [f"done: {int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps, {secs:.1f} s this run"
              + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
     if res.best is not None:

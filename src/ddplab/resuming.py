@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ddplab import batch_size
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
@@ -30,9 +31,10 @@ CHANGES_FILE = "config_changes.yaml"
 
 
 def _samples_per_step(flat: dict[str, Any], world_size: int) -> int | None:
+    """A (flattened, maybe older) config's samples per optimizer step; None where it cannot say."""
     try:
-        per_rank = flat.get("batch_size_scope") == "per_rank"
-        return int(flat["batch_size"]) * (world_size if per_rank else 1) * int(flat.get("grad_accum_steps", 1))
+        return batch_size.per_step(flat["batch_size"], flat.get("batch_size_scope", "global"), world_size,
+                                   flat.get("grad_accum_steps", 1))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -17,6 +17,19 @@ from typing import Any
 RESULT = "result.json"
 
 
+def is_multirun(argv: list[str] | None = None) -> bool:
+    """Is this a Hydra sweep? ``argv``: before Hydra runs, from the command line (``-m``/``--multirun``);
+    without: from the running Hydra job's mode (False outside Hydra)."""
+    if argv is not None:
+        return "-m" in argv or "--multirun" in argv
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:  # ddplab.run from a script without Hydra
+        return False
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def own_run_dir(cfg: Any) -> Path:
     """This process's idea of the run dir: explicit, else Hydra's output dir, else outputs/<date>/<time>."""
     if cfg.get("run_dir"):

@@ -83,7 +83,7 @@ class Session:
                      ", ".join(f"{why} {n}" for why, n in restarts.items()))
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
-        table, rows = collectives.rank_table(st, collectives.config_digest(self.cfg))
+        table, rows = collectives.rank_table(st, collectives.rank_config_digest(self.cfg))
         log.info("ranks: %s", table)
         # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
         self.provenance = provenance.write(self.run_dir, provenance.collect(rows, st.backend)) if st.is_main else ""

@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ddplab import build, rundir, strategy
+from ddplab.batch_size import global_batch_size
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.config import ConfigError
 from ddplab.data.batches import first_tensor, map_tensors
@@ -48,20 +49,6 @@ log = logging.getLogger("ddplab")
 _SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
 
 
-def global_batch_size(cfg: DictConfig, world_size: int, exact: bool = True) -> int:
-    """Samples per micro-step over all ranks. ``exact=False`` (evaluation only): rounded to split."""
-    gb = cfg.batch_size * (world_size if cfg.batch_size_scope == "per_rank" else 1)
-    if gb % world_size and not exact:
-        return max(world_size, gb // world_size * world_size)
-    if gb % world_size:
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} (global) does not split evenly over {world_size} ranks. "
-            f"Fix: pass batch_size={max(world_size, gb // world_size * world_size)} "
-            "or batch_size_scope=per_rank."
-        )
-    return gb
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path, search_earlier_runs: bool = False,
                  stop: StopSignal | None = None):
@@ -76,6 +63,7 @@ class Trainer:
         self.eval_only = cfg.get("mode") == "eval"
         self.global_batch = global_batch_size(cfg, state.world_size, exact=not self.eval_only)
         self.accum = cfg.grad_accum_steps
+        self.samples_per_step = self.global_batch * self.accum
         self.grad_clip = float(cfg.grad_clip)
         seed_everything(cfg.seed)  # same seed on every rank here: identical init weights and data order
         self.strategy = strategy.make(cfg, state)
@@ -92,7 +80,7 @@ class Trainer:
         self.rng = RNGStreams(state)
         self.stop_reason: str | None = None  # set by request_stop (early stopping)
         self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
-                                   max(self.sampler.per_rank_batch, 256), self._layout, cfg.get("limit_val_batches"))
+                                   max(self.sampler.per_rank_batch, 256), self._to_memory_format, cfg.get("limit_val_batches"))
         self.callbacks("setup", self)
         self._check_objective()
         self.checkpoints, self.guard = checkpoints_of(self)
@@ -289,7 +277,7 @@ class Trainer:
         for micro in range(self.accum):
             t = time.perf_counter()
             watch.phase = "data loading"
-            batch = self._layout(next(batches))
+            batch = self._to_memory_format(next(batches))
             data_time += time.perf_counter() - t
             # Gradients all-reduce only on the last micro-batch of a step.
             with self.strategy.no_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
@@ -366,7 +354,7 @@ class Trainer:
         self.results.last_train = values
         return values
 
-    def _layout(self, batch: Any) -> Any:
+    def _to_memory_format(self, batch: Any) -> Any:
         """Image batches (4-D float tensors) in the model's memory format (NHWC with perf.channels_last)."""
         fmt = self.memory_format
         if fmt is None:
@@ -377,7 +365,7 @@ class Trainer:
     def _flop_sample(self) -> torch.Tensor | None:
         """One sample's input, for counting the model's FLOPs (the first tensor of a training sample)."""
         x = first_tensor(self.data.train[0])
-        return None if x is None else self._layout(x[None].to(self.state.device))
+        return None if x is None else self._to_memory_format(x[None].to(self.state.device))
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run()

@@ -23,7 +23,7 @@ class NullWriter:
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         pass
 
-    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
+    def charts(self, categories: dict[str, dict[str, list[str]]]) -> None:
         pass
 
     def image(self, tag: str, image: Any, step: int) -> None:
@@ -87,11 +87,12 @@ class TensorBoardWriter(NullWriter):
         clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
         self._w.file_writer.add_summary(hparams_pb(clean, trial_id=trial))
 
-    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
-        """The Custom Scalars tab: ``{category: {chart title: [tags drawn together]}}``; the first
+    def charts(self, categories: dict[str, dict[str, list[str]]]) -> None:
+        """The Custom Scalars tab (TensorBoard calls it a layout): ``{category: {chart title: [tags drawn
+        together]}}``; the first
         category open, the others folded. Tags are matched exactly (TensorBoard takes regexes)."""
         if self._w is None:
-            self._queued.append(("layout", (categories,)))
+            self._queued.append(("charts", (categories,)))
             return
         import re
 

@@ -167,7 +167,7 @@ def _trains_the_same(ckpt: Path, digest: str | None) -> bool:
         return True
     try:
         meta = torch.load(ckpt, map_location="cpu", weights_only=True).get("meta", {})
-        return drift.digest(meta.get("config", "")) == digest
+        return drift.trajectory_digest(meta.get("config", "")) == digest
     except Exception as e:  # unreadable or foreign: not ours to continue
         log.warning("resume=auto: skipping %s, which cannot be read as a checkpoint (%s: %s)",
                     ckpt, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -215,7 +215,7 @@ def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, di
     ``resume=auto`` takes ``last.pt`` of this run dir; with ``search`` (a run dir
     Hydra made up), else that of the newest earlier run under the same output
     root launched with the same overrides and whose checkpoint's config has the same
-    trajectory ``digest`` (:func:`ddplab.config.drift.digest`), so re-typing the same
+    trajectory ``digest`` (:func:`ddplab.config.drift.trajectory_digest`), so re-typing the same
     command plus ``resume=auto`` continues it; a sweep's jobs each find their own
     earlier job, and finished ones end at once. A run dir someone named —
     ``run_dir=``, ``hydra.run.dir=``, a torchrun restart's — is the only place looked in.

@@ -112,7 +112,7 @@ class CheckpointManager:
 
         ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with ``search_earlier_runs``.
         """
-        digest = drift.digest(self.meta["config"]) if "config" in self.meta else None
+        digest = drift.trajectory_digest(self.meta["config"]) if "config" in self.meta else None
         found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)] \
             if self.state.is_main else []
         paths = [Path(p) for p in broadcast_object(found, self.state)]

@@ -54,8 +54,9 @@ def trajectory(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in flatten(cfg).items() if _matters(k)}
 
 
-def digest(cfg: Any) -> str:
-    """Short hash of :func:`trajectory`: equal for two configs that train the same run."""
+def trajectory_digest(cfg: Any) -> str:
+    """Short hash of :func:`trajectory`: equal for two configs that train the same run, whatever their
+    harmless keys (``resume=auto`` finds earlier runs of the same command by it)."""
     blob = json.dumps(trajectory(cfg), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

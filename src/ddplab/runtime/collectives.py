@@ -100,12 +100,14 @@ def sync_config(cfg: Any, state: DistState) -> Any:
     """
     from omegaconf import OmegaConf
 
+    from ddplab.config import drift
+
     mine = OmegaConf.to_container(cfg, resolve=True)  # also fails early on a bad interpolation
     if not state.is_distributed:
         return cfg
     ref = broadcast_object(mine, state)
     if ref != mine:
-        a, b = _flatten(ref), _flatten(mine)
+        a, b = drift.flatten(ref), drift.flatten(mine)
         diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         logging.getLogger("ddplab").warning(
             "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
@@ -115,17 +117,10 @@ def sync_config(cfg: Any, state: DistState) -> Any:
     return out
 
 
-def config_digest(cfg: Any) -> str:
-    """Short hash of the resolved config: equal on all ranks iff they train the same thing."""
+def rank_config_digest(cfg: Any) -> str:
+    """Short hash of the WHOLE resolved config, harmless keys too, for the rank table: equal on all ranks
+    iff each was handed the same config. (Resuming compares ``drift.trajectory_digest``: only the keys
+    that change what a run computes.)"""
     from omegaconf import OmegaConf
 
     return hashlib.sha1(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()[:10]
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
-    return out

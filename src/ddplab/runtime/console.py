@@ -13,13 +13,12 @@ import logging
 
 def job_tag() -> str:
     """`` [job 3]`` inside a Hydra sweep's job 3, else nothing."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-    except ImportError:  # ddplab.run from a script without Hydra
+    from ddplab.rundir import is_multirun
+
+    if not is_multirun():
         return ""
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return ""
+    from hydra.core.hydra_config import HydraConfig
+
     return f" [job {HydraConfig.get().job.num}]"
 
 
