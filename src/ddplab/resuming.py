@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import batch_size
+from ddplab.callbacks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
@@ -120,7 +121,7 @@ def resume(t: Any) -> str | None:
         log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
                     "order, but random layers (dropout) draw new streams", t.state.world_size, t.rng.saved_world_size)
     log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
-    t.callbacks("on_load", t, str(path))
+    t.callbacks(Hook.ON_LOAD, t, str(path))
     return changes
 
 

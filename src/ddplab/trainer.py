@@ -32,7 +32,7 @@ from ddplab.metrics import TrainMetrics
 from ddplab.optim import make_optimizer
 from ddplab.perf import FlopRate
 from ddplab.precision import Precision
-from ddplab.callbacks import Callbacks
+from ddplab.callbacks import Callbacks, Hook
 from ddplab.reporting import Progress, announce, run_summary, wrap
 from ddplab.resuming import checkpoints_of, resume
 from ddplab.runtime import collectives, env
@@ -81,7 +81,7 @@ class Trainer:
         self.stop_reason: str | None = None  # set by request_stop (early stopping)
         self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
                                    max(self.sampler.per_rank_batch, 256), self._to_memory_format, cfg.get("limit_val_batches"))
-        self.callbacks("setup", self)
+        self.callbacks(Hook.SETUP, self)
         self._check_objective()
         self.checkpoints, self.guard = checkpoints_of(self)
         self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
@@ -96,7 +96,7 @@ class Trainer:
         self.writer = make_writer(state, str(self.events_dir), purge_step=self.loop.step + 1 if earlier else None)
         self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
                                     cfg.log_every_n_steps * self.accum)
-        self._step_hooks = self.callbacks.hooks["on_step_end"]  # per step: an empty loop when none
+        self._step_hooks = self.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
         self._first_step_done = False
         self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
         self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
@@ -135,7 +135,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         cfg, loop = self.cfg, self.loop
         announce(self)
-        self.callbacks("on_fit_start", self)
+        self.callbacks(Hook.ON_FIT_START, self)
         last_train: dict[str, float] = {}
         if loop.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
@@ -147,7 +147,7 @@ class Trainer:
             while loop.epoch < min(cfg.num_epochs, stop) and self.stop_reason is None:
                 last_train = self.run_epoch() or last_train
         except BaseException as e:
-            self.callbacks("on_exception", self, e)
+            self.callbacks(Hook.ON_EXCEPTION, self, e)
             raise
         finally:
             self.watch.close()
@@ -160,7 +160,7 @@ class Trainer:
             out[best_name(cfg.objective)] = best
         for line in run_summary(self, out):  # rank 0's last words: how it went, where things are
             log.info("%s", line)
-        self.callbacks("on_fit_end", self, out)
+        self.callbacks(Hook.ON_FIT_END, self, out)
         return out
 
     def evaluate_only(self) -> dict[str, float]:
@@ -205,7 +205,7 @@ class Trainer:
         path = self.checkpoints.save(self.loop.step, is_best=is_best)
         if path:
             slow_save_warning(self.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
-            self.callbacks("on_save", self, path)
+            self.callbacks(Hook.ON_SAVE, self, path)
         return path
 
 
@@ -342,7 +342,7 @@ class Trainer:
         values.update(derived(self.task, values, "train/"))
         if self.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
             self.first_train_loss = values.get("train/loss")
-        self.callbacks("on_log", self, values, step)
+        self.callbacks(Hook.ON_LOG, self, values, step)
         values["vitals/lr"] = self.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["vitals/samples_per_s"]))
         scale = self.precision.loss_scale()
@@ -376,7 +376,7 @@ class Trainer:
         val = self.evaluator.run(self.stopper if interruptible else None)
         if val is None:
             return None
-        for extra in self.callbacks("on_eval_end", self, val):
+        for extra in self.callbacks(Hook.ON_EVAL_END, self, val):
             val.update(extra or {})
         return val
 

@@ -4,7 +4,7 @@
 
 Each entry of ``cfg.callbacks`` is a ``_target_`` (ddplab's or a user's own class, named
 from a yaml in their own config dir) made once per job. Every hook is optional; the
-trainer calls only the hooks a callback overrides. Hooks get the Trainer (``trainer.module``,
+trainer calls only the hooks a callback overrides (:class:`Hook` shows where each fires). Hooks get the Trainer (``trainer.module``,
 ``.optimizer``, ``.loop``, ``.state``, ``.run_dir``, ``.evaluator``, ``.strategy``):
 
 * ``setup(trainer)`` — the parts exist, nothing resumed yet;
@@ -24,10 +24,44 @@ call ``trainer.request_stop(reason)`` (all ranks must decide alike: decide from 
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
-HOOKS = ("setup", "on_fit_start", "on_step_end", "on_log", "on_eval_end", "on_save", "on_load", "on_exception",
-         "on_fit_end")
+
+class Hook(str, enum.Enum):
+    """Where a callback's hooks fire, as the loop runs (``trainer.py``); each value is the method name.
+
+    .. code-block:: text
+
+        build the parts (model, optimizer, data, strategy)
+        SETUP(trainer)                               # parts exist; nothing resumed yet
+        resume from a checkpoint                     -> ON_LOAD(trainer, path)
+        ON_FIT_START(trainer)
+        for each epoch:
+            for each optimizer step:
+                micro-batches: forward, backward; optimizer step
+                ON_STEP_END(trainer, step)            # EVERY step: device work only, no sync
+                every log_every_n_steps: one collective -> ON_LOG(trainer, values, step)
+                a checkpoint falls due               -> ON_SAVE(trainer, path)
+            evaluation (exact, all ranks)            -> ON_EVAL_END(trainer, metrics) -> extra metrics
+            the epoch's checkpoint                   -> ON_SAVE(trainer, path)
+        ON_FIT_END(trainer, metrics)
+        any exception on the way                     -> ON_EXCEPTION(trainer, exc), then it propagates
+        (a preemption too: every rank's checkpoint, ON_SAVE, then ON_EXCEPTION with ``Preempted``)
+    """
+
+    SETUP = "setup"
+    ON_FIT_START = "on_fit_start"
+    ON_STEP_END = "on_step_end"
+    ON_LOG = "on_log"
+    ON_EVAL_END = "on_eval_end"
+    ON_SAVE = "on_save"
+    ON_LOAD = "on_load"
+    ON_EXCEPTION = "on_exception"
+    ON_FIT_END = "on_fit_end"
+
+
+HOOKS = tuple(h.value for h in Hook)
 
 
 class Callback:
@@ -54,9 +88,9 @@ class Callbacks:
 
     def __init__(self, named: dict[str, Any]):
         self.named = named
-        self.hooks = {h: [getattr(cb, h) for cb in named.values() if _overrides(cb, h)] for h in HOOKS}
+        self.hooks = {Hook(h): [getattr(cb, h) for cb in named.values() if _overrides(cb, h)] for h in HOOKS}
 
-    def __call__(self, hook: str, *args: Any) -> list[Any]:
+    def __call__(self, hook: Hook, *args: Any) -> list[Any]:
         return [fn(*args) for fn in self.hooks[hook]]
 
     def stateful(self) -> dict[str, Any]:
