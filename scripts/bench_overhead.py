@@ -139,7 +139,7 @@ def interleaved_worker(a: argparse.Namespace, out: str) -> None:
             for side in ("hand", "ddplab") if i % 2 == 0 else ("ddplab", "hand"):
                 clock.side = side
                 trainer.run_epoch() if side == "ddplab" else hand.epoch()
-        trainer.writer.close()
+        trainer.state.writer.close()
         hand.close()
     finally:
         clock.save(out)

@@ -132,7 +132,7 @@ class _Injector:
         if self.spec is not None and self.spec["rank"] != _rank():
             self.spec = None  # another rank's fault
         self.calls: dict[str, int] = {}
-        self.trainer: Any = None  # set by SoakCallback.setup: the step a fault lands at
+        self.state: Any = None  # the job's State, set by SoakCallback.setup: the step a fault lands at
         self.in_eval = False
 
     def wants(self, phase: str) -> bool:
@@ -153,7 +153,7 @@ class _Injector:
             return
         sig = getattr(signal, spec["signal"])
         targets = self._targets(spec["target"])
-        step = self.trainer.loop.step if self.trainer is not None else -1
+        step = self.state.loop.step if self.state is not None else -1
         record = {"time": time.time(), "step": step, "pid": os.getpid(), "targets": targets, "phase": spec["phase"]}
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
@@ -243,15 +243,15 @@ class SoakCallback(Callback):
     """Ticks the optimizer-step and checkpoint phases, marks the evaluation, and notes this rank's pid for a
     peer's ``peer`` fault. Checkpointed (as ``callbacks.soak``) so that ``state_dict`` runs in every save."""
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, state: Any) -> None:
         inj = injector()
-        inj.trainer = trainer
+        inj.state = state
         soak_dir = os.environ.get("SOAK_DIR")
         if soak_dir:
             (Path(soak_dir) / f"pid.{_rank()}").write_text(str(os.getpid()))
         if inj.wants("optimizer"):
-            trainer.optimizer.register_step_pre_hook(lambda *_: inj.tick("optimizer"))
-        run = trainer.evaluator.run
+            state.optimizer.register_step_pre_hook(lambda *_: inj.tick("optimizer"))
+        run = state.evaluator.run
 
         def evaluating(*args: Any, **kw: Any) -> Any:
             inj.in_eval = True
@@ -260,7 +260,7 @@ class SoakCallback(Callback):
             finally:
                 inj.in_eval = False
 
-        trainer.evaluator.run = evaluating
+        state.evaluator.run = evaluating
 
     def state_dict(self) -> dict[str, Any]:
         injector().tick("checkpoint")

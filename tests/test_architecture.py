@@ -113,3 +113,25 @@ def test_the_readme_is_a_front_door_and_every_docs_page_is_in_the_site():
     nav = (ROOT / "mkdocs.yml").read_text()
     assert pages and [p for p in pages if f" {p}" not in nav] == []
     assert [p for p in pages if f"(docs/{p})" not in readme and p != "index.md"] == []  # linked from the front door
+
+
+def test_no_module_outside_the_trainer_reads_trainer_attributes():
+    """Callbacks, reporting and resuming see the job's State (ddplab.state), not the Trainer: only job.py makes
+    one, and it asks only run() and position(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
+as reporting and resuming did)."""
+    named, takes = [], []
+    for p in MODULES:
+        if p.name == "trainer.py":
+            continue
+        tree = ast.parse(p.read_text())
+        named += [f"{p.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Name) and n.id == "Trainer"]
+        takes += [f"{p.relative_to(SRC)}:{n.lineno} {n.name}({a.arg})" for n in ast.walk(tree)
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for a in n.args.args
+                  if a.arg == "trainer" or (a.arg == "t" and a.annotation is not None and ast.unparse(a.annotation) == "Any")]
+    assert {h.split(":")[0] for h in named} <= {"job.py"} and takes == [], (named, takes)
+    job = ast.parse((SRC / "job.py").read_text())
+    used = {n.attr for n in ast.walk(job) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "trainer"}
+    assert used == {"run", "position"}, used

@@ -120,25 +120,25 @@ class Recorder:
     """A user's callback (not a ddplab.callbacks.Callback subclass: duck typing is enough) that records
     every hook it receives."""
 
-    def _note(self, hook, trainer):
-        RECORDED.append((hook, trainer.loop.step))
+    def _note(self, hook, state):
+        RECORDED.append((hook, state.loop.step))
 
-    def setup(self, trainer): self._note("setup", trainer)
-    def on_fit_start(self, trainer): self._note("on_fit_start", trainer)
-    def on_step_end(self, trainer, step): self._note("on_step_end", trainer)
-    def on_log(self, trainer, values, step): self._note("on_log", trainer)
-    def on_eval_end(self, trainer, metrics): self._note("on_eval_end", trainer)
-    def on_save(self, trainer, path): self._note("on_save", trainer)
-    def on_load(self, trainer, path): self._note("on_load", trainer)
-    def on_exception(self, trainer, exc): self._note("on_exception", trainer)
-    def on_fit_end(self, trainer, metrics): self._note("on_fit_end", trainer)
+    def setup(self, state): self._note("setup", state)
+    def on_fit_start(self, state): self._note("on_fit_start", state)
+    def on_step_end(self, state, step): self._note("on_step_end", state)
+    def on_log(self, state, values, step): self._note("on_log", state)
+    def on_eval_end(self, state, metrics): self._note("on_eval_end", state)
+    def on_save(self, state, path): self._note("on_save", state)
+    def on_load(self, state, path): self._note("on_load", state)
+    def on_exception(self, state, exc): self._note("on_exception", state)
+    def on_fit_end(self, state, metrics): self._note("on_fit_end", state)
 
 
 class KillLauncherAtFitEnd:
     """Rank 0 SIGKILLs its launcher (torchrun's agent) once training is over, and waits to be re-parented:
     the job then completes with no launcher (as when the agent dies during the last steps)."""
 
-    def on_fit_end(self, trainer, metrics):
+    def on_fit_end(self, state, metrics):
         if _rank() == 0:
             parent = os.getppid()
             os.kill(parent, signal.SIGKILL)

@@ -46,28 +46,22 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
             log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
                         "launched job (torchrun/SLURM)", nproc)
     with Session(cfg, search_earlier_runs) as session:
-        metrics = _train(session)
-        session.complete(metrics, session.note, session.objective)
+        metrics, note, objective = _train(session)
+        session.complete(metrics, note, objective)
     return metrics
 
 
-def _train(session: Session) -> dict[str, float]:
+def _train(session: Session) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
+    """The metrics, how the run ended besides them (early stopping's note) and the objective with its
+    direction (for sweep summaries)."""
     # A function of its own: if it raises, its frame (holding the trainer and
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
     from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
 
-    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs, session.stop)
-    session.where = trainer.position
-    if session.provenance:
-        trainer.writer.text("provenance", session.provenance)
-    if trainer.eval_only:
-        metrics = trainer.evaluate_only()
-        log.info("evaluation of %s: %s", session.cfg.resume, "  ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
-        return metrics
-    metrics = trainer.fit()
-    session.note = trainer.stop_reason
-    session.objective = {"name": session.cfg.objective, "minimize": trainer.results.minimize}
-    return metrics
+    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs, session.stop,
+                      session.provenance)
+    session.report_failures_at(trainer.position)
+    return trainer.run()
 
 
 def _check_room(cfg: DictConfig) -> None:

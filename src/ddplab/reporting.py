@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir
+from ddplab.state import State
 
 log = logging.getLogger("ddplab")
 
@@ -66,15 +67,15 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
     return {k: v for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
 
 
-def charts_of(t: Any) -> dict[str, dict[str, list[str]]]:
+def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
     """The Custom Scalars tab: train against val for each of the task's metrics (with a callback's
     variant, e.g. val_ema/acc, and the objective's best), then the vitals, folded."""
     from ddplab.task import logged_names
     from ddplab.trainstate import best_name
 
-    obj, extra = t.cfg.objective, t.callbacks.logged_names()
+    obj, extra = s.cfg.objective, s.callbacks.logged_names()
     learning: dict[str, list[str]] = {}
-    for m in logged_names(t.task):
+    for m in logged_names(s.task):
         tags = [f"train/{m}", f"val/{m}", *(e for e in extra if e.split("/", 1)[-1] == m)]
         learning[f"{m}: train vs val"] = tags + [best_name(obj)] * (obj in tags)
     v = "vitals/"
@@ -82,69 +83,69 @@ def charts_of(t: Any) -> dict[str, dict[str, list[str]]]:
               "step time ms: mean, slowest, fastest rank": [v + "step_time_ms", v + "step_time_ms_max", v + "step_time_ms_min"],
               "data wait ms: mean, slowest, fastest rank": [v + "data_time_ms", v + "data_time_ms_max", v + "data_time_ms_min"],
               "epoch": [v + "epoch"]}
-    if t.state.device.type == "cuda":
+    if s.dist.device.type == "cuda":
         vitals["peak memory GB (max over ranks)"] = [v + "peak_mem_gb"]
     return {"is it learning?": learning, "vitals": vitals}
 
 
-def announce(t: Any) -> None:
-    """Trainer ``t``'s first words: the config (and opted-in changes), HParams and the Custom Scalars
+def announce(s: State) -> None:
+    """The job's first words: the config (and opted-in changes), HParams and the Custom Scalars
     charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
-    cfg, st = t.cfg, t.state
-    t.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-    if t.config_changes:
-        t.writer.text("config_changes", t.config_changes)
-    t.writer.hparams(hparams_of(cfg, t.run_dir, st.world_size), f"{t.run_dir.name}/{t.events_dir.name}")
-    t.writer.charts(charts_of(t))
-    per_step = t.samples_per_step
-    lines = [f"run dir: {shown(t.run_dir)}",
+    cfg, st = s.cfg, s.dist
+    s.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+    if s.config_changes:
+        s.writer.text("config_changes", s.config_changes)
+    s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
+    s.writer.charts(charts_of(s))
+    per_step = s.samples_per_step
+    lines = [f"run dir: {shown(s.run_dir)}",
              f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
-             f"{t.precision.describe()} | {t.steps_per_epoch} steps/epoch x {cfg.num_epochs} epochs",
+             f"{s.precision.describe()} | {s.steps_per_epoch} steps/epoch x {cfg.num_epochs} epochs",
              *wrap("batch:", [f"{per_step} samples per optimizer step = {st.world_size} rank(s) x "
-                              f"{t.sampler.per_rank_batch} per rank x {t.accum} accumulation"]),
-             *wrap("data:", [t.train_loader.describe()]),
-             *wrap("model:", _describe_model(t), ", ")]
-    if t.callbacks.named:
-        lines += wrap("callbacks:", t.callbacks.describe(), ", ")
+                              f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"]),
+             *wrap("data:", [s.train_loader.describe()]),
+             *wrap("model:", _describe_model(s), ", ")]
+    if s.callbacks.named:
+        lines += wrap("callbacks:", s.callbacks.describe(), ", ")
     for line in lines:
         log.info("%s", line)
 
 
-def run_summary(t: Any, out: dict[str, float]) -> list[str]:
+def run_summary(s: State, out: dict[str, float]) -> list[str]:
     """A few lines at the end of a run (rank 0 logs them; other ranks log only warnings): best
     objective and when, final metrics, time and throughput, where the checkpoints and events are,
     the command that opens TensorBoard, and a hint when validation loss ended above where it began."""
-    cfg, res, obj = t.cfg, t.results, t.cfg.objective
+    cfg, res, obj = s.cfg, s.results, s.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
-    samples = (steps - t.loop_start_step) * t.samples_per_step
+    samples = (steps - s.loop_start_step) * s.samples_per_step
     lines = [f"done: {int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps, {secs:.1f} s this run"
              + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
     if res.best is not None:
         lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step})")
         lines += wrap("final:", [f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")])
-    where = shown(t.run_dir / "checkpoints")
+    where = shown(s.run_dir / "checkpoints")
     lines.append(f"checkpoints: {where}" if cfg.checkpoint.get("enabled", True) else "checkpoints: none written")
-    lines.append(f"events: {shown(t.events_dir)}")
-    lines.append(f"open: tensorboard --logdir {shown(t.run_dir)}")
+    lines.append(f"events: {shown(s.events_dir)}")
+    lines.append(f"open: tensorboard --logdir {shown(s.run_dir)}")
     last = res.last_val.get("val/loss")
-    yardsticks = [("the first logged train/loss", t.first_train_loss)]
+    yardsticks = [("the first logged train/loss", s.first_train_loss)]
     if res.first_val != res.last_val:  # more than one evaluation
         yardsticks.insert(0, ("its first evaluation", res.first_val.get("val/loss")))
     above = [(what, v) for what, v in yardsticks if v is not None and last is not None and last > v]
     if above:
         what, v = above[0]
         lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging")
-        amp_on = t.precision.dtype.itemsize < 4  # after amp fell back to fp32, amp=false would change nothing
+        amp_on = s.precision.dtype.itemsize < 4  # after amp fell back to fp32, amp=false would change nothing
         lines.append("  try a lower optimizer.lr, more epochs, grad_clip=1.0" + (", or amp=false" if amp_on else ""))
     return lines
 
 
-def _describe_model(t: Any) -> list[str]:
-    pf = t.cfg.perf
-    parts = [type(t.module).__name__, f"{sum(p.numel() for p in t.params):,} params"]
+def _describe_model(s: State) -> list[str]:
+    pf = s.cfg.perf
+    parts = [type(s.module).__name__, f"{sum(p.numel() for p in s.params):,} params"]
     parts += ["channels_last"] * pf.channels_last + [f"compiled ({pf.compile_backend})"] * pf.compile
-    parts.append("fused optimizer" if t.optimizer.defaults.get("fused") else "unfused optimizer")
-    return parts + t.strategy.describe()
+    parts.append("fused optimizer" if s.optimizer.defaults.get("fused") else "unfused optimizer")
+    return parts + s.strategy.describe()
 
 
 class Progress:

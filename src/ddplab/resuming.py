@@ -22,6 +22,7 @@ from ddplab.callbacks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
+from ddplab.state import State
 
 log = logging.getLogger("ddplab")
 
@@ -91,37 +92,37 @@ def _plain(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
 
-def checkpoints_of(t: Any) -> tuple[CheckpointManager, ResumeGuard]:
-    """The CheckpointManager with every stateful part of trainer ``t`` registered, and its drift guard."""
-    meta = {"config": OmegaConf.to_yaml(t.cfg, resolve=True), "world_size": t.state.world_size}
-    guard = ResumeGuard(t.cfg, t.state.world_size)  # a checkpoint of another config is refused
-    manager = CheckpointManager(t.run_dir / "checkpoints", t.cfg.checkpoint, t.state, meta, check_meta=guard.check)
-    entries = {**t.strategy.checkpoint_entries(t.module, t.optimizer, manager), "scheduler": t.scheduler,
-               "scaler": t.precision, "loop": t.loop,
-               "rng": t.rng,  # every rank's streams: dropout/augmentation continue exactly
-               "results": t.results}
+def checkpoints_of(s: State) -> tuple[CheckpointManager, ResumeGuard]:
+    """The CheckpointManager with every stateful part of the job registered, and its drift guard."""
+    meta = {"config": OmegaConf.to_yaml(s.cfg, resolve=True), "world_size": s.dist.world_size}
+    guard = ResumeGuard(s.cfg, s.dist.world_size)  # a checkpoint of another config is refused
+    manager = CheckpointManager(s.run_dir / "checkpoints", s.cfg.checkpoint, s.dist, meta, check_meta=guard.check)
+    entries = {**s.strategy.checkpoint_entries(s.module, s.optimizer, manager), "scheduler": s.scheduler,
+               "scaler": s.precision, "loop": s.loop,
+               "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
+               "results": s.results}
     for key, component in entries.items():
         manager.register(key, component)
-    for key, component in t.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh
+    for key, component in s.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh
         manager.register(key, component, optional=True)
     return manager, guard
 
 
-def resume(t: Any) -> str | None:
-    """Load what ``resume`` names into trainer ``t``; the opted-in changes as text, or None."""
-    fresh = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
-    path = t.checkpoints.resume(t.cfg.resume, t.run_dir, t.search_earlier_runs)
+def resume(s: State, guard: ResumeGuard) -> str | None:
+    """Load what ``resume`` names into the job's parts; the opted-in changes as text, or None."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups]
+    path = s.checkpoints.resume(s.cfg.resume, s.run_dir, s.search_earlier_runs)
     if path is None:
         return None
-    loop = t.loop
+    loop = s.loop
     # Opted-in config changes go into force now; rank 0 records them in the run dir.
-    changes = t.guard.apply(t.optimizer, t.scheduler, fresh, loop.batches_in_epoch, loop.step,
-                            t.run_dir if t.state.is_main else None)
-    if loop.batches_in_epoch and t.rng.saved_world_size != t.state.world_size:
+    changes = guard.apply(s.optimizer, s.scheduler, fresh, loop.batches_in_epoch, loop.step,
+                          s.run_dir if s.dist.is_main else None)
+    if loop.batches_in_epoch and s.rng.saved_world_size != s.dist.world_size:
         log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
-                    "order, but random layers (dropout) draw new streams", t.state.world_size, t.rng.saved_world_size)
+                    "order, but random layers (dropout) draw new streams", s.dist.world_size, s.rng.saved_world_size)
     log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
-    t.callbacks(Hook.ON_LOAD, t, str(path))
+    s.callbacks(Hook.ON_LOAD, s, str(path))
     return changes
 
 

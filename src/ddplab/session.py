@@ -41,13 +41,11 @@ class Session:
         self._memo: Path | None = None
         # resume=auto may look at earlier runs only from a run dir Hydra made up (rank 0 decides).
         self.search_earlier_runs = search_earlier_runs
-        # Where a failure happened, for the report: the trainer replaces it with its position.
-        self.where: Callable[[], str] = lambda: "while building the job"
+        # Where a failure happened, for the report: report_failures_at gives the trainer's position.
+        self._where: Callable[[], str] = lambda: "while building the job"
         # SIGTERM/SIGINT/SIGUSR1 from here on ask for a checkpointed stop (runtime.signals).
         self.stop = StopSignal()
         self.provenance = ""  # rank 0: provenance.json's text, once the ranks are known
-        self.note: str | None = None  # how the job ended, besides its metrics (early stopping)
-        self.objective: dict[str, Any] | None = None  # the objective and its direction, for sweep summaries
 
     def __enter__(self) -> Session:
         self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
@@ -107,6 +105,10 @@ class Session:
             return f"run dir {self.run_dir}: {type(e).__name__}: {e}"
         return None
 
+    def report_failures_at(self, position: Callable[[], str]) -> None:
+        """A failure from here on is reported at ``position()`` (the trainer's epoch and step)."""
+        self._where = position
+
     def complete(self, metrics: dict[str, Any], note: str | None = None,
                  objective: dict[str, Any] | None = None) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
@@ -131,7 +133,7 @@ class Session:
                 if self._lock is not None:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
             elif isinstance(exc, Exception):
-                report = group.describe_failure(self.state, exc, self.where(), str(self.run_dir),
+                report = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
                                                 self.cfg.distributed.timeout_s)
                 log.error(report)
                 if self._lock is not None:  # never into a run dir another job holds
@@ -144,6 +146,6 @@ class Session:
                 # The failed frames hold the trainer (and DDP's reducer), which must go
                 # before its process group does.
                 traceback.clear_frames(tb)
-            self.where = lambda: "after the job"
+            self._where = lambda: "after the job"
             self.stop.uninstall()
             group.teardown(clean=exc is None or isinstance(exc, Preempted))

@@ -40,6 +40,7 @@ from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.runtime.stopping import StopAgreement, slow_save_warning
 from ddplab.runtime.watch import StallWatch, default_store
+from ddplab.state import State
 from ddplab.task import check_batch, check_output, logged_names, name_of
 from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
@@ -50,92 +51,97 @@ _SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, state: DistState, run_dir: Path, search_earlier_runs: bool = False,
-                 stop: StopSignal | None = None):
+    def __init__(self, cfg: DictConfig, dist: DistState, run_dir: Path, search_earlier_runs: bool = False,
+                 stop: StopSignal | None = None, provenance: str | None = None):
         """``search_earlier_runs``: resume=auto may continue the newest earlier run of the same command
         (only for run dirs Hydra made up; see CheckpointManager.resume). ``stop``: the Session's
-        preemption flag (a fresh, never-set one when None)."""
-        self.cfg, self.state, self.run_dir = cfg, state, run_dir
+        preemption flag (a fresh, never-set one when None). ``provenance``: shown in TensorBoard's Text tab."""
         self.stop = stop or StopSignal()
-        self.stopper = StopAgreement(self.stop, state)  # when every rank stops together (a signal, a dead launcher)
+        self.stopper = StopAgreement(self.stop, dist)  # when every rank stops together (a signal, a dead launcher)
         self.grace_s = env.launcher_grace_s()  # how long a launcher waits for a stopping rank (None: forever)
-        self.search_earlier_runs = search_earlier_runs
         self.eval_only = cfg.get("mode") == "eval"
-        self.global_batch = global_batch_size(cfg, state.world_size, exact=not self.eval_only)
-        self.accum = cfg.grad_accum_steps
-        self.samples_per_step = self.global_batch * self.accum
         self.grad_clip = float(cfg.grad_clip)
-        seed_everything(cfg.seed)  # same seed on every rank here: identical init weights and data order
-        self.strategy = strategy.make(cfg, state)
-        self.task = build.task(cfg)
-        self._step_fn = self.task  # the first step swaps in a checking wrapper (_first_step)
-        self.callbacks = Callbacks(build.callbacks(cfg))
-        self.data, self.sampler, self.train_loader, self.steps_per_epoch = build.train_data(
-            cfg, state, self.global_batch, self.accum)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
-        self._build_model()
-        self.loop = LoopState(seed=cfg.seed, accum=self.accum)
-        # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
-        self.results = Results(minimize=cfg.objective.split("/", 1)[-1] not in getattr(self.task, "maximize", ()))
-        self.rng = RNGStreams(state)
-        self.stop_reason: str | None = None  # set by request_stop (early stopping)
-        self.evaluator = Evaluator(self.task, self.module, self.data, state, self.precision, self.strategy,
-                                   max(self.sampler.per_rank_batch, 256), self._to_memory_format, cfg.get("limit_val_batches"))
-        self.callbacks(Hook.SETUP, self)
+        self.state = s = self._build(cfg, dist, run_dir, search_earlier_runs)
+        self._step_fn = s.task  # the first step swaps in a checking wrapper (_first_step)
+        s.callbacks(Hook.SETUP, s)
         self._check_objective()
-        self.checkpoints, self.guard = checkpoints_of(self)
-        self.config_changes = resume(self)  # opted-in config changes applied, as text (or None)
+        s.checkpoints, guard = checkpoints_of(s)
+        s.config_changes = resume(s, guard)  # opted-in config changes applied, as text (or None)
         # The resumed run's last save: would a preemption's checkpoint be written within the launcher's grace?
-        slow_save_warning(self.checkpoints.resumed_save_s, self.grace_s, "the last checkpoint of the resumed run")
-        self.loop_start_step = self.loop.step  # where this invocation began (throughput in the summary)
-        self.first_train_loss: float | None = None
-        self.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
+        slow_save_warning(s.checkpoints.resumed_save_s, self.grace_s, "the last checkpoint of the resumed run")
+        s.loop_start_step = s.loop.step  # where this invocation began (throughput in the summary)
+        s.events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
         # Steps after the checkpoint's were logged by an attempt that died: TensorBoard drops them. A run that
         # starts fresh where an attempt left events (killed before its first checkpoint) purges from step 1.
-        earlier = self.loop.step or any(self.events_dir.glob("events.out.tfevents.*"))
-        self.writer = make_writer(state, str(self.events_dir), purge_step=self.loop.step + 1 if earlier else None)
-        self.metrics = TrainMetrics(state, getattr(self.task, "metric_names", ()), cfg.nonfinite_loss, self.accum,
-                                    cfg.log_every_n_steps * self.accum)
-        self._step_hooks = self.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
+        earlier = s.loop.step or any(s.events_dir.glob("events.out.tfevents.*"))
+        s.writer = make_writer(dist, str(s.events_dir), purge_step=s.loop.step + 1 if earlier else None)
+        if provenance:
+            s.writer.text("provenance", provenance)
+        self.metrics = TrainMetrics(dist, getattr(s.task, "metric_names", ()), cfg.nonfinite_loss, s.accum,
+                                    cfg.log_every_n_steps * s.accum)
+        self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
         self._first_step_done = False
-        self.watch = StallWatch(state.rank, state.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
-        self.flops = FlopRate(self.strategy.counts_flops, self.module, self._flop_sample, state.device,
-                              self.precision.dtype, cfg.perf.peak_tflops, state.world_size)
+        self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
+        self.flops = FlopRate(s.strategy.counts_flops, s.module, self._flop_sample, dist.device,
+                              s.precision.dtype, cfg.perf.peak_tflops, dist.world_size)
+
+    def _build(self, cfg: DictConfig, dist: DistState, run_dir: Path, search_earlier_runs: bool) -> State:
+        """The job's parts, in an order that fixes the random draws: same seed on every rank here, so
+        identical initial weights and data order."""
+        global_batch = global_batch_size(cfg, dist.world_size, exact=not self.eval_only)
+        accum = cfg.grad_accum_steps
+        seed_everything(cfg.seed)
+        strat = strategy.make(cfg, dist)
+        task = build.task(cfg)
+        callbacks = Callbacks(build.callbacks(cfg))
+        data, sampler, loader, spe = build.train_data(cfg, dist, global_batch, accum)
+        # The unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
+        module = strat.prepare(build.model(cfg))
+        model = strat.wrap(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), params,
+                                   strat.fused_mode(cfg.perf.fused_optimizer))
+        scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=spe * cfg.num_epochs,
+                                                                steps_per_epoch=spe)
+        precision = Precision(cfg.amp, cfg.amp_dtype, dist.device)
+        # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
+        results = Results(minimize=cfg.objective.split("/", 1)[-1] not in getattr(task, "maximize", ()))
+        rng = RNGStreams(dist)
+        evaluator = Evaluator(task, module, data, dist, precision, strat, max(sampler.per_rank_batch, 256),
+                              self._to_memory_format, cfg.get("limit_val_batches"))
+        return State(cfg=cfg, dist=dist, run_dir=run_dir, task=task, strategy=strat, module=module, model=model,
+                     params=params, optimizer=optimizer, scheduler=scheduler, precision=precision, data=data,
+                     sampler=sampler, train_loader=loader, steps_per_epoch=spe, global_batch=global_batch,
+                     accum=accum, loop=LoopState(seed=cfg.seed, accum=accum), results=results,
+                     rng=rng, evaluator=evaluator, callbacks=callbacks,
+                     search_earlier_runs=search_earlier_runs)
 
     def _check_objective(self) -> None:
         """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
-        names = [f"val/{m}" for m in logged_names(self.task)] + self.callbacks.logged_names()
-        if self.cfg.objective not in names:
-            raise ConfigError(f"objective={self.cfg.objective!r}: {name_of(self.task)} logs no such metric. "
+        names = [f"val/{m}" for m in logged_names(self.state.task)] + self.state.callbacks.logged_names()
+        if self.state.cfg.objective not in names:
+            raise ConfigError(f"objective={self.state.cfg.objective!r}: {name_of(self.state.task)} logs no such metric. "
                               f"Fix: objective= one of {', '.join(names)}")
 
-    def _build_model(self) -> None:
-        cfg = self.cfg
-        # Unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
-        self.module = self.strategy.prepare(build.model(cfg))
-        self.model = self.strategy.wrap(self.module)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), self.params,
-                                        self.strategy.fused_mode(cfg.perf.fused_optimizer))
-        spe = self.steps_per_epoch
-        self.scheduler = instantiate(cfg.scheduler, _convert_="all")(
-            self.optimizer, total_steps=spe * cfg.num_epochs, steps_per_epoch=spe)
-        self.precision = Precision(cfg.amp, cfg.amp_dtype, self.state.device)
-
     def position(self) -> str:
-        return self.loop.position()
+        return self.state.position()
 
     # ------------------------------------------------------------------- loop
-    def request_stop(self, reason: str) -> None:
-        """Stop after the current epoch's evaluation and checkpoint (callbacks: decide alike on every rank)."""
-        if self.stop_reason is None:
-            self.stop_reason = reason
-            log.info("%s", reason)
+    def run(self) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
+        """Train (``mode=eval``: only evaluate). The metrics; why training stopped early, if it did; the
+        objective with its direction (for sweep summaries)."""
+        s = self.state
+        if self.eval_only:
+            metrics = self.evaluate_only()
+            log.info("evaluation of %s: %s", s.cfg.resume, "  ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
+            return metrics, None, None
+        return self.fit(), s.stop_reason, {"name": s.cfg.objective, "minimize": s.results.minimize}
 
     def fit(self) -> dict[str, float]:
-        cfg, loop = self.cfg, self.loop
-        announce(self)
-        self.callbacks(Hook.ON_FIT_START, self)
+        cfg, loop = self.state.cfg, self.state.loop
+        announce(self.state)
+        self.state.callbacks(Hook.ON_FIT_START, self.state)
         last_train: dict[str, float] = {}
         if loop.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
@@ -144,36 +150,36 @@ class Trainer:
         try:
             if loop.eval_pending:  # stopped before its epoch-end evaluation: that runs first
                 self._end_epoch()
-            while loop.epoch < min(cfg.num_epochs, stop) and self.stop_reason is None:
+            while loop.epoch < min(cfg.num_epochs, stop) and self.state.stop_reason is None:
                 last_train = self.run_epoch() or last_train
         except BaseException as e:
-            self.callbacks(Hook.ON_EXCEPTION, self, e)
+            self.state.callbacks(Hook.ON_EXCEPTION, self.state, e)
             raise
         finally:
             self.watch.close()
-        best = self.results.best
-        self.writer.close()
+        best = self.state.results.best
+        self.state.writer.close()
         # The checkpoint's record when this invocation trained nothing (resumed after the last step).
-        out = {**(last_train or self.results.last_train), **self.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
+        out = {**(last_train or self.state.results.last_train), **self.state.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
                "time_s": time.perf_counter() - t0}
         if best is not None:
             out[best_name(cfg.objective)] = best
-        for line in run_summary(self, out):  # rank 0's last words: how it went, where things are
+        for line in run_summary(self.state, out):  # rank 0's last words: how it went, where things are
             log.info("%s", line)
-        self.callbacks(Hook.ON_FIT_END, self, out)
+        self.state.callbacks(Hook.ON_FIT_END, self.state, out)
         return out
 
     def evaluate_only(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
-        announce(self)
+        announce(self.state)
         val = self._evaluate_all()
-        self.writer.scalars(val, self.loop.step)
-        self.writer.close()
-        return {**val, "epoch": float(self.loop.epoch), "step": float(self.loop.step)}
+        self.state.writer.scalars(val, self.state.loop.step)
+        self.state.writer.close()
+        return {**val, "epoch": float(self.state.loop.epoch), "step": float(self.state.loop.step)}
 
     def run_epoch(self) -> dict[str, float]:
         """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
-        loop = self.loop
+        loop = self.state.loop
         last_train = self._train_epoch()
         loop.epoch += 1
         loop.step_in_epoch = loop.batches_in_epoch = 0
@@ -185,16 +191,16 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
-        cfg, loop = self.cfg, self.loop
+        cfg, loop = self.state.cfg, self.state.loop
         improved = False
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
             val = self._evaluate_all(interruptible=True)
             if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
                 self._preempt(self._save())
-            improved = self.results.update(val, cfg.objective, loop.epoch, loop.step)
-            best = {} if self.results.best is None else {best_name(cfg.objective): self.results.best}
-            self.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
-            self.evaluator.visualize(self.writer, loop.step)
+            improved = self.state.results.update(val, cfg.objective, loop.epoch, loop.step)
+            best = {} if self.state.results.best is None else {best_name(cfg.objective): self.state.results.best}
+            self.state.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
+            self.state.evaluator.visualize(self.state.writer, loop.step)
             for line in wrap(f"epoch {loop.epoch}/{cfg.num_epochs} ", [f"{k}={v:.4g}" for k, v in val.items()]):
                 log.info("%s", line)
         loop.eval_pending = False
@@ -202,29 +208,29 @@ class Trainer:
 
     def _save(self, is_best: bool = False) -> str:
         self.watch.pause()  # a save is not a step: the stall watch must not time it
-        path = self.checkpoints.save(self.loop.step, is_best=is_best)
+        path = self.state.checkpoints.save(self.state.loop.step, is_best=is_best)
         if path:
-            slow_save_warning(self.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
-            self.callbacks(Hook.ON_SAVE, self, path)
+            slow_save_warning(self.state.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
+            self.state.callbacks(Hook.ON_SAVE, self.state, path)
         return path
 
 
     def _preempt(self, checkpoint: str | None) -> None:
         """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
-        raise Preempted(self.stopper.reason, self.loop.step, checkpoint)
+        raise Preempted(self.stopper.reason, self.state.loop.step, checkpoint)
 
     def _train_epoch(self) -> dict[str, float]:
-        cfg, loop, stopper = self.cfg, self.loop, self.stopper
+        cfg, loop, stopper = self.state.cfg, self.state.loop, self.stopper
         # Plain values, read once: a config node's attribute access costs microseconds per step.
         log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
-        self.model.train()
-        spe = self.steps_per_epoch
+        self.state.model.train()
+        spe = self.state.steps_per_epoch
         # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
-        self.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * self.accum)
+        self.state.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * self.state.accum)
         self._seed_epoch()
         bar = self._progress_bar()
         reduced: dict[str, float] = {}
-        batches = iter(self.train_loader)
+        batches = iter(self.state.train_loader)
         t_step = time.perf_counter()
         self.watch.mark(loop.step + 1, t_step)
         for _ in range(spe - loop.batches_in_epoch):
@@ -234,7 +240,7 @@ class Trainer:
                 continue
             self._optimizer_step()
             for hook in self._step_hooks:  # device-only work (EMA); none by default
-                hook(self, loop.step)
+                hook(self.state, loop.step)
             now = time.perf_counter()
             self.metrics.add_step(now - t_step, data_time)
             t_step = now
@@ -250,7 +256,7 @@ class Trainer:
                     reduced = self._log(bar)
                 bar.close()
                 self._preempt(self._save())
-            if self.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
+            if self.state.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
                 self._save()
@@ -264,28 +270,28 @@ class Trainer:
 
     def _seed_epoch(self) -> None:
         """Random streams for dropout/augmentation at the start of (a part of) an epoch."""
-        if self.loop.batches_in_epoch:
-            self.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
+        if self.state.loop.batches_in_epoch:
+            self.state.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
             return
         # Per-rank stream: differs between ranks and depends only on (seed, epoch, rank),
         # so a resumed run replays it.
-        seed_everything(self.cfg.seed + 1_000_003 * (self.loop.epoch + 1) + self.state.rank)
+        seed_everything(self.state.cfg.seed + 1_000_003 * (self.state.loop.epoch + 1) + self.state.dist.rank)
 
     def _forward_backward(self, batches: Iterator[Any]) -> float:
         """The micro-batches of one optimizer step; returns the time spent waiting for data."""
         data_time, watch = 0.0, self.watch  # watch.phase: where a stalled step is, should one stall
-        for micro in range(self.accum):
+        for micro in range(self.state.accum):
             t = time.perf_counter()
             watch.phase = "data loading"
             batch = self._to_memory_format(next(batches))
             data_time += time.perf_counter() - t
             # Gradients all-reduce only on the last micro-batch of a step.
-            with self.strategy.no_sync(self.model) if micro < self.accum - 1 else contextlib.nullcontext():
+            with self.state.strategy.no_sync(self.state.model) if micro < self.state.accum - 1 else contextlib.nullcontext():
                 watch.phase = "forward"
-                with self.precision.autocast():
-                    out = self._step_fn(self.model, batch)
+                with self.state.precision.autocast():
+                    out = self._step_fn(self.state.model, batch)
                 watch.phase = "backward"
-                self.precision.backward(out.loss / self.accum if self.accum > 1 else out.loss)
+                self.state.precision.backward(out.loss / self.state.accum if self.state.accum > 1 else out.loss)
             self.metrics.add_micro(out)
         return data_time
 
@@ -297,61 +303,61 @@ class Trainer:
         except RuntimeError as e:
             if not _SHAPE_ERROR.search(str(e)):
                 raise
-            ds, name = self.cfg.dataset, self.cfg.model.get("_target_", "the model")
+            ds, name = self.state.cfg.dataset, self.state.cfg.model.get("_target_", "the model")
             sizes = ", ".join(f"dataset.{k}={ds[k]}" for k in ("in_channels", "image_size", "num_classes") if k in ds)
             raise ConfigError(
                 f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
                 f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
                 "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)") from e
-        self._step_fn = self.task
+        self._step_fn = self.state.task
         self._first_step_done = True
-        self.strategy.after_first_backward(self.module)
+        self.state.strategy.after_first_backward(self.state.module)
         return data_time
 
     def _checked_step(self, model: Any, batch: Any) -> Any:
         """The task's step with its batch and output checked (first step only: host metadata, no sync)."""
-        check_batch(self.task, batch)
-        return check_output(self.task, self.task(model, batch))
+        check_batch(self.state.task, batch)
+        return check_output(self.state.task, self.state.task(model, batch))
 
     def _optimizer_step(self) -> None:
         self.watch.phase = "optimizer"
-        norm = self.precision.step(self.optimizer, self.params, self.grad_clip)
+        norm = self.state.precision.step(self.state.optimizer, self.state.params, self.grad_clip)
         if norm is not None:
-            self.metrics.add_grad_norm(self.strategy.grad_norm(norm))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.loop.step += 1
-        self.loop.step_in_epoch += 1
+            self.metrics.add_grad_norm(self.state.strategy.grad_norm(norm))
+        self.state.optimizer.zero_grad(set_to_none=True)
+        self.state.scheduler.step()
+        self.state.loop.step += 1
+        self.state.loop.step_in_epoch += 1
 
     def _skip_nonfinite_step(self) -> bool:
         """nonfinite_loss=skip: drop this step on every rank if any rank's loss (any micro-batch) is NaN/Inf."""
         bad = (~torch.isfinite(self.metrics.last_step_losses())).any()
-        if not collectives.any_rank(bad, self.state):  # sync + collective: skip mode's cost
+        if not collectives.any_rank(bad, self.state.dist):  # sync + collective: skip mode's cost
             return False
-        self.optimizer.zero_grad(set_to_none=True)
+        self.state.optimizer.zero_grad(set_to_none=True)
         self.metrics.skipped += 1
-        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", self.loop.step + 1)
+        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", self.state.loop.step + 1)
         return True
 
     def _log(self, bar: Progress) -> dict[str, float]:
-        step = self.loop.step
+        step = self.state.loop.step
         self.watch.phase = "log collective"
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.task)}", step, self.stopper.requested)
+        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.state.task)}", step, self.stopper.requested)
         self.stopper.heard_at_log_step(self.metrics.stop_agreed)
-        values.update(derived(self.task, values, "train/"))
-        if self.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
-            self.first_train_loss = values.get("train/loss")
-        self.callbacks(Hook.ON_LOG, self, values, step)
-        values["vitals/lr"] = self.optimizer.param_groups[0]["lr"]
+        values.update(derived(self.state.task, values, "train/"))
+        if self.state.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
+            self.state.first_train_loss = values.get("train/loss")
+        self.state.callbacks(Hook.ON_LOG, self.state, values, step)
+        values["vitals/lr"] = self.state.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["vitals/samples_per_s"]))
-        scale = self.precision.loss_scale()
+        scale = self.state.precision.loss_scale()
         if scale is not None:
             values["vitals/loss_scale"] = scale
-            values["train/fp16_skipped_steps"] = self.precision.pop_overflow_steps()  # not errors: the scaler's job
-        self.writer.scalars(values, step)
-        bar.show(self.loop.epoch, step, values)
-        self.results.last_train = values
+            values["train/fp16_skipped_steps"] = self.state.precision.pop_overflow_steps()  # not errors: the scaler's job
+        self.state.writer.scalars(values, step)
+        bar.show(self.state.loop.epoch, step, values)
+        self.state.results.last_train = values
         return values
 
     def _to_memory_format(self, batch: Any) -> Any:
@@ -364,22 +370,22 @@ class Trainer:
 
     def _flop_sample(self) -> torch.Tensor | None:
         """One sample's input, for counting the model's FLOPs (the first tensor of a training sample)."""
-        x = first_tensor(self.data.train[0])
-        return None if x is None else self._to_memory_format(x[None].to(self.state.device))
+        x = first_tensor(self.state.data.train[0])
+        return None if x is None else self._to_memory_format(x[None].to(self.state.dist.device))
 
     def evaluate(self) -> dict[str, float]:
-        return self.evaluator.run()
+        return self.state.evaluator.run()
 
     def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
         """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when
         every rank agreed to stop during it (a preemption signal)."""
-        val = self.evaluator.run(self.stopper if interruptible else None)
+        val = self.state.evaluator.run(self.stopper if interruptible else None)
         if val is None:
             return None
-        for extra in self.callbacks(Hook.ON_EVAL_END, self, val):
+        for extra in self.state.callbacks(Hook.ON_EVAL_END, self.state, val):
             val.update(extra or {})
         return val
 
     def _progress_bar(self) -> Progress:
-        return Progress.for_rank(str(self.cfg.progress), self.state.is_main, self.steps_per_epoch, self.loop.epoch,
-                                 self.cfg.num_epochs)
+        return Progress.for_rank(str(self.state.cfg.progress), self.state.dist.is_main, self.state.steps_per_epoch, self.state.loop.epoch,
+                                 self.state.cfg.num_epochs)

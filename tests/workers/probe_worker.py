@@ -50,7 +50,7 @@ def counting_hook(st, bucket):
     return allreduce_hook(st, bucket)
 
 
-trainer.model.register_comm_hook(None, counting_hook)
+trainer.state.model.register_comm_hook(None, counting_hook)
 forwards = {"train": 0}
 
 
@@ -58,12 +58,12 @@ def count_forward(module, args):
     forwards["train"] += module.training  # evaluation forwards are not micro-batches
 
 
-trainer.module.register_forward_pre_hook(count_forward)
+trainer.state.module.register_forward_pre_hook(count_forward)
 out = trainer.fit()
 everyone = [None] * state.world_size
 dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
 if state.is_main:
-    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.loop.step,
+    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.state.loop.step,
                                   "micro_batches": forwards["train"],
                                   "metrics": out}), flush=True)
 del trainer  # release DDP (and its reducer's threads) before the process group goes

@@ -24,14 +24,14 @@ with open_dict(cfg):
     cfg.run_dir = sys.argv[1]
 state = group.init(cfg.distributed)
 trainer = Trainer(cfg, state, Path(sys.argv[1]))
-ddp = trainer.model
+ddp = trainer.state.model
 data = ddp._get_ddp_logging_data()
 inner = ddp.module
 report = {
     "wrapper": type(ddp).__name__,
     "inner": type(inner).__name__,
     # compile came first: DDP wraps the compiled module, which wraps the plain one the checkpoints use
-    "compiled_wraps_plain_module": getattr(inner, "_orig_mod", None) is trainer.module,
+    "compiled_wraps_plain_module": getattr(inner, "_orig_mod", None) is trainer.state.module,
     "static_graph": bool(data.get("static_graph")),
     "bucket_cap_bytes": int(data.get("bucket_cap_bytes", -1)),
     "comm_hook": data.get("comm_hook", ""),
@@ -42,7 +42,7 @@ report["losses"] = [out["train/loss"]]
 if state.is_main:
     ck = torch.load(Path(sys.argv[1]) / "checkpoints" / "last.pt", weights_only=True)
     report["checkpoint_keys"] = sorted(ck["model"])
-    report["module_keys"] = sorted(trainer.module.state_dict())
+    report["module_keys"] = sorted(trainer.state.module.state_dict())
     print("RESULT " + json.dumps(report), flush=True)
 del trainer, ddp, inner  # release DDP before the process group goes
 group.teardown()

@@ -4,28 +4,32 @@
 
 Each entry of ``cfg.callbacks`` is a ``_target_`` (ddplab's or a user's own class, named
 from a yaml in their own config dir) made once per job. Every hook is optional; the
-trainer calls only the hooks a callback overrides (:class:`Hook` shows where each fires). Hooks get the Trainer (``trainer.module``,
-``.optimizer``, ``.loop``, ``.state``, ``.run_dir``, ``.evaluator``, ``.strategy``):
+trainer calls only the hooks a callback overrides (:class:`Hook` shows where each fires).
+Hooks get the job's :class:`ddplab.state.State` (``state.module``, ``.optimizer``, ``.loop``,
+``.results``, ``.dist``, ``.run_dir``, ``.evaluator``, ``.strategy``, ``.writer``), never the Trainer:
 
-* ``setup(trainer)`` — the parts exist, nothing resumed yet;
-* ``on_fit_start(trainer)``;
-* ``on_step_end(trainer, step)`` — after EVERY optimizer step: keep it on the device
+* ``setup(state)`` — the parts exist, nothing resumed yet;
+* ``on_fit_start(state)``;
+* ``on_step_end(state, step)`` — after EVERY optimizer step: keep it on the device
   (no ``.item()``, no collective), or say otherwise in the callback's docstring;
-* ``on_log(trainer, values, step)`` — each log step, with the reduced values (the same on every rank);
-* ``on_eval_end(trainer, metrics) -> dict | None`` — after each evaluation; returns extra metrics
+* ``on_log(state, values, step)`` — each log step, with the reduced values (the same on every rank);
+* ``on_eval_end(state, metrics) -> dict | None`` — after each evaluation; returns extra metrics
   to log and record (``objective`` may name those listed in ``logged_names``);
-* ``on_save(trainer, path)`` / ``on_load(trainer, path)`` — after a checkpoint write / load;
-* ``on_exception(trainer, exc)``; ``on_fit_end(trainer, metrics)``.
+* ``on_save(state, path)`` / ``on_load(state, path)`` — after a checkpoint write / load;
+* ``on_exception(state, exc)``; ``on_fit_end(state, metrics)``.
 
 A callback with ``state_dict()``/``load_state_dict()`` is checkpointed as entry
 ``callbacks.<name>`` by the CheckpointManager and restored on resume. To stop training,
-call ``trainer.request_stop(reason)`` (all ranks must decide alike: decide from reduced values).
+call ``state.request_stop(reason)`` (all ranks must decide alike: decide from reduced values).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddplab.state import State
 
 
 class Hook(str, enum.Enum):
@@ -34,19 +38,19 @@ class Hook(str, enum.Enum):
     .. code-block:: text
 
         build the parts (model, optimizer, data, strategy)
-        SETUP(trainer)                               # parts exist; nothing resumed yet
-        resume from a checkpoint                     -> ON_LOAD(trainer, path)
-        ON_FIT_START(trainer)
+        SETUP(state)                                  # parts exist; nothing resumed yet
+        resume from a checkpoint                      -> ON_LOAD(state, path)
+        ON_FIT_START(state)
         for each epoch:
             for each optimizer step:
                 micro-batches: forward, backward; optimizer step
-                ON_STEP_END(trainer, step)            # EVERY step: device work only, no sync
-                every log_every_n_steps: one collective -> ON_LOG(trainer, values, step)
-                a checkpoint falls due               -> ON_SAVE(trainer, path)
-            evaluation (exact, all ranks)            -> ON_EVAL_END(trainer, metrics) -> extra metrics
-            the epoch's checkpoint                   -> ON_SAVE(trainer, path)
-        ON_FIT_END(trainer, metrics)
-        any exception on the way                     -> ON_EXCEPTION(trainer, exc), then it propagates
+                ON_STEP_END(state, step)              # EVERY step: device work only, no sync
+                every log_every_n_steps: one collective -> ON_LOG(state, values, step)
+                a checkpoint falls due                -> ON_SAVE(state, path)
+            evaluation (exact, all ranks)             -> ON_EVAL_END(state, metrics) -> extra metrics
+            the epoch's checkpoint                    -> ON_SAVE(state, path)
+        ON_FIT_END(state, metrics)
+        any exception on the way                      -> ON_EXCEPTION(state, exc), then it propagates
         (a preemption too: every rank's checkpoint, ON_SAVE, then ON_EXCEPTION with ``Preempted``)
     """
 
@@ -67,15 +71,15 @@ HOOKS = tuple(h.value for h in Hook)
 class Callback:
     logged_names: tuple[str, ...] = ()  # metric tags it logs, e.g. ("val_ema/acc",)
 
-    def setup(self, trainer: Any) -> None: ...
-    def on_fit_start(self, trainer: Any) -> None: ...
-    def on_step_end(self, trainer: Any, step: int) -> None: ...
-    def on_log(self, trainer: Any, values: dict[str, float], step: int) -> None: ...
-    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float] | None: ...
-    def on_save(self, trainer: Any, path: str) -> None: ...
-    def on_load(self, trainer: Any, path: str) -> None: ...
-    def on_exception(self, trainer: Any, exc: BaseException) -> None: ...
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None: ...
+    def setup(self, state: State) -> None: ...
+    def on_fit_start(self, state: State) -> None: ...
+    def on_step_end(self, state: State, step: int) -> None: ...
+    def on_log(self, state: State, values: dict[str, float], step: int) -> None: ...
+    def on_eval_end(self, state: State, metrics: dict[str, float]) -> dict[str, float] | None: ...
+    def on_save(self, state: State, path: str) -> None: ...
+    def on_load(self, state: State, path: str) -> None: ...
+    def on_exception(self, state: State, exc: BaseException) -> None: ...
+    def on_fit_end(self, state: State, metrics: dict[str, float]) -> None: ...
 
 
 def _overrides(cb: Any, hook: str) -> bool:

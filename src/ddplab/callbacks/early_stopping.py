@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from ddplab.callbacks import Callback
+from ddplab.state import State
 from ddplab.config.errors import ConfigError
 
 log = logging.getLogger("ddplab")
@@ -34,37 +35,37 @@ class EarlyStopping(Callback):
         self.best_epoch = 0
         self.wait = 0
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, state: State) -> None:
         if self.mode == "auto":
             name = self.monitor.split("/", 1)[-1]
-            self.mode = "max" if name in getattr(trainer.task, "maximize", ()) else "min"
+            self.mode = "max" if name in getattr(state.task, "maximize", ()) else "min"
 
-    def on_log(self, trainer: Any, values: dict[str, float], step: int) -> None:
+    def on_log(self, state: State, values: dict[str, float], step: int) -> None:
         if self.monitor.startswith("train/") and self.monitor in values:
-            self._check(trainer, values[self.monitor])
+            self._check(state, values[self.monitor])
 
-    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_eval_end(self, state: State, metrics: dict[str, float]) -> None:
         if not self.monitor.startswith("train/"):
             if self.monitor not in metrics:
                 # Found at the first evaluation, alike on every rank: still the config's fault (one line, exit 2).
                 raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation "
                                   f"logged {sorted(metrics)}). Fix: monitor one of those")
-            self._check(trainer, metrics[self.monitor])
+            self._check(state, metrics[self.monitor])
 
-    def _check(self, trainer: Any, value: float) -> None:
-        epoch = trainer.loop.epoch
+    def _check(self, state: State, value: float) -> None:
+        epoch = state.loop.epoch
         sign = 1.0 if self.mode == "min" else -1.0
         if self.check_finite and not math.isfinite(value):
-            return trainer.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value} is not finite")
+            return state.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value} is not finite")
         if self.divergence_threshold is not None and sign * (value - self.divergence_threshold) > 0:
-            return trainer.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value:.6g} crossed "
+            return state.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value:.6g} crossed "
                                         f"divergence_threshold={self.divergence_threshold}")
         if self.best is None or sign * (self.best - value) > self.min_delta:
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return None
         self.wait += 1
         if self.wait >= self.patience:
-            trainer.request_stop(f"stopped early at epoch {epoch}: {self.monitor} did not improve by more than "
+            state.request_stop(f"stopped early at epoch {epoch}: {self.monitor} did not improve by more than "
                                  f"{self.min_delta} for {self.patience} checks (best {self.best:.6g} at epoch "
                                  f"{self.best_epoch})")
         return None

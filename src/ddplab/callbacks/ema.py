@@ -9,6 +9,7 @@ import torch
 
 from ddplab import compat
 from ddplab.callbacks import Callback
+from ddplab.state import State
 
 
 class EMA(Callback):
@@ -28,34 +29,34 @@ class EMA(Callback):
         self.updates = 0  # host count: the warm-up decay needs no device read
         self.logged_names: tuple[str, ...] = ()
 
-    def setup(self, trainer: Any) -> None:
-        self.strategy = trainer.strategy
+    def setup(self, state: State) -> None:
+        self.strategy = state.strategy
         # Views of the parameters, made once: the optimizer updates them in place.
-        self.live = [p.detach() for p in trainer.module.parameters() if p.is_floating_point()]
+        self.live = [p.detach() for p in state.module.parameters() if p.is_floating_point()]
         self.shadow = [t.clone() for t in self.live]
         if self.evaluate:
             from ddplab.task import logged_names
 
-            self.logged_names = tuple(f"val_ema/{m}" for m in logged_names(trainer.task))
+            self.logged_names = tuple(f"val_ema/{m}" for m in logged_names(state.task))
 
     def current_decay(self) -> float:
         n = self.updates
         return min(self.decay, (1 + n) / (10 + n)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def on_step_end(self, trainer: Any, step: int) -> None:
+    def on_step_end(self, state: State, step: int) -> None:
         compat.lerp_all_(self.shadow, self.live, 1.0 - self.current_decay())
         self.updates += 1
 
     @torch.no_grad()
-    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> dict[str, float] | None:
+    def on_eval_end(self, state: State, metrics: dict[str, float]) -> dict[str, float] | None:
         """Evaluate with the EMA weights swapped in (then swapped back): ``val_ema/*``."""
         if not self.evaluate:
             return None
         backup = [t.clone() for t in self.live]
         _copy(self.live, self.shadow)
         try:
-            ema = trainer.evaluator.run()
+            ema = state.evaluator.run()
         finally:
             _copy(self.live, backup)
         return {"val_ema/" + k[len("val/"):]: v for k, v in ema.items() if k.startswith("val/")}

@@ -11,6 +11,7 @@ import torch
 
 from ddplab import compat
 from ddplab.callbacks import Callback
+from ddplab.state import State
 
 log = logging.getLogger("ddplab")
 
@@ -30,16 +31,16 @@ class Profiler(Callback):
         self.first, self.last, self.memory_snapshot = first, last, memory_snapshot
         self._prof: Any = None
 
-    def setup(self, trainer: Any) -> None:
-        self.dir = Path(trainer.run_dir) / "profile"
-        self.rank = trainer.state.rank
-        self.cuda = trainer.state.device.type == "cuda"
+    def setup(self, state: State) -> None:
+        self.dir = Path(state.run_dir) / "profile"
+        self.rank = state.dist.rank
+        self.cuda = state.dist.device.type == "cuda"
 
-    def on_fit_start(self, trainer: Any) -> None:
-        if trainer.loop.step + 1 == self.first:
+    def on_fit_start(self, state: State) -> None:
+        if state.loop.step + 1 == self.first:
             self._start()
 
-    def on_step_end(self, trainer: Any, step: int) -> None:
+    def on_step_end(self, state: State, step: int) -> None:
         if step + 1 == self.first:
             self._start()
         elif step == self.last and self._prof is not None:
@@ -69,10 +70,10 @@ class Profiler(Callback):
         compat.dump_cuda_memory(str(path))
         log.info("profiler: CUDA memory snapshot of rank %d in %s", self.rank, path)
 
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_fit_end(self, state: State, metrics: dict[str, float]) -> None:
         if self._prof is not None:  # the run ended inside the window: keep what was recorded
             self._stop()
 
-    def on_exception(self, trainer: Any, exc: BaseException) -> None:
+    def on_exception(self, state: State, exc: BaseException) -> None:
         if self.cuda and isinstance(exc, torch.cuda.OutOfMemoryError):
             self._dump("oom-memory")
