@@ -119,9 +119,6 @@ class TrainMetrics:
         self._cuda = state.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
         self.skipped = 0  # steps skipped by nonfinite_loss=skip (host: that mode syncs anyway)
-        # A rank asked to stop (preemption signal): rides in the interval's row, so every rank
-        # learns it from the same collective at the same step, for free.
-        self.stop_agreed = False
         self._alloc(capacity)
         self.reset()
 
@@ -216,15 +213,17 @@ class TrainMetrics:
         row[lay["step_time"]: lay["stop"] + 1] = torch.tensor(host, dtype=torch.float64)
         return row
 
-    def reduce(self, where: str = "", last_step: int = 0, stop: bool = False) -> dict[str, float]:
-        """ONE collective; returns ``train/*`` and ``vitals/*`` scalars (same on every rank).
+    def reduce(self, where: str = "", last_step: int = 0, stop: bool = False) -> tuple[dict[str, float], bool]:
+        """ONE collective: the ``train/*`` and ``vitals/*`` scalars (same on every rank), and whether any
+        rank's ``stop`` was set.
 
-        ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss.
-        ``stop``: this rank was asked to stop; afterwards ``stop_agreed`` says whether any rank was.
+        ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss. ``stop``: this
+        rank's flag for the StopAgreement (a preemption), carried free in the row: every rank learns every
+        rank's flag from the same collective at the same step; the agreement itself is the StopAgreement's.
         """
         lay = self.slots
         rows = all_ranks_rows(self._local_row(last_step, stop), self.state).cpu()
-        self.stop_agreed = bool(rows[:, lay["stop"]].sum() > 0)
+        anyone_stops = bool(rows[:, lay["stop"]].sum() > 0)
         self._raise_if_nonfinite(rows, where)
         total = rows.sum(0).tolist()
         sums = _means(total, lay, self.metric_names, f"training, {where}")
@@ -248,7 +247,7 @@ class TrainMetrics:
         if self.skipped:
             out["vitals/skipped_steps"] = float(self.skipped)
         self.reset()
-        return out
+        return out, anyone_stops
 
     def _raise_if_nonfinite(self, rows: Tensor, where: str) -> None:
         bad, first = rows[:, self.slots["nonfinite"]], rows[:, self.slots["nonfinite_step"]]

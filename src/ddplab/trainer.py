@@ -343,8 +343,9 @@ class Trainer:
         step = self.state.loop.step
         self.watch.phase = "log collective"
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values = self.metrics.reduce(f"{self.position()}; task {name_of(self.state.task)}", step, self.stopper.requested)
-        self.stopper.heard_at_log_step(self.metrics.stop_agreed)
+        values, anyone_stops = self.metrics.reduce(f"{self.position()}; task {name_of(self.state.task)}", step,
+                                                   self.stopper.requested)
+        self.stopper.heard_at_log_step(anyone_stops)
         values.update(derived(self.state.task, values, "train/"))
         if self.state.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
             self.state.first_train_loss = values.get("train/loss")

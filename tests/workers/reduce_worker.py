@@ -40,7 +40,7 @@ out = TaskOutput(torch.tensor(float(r + 1)), out.size, out.metrics)  # loss r + 
 m = TrainMetrics(state, task.metric_names)
 m.add_micro(out)
 m.add_step(step_time=0.01 * (r + 1), data_time=0.001 * (r + 1))
-train = m.reduce()
+train, _ = m.reduce()
 train_calls = calls["n"]
 
 meter = SumMeter(state.device, task.metric_names)
@@ -56,7 +56,7 @@ m2 = TrainMetrics(state, ("hits", "bonus"))
 m2.add_micro(extra)
 m2.add_micro(extra)
 m2.add_step(step_time=0.01, data_time=0.001)
-train2 = m2.reduce()
+train2, _ = m2.reduce()
 meter2 = SumMeter(state.device, ("hits", "bonus"))
 meter2.update(extra)
 val2 = meter2.reduce(state)
