@@ -142,3 +142,20 @@ def _head(ds: Any, n: int) -> Any:
     from torch.utils.data import Subset
 
     return Subset(ds, range(n))
+
+
+# torch's words for a model/input shape mismatch (conv kernels, matmuls, reshapes).
+_SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
+
+
+def shape_mismatch(cfg: DictConfig, e: RuntimeError) -> ConfigError | None:
+    """The first step's RuntimeError as the config's fault, when it is a model that cannot take the
+    dataset's samples (said with the sizes and the fix); None for any other error."""
+    if not _SHAPE_ERROR.search(str(e)):
+        return None
+    ds, name = cfg.dataset, cfg.model.get("_target_", "the model")
+    sizes = ", ".join(f"dataset.{k}={ds[k]}" for k in ("in_channels", "image_size", "num_classes") if k in ds)
+    return ConfigError(
+        f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
+        f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
+        "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -46,8 +45,6 @@ from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
 
 log = logging.getLogger("ddplab")
-# torch's words for a model/input shape mismatch (conv kernels, matmuls, reshapes).
-_SHAPE_ERROR = re.compile(r"size|shape|kernel|mat1|dimension", re.IGNORECASE)
 
 
 class Trainer:
@@ -119,9 +116,10 @@ class Trainer:
 
     def _check_objective(self) -> None:
         """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
-        names = [f"val/{m}" for m in logged_names(self.state.task)] + self.state.callbacks.logged_names()
-        if self.state.cfg.objective not in names:
-            raise ConfigError(f"objective={self.state.cfg.objective!r}: {name_of(self.state.task)} logs no such metric. "
+        s = self.state
+        names = [f"val/{m}" for m in logged_names(s.task)] + s.callbacks.logged_names()
+        if s.cfg.objective not in names:
+            raise ConfigError(f"objective={s.cfg.objective!r}: {name_of(s.task)} logs no such metric. "
                               f"Fix: objective= one of {', '.join(names)}")
 
     def position(self) -> str:
@@ -139,9 +137,10 @@ class Trainer:
         return self.fit(), s.stop_reason, {"name": s.cfg.objective, "minimize": s.results.minimize}
 
     def fit(self) -> dict[str, float]:
-        cfg, loop = self.state.cfg, self.state.loop
+        s = self.state
+        cfg, loop = s.cfg, s.loop
         announce(self.state)
-        self.state.callbacks(Hook.ON_FIT_START, self.state)
+        s.callbacks(Hook.ON_FIT_START, self.state)
         last_train: dict[str, float] = {}
         if loop.epoch >= cfg.num_epochs:
             log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
@@ -150,32 +149,33 @@ class Trainer:
         try:
             if loop.eval_pending:  # stopped before its epoch-end evaluation: that runs first
                 self._end_epoch()
-            while loop.epoch < min(cfg.num_epochs, stop) and self.state.stop_reason is None:
+            while loop.epoch < min(cfg.num_epochs, stop) and s.stop_reason is None:
                 last_train = self.run_epoch() or last_train
         except BaseException as e:
-            self.state.callbacks(Hook.ON_EXCEPTION, self.state, e)
+            s.callbacks(Hook.ON_EXCEPTION, self.state, e)
             raise
         finally:
             self.watch.close()
-        best = self.state.results.best
-        self.state.writer.close()
+        best = s.results.best
+        s.writer.close()
         # The checkpoint's record when this invocation trained nothing (resumed after the last step).
-        out = {**(last_train or self.state.results.last_train), **self.state.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
+        out = {**(last_train or s.results.last_train), **s.results.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
                "time_s": time.perf_counter() - t0}
         if best is not None:
             out[best_name(cfg.objective)] = best
         for line in run_summary(self.state, out):  # rank 0's last words: how it went, where things are
             log.info("%s", line)
-        self.state.callbacks(Hook.ON_FIT_END, self.state, out)
+        s.callbacks(Hook.ON_FIT_END, self.state, out)
         return out
 
     def evaluate_only(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
+        s = self.state
         announce(self.state)
         val = self._evaluate_all()
-        self.state.writer.scalars(val, self.state.loop.step)
-        self.state.writer.close()
-        return {**val, "epoch": float(self.state.loop.epoch), "step": float(self.state.loop.step)}
+        s.writer.scalars(val, s.loop.step)
+        s.writer.close()
+        return {**val, "epoch": float(s.loop.epoch), "step": float(s.loop.step)}
 
     def run_epoch(self) -> dict[str, float]:
         """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
@@ -191,46 +191,48 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
-        cfg, loop = self.state.cfg, self.state.loop
+        s = self.state
+        cfg, loop = s.cfg, s.loop
         improved = False
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
             val = self._evaluate_all(interruptible=True)
             if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
                 self._preempt(self._save())
-            improved = self.state.results.update(val, cfg.objective, loop.epoch, loop.step)
-            best = {} if self.state.results.best is None else {best_name(cfg.objective): self.state.results.best}
-            self.state.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
-            self.state.evaluator.visualize(self.state.writer, loop.step)
+            improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
+            best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
+            s.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
+            s.evaluator.visualize(s.writer, loop.step)
             for line in wrap(f"epoch {loop.epoch}/{cfg.num_epochs} ", [f"{k}={v:.4g}" for k, v in val.items()]):
                 log.info("%s", line)
         loop.eval_pending = False
         self._save(is_best=improved)
 
     def _save(self, is_best: bool = False) -> str:
+        s = self.state
         self.watch.pause()  # a save is not a step: the stall watch must not time it
-        path = self.state.checkpoints.save(self.state.loop.step, is_best=is_best)
+        path = s.checkpoints.save(s.loop.step, is_best=is_best)
         if path:
-            slow_save_warning(self.state.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
-            self.state.callbacks(Hook.ON_SAVE, self.state, path)
+            slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
+            s.callbacks(Hook.ON_SAVE, self.state, path)
         return path
-
 
     def _preempt(self, checkpoint: str | None) -> None:
         """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
         raise Preempted(self.stopper.reason, self.state.loop.step, checkpoint)
 
     def _train_epoch(self) -> dict[str, float]:
-        cfg, loop, stopper = self.state.cfg, self.state.loop, self.stopper
+        s, stopper = self.state, self.stopper
+        cfg, loop = s.cfg, s.loop
         # Plain values, read once: a config node's attribute access costs microseconds per step.
         log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
-        self.state.model.train()
-        spe = self.state.steps_per_epoch
+        s.model.train()
+        spe = s.steps_per_epoch
         # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
-        self.state.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * self.state.accum)
+        s.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * s.accum)
         self._seed_epoch()
         bar = self._progress_bar()
         reduced: dict[str, float] = {}
-        batches = iter(self.state.train_loader)
+        batches = iter(s.train_loader)
         t_step = time.perf_counter()
         self.watch.mark(loop.step + 1, t_step)
         for _ in range(spe - loop.batches_in_epoch):
@@ -256,7 +258,7 @@ class Trainer:
                     reduced = self._log(bar)
                 bar.close()
                 self._preempt(self._save())
-            if self.state.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
+            if s.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
                 if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
                     reduced = self._log(bar)
                 self._save()
@@ -270,95 +272,98 @@ class Trainer:
 
     def _seed_epoch(self) -> None:
         """Random streams for dropout/augmentation at the start of (a part of) an epoch."""
-        if self.state.loop.batches_in_epoch:
-            self.state.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
+        s = self.state
+        if s.loop.batches_in_epoch:
+            s.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
             return
         # Per-rank stream: differs between ranks and depends only on (seed, epoch, rank),
         # so a resumed run replays it.
-        seed_everything(self.state.cfg.seed + 1_000_003 * (self.state.loop.epoch + 1) + self.state.dist.rank)
+        seed_everything(s.cfg.seed + 1_000_003 * (s.loop.epoch + 1) + s.dist.rank)
 
     def _forward_backward(self, batches: Iterator[Any]) -> float:
         """The micro-batches of one optimizer step; returns the time spent waiting for data."""
+        s = self.state
         data_time, watch = 0.0, self.watch  # watch.phase: where a stalled step is, should one stall
-        for micro in range(self.state.accum):
+        for micro in range(s.accum):
             t = time.perf_counter()
             watch.phase = "data loading"
             batch = self._to_memory_format(next(batches))
             data_time += time.perf_counter() - t
             # Gradients all-reduce only on the last micro-batch of a step.
-            with self.state.strategy.no_sync(self.state.model) if micro < self.state.accum - 1 else contextlib.nullcontext():
+            with s.strategy.no_sync(s.model) if micro < s.accum - 1 else contextlib.nullcontext():
                 watch.phase = "forward"
-                with self.state.precision.autocast():
-                    out = self._step_fn(self.state.model, batch)
+                with s.precision.autocast():
+                    out = self._step_fn(s.model, batch)
                 watch.phase = "backward"
-                self.state.precision.backward(out.loss / self.state.accum if self.state.accum > 1 else out.loss)
+                s.precision.backward(out.loss / s.accum if s.accum > 1 else out.loss)
             self.metrics.add_micro(out)
         return data_time
 
     def _first_step(self, batches: Iterator[Any]) -> float:
         """The first forward/backward: a model that cannot take the data's shapes fails here, said plainly."""
+        s = self.state
         self._step_fn = self._checked_step
         try:
             data_time = self._forward_backward(batches)
         except RuntimeError as e:
-            if not _SHAPE_ERROR.search(str(e)):
+            refusal = build.shape_mismatch(s.cfg, e)  # a model that cannot take the data: the config's fault
+            if refusal is None:
                 raise
-            ds, name = self.state.cfg.dataset, self.state.cfg.model.get("_target_", "the model")
-            sizes = ", ".join(f"dataset.{k}={ds[k]}" for k in ("in_channels", "image_size", "num_classes") if k in ds)
-            raise ConfigError(
-                f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
-                f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
-                "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)") from e
-        self._step_fn = self.state.task
+            raise refusal from e
+        self._step_fn = s.task
         self._first_step_done = True
-        self.state.strategy.after_first_backward(self.state.module)
+        s.strategy.after_first_backward(s.module)
         return data_time
 
     def _checked_step(self, model: Any, batch: Any) -> Any:
         """The task's step with its batch and output checked (first step only: host metadata, no sync)."""
-        check_batch(self.state.task, batch)
-        return check_output(self.state.task, self.state.task(model, batch))
+        s = self.state
+        check_batch(s.task, batch)
+        return check_output(s.task, s.task(model, batch))
 
     def _optimizer_step(self) -> None:
+        s = self.state
         self.watch.phase = "optimizer"
-        norm = self.state.precision.step(self.state.optimizer, self.state.params, self.grad_clip)
+        norm = s.precision.step(s.optimizer, s.params, self.grad_clip)
         if norm is not None:
-            self.metrics.add_grad_norm(self.state.strategy.grad_norm(norm))
-        self.state.optimizer.zero_grad(set_to_none=True)
-        self.state.scheduler.step()
-        self.state.loop.step += 1
-        self.state.loop.step_in_epoch += 1
+            self.metrics.add_grad_norm(s.strategy.grad_norm(norm))
+        s.optimizer.zero_grad(set_to_none=True)
+        s.scheduler.step()
+        s.loop.step += 1
+        s.loop.step_in_epoch += 1
 
     def _skip_nonfinite_step(self) -> bool:
         """nonfinite_loss=skip: drop this step on every rank if any rank's loss (any micro-batch) is NaN/Inf."""
+        s = self.state
         bad = (~torch.isfinite(self.metrics.last_step_losses())).any()
-        if not collectives.any_rank(bad, self.state.dist):  # sync + collective: skip mode's cost
+        if not collectives.any_rank(bad, s.dist):  # sync + collective: skip mode's cost
             return False
-        self.state.optimizer.zero_grad(set_to_none=True)
+        s.optimizer.zero_grad(set_to_none=True)
         self.metrics.skipped += 1
-        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", self.state.loop.step + 1)
+        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", s.loop.step + 1)
         return True
 
     def _log(self, bar: Progress) -> dict[str, float]:
-        step = self.state.loop.step
+        s = self.state
+        step = s.loop.step
         self.watch.phase = "log collective"
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values, anyone_stops = self.metrics.reduce(f"{self.position()}; task {name_of(self.state.task)}", step,
+        values, anyone_stops = self.metrics.reduce(f"{self.position()}; task {name_of(s.task)}", step,
                                                    self.stopper.requested)
         self.stopper.heard_at_log_step(anyone_stops)
-        values.update(derived(self.state.task, values, "train/"))
-        if self.state.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
-            self.state.first_train_loss = values.get("train/loss")
-        self.state.callbacks(Hook.ON_LOG, self.state, values, step)
-        values["vitals/lr"] = self.state.optimizer.param_groups[0]["lr"]
+        values.update(derived(s.task, values, "train/"))
+        if s.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
+            s.first_train_loss = values.get("train/loss")
+        s.callbacks(Hook.ON_LOG, self.state, values, step)
+        values["vitals/lr"] = s.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["vitals/samples_per_s"]))
-        scale = self.state.precision.loss_scale()
+        scale = s.precision.loss_scale()
         if scale is not None:
             values["vitals/loss_scale"] = scale
-            values["train/fp16_skipped_steps"] = self.state.precision.pop_overflow_steps()  # not errors: the scaler's job
-        self.state.writer.scalars(values, step)
-        bar.show(self.state.loop.epoch, step, values)
-        self.state.results.last_train = values
+            values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()  # not errors: the scaler's job
+        s.writer.scalars(values, step)
+        bar.show(s.loop.epoch, step, values)
+        s.results.last_train = values
         return values
 
     def _to_memory_format(self, batch: Any) -> Any:
@@ -374,9 +379,6 @@ class Trainer:
         x = first_tensor(self.state.data.train[0])
         return None if x is None else self._to_memory_format(x[None].to(self.state.dist.device))
 
-    def evaluate(self) -> dict[str, float]:
-        return self.state.evaluator.run()
-
     def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
         """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when
         every rank agreed to stop during it (a preemption signal)."""
@@ -388,5 +390,6 @@ class Trainer:
         return val
 
     def _progress_bar(self) -> Progress:
-        return Progress.for_rank(str(self.state.cfg.progress), self.state.dist.is_main, self.state.steps_per_epoch, self.state.loop.epoch,
-                                 self.state.cfg.num_epochs)
+        s = self.state
+        return Progress.for_rank(str(s.cfg.progress), s.dist.is_main, s.steps_per_epoch, s.loop.epoch,
+                                 s.cfg.num_epochs)
