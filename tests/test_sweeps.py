@@ -201,7 +201,8 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
 
     assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("8", "1", "gpu03")
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 20000)
-    assert env._first_host("node7,node8") == "node7"
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node-a[7-8],gpu1")
+    assert env._first_host() == "node-a7"
 
 
 def test_a_slurm_batch_job_is_named_for_its_run_dir_and_requeue(monkeypatch):

@@ -1,7 +1,7 @@
-"""Checkpoints: the :class:`CheckpointManager` and the :class:`Stateful` protocol its
+"""Checkpoints: the :class:`CheckpointManager` and torch's ``Stateful`` protocol its
 components implement (``manager``), the files on disk (``files``), RNG streams (``rng``)."""
 
 from ddplab.checkpoint.files import BEST, LAST, load, save, save_atomic
-from ddplab.checkpoint.manager import CheckpointManager, Stateful
+from ddplab.checkpoint.manager import CheckpointManager
 
-__all__ = ["CheckpointManager", "Stateful", "save", "save_atomic", "load", "LAST", "BEST"]
+__all__ = ["CheckpointManager", "save", "save_atomic", "load", "LAST", "BEST"]

@@ -23,12 +23,12 @@ from pathlib import Path
 SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"
 
 
-def _first_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist: "gpu[03-05,09],cpu1" -> "gpu03"."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not m:
-        return "127.0.0.1"
-    return m.group(1) + (re.split(r"[,-]", m.group(2))[0] if m.group(2) else "")
+def _first_host() -> str:
+    """The SLURM job's first host, where rank 0 runs and the rendezvous listens. submitit parses SLURM's
+    node list ("gpu[03-05,09],cpu1" -> gpu03, gpu04, ...), which ddplab does not write again."""
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    return SlurmJobEnvironment().hostnames[0]
 
 
 def adopt_scheduler_env() -> None:
@@ -42,7 +42,7 @@ def adopt_scheduler_env() -> None:
     # job's SLURM_NTASKS, but it is one process, and taking it for rank 0 of N would wait forever.
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         rank, world, local = env["SLURM_PROCID"], env["SLURM_NTASKS"], env.get("SLURM_LOCALID", "0")
-        addr = _first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        addr = _first_host()
         port = 10000 + int(env.get("SLURM_JOB_ID", "0")) % 20000  # same on every task of the job
     elif int(env.get("SUBMITIT_LOCAL_NTASKS", "1")) > 1 and "SUBMITIT_LOCAL_GLOBALID" in env:
         rank, world = env["SUBMITIT_LOCAL_GLOBALID"], env["SUBMITIT_LOCAL_NTASKS"]

@@ -14,17 +14,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Protocol
 
 import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from ddplab.checkpoint import Stateful
 from ddplab.models.weights import state_dict_mismatch
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
 from ddplab.syncbn import convert_sync_batchnorm
+
+if TYPE_CHECKING:  # the type only: torch.distributed.checkpoint costs ~0.6 s to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("ddplab")
 

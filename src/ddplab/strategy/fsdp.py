@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from ddplab.checkpoint import Stateful
 from ddplab.config import ConfigError
 from ddplab.strategy.base import Sidecars, Strategy
+
+if TYPE_CHECKING:  # the type only: torch.distributed.checkpoint costs ~0.6 s to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class ShardedState:
