@@ -167,3 +167,19 @@ def test_a_crafted_cifar_batch_cannot_run_code(tmp_path):
         cifar10(str(tmp_path / "c10"))
     assert not marker.exists()
     assert pickle.loads((d / "data_batch_1").read_bytes()) is not None and marker.exists()  # the payload is real
+
+
+def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_it():
+    """The default dataset skips `import sklearn.datasets` (about 1 s per rank): the numbers are load_digits'."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from ddplab.data.datasets import _digits_arrays
+
+    images, target = _digits_arrays()
+    bunch = load_digits()
+    assert images.shape == (1797, 8, 8) and (images == bunch.images).all() and (target == bunch.target).all()
+    probe = "import sys; from ddplab.data.datasets import digits; digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
