@@ -1,0 +1,86 @@
+"""Where a job's start-up goes: one process of ``python train.py`` (the default digits job, one optimizer
+step), profiled, split into the phases a user waits through before the first step, and its plain wall time.
+
+    python scripts/bench_startup.py                 # 5 plain launches + 1 profiled, one process
+    python scripts/bench_startup.py --repeats 9 -- model=resnet18 dataset=synthetic
+
+The split comes from cProfile's cumulative times (the profiler adds its own overhead, so the phases sum to
+more than the plain wall time; read them as shares). ``scripts/bench_overhead.py`` compares the start-up of
+ddplab with a hand-written loop, launch by launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = ["num_epochs=1", "limit_train_steps=1", "progress=none", "log_every_n_steps=1"]
+
+# phase -> (a pattern of the profiled function, what it is). Each is a cumulative time inside the run.
+PHASES = {
+    "hydra: compose the config (twice: Hydra's get_mode, then run)": "hydra/_internal/hydra.py:*(compose_config)",
+    "ddplab: session (process group, run dir, lock, provenance)": "ddplab/session.py:*(__enter__)",
+    "ddplab: dataset": "ddplab/build.py:*(train_data)",
+    "ddplab: model built, prepared and wrapped": "ddplab/build.py:*(model)",
+    "ddplab: optimizer, schedule": "ddplab/optim.py:*(make_optimizer)",
+    "ddplab: checkpoints registered, resume looked for": "ddplab/resuming.py:*(resume)",
+    "ddplab: first words (config, HParams, charts to TensorBoard)": "ddplab/reporting.py:*(announce)",
+    "ddplab: the first step (incl. its checks)": "ddplab/trainer.py:*(_first_step)",
+    "ddplab: all of Trainer.__init__": "ddplab/trainer.py:*(__init__)",
+    "hydra + ddplab: the whole job function": "hydra/core/utils.py:*(run_job)",
+}
+
+
+def cumulative(stats: pstats.Stats, pattern: str) -> float:
+    """Summed cumulative seconds of the functions whose 'file:line(name)' matches ``pattern`` (fnmatch)."""
+    from fnmatch import fnmatch
+
+    total = 0.0
+    for (file, line, name), (_, _, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if fnmatch(f"{file}:{line}({name})", "*" + pattern):
+            total += cum
+    return total
+
+
+def wall(cmd: list[str], cwd: Path) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="plain launches timed (median)")
+    ap.add_argument("overrides", nargs="*", help="train.py overrides after --")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ddplab-startup-"))
+    args = [*JOB, *a.overrides]
+    plain = [wall([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={work}/plain{i}"], work)
+             for i in range(a.repeats)]
+    imports = [wall([sys.executable, "-c", "import torch, hydra, omegaconf"], work) for _ in range(a.repeats)]
+    prof = work / "train.prof"
+    wall([sys.executable, "-m", "cProfile", "-o", str(prof), str(REPO / "train.py"), *args,
+          f"hydra.run.dir={work}/profiled"], work)
+    stats = pstats.Stats(str(prof))
+    total = max(s[3] for s in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"python train.py {' '.join(args)}: median wall {statistics.median(plain):.2f} s over {a.repeats} "
+          f"launches (min {min(plain):.2f}, max {max(plain):.2f}); python -c 'import torch, hydra, omegaconf': "
+          f"median {statistics.median(imports):.2f} s\n")
+    print("| phase (profiled run) | s | share |\n|---|---|---|")
+    print(f"| the whole process, profiled | {total:.2f} | 100 % |")
+    for what, pattern in PHASES.items():
+        t = cumulative(stats, pattern)
+        print(f"| {what} | {t:.2f} | {100 * t / total:.0f} % |")
+
+
+if __name__ == "__main__":
+    main()
