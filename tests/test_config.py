@@ -120,6 +120,12 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("dataset=synthetic dataset.num_val=0", "dataset.num_val"),  # no validation, no best.pt
     ("seed=99999999999999999999", "seed"),  # was "Overflow when unpacking long long"
     ("objective=train/loss", "objective"),  # best.pt follows validation metrics only
+    # Callbacks and tasks are typed too: refused here, before any process group, not while building the job.
+    ("callbacks=[ema] callbacks.ema.decay=2", "callbacks.ema.decay"),
+    ("callbacks=[early_stopping] callbacks.early_stopping.mode=up", "callbacks.early_stopping.mode"),
+    ("callbacks=[early_stopping] callbacks.early_stopping.patience=0", "callbacks.early_stopping.patience"),
+    ("callbacks=[profiler] callbacks.profiler.steps=[5,2]", "callbacks.profiler.steps"),
+    ("task=vae task.beta=-1", "task.beta"),
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:
@@ -216,3 +222,13 @@ def test_defaults_live_in_one_place():
             found[str(f.relative_to(CONF))] = _repeats(body, OmegaConf.structured(schemas[(group, name)]))
     assert {k: v for k, v in found.items() if v} == {}
     assert len(found) >= 20  # every option file was looked at
+
+
+@pytest.mark.parametrize("override,key", [("callbacks=[ema] callbacks.ema.decy=0.9", "callbacks.ema.decy"),
+                                          ("task=vae task.betta=2", "task.betta")])
+def test_a_misspelt_callback_or_task_key_fails_while_composing(override, key):
+    """A typed callback or task node refuses a key it does not have (it used to reach the constructor)."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{key}'"):
+        compose_cfg(override.split())

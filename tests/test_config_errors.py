@@ -42,7 +42,8 @@ def assert_one_config_error(proc, tmp_path: Path, key: str) -> None:
 
 @pytest.mark.parametrize("override,key", [
     (["distributed.backend=nccl"], "distributed.backend=nccl"),  # before the process group forms
-    (["callbacks=[ema]", "callbacks.ema.decay=2"], "callbacks.ema.decay=2"),  # while building the job
+    (["dataset.num_classes=5"], "dataset.num_classes=5"),  # while building the job (the dataset refuses it)
+    (["callbacks=[ema]", "callbacks.ema.decay=2"], "callbacks.ema.decay=2.0"),  # a typed callback: validate
     (["+callbacks.foo._target_=nope.Foo"], "callbacks.foo._target_='nope.Foo'"),
     (["task=lm"], "model.num_classes"),  # an interpolation that cannot resolve
 ])
@@ -59,13 +60,13 @@ def test_in_one_process_nccl_is_refused_not_ignored(tmp_path):
 
 
 def test_self_launched_ranks_report_a_build_time_error_once(tmp_path):
-    proc = python_train([*SMALL, "distributed.nproc_per_node=2", "callbacks=[ema]", "callbacks.ema.decay=2"],
-                        tmp_path, timeout=120)
+    # The dataset refuses the value while the ranks build the job (typed values are refused before any rank).
+    proc = python_train([*SMALL, "distributed.nproc_per_node=2", "dataset.num_classes=5"], tmp_path, timeout=120)
     assert proc.returncode == 2
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "self-launch:" not in ln and " ranks: " not in ln]
-    assert len(lines) == 1 and "config error: callbacks.ema.decay=2" in lines[0], "\n".join(lines[-30:])
+    assert len(lines) == 1 and "config error: dataset.num_classes=5" in lines[0], "\n".join(lines[-30:])
     assert json.loads((job_dirs(tmp_path)[0] / "result.json").read_text())["error"].startswith(
-        "config error: callbacks.ema.decay=2")
+        "config error: dataset.num_classes=5")
 
 
 def test_resume_auto_skips_a_malformed_earlier_run_naming_the_file(tmp_path):

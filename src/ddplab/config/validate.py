@@ -33,8 +33,9 @@ def validate(cfg: DictConfig) -> None:
                           "together (task=lm goes with dataset=text model=gpt)") from None
     for key, check in _OWN_CHECKS.items():
         check(cfg.get(key) if key else cfg, key)
-    for key in ("model", "dataset", "optimizer", "scheduler"):  # the option's schema, if it has one
-        node = cfg.get(key)
+    nodes = {key: cfg.get(key) for key in ("model", "dataset", "optimizer", "scheduler", "task")}
+    nodes.update({f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()})
+    for key, node in nodes.items():  # the option's schema, if it has one
         if isinstance(node, DictConfig) and hasattr(OmegaConf.get_type(node), "check"):
             OmegaConf.get_type(node).check(node, key)
     _any_option_keys(cfg)
