@@ -137,6 +137,33 @@ def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_con
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.dist
+def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_no_partial_shards(tmp_path):
+    """distributed=fsdp: every rank writes its own shards, so every rank meets the full disk. Each says where
+    and how much space is left (it was "RuntimeError: [enforce fail at inline_container.cc:672] unexpected
+    pos" with a traceback per rank, partial shards left and no result.json)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        run = disk / "run"  # room for the logs and events, not for the first checkpoint's ~0.6 MB of shards
+        proc = torchrun(2, ["model=mlp", "num_epochs=1", "distributed=fsdp", "distributed.timeout_s=20",
+                            f"hydra.run.dir={run}"], tmp_path, timeout=180)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0
+        for r in (0, 1):
+            assert re.search(rf"rank {r}/2 failed in epoch \d, step 23: CheckpointWriteError: could not write "
+                             rf"sharded checkpoint {re.escape(str(run / 'checkpoints'))}/step-00000022\.dcp", out), out[-4000:]
+        assert re.search(r"\([\d.]+ MiB free on its file system\)", out) and "resume=auto" in out
+        assert re.search(r"rank\(s\) \[[01, ]+\] failed to write: ", out)  # DCP's failures, as one line
+        assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []  # shards gone
+        res = json.loads((run / "result.json").read_text())
+        assert res["status"] == "failed" and "could not write sharded checkpoint" in res["error"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 # ------------------------------------------------------------------ waits bounded by the timeout
 def _free_port() -> int:
     with socket.socket() as s:

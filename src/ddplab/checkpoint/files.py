@@ -45,7 +45,7 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, quota, permissions); the message says where and why."""
 
 
-def _free_space(path: Path) -> str:
+def free_space(path: Path) -> str:
     try:
         return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free"
     except OSError:
@@ -69,7 +69,7 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError too
         tmp.unlink(missing_ok=True)
         raise CheckpointWriteError(
-            f"could not write checkpoint {path}: {type(e).__name__}: {e} ({_free_space(path.parent)} on its "
+            f"could not write checkpoint {path}: {type(e).__name__}: {e} ({free_space(path.parent)} on its "
             "file system). The previous checkpoint is intact. Fix: free space (or point run_dir elsewhere), "
             "then run the same command with resume=auto") from e
     os.replace(tmp, path)  # atomic on POSIX

@@ -9,6 +9,7 @@ FSDP's forward all-gathers, so evaluation runs equal forwards on every rank.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -16,11 +17,21 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from ddplab.checkpoint.files import CheckpointWriteError, free_space
 from ddplab.config import ConfigError
 from ddplab.strategy.base import Sidecars, Strategy
 
 if TYPE_CHECKING:  # the type only: torch.distributed.checkpoint costs ~0.6 s to import
     from torch.distributed.checkpoint.stateful import Stateful
+
+
+def _first_failure(e: BaseException) -> str:
+    """DCP's CheckpointException as one line: which ranks failed, and the first one's error."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = failures[min(failures)][0]
+        return f"rank(s) {sorted(failures)} failed to write: {type(first).__name__}: {str(first).strip()}"
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 class ShardedState:
@@ -33,11 +44,21 @@ class ShardedState:
 
     def state_dict(self) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         path = self.sidecars.sidecar_path(self.SUFFIX)
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        try:
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # (torch's CheckpointException is a BaseException)
+            # DCP gathers every rank's write result, so all ranks raise here together. Partial shards would
+            # keep a full disk full for the retry; the step file naming them was not written yet.
+            shutil.rmtree(path, ignore_errors=True)
+            raise CheckpointWriteError(
+                f"could not write sharded checkpoint {path}: {_first_failure(e)} ({free_space(path.parent)} on "
+                "its file system). The previous checkpoint is intact. Fix: free space (or point run_dir "
+                "elsewhere), then run the same command with resume=auto") from None
         return {"sidecar": path.name}
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
