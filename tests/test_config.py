@@ -126,6 +126,8 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("callbacks=[early_stopping] callbacks.early_stopping.patience=0", "callbacks.early_stopping.patience"),
     ("callbacks=[profiler] callbacks.profiler.steps=[5,2]", "callbacks.profiler.steps"),
     ("task=vae task.beta=-1", "task.beta"),
+    ("model=mlp model.dropout=1.5", "model.dropout"),  # was torch's ValueError with a traceback, at build time
+    ("task=lm model.dropout=-0.1", "model.dropout"),
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:

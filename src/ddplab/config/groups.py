@@ -1,5 +1,5 @@
 """Schemas of the config groups whose options name a ``_target_`` factory:
-model, dataset, optimizer, scheduler, task, callbacks.
+model, dataset, optimizer, scheduler (and, from task_and_callbacks.py, task and callbacks).
 
 Defaults live here, once; an option's yaml (conf/<group>/<option>.yaml) only
 picks a schema and sets what differs for that option (its ``_target_``,
@@ -17,9 +17,19 @@ from omegaconf import MISSING
 
 from ddplab.config.choices import Stats
 from ddplab.config.errors import require
+from ddplab.config.task_and_callbacks import (ClassificationTaskConfig, EarlyStoppingConfig, EMAConfig,
+                                                LanguageModelTaskConfig, ProfilerConfig, RegressionTaskConfig,
+                                                VAETaskConfig)
 
 
 # --------------------------------------------------------------------- models
+def _check_dropout(c: Any, key: str) -> None:
+    for name in ("dropout", "attention_dropout"):
+        if name in c:
+            require(0.0 <= c[name] < 1.0, f"{key}.{name}", c[name], "a dropout probability must be in [0, 1)",
+                    f"pass {key}.{name}=0.1 (0 turns it off)")
+
+
 @dataclass
 class ModelConfig:
     """Keys every model option has; `weights` is ddplab's (see build.model), the rest go to the factory."""
@@ -70,6 +80,7 @@ class GPTConfig:
     def check(c: Any, key: str) -> None:
         require(c.n_embd % c.n_head == 0, f"{key}.n_embd", c.n_embd, f"must be a multiple of {key}.n_head={c.n_head}",
                 f"pass {key}.n_embd={c.n_head * max(1, c.n_embd // c.n_head)}")
+        _check_dropout(c, key)
 
 
 @dataclass
@@ -81,6 +92,8 @@ class ConvNetConfig(ModelConfig):
     hidden: int = 256
     dropout: float = 0.5
 
+    check = staticmethod(_check_dropout)
+
 
 @dataclass
 class MLPConfig(ModelConfig):
@@ -91,6 +104,8 @@ class MLPConfig(ModelConfig):
     dropout: float = 0.1
     image_size: int = 8  # with in_channels: the input width, in_channels * image_size**2
 
+    check = staticmethod(_check_dropout)
+
 
 @dataclass
 class KerasConvNetConfig(ModelConfig):
@@ -99,6 +114,8 @@ class KerasConvNetConfig(ModelConfig):
     _target_: str = "ddplab.models.keras_convnet.keras_convnet"
     image_size: int = 8
     dropout: float = 0.5
+
+    check = staticmethod(_check_dropout)
 
 
 @dataclass
@@ -115,6 +132,8 @@ class ViTConfig(ModelConfig):
     mlp_dim: int = 256
     dropout: float = 0.0
     attention_dropout: float = 0.0
+
+    check = staticmethod(_check_dropout)
 
 
 # ------------------------------------------------------------------- datasets
@@ -304,83 +323,6 @@ class ConstantConfig:
     warmup_steps: int = 0
 
     check = staticmethod(_check_warmup)
-
-
-# ---------------------------------------------------------------------- tasks
-@dataclass
-class ClassificationTaskConfig:
-    """Images and labels: cross-entropy loss, accuracy (the default task)."""
-
-    _target_: str = "ddplab.task.ClassificationTask"
-
-
-@dataclass
-class RegressionTaskConfig:
-    """MSE loss; exact val/mse and val/mae over any world size."""
-
-    _target_: str = "ddplab.task.regression.RegressionTask"
-
-
-@dataclass
-class LanguageModelTaskConfig:
-    """Next-byte prediction: mean negative log-likelihood per byte; val/perplexity."""
-
-    _target_: str = "ddplab.task.lm.LanguageModelTask"
-
-
-@dataclass
-class VAETaskConfig:
-    """Reconstruction + beta * KL; a grid of reconstructions in TensorBoard's Images tab."""
-
-    _target_: str = "ddplab.task.vae.VAETask"
-    beta: float = 1.0  # weight of the KL term
-    num_images: int = 8  # reconstructions shown per evaluation
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        require(c.beta >= 0, f"{key}.beta", c.beta, "must be >= 0 (a KL weight)", f"pass {key}.beta=1.0")
-        require(c.num_images >= 0, f"{key}.num_images", c.num_images, "must be >= 0", f"pass {key}.num_images=8")
-
-
-# ------------------------------------------------------------------ callbacks
-@dataclass
-class EMAConfig:
-    _target_: str = "ddplab.callbacks.ema.EMA"
-    decay: float = 0.999
-    warmup: bool = True  # the decay ramps up as (1 + n) / (10 + n) over the first updates
-    evaluate: bool = True  # evaluated as val_ema/* (the objective may name it)
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        require(0.0 <= c.decay < 1.0, f"{key}.decay", c.decay, "must be in [0, 1)", f"pass {key}.decay=0.999")
-
-
-@dataclass
-class EarlyStoppingConfig:
-    _target_: str = "ddplab.callbacks.early_stopping.EarlyStopping"
-    monitor: str = "val/loss"
-    patience: int = 3
-    min_delta: float = 0.0
-    mode: str = "auto"  # min | max | auto (the task says which metrics are better higher)
-    divergence_threshold: Optional[float] = None
-    check_finite: bool = True
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        require(c.mode in ("auto", "min", "max"), f"{key}.mode", c.mode, "not a mode", f"pass {key}.mode=auto (or min, max)")
-        require(c.patience >= 1, f"{key}.patience", c.patience, "must be >= 1", f"pass {key}.patience=3")
-
-
-@dataclass
-class ProfilerConfig:
-    _target_: str = "ddplab.callbacks.profiler.Profiler"
-    steps: list[int] = field(default_factory=lambda: [10, 15])  # optimizer steps first..last, 1-based
-    memory_snapshot: bool = True  # CUDA only: memory-rank<r>.pickle (pytorch.org/memory_viz)
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        ok = len(c.steps) == 2 and 1 <= c.steps[0] <= c.steps[1]
-        require(ok, f"{key}.steps", list(c.steps), "need [first, last] with 1 <= first <= last", f"pass {key}.steps=[10,15]")
 
 
 GROUPS = {
