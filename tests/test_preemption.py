@@ -211,6 +211,23 @@ def test_self_launch_parent_forwards_sigusr1_to_its_ranks(tmp_path):
     assert re.findall(r"preempted: stopped by (\S+) at step (\d+)", out) == [("SIGUSR1", str(res["step"]))] * 2
 
 
+def test_a_signal_to_the_whole_job_after_its_last_checkpoint_lets_it_complete_and_exit_at_once(tmp_path):
+    """Found by the soak (seed 155076137): self-launch, SIGINT to every process during the last checkpoint.
+    The job completed, but torch's agent, shutting down on the signal, never read the ranks' results: they
+    waited out its 30 s grace, were SIGKILLed, and the job exited 130 with result.json 'completed'."""
+    run, log, stamp = tmp_path / "run", tmp_path / "run.log", tmp_path / "signalled"
+    proc = start([sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=log", "distributed.nproc_per_node=2",
+                  "+callbacks.sig._target_=toy.SignalJobAtLastSave", "+callbacks.sig.last=22",
+                  f"+callbacks.sig.stamp={stamp}", f"hydra.run.dir={run}"], tmp_path, log)
+    finish(proc, log, timeout=90)
+    gone = time.time()
+    out = log.read_text()
+    assert stamp.exists(), out[-3000:]
+    assert proc.returncode == 0 and result(run)["status"] == "completed", (proc.returncode, out[-3000:])
+    assert gone - float(stamp.read_text()) < 15, (gone - float(stamp.read_text()), out[-3000:])  # was 30.7 s
+    assert "forcefully exiting via 9" not in out, out[-3000:]
+
+
 def test_a_rank_dying_at_exit_after_a_preemption_leaves_the_job_preempted(tmp_path):
     """Every rank checkpointed and rank 0 recorded the stop; then rank 1 dies of SIGABRT as its interpreter
     exits (seen once in the soak). The job was preempted, its checkpoint whole: that is what the self-launch

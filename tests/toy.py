@@ -134,6 +134,20 @@ class Recorder:
     def on_fit_end(self, state, metrics): self._note("on_fit_end", state)
 
 
+class SignalJobAtLastSave:
+    """Rank 0 sends SIGINT to every process of the job (a Ctrl-C in the terminal) right after the last
+    checkpoint of the run, noting the time in ``stamp``: too late to stop anything, the job completes."""
+
+    def __init__(self, last: int, stamp: str):
+        self.last, self.stamp = last, stamp
+
+    def on_save(self, state, path):
+        if _rank() == 0 and state.loop.step == self.last and not os.path.exists(self.stamp):
+            with open(self.stamp, "w") as f:
+                f.write(repr(time.time()))
+            os.killpg(os.getpgid(0), signal.SIGINT)
+
+
 class KillLauncherAtFitEnd:
     """Rank 0 SIGKILLs its launcher (torchrun's agent) once training is over, and waits to be re-parented:
     the job then completes with no launcher (as when the agent dies during the last steps)."""

@@ -96,6 +96,10 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(noted.removeprefix("config error: ")) from None
     except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
         noted = rundir.read_result(run_dir) or {}
+        done = rundir.read_result(run_dir, since=started) or {}
+        if done.get("status") == "completed":  # the signal came after the last stop check: the job finished
+            log.warning("%s arrived after the job completed: it stays completed", e.signal_name)
+            return done.get("metrics", {})
         raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
                         noted.get("checkpoint")) from None
     except Exception as e:

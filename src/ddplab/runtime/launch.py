@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +32,8 @@ Entry = Callable[[dict[str, Any]], dict[str, float]]
 
 CONFIG_EXIT = 2  # a rank's exit code for a config error (the entry's to use; rank 0 recorded it in result.json)
 CONFIG_REPORT_GRACE_S = 3.0
+# A rank that returned its result leaves this long after, if the agent has not let it go (see _rank_main).
+RETURNED_EXIT_S = 3.0
 
 
 def let_rank_zero_report() -> None:
@@ -103,9 +106,28 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     watch.own_the_process()  # this spawned rank is ddplab's own
     try:
-        return entry(job)
+        out = entry(job)
     except Preempted as e:  # the exit code tells the agent (and our parent) that this was a preemption
         sys.exit(e.exit_code)
+    _leave_soon_after_returning()
+    return out
+
+
+def _leave_soon_after_returning(after_s: float = RETURNED_EXIT_S) -> None:
+    """After this function's caller returns, torch's spawn wrapper hands the result to the agent and waits
+    for the agent to have read every rank's. An agent shutting down on a signal never does (found by the
+    soak, seed 155076137: SIGINT to the whole job during its last checkpoint, the job completed, then both
+    ranks waited out the agent's 30 s and were SIGKILLed). The result is in the pipe by then: leave after
+    ``after_s`` whatever the agent does (a healthy one reads it within its 0.2 s poll)."""
+    def leave() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(after_s, leave)
+    timer.daemon = True
+    timer.start()
 
 
 @contextlib.contextmanager
