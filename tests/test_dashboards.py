@@ -167,3 +167,27 @@ def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path)
     assert [r["job"] for r in rows] == [2, 0, 1]
     out = to_console(rows, "val/mae", True)
     assert out[0].endswith("by val/mae (lower is better)") and max(map(len, out)) <= 85
+
+
+def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs(tmp_path):
+    """TensorBoard reads event files in name order; within one second the name orders by pid and a
+    counter as text. A resumed run's file must still come after the crashed run's, or the crashed
+    run's steps win (seen when in-process resumes ran in the same second)."""
+    import os
+    import socket
+    import time
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ddplab.writers import TensorBoardWriter
+
+    crashed = SummaryWriter(log_dir=str(tmp_path))
+    crashed.add_scalar("train/loss", 1.0, 5)
+    crashed.close()
+    # The crashed run's file, named as another process's of this second would be ("9" > "1..").
+    (old,) = tmp_path.glob("events.out.tfevents.*")
+    os.rename(old, tmp_path / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.9")
+    resumed = TensorBoardWriter(str(tmp_path), purge_step=1)  # drops every step of the crashed run
+    resumed.scalars({"train/loss": 2.0}, 5)
+    resumed.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(5, 2.0)]

@@ -79,6 +79,7 @@ class Trainer:
                                     cfg.log_every_n_steps * s.accum)
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
         self._first_step_done = False
+        self._bar = Progress("none", 0, 0, cfg.num_epochs)  # each epoch draws its own
         self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
         self.flops = FlopRate(s.strategy.counts_flops, s.module, self._flop_sample, dist.device,
                               s.precision.dtype, cfg.perf.peak_tflops, dist.world_size)
@@ -207,14 +208,21 @@ class Trainer:
         loop.eval_pending = False
         self._save(is_best=improved)
 
-    def _save(self, is_best: bool = False) -> str:
+    def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None) -> str:
+        """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or ""."""
         s = self.state
-        self.watch.pause()  # a save is not a step: the stall watch must not time it
-        path = s.checkpoints.save(s.loop.step, is_best=is_best)
+        path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self._close_log_interval)
         if path:
             slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
             s.callbacks(Hook.ON_SAVE, self.state, path)
         return path
+
+    def _close_log_interval(self) -> None:
+        """Right before any checkpoint: the steps since the last log step are logged (none lost on
+        resume), and the stall watch stops timing (a save is not a step)."""
+        self.watch.pause()
+        if self.metrics.steps:
+            self._log()
 
     def _preempt(self, checkpoint: str | None) -> None:
         """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
@@ -230,45 +238,40 @@ class Trainer:
         # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
         s.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * s.accum)
         self._seed_epoch()
-        bar = self._progress_bar()
-        reduced: dict[str, float] = {}
+        self._bar = self._progress_bar()
         batches = iter(s.train_loader)
         t_step = time.perf_counter()
         self.watch.mark(loop.step + 1, t_step)
-        for _ in range(spe - loop.batches_in_epoch):
-            data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
-            loop.batches_in_epoch += 1  # consumed, whether or not the step below is taken
-            if skip_nonfinite and self._skip_nonfinite_step():
-                continue
-            self._optimizer_step()
-            for hook in self._step_hooks:  # device-only work (EMA); none by default
-                hook(self.state, loop.step)
-            now = time.perf_counter()
-            self.metrics.add_step(now - t_step, data_time)
-            t_step = now
-            self.watch.mark(loop.step + 1, now)
-            bar.update(1)
-            # The stop agreement rides in a log step's collective, or in a tiny one about once a second.
-            if loop.step % log_every == 0:
-                reduced = self._log(bar)
-            else:
-                stopper.after_step()
-            if stopper.agreed and loop.batches_in_epoch < spe:  # at the epoch's end: run_epoch saves
-                if self.metrics.steps:  # the interval so far is logged before the checkpoint: none lost
-                    reduced = self._log(bar)
-                bar.close()
-                self._preempt(self._save())
-            if s.checkpoints.due(loop.step, loop.batches_in_epoch, spe):
-                if self.metrics.steps:  # a checkpoint closes the log interval: no metrics lost on resume
-                    reduced = self._log(bar)
-                self._save()
-                t_step = time.perf_counter()
-                self.watch.mark(loop.step + 1, t_step)
-        self.watch.pause()
-        if self.metrics.steps:  # the epoch's tail since the last log step
-            reduced = self._log(bar)
-        bar.close()
-        return reduced
+        try:
+            for _ in range(spe - loop.batches_in_epoch):
+                data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
+                loop.batches_in_epoch += 1  # consumed, whether or not the step below is taken
+                if skip_nonfinite and self._skip_nonfinite_step():
+                    continue
+                self._optimizer_step()
+                for hook in self._step_hooks:  # device-only work (EMA); none by default
+                    hook(self.state, loop.step)
+                now = time.perf_counter()
+                self.metrics.add_step(now - t_step, data_time)
+                t_step = now
+                self.watch.mark(loop.step + 1, now)
+                self._bar.update(1)
+                # The stop agreement rides in a log step's collective, or in a tiny one about once a second.
+                if loop.step % log_every == 0:
+                    self._log()
+                else:
+                    stopper.after_step()
+                if stopper.agreed and loop.batches_in_epoch < spe:  # at the epoch's end: run_epoch saves
+                    self._preempt(self._save())
+                if self._save(mid_epoch=(loop.batches_in_epoch, spe)):
+                    t_step = time.perf_counter()
+                    self.watch.mark(loop.step + 1, t_step)
+            self.watch.pause()
+            if self.metrics.steps:  # the epoch's tail since the last log step
+                self._log()
+        finally:
+            self._bar.close()
+        return s.results.last_train
 
     def _seed_epoch(self) -> None:
         """Random streams for dropout/augmentation at the start of (a part of) an epoch."""
@@ -343,7 +346,7 @@ class Trainer:
         log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", s.loop.step + 1)
         return True
 
-    def _log(self, bar: Progress) -> dict[str, float]:
+    def _log(self) -> dict[str, float]:
         s = self.state
         step = s.loop.step
         self.watch.phase = "log collective"
@@ -362,7 +365,7 @@ class Trainer:
             values["vitals/loss_scale"] = scale
             values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()  # not errors: the scaler's job
         s.writer.scalars(values, step)
-        bar.show(s.loop.epoch, step, values)
+        self._bar.show(s.loop.epoch, step, values)
         s.results.last_train = values
         return values
 

@@ -6,6 +6,8 @@ every rank and never asks which rank it is.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 from ddplab.runtime.group import DistState
@@ -53,6 +55,7 @@ class TensorBoardWriter(NullWriter):
 
             # purge_step drops events a crashed run logged past its last checkpoint,
             # so a resumed run's curves have each step once.
+            _after_earlier_event_files(self.log_dir)
             self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
             for method, args in self._queued:
                 getattr(self, method)(*args)
@@ -113,6 +116,19 @@ class TensorBoardWriter(NullWriter):
 
     def close(self) -> None:
         self._writer().close()
+
+
+def _after_earlier_event_files(log_dir: str) -> None:
+    """Wait (at most a second) until a new event file's name sorts after every earlier one.
+
+    TensorBoard reads a folder's event files in name order, and a name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>``: two files of one second order by pid and
+    counter as text ("10" before "9"). A resumed run's file read before the crashed run's would let
+    the old steps overwrite the new ones. Only a rerun within the same second (in one process: tests,
+    notebooks) ever waits.
+    """
+    while any(Path(log_dir).glob(f"events.out.tfevents.{int(time.time()):010d}.*")):
+        time.sleep(0.05)
 
 
 def make_writer(state: DistState, log_dir: str, purge_step: int | None = None) -> Any:

@@ -40,7 +40,7 @@ class CheckpointManager:
         ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before any load)."""
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
         self.check_meta = check_meta
-        self._every = int(policy.every_n_steps)  # read once: due() runs every step
+        self._every = int(policy.every_n_steps)  # read once: save(mid_epoch=...) runs every step
         self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
         self._optional: set[str] = set()
@@ -71,20 +71,29 @@ class CheckpointManager:
         return self._source.parent / name
 
     # ----------------------------------------------------------------- saving
-    def due(self, step: int, step_in_epoch: int, steps_per_epoch: int) -> bool:
-        """A mid-epoch save is due after this optimizer step (epoch ends always save)."""
+    def _due(self, step: int, position: tuple[int, int]) -> bool:
+        """A mid-epoch save is due after this optimizer step; ``position``: (batches consumed in the
+        epoch, batches per epoch). At the epoch's end the epoch save comes instead."""
         every = self._every
-        return bool(every) and step % every == 0 and step_in_epoch < steps_per_epoch and self._enabled
+        return bool(every) and step % every == 0 and position[0] < position[1]
 
-    def save(self, step: int, is_best: bool = False) -> str:
-        """Collective: every rank gathers its components' state; rank 0 writes; all wait. The path.
+    def save(self, step: int, is_best: bool = False, mid_epoch: tuple[int, int] | None = None,
+             before: Callable[[], None] | None = None) -> str:
+        """Collective: every rank gathers its components' state; rank 0 writes; all wait. The path, or
+        "" when nothing was saved.
+
+        ``mid_epoch`` (batches consumed, batches per epoch): called after every step, this saves only
+        when ``checkpoint.every_n_steps`` says a save is due; otherwise (epoch end, stop) it always
+        saves. ``before`` runs on every rank right before a save (the trainer closes its log interval).
 
         Rank 0's outcome goes to every rank (in place of a plain barrier, at the same cost): a
         failed write (a full disk) stops all ranks together with rank 0's message, instead of
         leaving the others waiting in a barrier until the timeout.
         """
-        if not self._enabled:
+        if not self._enabled or (mid_epoch is not None and not self._due(step, mid_epoch)):
             return ""
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         self._step = step
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
