@@ -260,6 +260,36 @@ class TextConfig:
         require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
 
 
+@dataclass
+class TokensConfig:
+    """A flat binary of token ids (nanoGPT's train.bin layout) read a window at a time (task=lm)."""
+
+    _target_: str = "ddplab.data.tokens"
+    path: Optional[str] = None  # required: scripts/make_tokens.py writes one
+    val_path: Optional[str] = None  # null: the last val_fraction of path's windows
+    dtype: str = "uint16"  # uint16 | uint32, as the file was written
+    block_size: int = 64
+    vocab_size: int = 256  # bytes; your tokenizer's vocabulary otherwise
+    val_fraction: float = 0.1
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.path is not None, f"{key}.path", c.path, "is not set", f"pass {key}.path=train.bin (scripts/make_tokens.py "
+                "writes one)")
+        for name in ("path", "val_path"):
+            v = c[name]
+            require(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}.{name}", v, "no such file",
+                    f"point {key}.{name} at a token file")
+        require(c.dtype in ("uint16", "uint32"), f"{key}.dtype", c.dtype, "must be uint16 or uint32",
+                f"pass {key}.dtype=uint16")
+        require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
+        top = 2**16 if c.dtype == "uint16" else 2**32
+        require(2 <= c.vocab_size <= top, f"{key}.vocab_size", c.vocab_size, f"must be in [2, {top}] for {c.dtype}",
+                f"pass {key}.dtype=uint32" if c.vocab_size > top else f"pass {key}.vocab_size=256")
+        require(0.0 < c.val_fraction < 1.0, f"{key}.val_fraction", c.val_fraction, "must be in (0, 1)",
+                f"pass {key}.val_fraction=0.1")
+
+
 # ------------------------------------------------------------ optim / sched
 def _check_warmup(c: Any, key: str) -> None:
     require(c.warmup_steps >= 0, f"{key}.warmup_steps", c.warmup_steps, "must be >= 0", f"pass {key}.warmup_steps=0")
@@ -329,7 +359,8 @@ GROUPS = {
     "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
               "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig},
     "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
-                "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig},
+                "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig,
+                "tokens": TokensConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
     "task": {"classification": ClassificationTaskConfig, "regression": RegressionTaskConfig,

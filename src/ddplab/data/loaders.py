@@ -100,6 +100,8 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, dev
                 continue
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
-    for batch in DataLoader(Subset(data, shard.tolist()), batch_size=batch_size, pin_memory=nb,
+    # The shard is contiguous: a range, not a list of every index (a token file's windows run to millions).
+    first = int(shard[0]) if len(shard) else 0
+    for batch in DataLoader(Subset(data, range(first, first + len(shard))), batch_size=batch_size, pin_memory=nb,
                             collate_fn=collate_fn):
         yield move(batch, device, nb)

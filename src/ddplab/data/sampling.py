@@ -64,7 +64,10 @@ class ShardedGlobalSampler(Sampler[int]):
         return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.batches()[self.skip:].reshape(-1).tolist())
+        # A micro-batch at a time: a whole epoch as one Python list costs ~60 bytes per sample, which
+        # grows with a token file far past the permutation's own 8 bytes per window.
+        for row in self.batches()[self.skip:]:
+            yield from row.tolist()
 
     def __len__(self) -> int:
         return self.num_micro_batches * self.per_rank_batch
@@ -72,4 +75,6 @@ class ShardedGlobalSampler(Sampler[int]):
 
 def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
     """This rank's validation indices: contiguous, no padding, sizes differ by <= 1."""
-    return torch.tensor_split(torch.arange(num_samples), world_size)[rank]
+    q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut, without an index per sample first
+    start = rank * q + min(rank, r)
+    return torch.arange(start, start + q + (rank < r))

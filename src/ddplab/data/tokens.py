@@ -1,0 +1,139 @@
+"""Token files bigger than memory: a flat binary of token ids (nanoGPT's ``train.bin`` / ``val.bin``
+layout: uint16 or uint32, no header), read a window at a time.
+
+Window ``i`` is tokens ``[i*B, i*B + B]`` (``B`` = ``block_size``): inputs are its first ``B`` tokens,
+targets the last ``B``. Windows do not overlap, so an epoch is a fixed, finite set of samples and
+ddplab's sampler gives it the same guarantees as any map-style dataset: every window once per epoch
+across ranks, the same global batches at any world size, and a mid-epoch resume that skips exactly
+what was consumed.
+
+Windows are read with ``os.pread``, not through ``np.memmap``: pages of a mapped file that a
+process has touched count towards its resident memory (and a job's memory limit) until the kernel
+reclaims them, so a memory-mapped epoch over a 10 GB file shows up as 10 GB of RSS. A read leaves
+them in the page cache, which no process is charged for. ``scripts/bench_tokens.py`` measures both.
+
+``write_tokens`` writes a file and a small sidecar (``<file>.json``: dtype, token count,
+vocabulary size); when the sidecar is there, a run whose ``dataset.dtype`` differs, or a file whose
+length no longer matches it (truncated, appended), is refused before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddplab.data.datasets import Splits
+
+DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+
+
+class TokenFileError(ValueError):
+    """A token file that does not match its config or its sidecar, or that changed under a run."""
+
+
+def write_tokens(tokens: Any, path: str | Path, dtype: str = "uint16", vocab_size: int | None = None) -> Path:
+    """Write ``tokens`` (a sequence of ints) as a flat binary of ``dtype`` plus its sidecar; the path."""
+    arr = np.asarray(tokens)
+    top = int(arr.max()) if arr.size else 0
+    if top > np.iinfo(DTYPES[dtype]).max:
+        raise ValueError(f"token {top} does not fit {dtype}. Fix: dtype=uint32")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    arr.astype(DTYPES[dtype]).tofile(tmp)
+    os.replace(tmp, path)  # a reader never sees half a file
+    write_sidecar(path, dtype, int(arr.size), vocab_size or top + 1)
+    return path
+
+
+def write_sidecar(path: str | Path, dtype: str, tokens: int, vocab_size: int) -> None:
+    """``<path>.json``: what a run checks the file against (dtype, token count, vocabulary size)."""
+    meta = {"dtype": dtype, "tokens": tokens, "vocab_size": vocab_size}
+    Path(f"{path}.json").write_text(json.dumps(meta) + "\n")
+
+
+class TokenWindows(Dataset):
+    """Windows ``first .. first+count-1`` of one token file (train and val may share a file)."""
+
+    def __init__(self, path: str | Path, dtype: str, block_size: int, vocab_size: int, first: int = 0,
+                 count: int | None = None):
+        self.path, self.dtype, self.block = str(path), DTYPES[dtype], block_size
+        self.vocab_size, self.first = vocab_size, first
+        self.count = windows_in(self.path, dtype, block_size, vocab_size) - first if count is None else count
+        self._fd: int | None = None  # opened in each process that reads (DataLoader workers too)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fd": None}  # a worker opens its own
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.count:
+            raise IndexError(f"window {i} of {self.count}")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        item = self.dtype.itemsize
+        offset, nbytes = (self.first + i) * self.block * item, (self.block + 1) * item
+        buf = os.pread(self._fd, nbytes, offset)
+        if len(buf) != nbytes:
+            raise TokenFileError(f"{self.path}: truncated: {len(buf)} of {nbytes} bytes at offset {offset}; the file "
+                                 f"is {os.path.getsize(self.path)} bytes now. Fix: do not rewrite a token file a run "
+                                 "is reading; write it again and restart")
+        t = np.frombuffer(buf, dtype=self.dtype).astype(np.int64)
+        top = int(t.argmax())
+        if t[top] >= self.vocab_size:
+            raise TokenFileError(f"{self.path}: token {int(t[top])} at offset {offset + top * item} is >= "
+                                 f"dataset.vocab_size={self.vocab_size}. Fix: dataset.vocab_size=<your tokenizer's "
+                                 "vocabulary>, or dataset.dtype=<the dtype the file was written with>")
+        w = torch.from_numpy(t)
+        return w[:-1], w[1:]
+
+
+def windows_in(path: str, dtype: str, block_size: int, vocab_size: int) -> int:
+    """How many whole windows ``path`` holds; refuses a file its sidecar or dtype does not describe."""
+    size, item = os.path.getsize(path), DTYPES[dtype].itemsize
+    if size % item:
+        raise TokenFileError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each). "
+                             "Fix: dataset.dtype=<the dtype the file was written with>")
+    side = Path(f"{path}.json")
+    if side.is_file():
+        meta = json.loads(side.read_text())
+        if meta.get("dtype") != dtype:
+            raise TokenFileError(f"{path} was written as {meta.get('dtype')} ({side.name}), but dataset.dtype={dtype}. "
+                                 f"Fix: dataset.dtype={meta.get('dtype')}")
+        if meta.get("tokens") != size // item:
+            raise TokenFileError(f"{path}: {size // item} tokens, but {side.name} says {meta.get('tokens')}: the file "
+                                 "was truncated or changed after it was written. Fix: write it again")
+        if meta.get("vocab_size", 0) > vocab_size:
+            raise TokenFileError(f"{path} holds ids up to {meta['vocab_size'] - 1} ({side.name}), but "
+                                 f"dataset.vocab_size={vocab_size}. Fix: dataset.vocab_size={meta['vocab_size']}")
+    return max(0, (size // item - 1) // block_size)
+
+
+def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "uint16", block_size: int = 64,
+           vocab_size: int = 256, val_fraction: float = 0.1) -> Splits:
+    """``dataset=tokens``: windows of ``block_size`` from ``path``; validation from ``val_path``, or
+    else the last ``val_fraction`` of ``path``'s windows (a contiguous tail, never trained on)."""
+    if path is None:
+        raise ValueError("dataset.path is not set. Fix: dataset.path=train.bin (scripts/make_tokens.py writes one)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dataset.dtype={dtype}: token files are {' or '.join(DTYPES)}. Fix: dataset.dtype=uint16")
+    n = windows_in(path, dtype, block_size, vocab_size)
+    if val_path is not None:
+        train = TokenWindows(path, dtype, block_size, vocab_size, 0, n)
+        val = TokenWindows(val_path, dtype, block_size, vocab_size)
+    else:
+        k = max(1, round(n * val_fraction))
+        train = TokenWindows(path, dtype, block_size, vocab_size, 0, n - k)
+        val = TokenWindows(path, dtype, block_size, vocab_size, n - k, k)
+    for name, part, file in (("training", train, path), ("validation", val, val_path or path)):
+        if len(part) < 1:
+            raise ValueError(f"{file}: no {name} window of dataset.block_size={block_size} tokens. Fix: a longer "
+                             "file or a smaller block_size")
+    return Splits(train, val, vocab_size)

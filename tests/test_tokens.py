@@ -1,0 +1,153 @@
+"""dataset=tokens: flat binary token files (nanoGPT's layout) read a window at a time — exact windows,
+exact sharding over world sizes, bitwise kill + resume at 1 and 2 ranks, a resume at another world
+size that neither loses nor doubles a sample, and one-line errors for files that do not match."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ddplab
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, run_cmd, run_killed_after_step
+from ddplab.config.errors import ConfigError
+from ddplab.config.validate import validate
+from ddplab.data.tokens import TokenFileError, tokens, write_tokens
+
+LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
+      "batch_size=12", "progress=none"]
+
+
+def corpus(tmp_path: Path, mb: float = 0.02) -> tuple[Path, Path]:
+    """train.bin / val.bin written by the shipped script."""
+    out = tmp_path / "data"
+    proc = run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", str(mb), "--out",
+                    str(out)], tmp_path)
+    assert_ok(proc)
+    return out / "train.bin", out / "val.bin"
+
+
+def files(train: Path, val: Path) -> list[str]:
+    return [f"dataset.path={train}", f"dataset.val_path={val}"]
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
+            *args]
+
+
+def last(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+
+
+def metrics(run: Path) -> dict[str, float]:
+    return json.loads((run / "result.json").read_text())["metrics"]
+
+
+# --------------------------------------------------------------------------- the file and its windows
+def test_windows_are_the_files_tokens_and_the_dataset_pickles_for_workers(tmp_path):
+    ids = np.arange(1000) % 300
+    write_tokens(ids, tmp_path / "t.bin", "uint16", vocab_size=300)
+    s = tokens(str(tmp_path / "t.bin"), dtype="uint16", block_size=10, vocab_size=300, val_fraction=0.1)
+    assert (len(s.train), len(s.val)) == (89, 10)  # (1000 - 1) // 10 windows, the last tenth for validation
+    x, y = s.train[3]
+    assert x.tolist() == ids[30:40].tolist() and y.tolist() == ids[31:41].tolist() and x.dtype == torch.int64
+    x, y = s.val[0]  # the first validation window follows the training windows
+    assert x.tolist() == ids[890:900].tolist()
+    again = pickle.loads(pickle.dumps(s.train))  # a DataLoader worker gets its own file handle
+    assert torch.equal(again[88][1], s.train[88][1])
+    big = write_tokens(np.array([70000, 1, 2] * 10), tmp_path / "u.bin", "uint32")
+    assert tokens(str(big), dtype="uint32", block_size=4, vocab_size=70001).train[0][0].tolist() == [70000, 1, 2, 70000]
+
+
+def test_token_files_that_do_not_match_are_one_line_errors_naming_file_and_offset(tmp_path):
+    f = write_tokens(np.arange(200) % 256, tmp_path / "t.bin", "uint16", vocab_size=256)
+    with pytest.raises(TokenFileError, match=r"t.bin was written as uint16 \(t.bin.json\), but dataset.dtype=uint32"):
+        tokens(str(f), dtype="uint32", block_size=8)
+    with pytest.raises(TokenFileError, match=r"ids up to 255 .* dataset.vocab_size=100. Fix: dataset.vocab_size=256"):
+        tokens(str(f), block_size=8, vocab_size=100)
+    with open(f, "ab") as out:  # appended after it was written: the sidecar no longer describes it
+        out.write(b"\0\0")
+    with pytest.raises(TokenFileError, match=r"201 tokens, but t.bin.json says 200: .*truncated or changed"):
+        tokens(str(f), block_size=8)
+    raw = tmp_path / "raw.bin"  # nanoGPT's own files have no sidecar: what can be checked still is
+    raw.write_bytes(b"\1" * 101)
+    with pytest.raises(TokenFileError, match=r"raw.bin: 101 bytes is not a whole number of uint16 tokens"):
+        tokens(str(raw), block_size=8)
+    np.array([5] * 40 + [999] + [5] * 59, dtype=np.uint16).tofile(raw)
+    s = tokens(str(raw), block_size=8, vocab_size=256)
+    with pytest.raises(TokenFileError, match=r"raw.bin: token 999 at offset 80 is >= dataset.vocab_size=256"):
+        s.train[5]  # window 5 = tokens 40..48: the 999 is token 40, byte 80
+    os.truncate(raw, 60)  # cut under a running job
+    with pytest.raises(TokenFileError, match=r"raw.bin: truncated: 0 of 18 bytes at offset 160; the file is 60 bytes"):
+        s.train[10]
+
+
+@pytest.mark.parametrize("override,match", [
+    ([], r"dataset.path=None: is not set. Fix: pass dataset.path=train.bin"),
+    (["dataset.path=/nonexistent/train.bin"], r"dataset.path='/nonexistent/train.bin': no such file"),
+    (["dataset.path=X", "dataset.dtype=int8"], r"dataset.dtype='int8': must be uint16 or uint32"),
+    (["dataset.path=X", "dataset.vocab_size=70000"], r"dataset.vocab_size=70000: must be in \[2, 65536\] for "
+                                                     r"uint16. Fix: pass dataset.dtype=uint32"),
+])
+def test_token_config_errors_name_the_key_the_value_and_the_fix(tmp_path, override, match):
+    f = write_tokens(np.arange(100) % 256, tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(LM + [o.replace("=X", f"={f}") for o in override], tmp_path / "run"))
+
+
+# --------------------------------------------------------------------------- training on it
+@pytest.mark.slow
+def test_kill_and_resume_mid_epoch_on_a_token_file_is_bitwise(tmp_path):
+    args = LM + files(*corpus(tmp_path)) + ["num_epochs=2", "model.dropout=0.1", "checkpoint.every_n_steps=5"]
+    ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)  # last checkpoint: step 10, mid-epoch
+    rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    assert_same_checkpoint(last(tmp_path / "ref"), last(tmp_path / "run"))
+    assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"]
+
+
+def fault(d: Path, rank: int, k: int) -> dict[str, str]:
+    """tests/soak_toy.py's injector: rank ``rank`` SIGKILLs itself before its ``k``-th optimizer step
+    (``d/fired`` records where); ``d`` is outside the run dir, which the job must create itself."""
+    d.mkdir(parents=True, exist_ok=True)
+    spec = {"phase": "optimizer", "k": k, "rank": rank, "target": "self", "signal": "SIGKILL", "dir": str(d)}
+    return {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(d), "SOAK_DIR": str(d)}
+
+
+@pytest.mark.dist
+def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or_at_another_world_size(tmp_path):
+    """World sizes 1/2/3 give the same run (global batch 12). Rank 1 SIGKILLed at step 13 of a 2-rank job (its
+    last checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; resumed at 3 ranks instead, it ends where
+    the uninterrupted run does (to float32 reduction order): no window lost or seen twice."""
+    train, val = corpus(tmp_path)
+    args = LM + files(train, val) + ["num_epochs=2", "checkpoint.every_n_steps=5",
+                                     "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    runs = {}
+    for n in (1, 2, 3):
+        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        runs[n] = metrics(tmp_path / str(n))
+    assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)  # 2 epochs of 98 steps
+    for n in (2, 3):
+        assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
+        assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
+    for resumed_at, ref in ((2, "2"), (3, "1")):
+        run = tmp_path / f"killed_then_{resumed_at}"
+        crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
+                          extra_env=fault(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
+        fired = json.loads((tmp_path / f"fault_{resumed_at}" / "fired").read_text())
+        assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
+        assert_ok(run_cmd(torchrun_cmd(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path,
+                          timeout=240))
+        assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
+        if resumed_at == 2:
+            assert_same_checkpoint(last(tmp_path / ref), last(run))
+        assert metrics(run)["step"] == runs[1]["step"]
+        assert metrics(run)["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
