@@ -195,3 +195,28 @@ def ragged_digits(**kw):
         return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])[:-1]
 
     return {"train": s.train, "val": s.val, "collate_fn": collate}
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Samples plus noise from a numpy generator of the dataset's own, which no checkpoint holds."""
+
+    def __init__(self, base, seed):
+        import numpy as np
+
+        self.base, self.rng = base, np.random.default_rng(seed)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + torch.from_numpy(self.rng.normal(0.0, 0.5, tuple(x.shape)).astype("float32")), y
+
+
+def noisy_digits(noise_seed=None, **kw):
+    """digits with per-sample noise: ``noise_seed=None``, an unseeded generator (no two runs alike); a
+    seed, the same noise each run, but after a resume the generator starts again from that seed."""
+    from ddplab.data import digits
+
+    s = digits(**kw)
+    return {"train": _Noisy(s.train, noise_seed), "val": s.val}

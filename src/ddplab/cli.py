@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ddplab import rundir
+from ddplab import rundir, verify
 from ddplab.config import ConfigError
 from ddplab.job import run
 from ddplab.runtime import env, launch, requeue, watch
@@ -148,7 +148,10 @@ def main(cfg: DictConfig) -> float | None:
     """
     watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
     try:
-        metrics = run(cfg)
+        metrics = verify.verify_resume(cfg) if str(cfg.get("mode")) == "verify_resume" else run(cfg)
+    except verify.VerifyFailed as e:  # the comparison's verdict, not a crash: one line, no traceback
+        log.error("verify_resume: %s", e)
+        raise SystemExit(1) from None
     except Preempted as e:  # checkpointed; stop here, sweep or not: the machine is going away
         requeue.after_preemption(e)  # SLURM time limit: back in the queue; submitit: its own protocol
         raise SystemExit(e.exit_code) from None

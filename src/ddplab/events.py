@@ -3,6 +3,7 @@ own reader, so what they see is what the dashboard shows."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ def events_in(path: str | Path) -> Path:
 
 def _accumulator(path: str | Path, **guidance: int) -> Any:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its reader logs each file it moves past
 
     acc = EventAccumulator(str(events_in(path)), size_guidance=guidance)
     acc.Reload()

@@ -31,6 +31,9 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     made up this run's dir).
     """
     validate(cfg)  # bad values fail here, before any process group exists
+    if cfg.get("mode") == "verify_resume":  # it runs the job twice, each in processes of its own
+        raise ConfigError("mode=verify_resume is run by train.py (or ddplab.verify.verify_resume(cfg)), not by "
+                          "ddplab.run. Fix: python train.py mode=verify_resume ...")
     if cfg.get("mode") == "eval":  # the checkpoint's own config, this command's launch settings
         cfg = eval_config(cfg)
     strategy.check_launch(cfg, env.world_size())

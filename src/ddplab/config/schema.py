@@ -116,6 +116,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """mode=verify_resume (ddplab.verify): where to preempt the job, at how many ranks to resume it."""
+
+    stop_at: Optional[int] = None  # the optimizer step to preempt at; null: half the job's steps
+    resume_nproc: Optional[int] = None  # ranks of the resumed run; null: distributed.nproc_per_node
+    rtol: float = 1e-4  # tolerance of weights and losses when resume_nproc changes the world size
+
+    @staticmethod
+    def check(c: Any, key: str = "verify") -> None:
+        for k in ("stop_at", "resume_nproc"):
+            require(c.get(k) is None or c[k] >= 1, f"{key}.{k}", c.get(k), "must be >= 1 or null", f"pass {key}.{k}=null")
+        require(0 <= c.rtol < 1, f"{key}.rtol", c.rtol, "must be in [0, 1)", f"pass {key}.rtol=1e-4")
+
+
+@dataclass
 class TrainConfig:
     model: Any = MISSING
     dataset: Any = MISSING
@@ -125,10 +140,12 @@ class TrainConfig:
     task: Any = MISSING
     # name -> a Callback ``_target_`` and its arguments: 'callbacks=[ema,early_stopping]' (ddplab.callbacks).
     callbacks: Any = field(default_factory=dict)
-    # train: the job trains; eval: evaluate the checkpoint `resume` names, with its own config, and stop.
+    # train: the job trains; eval: evaluate the checkpoint `resume` names, with its own config, and stop;
+    # verify_resume: run the job, and again preempted + resumed, and compare the two ends (ddplab.verify).
     mode: Mode = Mode["train"]
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # mode=verify_resume only
     perf: PerfConfig = field(default_factory=PerfConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank

@@ -28,6 +28,11 @@ def check_launch(cfg: DictConfig, world_size: int) -> None:
     _class(cfg).refuse(cfg, world_size)
 
 
+def saves_one_file(cfg: DictConfig) -> bool:
+    """Whether the configured strategy's checkpoints are one ``.pt`` each (not a folder of shards)."""
+    return _class(cfg).one_file_checkpoints
+
+
 def make(cfg: DictConfig, state: DistState) -> Strategy:
     """The strategy this job runs: the configured one, or ``none`` when a multi-process
     strategy finds itself on one process (nothing to reduce or shard)."""

@@ -67,6 +67,7 @@ class Strategy:
     name: ClassVar[str]
     one_process: ClassVar[bool] = False  # refuses to be one of several launched ranks
     counts_flops: ClassVar[bool] = True  # a FLOP-counting forward outside the step is safe
+    one_file_checkpoints: ClassVar[bool] = True  # a checkpoint is one .pt (fsdp: a folder of DCP shards)
 
     def __init__(self, cfg: DictConfig, state: DistState):
         self.d, self.perf, self.state = cfg.distributed, cfg.perf, state

@@ -83,6 +83,7 @@ class ShardedState:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    one_file_checkpoints = False
     counts_flops = False  # a forward outside the step would all-gather out of step with other ranks
 
     @classmethod
