@@ -204,11 +204,12 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
     """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run."""
     key = (t.launcher, tuple(t.overrides()))
     if key not in cache:
-        rdir = root / f"ref-{len(cache)}"
+        n = len(list(root.glob("ref-*")))  # not len(cache): a failed reference keeps its dir (for its log)
+        rdir = root / f"ref-{n}"
         (rdir / "cwd").mkdir(parents=True)
         (rdir / "tmp").mkdir()
         run = rdir / "cwd" / "run"
-        a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{len(cache)}", False),
+        a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
                         rdir / "cwd", rdir / "run.log", 600)
         if a.rc != 0 or read_result(run).get("status") != "completed":
             raise RuntimeError(f"the reference run failed (exit {a.rc}): see {rdir / 'run.log'}")
