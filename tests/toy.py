@@ -220,3 +220,64 @@ def noisy_digits(noise_seed=None, **kw):
 
     s = digits(**kw)
     return {"train": _Noisy(s.train, noise_seed), "val": s.val}
+
+
+class DigitStream(torch.utils.data.IterableDataset):
+    """An IterableDataset over the digits: one order per (seed, epoch), split over DataLoader workers. It has no
+    state_dict(): torchdata replays it on resume. ``short_on_rank``: that rank's stream ends ``short`` samples
+    early (a user's rank-dependent stream)."""
+
+    def __init__(self, x, y, seed=0, short_on_rank=None, short=0):
+        self.x, self.y, self.seed, self.epoch, self.pos = x, y, seed, 0, 0
+        self.short_on_rank, self.short = short_on_rank, short
+
+    def set_epoch(self, epoch):
+        self.epoch, self.pos = epoch, 0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, nw = (info.id, info.num_workers) if info else (0, 1)
+        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        if self.short_on_rank is not None and _rank() == self.short_on_rank:
+            order = order[: len(order) - self.short]
+        mine = order[w::nw]
+        while self.pos < len(mine):
+            i = int(mine[self.pos])
+            self.pos += 1
+            yield self.x[i], self.y[i]
+
+
+class StatefulDigitStream(DigitStream):
+    """The same stream with its position as state: torchdata restores it (in each worker) instead of replaying."""
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.epoch, self.pos = sd["epoch"], sd["pos"]
+
+
+def digit_stream(stateful=True, short_on_rank=None, short=0, **kw):
+    """digits' training set as a (Stateful)DigitStream; validation a stream too, in stored order."""
+    from ddplab.data import digits
+
+    s = digits(**kw)
+    cls = StatefulDigitStream if stateful else DigitStream
+    return {"train": cls(s.train.x, s.train.y, kw.get("split_seed", 0), short_on_rank, short),
+            "val": ValStream(s.val.x, s.val.y)}
+
+
+class ValStream(torch.utils.data.IterableDataset):
+    """Validation samples as a stream in their stored order."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __iter__(self):
+        return zip(self.x, self.y)

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddplab.config import ConfigError
+from ddplab.data.streams import StreamLoader, is_stream
 from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, on_device,
                          to_device)
 
@@ -107,7 +108,7 @@ def _make(spec: dict[str, Any], key: str) -> Any:
 class TrainData(NamedTuple):
     data: Splits
     sampler: ShardedGlobalSampler
-    loader: TrainLoader
+    loader: TrainLoader | StreamLoader
     steps_per_epoch: int
 
 
@@ -116,6 +117,8 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
     and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
     data, augment = dataset(cfg)
     per_step = global_batch * accum  # samples per optimizer step (ddplab.batch_size)
+    if is_stream(data.train):
+        return _stream_data(cfg, state, data, augment, global_batch, accum)
     if cfg.get("overfit_batches"):
         keep = min(len(data.train), cfg.overfit_batches * per_step)
         data.train = _head(data.train, keep)
@@ -132,6 +135,31 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
     loader = TrainLoader(data.train, sampler, state.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
                          indexed=indexed, collate_fn=data.collate_fn)
+    steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
+    return TrainData(data, sampler, loader, steps)
+
+
+def _stream_data(cfg: DictConfig, state: Any, data: Splits, augment: Any, global_batch: int, accum: int) -> TrainData:
+    """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do, refused."""
+    name = f"dataset._target_={cfg.dataset.get('_target_')!r}"
+    for part, ds in (("training", data.train), ("validation", data.val)):
+        try:
+            len(ds)
+        except TypeError:
+            raise ConfigError(f"{name}: its {part} IterableDataset has no __len__. Fix: give it __len__ (the samples "
+                              "one epoch yields): the lr schedule and every rank's step count come from it") from None
+    for key, on in (("overfit_batches", cfg.get("overfit_batches")), ("dataset.augment", augment is not None and
+                                                                       augment.enabled)):
+        if on:
+            raise ConfigError(f"{key}: not for an IterableDataset ({name}). Fix: drop {key}, or augment inside "
+                              "the dataset")
+    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum)
+    if sampler.steps_per_epoch == 0:
+        raise ConfigError(f"batch_size={cfg.batch_size} x grad_accum_steps={accum}: one optimizer step needs "
+                          f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
+                          "batch_size or grad_accum_steps")
+    loader = StreamLoader(data.train, sampler, state.device, cfg.perf.num_workers, cfg.perf.pin_memory,
+                          data.collate_fn)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 

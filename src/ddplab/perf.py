@@ -39,10 +39,13 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
 
 
 @torch.no_grad()
-def train_flops_per_sample(module: nn.Module, sample: Tensor) -> float | None:
+def train_flops_per_sample(module: nn.Module, sample: Tensor | None) -> float | None:
     """3 x forward FLOPs of one sample, or None if the model cannot be counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    if sample is None:  # nothing to count on (a stream: taking a sample would move it)
+        log.info("vitals/tflops off: no training sample to count the model's FLOPs on (an IterableDataset)")
+        return None
     was_training = module.training
     module.eval()
     try:

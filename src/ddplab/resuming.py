@@ -101,6 +101,8 @@ def checkpoints_of(s: State) -> tuple[CheckpointManager, ResumeGuard]:
                "scaler": s.precision, "loop": s.loop,
                "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
                "results": s.results}
+    if hasattr(s.train_loader, "state_dict"):  # a stream: where it is, its workers' state (data.streams)
+        entries["data"] = s.train_loader
     for key, component in entries.items():
         manager.register(key, component)
     for key, component in s.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # types only: importing these here would make state.py import
     from ddplab.checkpoint.rng import RNGStreams
     from ddplab.data.loaders import TrainLoader
     from ddplab.data.sampling import ShardedGlobalSampler
+    from ddplab.data.streams import StreamLoader
     from ddplab.evaluation import Evaluator
     from ddplab.precision import Precision
     from ddplab.runtime.group import DistState
@@ -53,7 +54,7 @@ class State:
     precision: Precision                 # autocast dtype and the fp16 GradScaler, if any
     data: Any                            # the dataset's splits (``.train``, ``.val``)
     sampler: ShardedGlobalSampler        # this rank's share of each global micro-batch
-    train_loader: TrainLoader
+    train_loader: TrainLoader | StreamLoader
     steps_per_epoch: int                 # optimizer steps per epoch
     global_batch: int                    # samples per micro-step, over all ranks
     accum: int                           # micro-batches per optimizer step (grad_accum_steps)

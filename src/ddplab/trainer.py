@@ -26,6 +26,7 @@ from ddplab.batch_size import global_batch_size
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.config import ConfigError
 from ddplab.data.batches import first_tensor, map_tensors
+from ddplab.data.streams import is_stream
 from ddplab.evaluation import Evaluator, derived
 from ddplab.metrics import TrainMetrics
 from ddplab.optim import make_optimizer
@@ -379,7 +380,8 @@ class Trainer:
 
     def _flop_sample(self) -> torch.Tensor | None:
         """One sample's input, for counting the model's FLOPs (the first tensor of a training sample)."""
-        x = first_tensor(self.state.data.train[0])
+        train = self.state.data.train
+        x = None if is_stream(train) else first_tensor(train[0])  # a stream has no sample that would not move it
         return None if x is None else self._to_memory_format(x[None].to(self.state.dist.device))
 
     def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:

@@ -13,6 +13,7 @@ from ddplab.data.augment import BatchAugment, PerSampleAugment
 from ddplab.data.batches import move
 from ddplab.data.datasets import TensorData
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
+from ddplab.data.streams import is_stream, stream_eval_batches
 
 
 def on_device(data: Dataset, device: torch.device, mode: str) -> bool:
@@ -92,6 +93,9 @@ class TrainLoader:
 def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, device: torch.device,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
     """This rank's exact validation shard (every sample on exactly one rank)."""
+    if is_stream(data):
+        yield from stream_eval_batches(data, world_size, rank, batch_size, device, collate_fn)
+        return
     shard = eval_shard(len(data), world_size, rank)
     nb = device.type == "cuda"
     if isinstance(data, TensorData):

@@ -1,0 +1,180 @@
+"""IterableDatasets (ddplab.data.streams): one global stream that every rank slices — the same global batches at
+any world size, each sample once per epoch, every rank the same number of steps, the loader's (and its workers')
+state in the checkpoint, bitwise kill + resume, and a resume at another world size that loses or doubles nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ddplab
+import toy
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, run_cmd, run_killed_after_step
+from ddplab import build
+from ddplab.config.errors import ConfigError
+from ddplab.data.sampling import ShardedGlobalSampler
+from ddplab.data.streams import StreamEnded, StreamLoader, stream_eval_batches
+
+STREAM = ["model=mlp", "dataset._target_=toy.digit_stream", "progress=none", "batch_size=48"]
+
+
+def stream(n: int = 100, stateful: bool = True) -> toy.DigitStream:
+    x = torch.arange(n, dtype=torch.float32)[:, None]  # sample i is the value i: easy to track
+    return (toy.StatefulDigitStream if stateful else toy.DigitStream)(x, torch.arange(n), seed=1)
+
+
+def ids(batches) -> list[list[int]]:
+    return [b[1].tolist() for b in batches]
+
+
+def loader(data, world: int, rank: int, workers: int = 0, global_batch: int = 12) -> StreamLoader:
+    return StreamLoader(data, ShardedGlobalSampler(len(data), global_batch, world, rank, 0), torch.device("cpu"),
+                        num_workers=workers)
+
+
+# --------------------------------------------------------------------------- in-process
+def test_ranks_slice_the_same_global_batches_and_each_sample_comes_once():
+    whole = ids(loader(stream(), 1, 0))
+    assert len(whole) == 100 // 12 and len({i for b in whole for i in b}) == 96  # 8 whole batches, no repeats
+    for world in (2, 3):
+        parts = [ids(loader(stream(), world, r)) for r in range(world)]
+        assert [sum((p[k] for p in parts), []) for k in range(len(whole))] == whole, world
+
+
+@pytest.mark.parametrize("stateful,workers", [(True, 0), (False, 0), (True, 2), (False, 2)])
+def test_a_checkpointed_position_continues_where_it_stopped(stateful, workers):
+    """The loader's state after 3 batches (torchdata: the dataset's own state in each worker, or a replay)
+    makes a fresh loader yield exactly the rest; at another world size too, since the state is the stream's."""
+    ref = loader(stream(stateful=stateful), 2, 1, workers)
+    ref.set_epoch(1)
+    full = ids(ref)
+    first = loader(stream(stateful=stateful), 2, 1, workers)
+    first.set_epoch(1)
+    it = iter(first)
+    head = [next(it)[1].tolist() for _ in range(3)]
+    saved = json.loads(json.dumps(first.state_dict()))  # what a checkpoint holds, plain
+    for world, rank in ((2, 1), (3, 2)):
+        again = loader(stream(stateful=stateful), world, rank, workers)
+        again.load_state_dict(saved)
+        again.set_epoch(1, skip=3)
+        rest = ids(again)
+        if world == 2:
+            assert head + rest == full
+        else:  # rank 2 of 3 keeps samples 8..11 of each later global batch
+            whole = loader(stream(stateful=stateful), 1, 0, workers)
+            whole.set_epoch(1)
+            assert rest == [b[8:12] for b in ids(whole)[3:]]
+
+
+def test_a_short_stream_says_so_and_a_resume_without_its_position_is_refused():
+    short = toy.DigitStream(torch.zeros(50, 1), torch.arange(50), short_on_rank=0, short=20)
+    with pytest.raises(StreamEnded, match=r"DigitStream ended after 2 global batches of 12 in epoch 1, but its "
+                                          r"__len__ \(50\) promises 4. Fix: make __len__"):
+        ids(loader(short, 1, 0))
+    lost = loader(stream(), 1, 0)
+    lost.set_epoch(0, skip=2)
+    with pytest.raises(RuntimeError, match=r"no saved stream position for epoch 0, micro-batch 2"):
+        ids(lost)
+
+
+def test_validation_streams_split_contiguously_each_sample_on_one_rank():
+    val = toy.ValStream(torch.zeros(10, 1), torch.arange(10))
+    for world in (1, 2, 3):
+        got = [[y.tolist() for _, y in stream_eval_batches(val, world, r, 2, torch.device("cpu"))] for r in range(world)]
+        assert sum((sum(g, []) for g in got), []) == list(range(10)), world
+
+
+ONE_RANK = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+
+
+def test_overfit_batches_on_a_stream_is_refused_in_one_line(tmp_path):
+    cfg = compose_cfg(STREAM + ["overfit_batches=1"], tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"overfit_batches: not for an IterableDataset \(dataset._target_="
+                                          r"'toy.digit_stream'\). Fix: drop overfit_batches"):
+        build.train_data(cfg, ONE_RANK, 48, 1)
+
+
+def test_a_stream_without_len_is_refused_in_one_line(tmp_path):
+    class Endless(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            while True:
+                yield torch.zeros(1), 0
+
+    data = SimpleNamespace(train=Endless(), val=Endless(), collate_fn=None)
+    with pytest.raises(ConfigError, match=r"its training IterableDataset has no __len__. Fix: give it __len__"):
+        build._stream_data(compose_cfg(STREAM, tmp_path / "run"), ONE_RANK, data, None, 48, 1)
+
+
+# --------------------------------------------------------------------------- real runs
+@pytest.mark.slow
+@pytest.mark.parametrize("stateful", [True, False])
+def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
+    args = STREAM + [f"+dataset.stateful={stateful}", "num_epochs=2", "checkpoint.every_n_steps=5"]
+    ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)  # last checkpoint: step 10 of 29, mid-epoch
+    rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    last = [torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=False) for d in
+            (tmp_path / "ref", tmp_path / "run")]
+    assert_same_checkpoint(*last, entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"] == 2 * (1438 // 48)
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
+            *args]
+
+
+def result(run: Path) -> dict:
+    return json.loads((run / "result.json").read_text())
+
+
+@pytest.mark.dist
+def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_at_3_ranks(tmp_path):
+    """World sizes 1/2/3 give the same run (2 loader workers). Rank 1 SIGKILLed at step 13 of a 2-rank job (last
+    checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; at 3 ranks it ends where the uninterrupted run
+    does (to float32 reduction order): no sample lost or seen twice."""
+    from test_tokens import fault
+
+    args = STREAM + ["num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2", "model.dropout=0",
+                     "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    runs = {}
+    for n in (1, 2, 3):
+        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        runs[n] = result(tmp_path / str(n))["metrics"]
+    assert runs[1]["step"] == 2 * (1438 // 48)
+    for n in (2, 3):
+        assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
+    for resumed_at in (2, 3):
+        run = tmp_path / f"killed_then_{resumed_at}"
+        crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
+                          extra_env=fault(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
+        assert crashed.returncode != 0
+        assert_ok(run_cmd(torchrun_cmd(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path,
+                          timeout=240))
+        assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
+        if resumed_at == 2:
+            assert_same_checkpoint(tmp_path / "2" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",
+                                   entries=("model", "optimizer", "scheduler", "loop", "data"))
+        assert result(run)["metrics"]["step"] == runs[1]["step"]
+        assert result(run)["metrics"]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
+
+
+@pytest.mark.dist
+def test_a_stream_shorter_on_one_rank_stops_every_rank_naming_it(tmp_path):
+    """A user's rank-dependent stream runs dry on rank 1 only: the job fails within seconds, naming the stream
+    and the shortfall (no rank left waiting in a collective)."""
+    args = STREAM + ["num_epochs=1", "+dataset.short_on_rank=1", "+dataset.short=500", "distributed.timeout_s=60",
+                     f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "
+                     r"batches of 48 in epoch 1, but its __len__ \(1438\) promises 29", out), out[-3000:]
+    assert result(tmp_path / "run")["status"] == "failed"
