@@ -4,6 +4,7 @@ split into ``train.bin`` and ``val.bin`` (the last ``--val-fraction``), each wit
     python scripts/make_tokens.py book.txt --out data/
     python scripts/make_tokens.py --generated-mb 200 --out /tmp/big/     # a generated corpus of ~200 MB
     python train.py task=lm dataset=tokens dataset.path=data/train.bin dataset.val_path=data/val.bin
+    python scripts/make_tokens.py book.txt --out data/ --shards 8        # train/shard-0000.bin ...: token_shards
 
 Bytes need no tokenizer and no download. For a subword vocabulary, write the ids your own tokenizer
 produces with ``ddplab.data.write_tokens(ids, path, dtype, vocab_size)`` (uint32 above 65,536 ids).
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--out", default=".", help="folder for train.bin and val.bin")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="uint16")
+    p.add_argument("--shards", type=int, default=1, help="N > 1: the training tokens as N files in train/ "
+                   "(dataset=token_shards) instead of train.bin")
     args = p.parse_args()
     if not args.text and not args.generated_mb:
         p.error("give a text file, or --generated-mb N")
@@ -69,7 +72,28 @@ def main() -> None:
         f.close()
         os.replace(f.name, path)  # a reader never sees half a file
         write_sidecar(path, args.dtype, n, 256)
+    if args.shards > 1:
+        shard(files[0][0], args.shards, args.dtype)
+        print(f"{out / 'train'}: {args.shards} shards, {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens "
+              f"({args.dtype}, vocabulary 256)")
+        return
     print(f"{files[0][0]}: {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens ({args.dtype}, vocabulary 256)")
+
+
+def shard(train: Path, n: int, dtype: str) -> None:
+    """Cut ``train`` into ``n`` contiguous shard files ``train/shard-XXXX.bin`` (for dataset=token_shards)."""
+    data = np.memmap(train, dtype=DTYPES[dtype], mode="r")
+    folder = train.parent / "train"
+    folder.mkdir(exist_ok=True)
+    bounds = np.linspace(0, len(data), n + 1).astype(np.int64)
+    for k in range(n):
+        path = folder / f"shard-{k:04d}.bin"
+        np.asarray(data[bounds[k]:bounds[k + 1]]).tofile(path.with_name(path.name + ".tmp"))
+        os.replace(path.with_name(path.name + ".tmp"), path)
+        write_sidecar(path, dtype, int(bounds[k + 1] - bounds[k]), 256)
+    del data
+    train.unlink()
+    Path(f"{train}.json").unlink()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_every_group_has_its_documented_options():
     assert options("model") == ["convnet", "gpt", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50", "vae",
                                 "vit"]
     assert options("dataset") == ["cifar10", "cifar100", "diabetes", "digits", "fashion_mnist", "imagefolder",
-                                  "mnist", "synthetic", "text", "tokens"]
+                                  "mnist", "synthetic", "text", "token_shards", "tokens"]
     assert options("task") == ["classification", "lm", "regression", "vae"]
     assert options("optimizer") == ["adamw", "sgd"]
     assert options("scheduler") == ["constant", "cosine", "step"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -151,3 +152,78 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
             assert_same_checkpoint(last(tmp_path / ref), last(run))
         assert metrics(run)["step"] == runs[1]["step"]
         assert metrics(run)["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
+
+
+@pytest.mark.dist
+def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tmp_path):
+    """A token id past the vocabulary deep in the file (a corrupt byte): the rank that reads it fails naming the
+    file and byte offset; the other rank is stopped with it (the job ends in seconds, not at timeout_s)."""
+    ids = np.arange(20_000) % 200
+    ids[12_345] = 60_000  # fits uint16, not the 256-token vocabulary
+    f = write_tokens(ids, tmp_path / "t.bin", vocab_size=256)
+    args = LM + [f"dataset.path={f}", "num_epochs=1", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"rank \d/2 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset 24690 "
+                     r"is >= dataset.vocab_size=256", out), out[-3000:]
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "failed"
+
+
+# --------------------------------------------------------------------------- a folder of shards, streamed
+def shards(tmp_path: Path, n: int = 4) -> tuple[Path, Path]:
+    out = tmp_path / "data"
+    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", "0.02", "--out",
+                       str(out), "--shards", str(n)], tmp_path))
+    return out / "train", out / "val.bin"
+
+
+def test_token_shards_stream_every_window_once_an_epoch_and_resume_from_their_state(tmp_path):
+    from ddplab.data.sampling import ShardedGlobalSampler
+    from ddplab.data.streams import StreamLoader
+    from ddplab.data.tokens import token_shards
+
+    train, val = shards(tmp_path)
+    s = token_shards(str(train), str(val), block_size=16)
+    expected = sorted(tuple(s.train.shards[k][i][0].tolist()) for k in range(4) for i in range(len(s.train.shards[k])))
+    assert len(s.train) == len(expected) == sum((os.path.getsize(f) // 2 - 1) // 16 for f in train.glob("*.bin"))
+
+    def epoch(workers: int, e: int, stop: int | None = None, state=None):
+        ld = StreamLoader(token_shards(str(train), str(val), block_size=16).train,
+                          ShardedGlobalSampler(len(expected), 1, 1, 0, 0), torch.device("cpu"), workers)
+        if state is not None:
+            ld.load_state_dict(state)
+        ld.set_epoch(e, skip=0 if state is None else state["micro_batches"])
+        it, got = iter(ld), []
+        for x, _ in it:
+            got.append(tuple(x[0].tolist()))
+            if stop is not None and len(got) == stop:
+                return got, json.loads(json.dumps(ld.state_dict()))
+        return got, None
+
+    for workers in (0, 2):
+        first, _ = epoch(workers, 0)
+        assert sorted(first) == expected, workers  # every window once (2 workers: shards split between them)
+        assert epoch(workers, 1)[0] != first  # a new order each epoch
+        head, state = epoch(workers, 0, stop=100)
+        assert head + epoch(workers, 0, state=state)[0] == first  # the saved position continues exactly
+
+
+@pytest.mark.dist
+def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwise(tmp_path):
+    train, val = shards(tmp_path)
+    args = ["task=lm", "dataset=token_shards", f"dataset.path={train}", f"dataset.val_path={val}",
+            "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "batch_size=12",
+            "progress=none", "num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2",
+            "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    for n in (1, 2):
+        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+    assert metrics(tmp_path / "2")["val/loss"] == pytest.approx(metrics(tmp_path / "1")["val/loss"], rel=1e-5)
+    run = tmp_path / "killed"
+    crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
+                      extra_env=fault(tmp_path / "fault", rank=1, k=13))
+    assert crashed.returncode != 0
+    assert_ok(run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path, timeout=240))
+    assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
+    assert_same_checkpoint(last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert metrics(run)["step"] == metrics(tmp_path / "2")["step"]

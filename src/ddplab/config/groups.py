@@ -260,6 +260,16 @@ class TextConfig:
         require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
 
 
+def _check_token_values(c: Any, key: str) -> None:
+    """What every token-file dataset checks: the dtype, the window, the vocabulary fitting the dtype."""
+    require(c.dtype in ("uint16", "uint32"), f"{key}.dtype", c.dtype, "must be uint16 or uint32",
+            f"pass {key}.dtype=uint16")
+    require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
+    top = 2**16 if c.dtype == "uint16" else 2**32
+    require(2 <= c.vocab_size <= top, f"{key}.vocab_size", c.vocab_size, f"must be in [2, {top}] for {c.dtype}",
+            f"pass {key}.dtype=uint32" if c.vocab_size > top else f"pass {key}.vocab_size=256")
+
+
 @dataclass
 class TokensConfig:
     """A flat binary of token ids (nanoGPT's train.bin layout) read a window at a time (task=lm)."""
@@ -280,14 +290,30 @@ class TokensConfig:
             v = c[name]
             require(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}.{name}", v, "no such file",
                     f"point {key}.{name} at a token file")
-        require(c.dtype in ("uint16", "uint32"), f"{key}.dtype", c.dtype, "must be uint16 or uint32",
-                f"pass {key}.dtype=uint16")
-        require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
-        top = 2**16 if c.dtype == "uint16" else 2**32
-        require(2 <= c.vocab_size <= top, f"{key}.vocab_size", c.vocab_size, f"must be in [2, {top}] for {c.dtype}",
-                f"pass {key}.dtype=uint32" if c.vocab_size > top else f"pass {key}.vocab_size=256")
+        _check_token_values(c, key)
         require(0.0 < c.val_fraction < 1.0, f"{key}.val_fraction", c.val_fraction, "must be in (0, 1)",
                 f"pass {key}.val_fraction=0.1")
+
+
+@dataclass
+class TokenShardsConfig:
+    """A folder of token files streamed shard by shard (task=lm); validation from val_path."""
+
+    _target_: str = "ddplab.data.token_shards"
+    path: Optional[str] = None  # a folder of *.bin token files: scripts/make_tokens.py --shards N writes one
+    val_path: Optional[str] = None  # a token file, or a folder of them
+    dtype: str = "uint16"
+    block_size: int = 64
+    vocab_size: int = 256
+    seed: int = 0  # conf/dataset/token_shards.yaml: ${seed}
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        for name, what in (("path", "a folder of token files"), ("val_path", "a token file or a folder of them")):
+            v = c[name]
+            require(v is not None and os.path.exists(os.path.expanduser(v)), f"{key}.{name}", v, "no such file or "
+                    "folder", f"point {key}.{name} at {what} (scripts/make_tokens.py --shards N writes both)")
+        _check_token_values(c, key)
 
 
 # ------------------------------------------------------------ optim / sched
@@ -360,7 +386,7 @@ GROUPS = {
               "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig},
     "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
                 "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig,
-                "tokens": TokensConfig},
+                "tokens": TokensConfig, "token_shards": TokenShardsConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
     "task": {"classification": ClassificationTaskConfig, "regression": RegressionTaskConfig,

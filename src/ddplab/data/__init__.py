@@ -6,9 +6,9 @@ from ddplab.data.files import DatasetFilesError, cifar10, cifar100, fashion_mnis
 from ddplab.data.loaders import TrainLoader, eval_batches, on_device, to_device
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
 from ddplab.data.tabular import diabetes, text
-from ddplab.data.tokens import TokenFileError, tokens, write_tokens
+from ddplab.data.tokens import TokenFileError, token_shards, tokens, write_tokens
 
 __all__ = ["Splits", "TensorData", "digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100",
            "imagefolder", "read_idx", "DatasetFilesError", "TrainLoader", "eval_batches", "on_device", "to_device", "BatchAugment",
            "ShardedGlobalSampler", "eval_shard", "diabetes", "text",
-           "tokens", "write_tokens", "TokenFileError"]
+           "tokens", "token_shards", "write_tokens", "TokenFileError"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset
 
 from ddplab.data.datasets import Splits
 
@@ -137,3 +137,62 @@ def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "u
             raise ValueError(f"{file}: no {name} window of dataset.block_size={block_size} tokens. Fix: a longer "
                              "file or a smaller block_size")
     return Splits(train, val, vocab_size)
+
+
+class TokenShards(IterableDataset):
+    """A folder of token files streamed shard by shard (``dataset=token_shards``): each epoch a new shard
+    order, within a shard a new window order, so only one shard's permutation is ever in memory. With
+    DataLoader workers each takes every ``num_workers``-th shard of the epoch's order. Its position
+    (epoch, shard, window) is its ``state_dict``: torchdata's StatefulDataLoader saves it per worker."""
+
+    def __init__(self, files: list[Path], dtype: str, block_size: int, vocab_size: int, seed: int):
+        self.shards = [TokenWindows(f, dtype, block_size, vocab_size) for f in files]
+        self.seed, self.epoch, self.shard, self.window = seed, 0, 0, 0
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.shard, self.window = epoch, 0, 0
+
+    def _order(self, n: int, salt: int) -> torch.Tensor:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 7919 + salt))
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        w, nw = (info.id, info.num_workers) if info else (0, 1)
+        mine = self._order(len(self.shards), 0)[w::nw].tolist()
+        while self.shard < len(mine):
+            shard = self.shards[mine[self.shard]]
+            windows = self._order(len(shard), 1 + mine[self.shard])
+            while self.window < len(shard):
+                i = int(windows[self.window])
+                self.window += 1
+                yield shard[i]
+            self.shard, self.window = self.shard + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "window": self.window}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.shard, self.window = sd["epoch"], sd["shard"], sd["window"]
+
+
+def token_shards(path: str | None = None, val_path: str | None = None, dtype: str = "uint16", block_size: int = 64,
+                 vocab_size: int = 256, seed: int = 0) -> Splits:
+    """``dataset=token_shards``: every ``*.bin`` under the folder ``path``, streamed (:class:`TokenShards`);
+    validation: the token file (or every ``*.bin`` of the folder) ``val_path``, read as windows."""
+    folder = Path(str(path))
+    files = sorted(folder.glob("*.bin"))
+    if not files:
+        raise ValueError(f"dataset.path={path}: no *.bin token files in it. Fix: point it at a folder of token "
+                         "files (scripts/make_tokens.py --shards N writes one)")
+    for f in files:
+        windows_in(str(f), dtype, block_size, vocab_size)  # each shard checked against its sidecar up front
+    val_files = sorted(Path(str(val_path)).glob("*.bin")) if val_path and Path(str(val_path)).is_dir() else \
+        [Path(str(val_path))] if val_path else []
+    if not val_files:
+        raise ValueError(f"dataset.val_path={val_path}: no validation token file. Fix: dataset.val_path=<a token "
+                         "file or a folder of them>")
+    val = ConcatDataset([TokenWindows(f, dtype, block_size, vocab_size) for f in val_files])
+    return Splits(TokenShards(files, dtype, block_size, vocab_size, seed), val, vocab_size)
