@@ -2,14 +2,15 @@
 best-practice hand-written DataLoader, side by side, on a generated set of JPEGs.
 
 Both decode the same files the same way (Pillow: RGB, short side resized to ``--image-size``, centre
-crop, normalised) in the same number of worker processes. The hand-written one is what a careful user
-writes: ``shuffle``, ``pin_memory`` (on CUDA), ``persistent_workers``, ``prefetch_factor=4``,
-``drop_last``. ddplab's is its own ``TrainLoader`` over ``ddplab.data.imagefolder`` with the sampler a
-training run uses. Epochs alternate between the two in one process (the machine's speed drifts over
-minutes); each figure is the median over epochs, the first epoch of each left out (workers start).
+crop, normalised) in the same number of worker processes with the same ``prefetch_factor``. The
+hand-written one is what a careful user writes: ``shuffle``, ``pin_memory`` (on CUDA),
+``persistent_workers``, ``prefetch_factor`` (``--prefetch``), ``drop_last``. ddplab's is its own
+``TrainLoader`` over ``ddplab.data.imagefolder`` with the sampler a training run uses. Epochs alternate
+between the two in one process (the machine's speed drifts over minutes); each figure is the median
+over epochs, the first epoch of each left out (workers start).
 
     python scripts/bench_images.py                               # 2,048 JPEGs 320x240 -> 128, 2 workers
-    python scripts/bench_images.py --images 4096 --workers 8 --image-size 224
+    python scripts/bench_images.py --images 1024 --source-size 500 375 --image-size 224
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ def loaders(root: Path, args: argparse.Namespace) -> dict[str, object]:
     cpu = torch.device("cpu")
     hand = DataLoader(HandImages(root / "train", args.image_size), batch_size=args.batch_size, shuffle=True,
                       num_workers=args.workers, pin_memory=torch.cuda.is_available(), drop_last=True,
-                      persistent_workers=args.workers > 0, prefetch_factor=4 if args.workers else None)
+                      persistent_workers=args.workers > 0, prefetch_factor=args.prefetch if args.workers else None)
     data = imagefolder(str(root), image_size=args.image_size)
     sampler = ShardedGlobalSampler(len(data.train), args.batch_size, 1, 0, seed=0)
-    ours = TrainLoader(data.train, sampler, cpu, num_workers=args.workers, pin_memory=True)
+    ours = TrainLoader(data.train, sampler, cpu, num_workers=args.workers, pin_memory=True,
+                       prefetch_factor=args.prefetch)  # perf.prefetch_factor
     return {"hand-written DataLoader": hand, "ddplab imagefolder": ours}
 
 
@@ -105,6 +107,7 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=4, help="prefetch_factor of both (ddplab: perf.prefetch_factor)")
     p.add_argument("--epochs", type=int, default=6, help="per side, the first left out")
     args = p.parse_args()
     torch.set_num_threads(1)  # the main process only collates and hands over: leave the cores to the workers

@@ -85,6 +85,7 @@ class PerfConfig:
     # Loader-based datasets only (data that is not an in-memory tensor pair).
     num_workers: int = 0
     pin_memory: bool = True  # with CUDA: page-locked batches, copied with non_blocking
+    prefetch_factor: int = 2  # batches each worker keeps ready (torch's default); more absorbs slow decodes
     # Peak TFLOP/s of one device for vitals/mfu; null: looked up for known GPUs.
     peak_tflops: Optional[float] = None
 
@@ -95,6 +96,8 @@ class PerfConfig:
                     f"use {key}.{k}=auto, true or false")
         require(pf.num_workers >= 0, f"{key}.num_workers", pf.num_workers, "must be >= 0",
                 f"pass {key}.num_workers=4")
+        require(pf.get("prefetch_factor", 2) >= 1, f"{key}.prefetch_factor", pf.get("prefetch_factor"), "must be >= 1",
+                f"pass {key}.prefetch_factor=2")
         require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
                 "must be > 0 or null", f"pass {key}.peak_tflops=null")
 

@@ -46,9 +46,10 @@ class StreamLoader:
     """This rank's micro-batches of an iterable dataset for one epoch; the TrainLoader of streams."""
 
     def __init__(self, data: IterableDataset, sampler: ShardedGlobalSampler, device: torch.device,
-                 num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None):
+                 num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 prefetch_factor: int = 2):
         self.data, self.sampler, self.device = data, sampler, device
-        self.num_workers = num_workers
+        self.num_workers, self.prefetch = num_workers, prefetch_factor
         self.collate = collate_fn or default_collate  # this rank's slice only: nobody collates the whole batch
         self.pin = pin_memory and device.type == "cuda"
         self._loader: Any = None
@@ -75,7 +76,9 @@ class StreamLoader:
         # Samples, not batches, from the workers: torch batches an IterableDataset per worker, so each worker
         # would drop its own tail and the epoch would depend on num_workers. Its own generator: a loader draws
         # a seed per iterator, which would otherwise come from the global RNG and shift dropout's stream.
-        return StatefulDataLoader(self.data, batch_size=None, num_workers=self.num_workers,
+        workers = self.num_workers
+        ahead = max(1, self.prefetch * self.sampler.global_batch // workers) if workers else None  # samples each
+        return StatefulDataLoader(self.data, batch_size=None, num_workers=workers, prefetch_factor=ahead,
                                   generator=torch.Generator().manual_seed(self.sampler.seed * 1_000_003 + 7))
 
     def __iter__(self) -> Iterator[Any]:
