@@ -14,9 +14,11 @@ Everything else asks this module (or the DistState the Session builds from it).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -135,17 +137,33 @@ def launcher_pid() -> int | None:
 
 
 # How long a launcher waits after forwarding its stop signal before it kills the ranks: torchrun's
-# agent closes its workers with a 30 s timeout, SLURM's KillWait and Kubernetes'
-# terminationGracePeriodSeconds are 30 s by default. A checkpoint slower than this is lost on preemption.
+# agent closes its workers with a 30 s timeout, Kubernetes' terminationGracePeriodSeconds is 30 s by
+# default, SLURM's KillWait too (read from its config: slurm_kill_wait_s). A checkpoint slower than the
+# grace is lost on preemption.
 LAUNCHER_GRACE_S = 30.0
 
 
 def launcher_grace_s() -> float | None:
-    """The grace a preempted rank has to checkpoint (None: no launcher kills it)."""
+    """The grace a preempted rank has to checkpoint (None: no launcher kills it): torchrun's and the
+    self-launcher's 30 s, Kubernetes' default 30 s, SLURM's KillWait; the shortest where several apply."""
     e = os.environ
-    if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "SLURM_JOB_ID" in e or "KUBERNETES_SERVICE_HOST" in e:
+    graces = [LAUNCHER_GRACE_S] if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "KUBERNETES_SERVICE_HOST" in e \
+        else []
+    if "SLURM_JOB_ID" in e:
+        graces.append(slurm_kill_wait_s())
+    return min(graces) if graces else None
+
+
+@functools.cache
+def slurm_kill_wait_s() -> float:
+    """SLURM's KillWait, the seconds between a step's SIGTERM and its SIGKILL (``scontrol show config``);
+    SLURM's default, 30 s, when it cannot be asked. Read once per process."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
         return LAUNCHER_GRACE_S
-    return None
+    found = re.search(r"^KillWait\s*=\s*(\d+)", out, re.MULTILINE)
+    return float(found.group(1)) if found else LAUNCHER_GRACE_S
 
 
 def elastic_restart_count() -> int:
