@@ -55,7 +55,7 @@ def hparams_experiment(logdir: Path):
 
 
 @pytest.mark.slow
-def test_a_run_opens_on_train_and_val_with_a_layout_typed_hparams_and_a_short_console(tmp_path):
+def test_a_run_opens_on_train_and_val_with_charts_typed_hparams_and_a_short_console(tmp_path):
     proc = python_train(["num_epochs=3", "model=mlp", "progress=log", "log_every_n_steps=10"], tmp_path)
     assert_ok(proc)
     (run,) = [p for p in (tmp_path / "outputs").glob("*/*")]
