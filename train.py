@@ -9,12 +9,17 @@
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.errors import record
+if __name__ == "__main__":  # first, before the seconds of imports below: a preemption signal then is not fatal
+    from ddplab.runtime import signals
 
-from ddplab import cli
-from ddplab.config import register_configs
+    signals.hold_during_startup()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from ddplab import cli  # noqa: E402
+from ddplab.config import register_configs  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

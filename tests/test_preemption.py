@@ -263,3 +263,35 @@ def test_plain_torchrun_standalone_store_listens_on_every_interface(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    try:
+        mask = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_is_not_fatal_and_the_job_checkpoints_at_its_first_step(tmp_path):
+    """SLURM's time-limit warning (SIGUSR1) can come seconds after a (re)start, while Python still imports torch
+    and Hydra (seen in CI: the job FAILED, killed by the signal's default action, and was never requeued). Now it
+    is remembered; the job stops at its first agreed step with a checkpoint, as preempted."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=none",
+                             f"hydra.run.dir={run}"], cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0 and not _catches(proc.pid, signal.SIGUSR1):
+        time.sleep(0.002)
+    assert not run.exists()  # still starting: Hydra has not made the run dir
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, (proc.returncode, err[-3000:])
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "preempted" and result["step"] >= 1 and Path(result["checkpoint"]).is_file(), result
+    said = re.search(r"SIGUSR1 received during start-up, ([\d.]+) s ago: stopping at the first step boundary",
+                     (run / "train.log").read_text())
+    assert said and float(said.group(1)) > 0.1, said  # it came before the handler of the job existed

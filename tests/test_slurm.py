@@ -156,10 +156,14 @@ def test_submitit_slurm_sweep_of_two_jobs_with_two_tasks_each(tmp_path):
 def _signal_to_checkpoint(log: str) -> list[float]:
     """Seconds from each stop signal to its checkpoint, from train.log's time stamps."""
     stamp = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]"
-    got = re.findall(stamp + r".* received: stopping at the next step boundary", log)
+    # A signal during start-up is said once the job's handler exists, with how long ago it came.
+    got = re.findall(stamp + r".* received(?: during start-up, ([\d.]+) s ago)?: stopping at the", log)
     done = re.findall(stamp + r".* preempted: stopped by", log)
-    t = [time.mktime(time.strptime(s[:19], "%Y-%m-%d %H:%M:%S")) + int(s[20:]) / 1000 for s in got + done]
-    return [round(b - a, 2) for a, b in zip(t[:len(got)], t[len(got):])]
+
+    def at(s: str) -> float:
+        return time.mktime(time.strptime(s[:19], "%Y-%m-%d %H:%M:%S")) + int(s[20:]) / 1000
+
+    return [round(at(end) - at(start) + float(ago or 0), 2) for (start, ago), end in zip(got, done)]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,31 @@ _SAME_EVENT_S = 1.0  # repeats closer than this are one event delivered twice
 LAUNCHER_POLL_S = 1.0  # how often a rank looks whether its launcher is still alive
 
 
+_EARLY: list[tuple[str, float]] = []  # (name, monotonic time) of a signal that came during start-up
+_EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def hold_during_startup() -> None:
+    """train.py's first call, before torch and Hydra load (seconds): a SIGTERM, SIGUSR1 or SIGUSR2 that
+    arrives during start-up is remembered, and the job stops at its first step boundary with a checkpoint.
+    SLURM's time-limit warning can come seconds after a (re)start; the signals' default action would kill
+    the process before the job's handler exists, and the job would fail instead of being requeued. Only
+    where that default is still in place (submitit's own handler stays); Ctrl-C keeps stopping at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _EARLY_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _remember)
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    now = time.monotonic()
+    if not _EARLY:
+        _EARLY.append((signal.Signals(signum).name, now))
+    elif now - _EARLY[0][1] >= _SAME_EVENT_S:  # asked again: the way out of a stuck start-up, as later
+        os._exit(128 + signum)
+
+
 class Preempted(Exception):
     """The job stopped on a signal after checkpointing at ``step`` (the Session records it)."""
 
@@ -66,6 +91,10 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
+        if _EARLY and self.name is None:  # it came while the process started (hold_during_startup)
+            (self.name, self.at), _EARLY[:] = _EARLY[0], []
+            log.warning("%s received during start-up, %.1f s ago: stopping at the first step boundary all ranks "
+                        "agree on, after a checkpoint", self.name, time.monotonic() - self.at)
         self._launcher = launcher_pid
         if launcher_pid is not None:
             self._watching.clear()
