@@ -51,8 +51,6 @@ class HandImages(Dataset):
     """The hand-written dataset: the same files, the same decode, as a user would write it."""
 
     def __init__(self, root: Path, size: int):
-        from PIL import Image  # noqa: F401  (imported once here, not per sample)
-
         classes = sorted(p.name for p in root.iterdir())
         self.files = [(p, c) for c, name in enumerate(classes) for p in sorted((root / name).iterdir())]
         self.size = size
@@ -115,9 +113,10 @@ def main() -> None:
         root = Path(d)
         make_images(root, args.images, args.classes, tuple(args.source_size))
         kb = sum(f.stat().st_size for f in (root / "train").rglob("*.jpg")) / args.images / 1024
-        rates: dict[str, list[float]] = {k: [] for k in ("hand-written DataLoader", "ddplab imagefolder")}
+        sides = list(loaders(root, args).items())  # made once: persistent workers stay up, as in training
+        rates: dict[str, list[float]] = {name: [] for name, _ in sides}
         for epoch in range(args.epochs):
-            for name, loader in (list(loaders_cache(root, args).items())[::1 if epoch % 2 else -1]):
+            for name, loader in (sides if epoch % 2 else sides[::-1]):  # who goes first alternates
                 rates[name].append(epoch_rate(loader, epoch))
         med = {k: statistics.median(v[1:]) for k, v in rates.items()}
     print(f"{args.images} JPEGs {args.source_size[0]}x{args.source_size[1]} ({kb:.0f} KB each) -> "
@@ -127,16 +126,6 @@ def main() -> None:
     for name, v in rates.items():
         print(f"| {name} | {', '.join(f'{r:,.0f}' for r in v)} | **{med[name]:,.0f}** |")
     print(f"\nratio ddplab / hand-written: **{med['ddplab imagefolder'] / med['hand-written DataLoader']:.3f}**")
-
-
-_CACHE: dict[str, object] = {}
-
-
-def loaders_cache(root: Path, args: argparse.Namespace) -> dict[str, object]:
-    """The two loaders, made once: persistent workers stay up across epochs, as in training."""
-    if not _CACHE:
-        _CACHE.update(loaders(root, args))
-    return _CACHE
 
 
 if __name__ == "__main__":

@@ -214,3 +214,29 @@ def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_p
         assert env.launcher_grace_s() is None
     finally:
         env.slurm_kill_wait_s.cache_clear()
+
+
+@pytest.mark.dist
+def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bitwise(tmp_path):
+    """An IterableDataset (2 loader workers), 1 s steps, a log every 100 steps: SIGTERM to torchrun's agent after
+    step 2 stops every rank mid-epoch at one agreed step, whose checkpoint holds the stream's position (entry
+    ``data``); the resumed run ends bitwise where an uninterrupted one does (the sleep changes no number)."""
+    from helpers.compare import assert_same_checkpoint
+
+    run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
+    base = ["model=mlp", "model._target_=toy.SlowMLP", "dataset._target_=toy.digit_stream", "batch_size=48",
+            "perf.num_workers=2", "num_epochs=1", "limit_train_steps=8", "log_every_n_steps=100", "progress=log"]
+    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", f"hydra.run.dir={tmp_path / 'ref'}"], tmp_path))
+    proc = start(TORCHRUN + base + ["+model.delay_s=1.0", f"+model.trace={trace}", f"hydra.run.dir={run}"],
+                 tmp_path, log)
+    wait_until(lambda: len(traced(trace)) >= 3, proc, log)  # step 3's forward began: steps 1-2 are done
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, log, timeout=60)
+    res = result(run)
+    assert res["status"] == "preempted" and 2 <= res["step"] < 8, res
+    saved = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
+    assert (saved["data"]["epoch"], saved["data"]["micro_batches"]) == (0, res["step"]), saved["data"]
+    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", f"hydra.run.dir={run}"], tmp_path))
+    assert f"0 epoch(s), {res['step']} step(s) done" in (run / "train.log").read_text()
+    assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",
+                           entries=("model", "optimizer", "scheduler", "loop", "data"))

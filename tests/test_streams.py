@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ import torch
 import ddplab
 import toy
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, run_cmd, run_killed_after_step
+from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, run_killed_after_step, torchrun
 from ddplab import build
 from ddplab.config.errors import ConfigError
 from ddplab.data.sampling import ShardedGlobalSampler
@@ -126,10 +125,6 @@ def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
     assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"] == 2 * (1438 // 48)
 
 
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-            *args]
-
 
 def result(run: Path) -> dict:
     return json.loads((run / "result.json").read_text())
@@ -140,23 +135,21 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
     """World sizes 1/2/3 give the same run (2 loader workers). Rank 1 SIGKILLed at step 13 of a 2-rank job (last
     checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; at 3 ranks it ends where the uninterrupted run
     does (to float32 reduction order): no sample lost or seen twice."""
-    from test_tokens import fault
-
     args = STREAM + ["num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2", "model.dropout=0",
                      "+callbacks.soak._target_=soak_toy.SoakCallback"]
     runs = {}
     for n in (1, 2, 3):
-        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = result(tmp_path / str(n))["metrics"]
     assert runs[1]["step"] == 2 * (1438 // 48)
     for n in (2, 3):
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     for resumed_at in (2, 3):
         run = tmp_path / f"killed_then_{resumed_at}"
-        crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
-                          extra_env=fault(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
+        crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
+                          extra_env=rank_kills_itself(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
         assert crashed.returncode != 0
-        assert_ok(run_cmd(torchrun_cmd(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path,
+        assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
                           timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
         if resumed_at == 2:
@@ -172,7 +165,7 @@ def test_a_stream_shorter_on_one_rank_stops_every_rank_naming_it(tmp_path):
     and the shortfall (no rank left waiting in a collective)."""
     args = STREAM + ["num_epochs=1", "+dataset.short_on_rank=1", "+dataset.short=500", "distributed.timeout_s=60",
                      f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120)
+    proc = torchrun(2, args, tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert re.search(r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "

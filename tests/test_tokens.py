@@ -17,7 +17,7 @@ import torch
 
 import ddplab
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, run_cmd, run_killed_after_step
+from helpers.jobs import REPO, assert_ok, compose_cfg, rank_kills_itself, run_cmd, run_killed_after_step, torchrun
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import TokenFileError, tokens, write_tokens
@@ -38,10 +38,6 @@ def corpus(tmp_path: Path, mb: float = 0.02) -> tuple[Path, Path]:
 def files(train: Path, val: Path) -> list[str]:
     return [f"dataset.path={train}", f"dataset.val_path={val}"]
 
-
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-            *args]
 
 
 def last(run: Path) -> dict:
@@ -115,14 +111,6 @@ def test_kill_and_resume_mid_epoch_on_a_token_file_is_bitwise(tmp_path):
     assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"]
 
 
-def fault(d: Path, rank: int, k: int) -> dict[str, str]:
-    """tests/soak_toy.py's injector: rank ``rank`` SIGKILLs itself before its ``k``-th optimizer step
-    (``d/fired`` records where); ``d`` is outside the run dir, which the job must create itself."""
-    d.mkdir(parents=True, exist_ok=True)
-    spec = {"phase": "optimizer", "k": k, "rank": rank, "target": "self", "signal": "SIGKILL", "dir": str(d)}
-    return {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(d), "SOAK_DIR": str(d)}
-
-
 @pytest.mark.dist
 def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or_at_another_world_size(tmp_path):
     """World sizes 1/2/3 give the same run (global batch 12). Rank 1 SIGKILLed at step 13 of a 2-rank job (its
@@ -133,7 +121,7 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
                                      "+callbacks.soak._target_=soak_toy.SoakCallback"]
     runs = {}
     for n in (1, 2, 3):
-        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = metrics(tmp_path / str(n))
     assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)  # 2 epochs of 98 steps
     for n in (2, 3):
@@ -141,11 +129,11 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     for resumed_at, ref in ((2, "2"), (3, "1")):
         run = tmp_path / f"killed_then_{resumed_at}"
-        crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
-                          extra_env=fault(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
+        crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
+                          extra_env=rank_kills_itself(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
         fired = json.loads((tmp_path / f"fault_{resumed_at}" / "fired").read_text())
         assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
-        assert_ok(run_cmd(torchrun_cmd(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path,
+        assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
                           timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
         if resumed_at == 2:
@@ -162,7 +150,7 @@ def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tm
     ids[12_345] = 60_000  # fits uint16, not the 256-token vocabulary
     f = write_tokens(ids, tmp_path / "t.bin", vocab_size=256)
     args = LM + [f"dataset.path={f}", "num_epochs=1", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=100)
+    proc = torchrun(2, args, tmp_path, timeout=100)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert re.search(r"rank \d/2 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset 24690 "
@@ -217,13 +205,13 @@ def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwis
             "progress=none", "num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2",
             "+callbacks.soak._target_=soak_toy.SoakCallback"]
     for n in (1, 2):
-        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
     assert metrics(tmp_path / "2")["val/loss"] == pytest.approx(metrics(tmp_path / "1")["val/loss"], rel=1e-5)
     run = tmp_path / "killed"
-    crashed = run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}"]), tmp_path, timeout=240,
-                      extra_env=fault(tmp_path / "fault", rank=1, k=13))
+    crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
+                      extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
     assert crashed.returncode != 0
-    assert_ok(run_cmd(torchrun_cmd(2, args + [f"hydra.run.dir={run}", "resume=auto"]), tmp_path, timeout=240))
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
     assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
     assert_same_checkpoint(last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data"))
     assert metrics(run)["step"] == metrics(tmp_path / "2")["step"]

@@ -14,6 +14,7 @@ from torch import nn
 
 from ddplab.config import ConfigError
 from ddplab.data.streams import StreamLoader, is_stream
+from ddplab.runtime import signals
 from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, on_device,
                          to_device)
 
@@ -134,7 +135,8 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
             f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
     loader = TrainLoader(data.train, sampler, state.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
-                         indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.get("prefetch_factor", 2))
+                         indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.get("prefetch_factor", 2),
+                         worker_init_fn=signals.shield_worker)  # a preemption signal is the rank's, not theirs
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
@@ -159,7 +161,7 @@ def _stream_data(cfg: DictConfig, state: Any, data: Splits, augment: Any, global
                           f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
                           "batch_size or grad_accum_steps")
     loader = StreamLoader(data.train, sampler, state.device, cfg.perf.num_workers, cfg.perf.pin_memory,
-                          data.collate_fn, cfg.perf.get("prefetch_factor", 2))
+                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), signals.shield_worker)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 

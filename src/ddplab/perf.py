@@ -44,7 +44,8 @@ def train_flops_per_sample(module: nn.Module, sample: Tensor | None) -> float | 
     from torch.utils.flop_counter import FlopCounterMode
 
     if sample is None:  # nothing to count on (a stream: taking a sample would move it)
-        log.info("vitals/tflops off: no training sample to count the model's FLOPs on (an IterableDataset)")
+        log.info("vitals/tflops off: no tensor sample to count the model's FLOPs on (an IterableDataset, or "
+                 "samples without a tensor)")
         return None
     was_training = module.training
     module.eval()

@@ -56,11 +56,22 @@ def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
 
 
 def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
-             script: Path = TRAIN) -> subprocess.CompletedProcess:
+             script: Path = TRAIN, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N script ARGS` (a free port each time)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *script_args]
-    return run_cmd(cmd, cwd, timeout)
+    return run_cmd(cmd, cwd, timeout, extra_env)
+
+
+def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
+    """Environment for tests/soak_toy.py's injector (with ``+callbacks.soak._target_=soak_toy.SoakCallback``):
+    rank ``rank`` SIGKILLs itself before its ``k``-th optimizer step; ``d/fired`` records where. ``d`` lies
+    outside the run dir, which the job must create itself."""
+    import json
+
+    d.mkdir(parents=True, exist_ok=True)
+    spec = {"phase": "optimizer", "k": k, "rank": rank, "target": "self", "signal": "SIGKILL", "dir": str(d)}
+    return {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(d), "SOAK_DIR": str(d)}
 
 
 def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

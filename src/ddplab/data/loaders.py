@@ -45,10 +45,10 @@ class TrainLoader:
     def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
                  augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True,
                  indexed: bool | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2):
+                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None):
         """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can.
         ``collate_fn``: the dataset's own, for the DataLoader path; ``prefetch_factor``: batches each worker
-        keeps ready."""
+        keeps ready; ``worker_init_fn``: run in each worker as it starts."""
         self.data, self.sampler, self.device = data, sampler, device
         self.augment = augment if augment is not None and augment.enabled else None
         self._loader = None
@@ -62,7 +62,7 @@ class TrainLoader:
                 source, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
                 collate_fn=collate_fn,
                 pin_memory=pin_memory and device.type == "cuda", persistent_workers=num_workers > 0,
-                prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                prefetch_factor=prefetch_factor if num_workers > 0 else None, worker_init_fn=worker_init_fn,
                 # Its own generator: the loader draws a seed per epoch, which would
                 # otherwise come from the global RNG and shift dropout's stream.
                 generator=torch.Generator().manual_seed(sampler.seed * 1_000_003 + sampler.rank),

@@ -47,9 +47,9 @@ class StreamLoader:
 
     def __init__(self, data: IterableDataset, sampler: ShardedGlobalSampler, device: torch.device,
                  num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2):
+                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None):
         self.data, self.sampler, self.device = data, sampler, device
-        self.num_workers, self.prefetch = num_workers, prefetch_factor
+        self.num_workers, self.prefetch, self.worker_init_fn = num_workers, prefetch_factor, worker_init_fn
         self.collate = collate_fn or default_collate  # this rank's slice only: nobody collates the whole batch
         self.pin = pin_memory and device.type == "cuda"
         self._loader: Any = None
@@ -79,6 +79,7 @@ class StreamLoader:
         workers = self.num_workers
         ahead = max(1, self.prefetch * self.sampler.global_batch // workers) if workers else None  # samples each
         return StatefulDataLoader(self.data, batch_size=None, num_workers=workers, prefetch_factor=ahead,
+                                  worker_init_fn=self.worker_init_fn if workers else None,
                                   generator=torch.Generator().manual_seed(self.sampler.seed * 1_000_003 + 7))
 
     def __iter__(self) -> Iterator[Any]:

@@ -55,6 +55,21 @@ def _remember(signum: int, frame: FrameType | None) -> None:
         os._exit(128 + signum)
 
 
+def shield_worker(worker_id: int) -> None:
+    """A DataLoader worker's ``worker_init_fn``: stop signals are its rank's to act on. Launchers signal a
+    rank's whole process group (torchrun's agent, Ctrl-C in a terminal) or every process of a step (SLURM's
+    time-limit warning), workers included, and a worker ended by one fails its rank ("DataLoader worker ...
+    killed by signal") before the rank can checkpoint. So a worker ignores the stop requests (SIGINT, SIGUSR1,
+    SIGUSR2), and leaves the rank's process group for SIGTERM, which it keeps: the rank, and Python's exit,
+    end workers with it. It still ends with its rank: torch's workers watch their parent."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # not permitted here: a group-wide SIGTERM then reaches the worker as before
+        pass
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Preempted(Exception):
     """The job stopped on a signal after checkpointing at ``step`` (the Session records it)."""
 
