@@ -295,3 +295,22 @@ def test_a_signal_during_start_up_is_not_fatal_and_the_job_checkpoints_at_its_fi
     said = re.search(r"SIGUSR1 received during start-up, ([\d.]+) s ago: stopping at the first step boundary",
                      (run / "train.log").read_text())
     assert said and float(said.group(1)) > 0.1, said  # it came before the handler of the job existed
+
+
+def test_the_start_up_hold_ends_when_the_job_handler_is_installed():
+    """After the job, a SIGTERM acts as it would without ddplab: the job's handler restores the default, not
+    the start-up hold (which would swallow a launcher's SIGTERM during teardown)."""
+    from ddplab.runtime import signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signals.hold_during_startup()
+        assert signal.getsignal(signal.SIGTERM) is signals._remember
+        stop = signals.StopSignal().install()
+        stop.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)

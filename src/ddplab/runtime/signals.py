@@ -105,7 +105,9 @@ class StopSignal:
         parent, SLURM's step daemon); when it dies, this rank stops as if signalled."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
+                old = signal.signal(sig, self._handle)
+                # The start-up hold ends here: after the job, a signal acts as it would without ddplab.
+                self._old[sig] = signal.SIG_DFL if old is _remember else old
         if _EARLY and self.name is None:  # it came while the process started (hold_during_startup)
             (self.name, self.at), _EARLY[:] = _EARLY[0], []
             log.warning("%s received during start-up, %.1f s ago: stopping at the first step boundary all ranks "
