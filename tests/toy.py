@@ -37,9 +37,10 @@ class FaultyMLP(MLP):
     loss (fault="infgrad") on `fault_rank` at its `fault_call`-th training forward — once per process, and only
     before any torchrun restart."""
 
-    def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, **kw):
+    def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, fault_marker: str = "", **kw):
         super().__init__(**kw)
         self.fault, self.fault_rank, self.fault_call, self.calls = fault, fault_rank, fault_call, 0
+        self.fault_marker = fault_marker  # a file noting the fault, written just before it happens
 
     def forward(self, x):
         out = super().forward(x)
@@ -49,6 +50,9 @@ class FaultyMLP(MLP):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if _rank() == self.fault_rank and self.calls == self.fault_call and first_attempt and not _FAULTED:
             _FAULTED.append(self.fault)
+            if self.fault_marker:
+                with open(self.fault_marker, "w") as f:
+                    f.write(f"{self.fault} rank {_rank()} pid {os.getpid()} call {self.calls}")
             if self.fault == "crash":
                 raise RuntimeError(f"injected crash on rank {_rank()}")
             if self.fault == "kill":

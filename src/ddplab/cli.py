@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -148,7 +149,7 @@ def main(cfg: DictConfig) -> float | None:
     """
     watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
     try:
-        metrics = verify.verify_resume(cfg) if str(cfg.get("mode")) == "verify_resume" else run(cfg)
+        metrics = _entry(str(cfg.get("mode")))(cfg)
     except verify.VerifyFailed as e:  # the comparison's verdict, not a crash: one line, no traceback
         log.error("verify_resume: %s", e)
         raise SystemExit(1) from None
@@ -178,6 +179,17 @@ def main(cfg: DictConfig) -> float | None:
         _record_failure(cfg, f"{type(e).__name__}: {e}")
         return float("nan")
     return metrics.get(cfg.objective)
+
+
+def _entry(mode: str) -> Callable[[DictConfig], dict[str, float]]:
+    """What train.py runs: a job, its resume check, or a study's worker (its trials are jobs)."""
+    if mode == "verify_resume":
+        return verify.verify_resume
+    if mode == "study":
+        from ddplab.study import run_study
+
+        return run_study
+    return run
 
 
 def _record_failure(cfg: DictConfig, error: str) -> None:

@@ -1,4 +1,4 @@
-"""Every private torch API ddplab relies on, in one place.
+"""Every private torch (and Optuna) API ddplab relies on, in one place.
 
 Each is a leading-underscore name torch may change or drop in any release. Keeping them here means a
 torch upgrade breaks one module, and ``tests/test_compat.py`` names which entry broke (each entry has a
@@ -13,6 +13,7 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | agent_store_servers     | ``DynamicRendezvousHandler._create_tcp_store_server``     | the agent binds the wildcard |
 | lerp_all_               | ``torch._foreach_lerp_``                                  | one kernel per tensor else   |
 | record/dump_cuda_memory | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | documented, still private |
+| optuna_trial            | ``Study._storage``, ``Study._study_id`` (trial id of a number) | ``Trial`` needs the id |
 """
 
 from __future__ import annotations
@@ -86,3 +87,12 @@ def dump_cuda_memory(path: str) -> None:
     """The recorded allocations as a pickle that torch's memory viewer (pytorch.org/memory_viz) opens."""
     torch.cuda.memory._dump_snapshot(path)
 
+
+def optuna_trial(study: Any, number: int) -> Any:
+    """The live ``optuna.Trial`` numbered ``number`` in ``study``: what a trial's job reports to and asks
+    ``should_prune`` of, in another process than the one that asked for it (Optuna's public API hands a
+    Trial only to ``ask``; ``tell`` takes the number)."""
+    import optuna
+
+    storage = study._storage
+    return optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(study._study_id, number))

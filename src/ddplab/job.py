@@ -31,9 +31,10 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     made up this run's dir).
     """
     validate(cfg)  # bad values fail here, before any process group exists
-    if cfg.get("mode") == "verify_resume":  # it runs the job twice, each in processes of its own
-        raise ConfigError("mode=verify_resume is run by train.py (or ddplab.verify.verify_resume(cfg)), not by "
-                          "ddplab.run. Fix: python train.py mode=verify_resume ...")
+    if cfg.get("mode") in ("verify_resume", "study"):  # each runs jobs of its own, in processes of their own
+        runner = {"verify_resume": "ddplab.verify.verify_resume", "study": "ddplab.study.run_study"}[str(cfg.mode)]
+        raise ConfigError(f"mode={cfg.mode} is run by train.py (or {runner}(cfg)), not by ddplab.run. "
+                          f"Fix: python train.py mode={cfg.mode} ...")
     if cfg.get("mode") == "eval":  # the checkpoint's own config, this command's launch settings
         cfg = eval_config(cfg)
     strategy.check_launch(cfg, env.world_size())

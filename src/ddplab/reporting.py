@@ -95,7 +95,8 @@ def announce(s: State) -> None:
     s.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
     if s.config_changes:
         s.writer.text("config_changes", s.config_changes)
-    s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
+    if "study" not in (cfg.get("callbacks") or {}):  # a study's worker writes a trial's row with its end state
+        s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))
     per_step = s.samples_per_step
     lines = [f"run dir: {shown(s.run_dir)}",

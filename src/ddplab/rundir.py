@@ -222,11 +222,18 @@ def read_result(run_dir: Path, since: float | None = None) -> dict[str, Any] | N
 
 def swept(run_dir: Path) -> dict[str, str]:
     """What this sweep job's sweep varies, ``{key: value}`` as the job got it; empty outside a sweep.
+    A study's trial: its params (``trial.json``).
 
     A job's overrides (``.hydra/overrides.yaml``) minus those the sweep command passed as they are
     (``../multirun.yaml``, which Hydra's basic sweeper writes), plus the keys a sweeper samples
     (``hydra.sweeper.params``: Optuna's search space, or the basic sweeper's params in config).
     """
+    trial = run_dir / "trial.json"  # a study's trial (ddplab.study): its sampled params
+    if trial.is_file():
+        try:
+            return {k: str(v) for k, v in json.loads(trial.read_text()).get("params", {}).items()}
+        except (OSError, ValueError):
+            return {}
     mine = read_overrides(run_dir)
     if not mine:
         return {}

@@ -57,6 +57,8 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool | None
             status, metrics, error = "unfinished", _from_events(job), ""
         else:
             status, metrics, error = result["status"], result.get("metrics") or {}, result.get("error", "")
+            # A study's trial: the state the study was told (pruned; failed though the run completed).
+            status = {"PRUNED": "pruned", "FAIL": "failed"}.get((result.get("trial") or {}).get("state"), status)
             if status != "completed" and not metrics:
                 metrics = _from_events(job)
         rows.append({

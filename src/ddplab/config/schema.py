@@ -134,6 +134,32 @@ class VerifyConfig:
 
 
 @dataclass
+class StudyConfig:
+    """mode=study (ddplab.study): this process is one worker of an Optuna study that any number of
+    workers share through ``storage``; each asks for a trial, trains it as a normal run, tells the result."""
+
+    name: str = "study"  # the study in the storage; reusing a name with another space is refused
+    dir: str = "multirun/study-${study.name}"  # trial run dirs <dir>/<number>/, summary.md; shared by the workers
+    storage: Optional[str] = None  # null: sqlite:///<dir>/study.db; or journal:<file>, postgresql://..., mysql://...
+    n_trials: int = 16  # trials in the study, over all workers (running, finished or failed)
+    # key -> expression, the Hydra Optuna sweeper's grammar: interval(lo, hi), tag(log, interval(lo, hi)),
+    # tag(int, interval(lo, hi)), range(lo, hi[, step]), choice(a, b, ...)
+    params: Any = field(default_factory=dict)
+    sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "n_startup_trials": 5})
+    pruner: Any = None  # e.g. {_target_: optuna.pruners.MedianPruner, n_warmup_steps: 1}; null: never prune
+    max_retries: int = 2  # a trial whose worker died (no result recorded) is resumed this many times, then failed
+    timeout_s: float = 20.0  # opening the storage (a database that does not answer) fails after this long
+
+    @staticmethod
+    def check(c: Any, key: str = "study") -> None:
+        require(c.n_trials >= 1, f"{key}.n_trials", c.n_trials, "must be >= 1", f"pass {key}.n_trials=16")
+        require(c.max_retries >= 0, f"{key}.max_retries", c.max_retries, "must be >= 0", f"pass {key}.max_retries=2")
+        require(c.timeout_s > 0, f"{key}.timeout_s", c.timeout_s, "must be > 0", f"pass {key}.timeout_s=20")
+        require(bool(str(c.name).strip()) and "/" not in str(c.name), f"{key}.name", c.name,
+                "must be a non-empty name without '/'", f"pass {key}.name=my_study")
+
+
+@dataclass
 class TrainConfig:
     model: Any = MISSING
     dataset: Any = MISSING
@@ -144,11 +170,13 @@ class TrainConfig:
     # name -> a Callback ``_target_`` and its arguments: 'callbacks=[ema,early_stopping]' (ddplab.callbacks).
     callbacks: Any = field(default_factory=dict)
     # train: the job trains; eval: evaluate the checkpoint `resume` names, with its own config, and stop;
-    # verify_resume: run the job, and again preempted + resumed, and compare the two ends (ddplab.verify).
+    # verify_resume: run the job, and again preempted + resumed, and compare the two ends (ddplab.verify);
+    # study: be one worker of an Optuna study, training its trials one after another (ddplab.study).
     mode: Mode = Mode["train"]
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # mode=verify_resume only
+    study: StudyConfig = field(default_factory=StudyConfig)  # mode=study only
     perf: PerfConfig = field(default_factory=PerfConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank

@@ -1,0 +1,146 @@
+"""``mode=study``: this process is one worker of an Optuna study; start as many as you like, anywhere the
+storage reaches. Each loops: claim a trial → train it (DDP inside: distributed.nproc_per_node) → report
+the objective at every evaluation, stop when the pruner says so → tell the result once.
+
+    python train.py hparams_search=study                                  # one worker
+    python train.py hparams_search=study & python train.py hparams_search=study   # two, one machine
+    sbatch --array=0-3 --wrap "python train.py hparams_search=study study.storage=journal:/shared/s.log"
+
+A trial is a normal run in ``<study.dir>/<number>/`` (checkpoints, TensorBoard events named after its
+params, result.json with the trial's number and state). A preempted worker leaves its trial RUNNING with
+a checkpoint; whichever worker looks next resumes it there (ddplab.study.worker says how). docs/studies.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ddplab import rundir
+from ddplab.config import ConfigError, validate
+from ddplab.runtime import env
+from ddplab.runtime.signals import Preempted
+from ddplab.study import space, storage
+from ddplab.study.report import PRUNED
+from ddplab.study.worker import Worker, ask_lock, next_trial, objective_value, tell, trial_config
+
+log = logging.getLogger("ddplab")
+
+
+def run_study(cfg: DictConfig) -> dict[str, float]:
+    """Work on the study until it needs no more trials; the best trial's objective (``{objective: value}``)."""
+    w = setup(cfg)
+    while (taken := next_trial(w)) is not None:
+        trial, claim = taken
+        try:
+            run_trial(w, trial)
+        finally:
+            claim.release()
+    from ddplab.study.summary import finish
+
+    return finish(w)
+
+
+def setup(cfg: DictConfig) -> Worker:
+    """Checks before any trial is asked: the config, the launcher, the objective, the space, the storage."""
+    validate(cfg)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
+    if env.is_launched():
+        raise ConfigError("mode=study: each worker is one process, and this one is a rank of a launched job "
+                          "(torchrun / srun -n>1). Fix: start workers as separate processes (one per srun task "
+                          "with --ntasks=1, an sbatch array, or '&') and give each trial its ranks with "
+                          "distributed.nproc_per_node=N")
+    minimize = _check_objective(cfg)
+    study_dir = Path(str(cfg.study.dir)).absolute()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    url = str(cfg.study.storage or storage.default_url(study_dir))
+    searched = space.parse(cfg.study.params, cfg)
+    for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
+        _check_target(cfg, key)
+    with ask_lock(study_dir):
+        store = storage.open_storage(url, cfg.study.timeout_s)
+        study = storage.open_study(store, url, str(cfg.study.name), "minimize" if minimize else "maximize",
+                                   space.signature(searched), str(cfg.objective))
+    log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, url, cfg.study.n_trials,
+             "minimizing" if minimize else "maximizing", cfg.objective, study_dir)
+    return Worker(cfg=cfg, dir=study_dir, url=url, study=study, space=searched, minimize=minimize)
+
+
+def _check_target(cfg: DictConfig, key: str) -> None:
+    spec = cfg.study.get(key)
+    if not spec:
+        return
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(spec)
+    except Exception as e:
+        why = " ".join(str(e).split())[:300]
+        raise ConfigError(f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "
+                          f"{'optuna.samplers.TPESampler' if key == 'sampler' else 'optuna.pruners.MedianPruner'} "
+                          f"and its arguments, or study.{key}=null") from None
+
+
+def _check_objective(cfg: DictConfig) -> bool:
+    """The objective must be a metric the task logs (else every trial fails): whether it is minimised."""
+    from ddplab import build
+    from ddplab.task import logged_names, name_of
+
+    task = build.task(cfg)
+    metric = str(cfg.objective).split("/", 1)[-1]
+    names = [f"val/{m}" for m in logged_names(task)]
+    callbacks = set((cfg.get("callbacks") or {}).keys())
+    if cfg.objective not in names and not (cfg.objective.startswith("val_ema/") and "ema" in callbacks):
+        raise ConfigError(f"objective={cfg.objective!r}: {name_of(task)} logs no such metric, so no trial could "
+                          f"be told a value. Fix: objective= one of {', '.join(names)}")
+    return metric not in getattr(task, "maximize", ())
+
+
+def run_trial(w: Worker, trial: Any) -> None:
+    """Train ``trial`` and tell it once. A preemption leaves it RUNNING for a resume (the worker exits)."""
+    from ddplab.job import run
+
+    cfg = trial_config(w, trial)
+    tdir = w.dir / str(trial.number)
+    name = rundir.label({k: str(v) for k, v in trial.params.items()})
+    log.info("trial %d (%s): %s", trial.number, name, tdir)
+    handler = _log_to(tdir)
+    try:
+        metrics = run(cfg, search_earlier_runs=False)
+    except Preempted:
+        log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again", trial.number)
+        raise
+    except ConfigError as e:  # every trial would fail alike: fail this one and stop the worker
+        tell(w, trial, "FAIL", None, f"config error: {e}")
+        raise
+    except Exception as e:
+        log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
+        tell(w, trial, "FAIL", None, f"{type(e).__name__}: {e}")
+        return
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    note = str((rundir.read_result(tdir) or {}).get("note") or "")
+    value = objective_value(metrics, str(cfg.objective))
+    if note.startswith(PRUNED):
+        state = "PRUNED"
+    else:
+        state = "COMPLETE" if value is not None else "FAIL"
+    tell(w, trial, state, value, "" if state != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
+    from ddplab.study.summary import write_hparams
+
+    write_hparams(cfg, tdir, trial, state)
+    log.info("trial %d: %s %s=%s", trial.number, state, cfg.objective, "" if value is None else f"{value:.6g}")
+
+
+def _log_to(tdir: Path) -> logging.Handler:
+    """The trial's own train.log, beside the worker's."""
+    handler = logging.FileHandler(tdir / "train.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler

@@ -1,0 +1,69 @@
+"""What a study leaves for people: the end-of-study table (best trial, counts by state, one row per trial)
+on the console and as ``summary.md``/``summary.csv`` in the study dir, and one HParams row per trial."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ddplab import rundir, sweep
+from ddplab.reporting import hparams_of, shown
+from ddplab.study.worker import Worker, ask_lock
+
+log = logging.getLogger("ddplab")
+
+
+def finish(w: Worker) -> dict[str, float]:
+    """This worker is done: the study's table as it stands (workers still running trials add theirs when
+    they end; the last to end writes the whole table). The best trial's objective."""
+    objective = str(w.cfg.objective)
+    with ask_lock(w.dir):  # one writer of the table at a time
+        trials = w.study.get_trials(deepcopy=False)
+        counts = Counter(t.state.name for t in trials)
+        rows = sweep.summarize(w.dir, objective, w.minimize)
+        (w.dir / "summary.md").write_text(headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n")
+        (w.dir / "summary.csv").write_text(sweep.to_csv(rows))
+    log.info("%s", headline(w, trials, counts))
+    for line in sweep.to_console(rows, objective, w.minimize):
+        log.info("%s", line)
+    log.info("table: %s (and summary.csv); dashboard: optuna-dashboard %s", shown(w.dir / "summary.md"),
+             w.url.removeprefix("journal:"))
+    return best(w)
+
+
+def headline(w: Worker, trials: list[Any], counts: Counter) -> str:
+    states = ", ".join(f"{counts[s]} {s.lower()}" for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING") if counts[s])
+    head = f"study {w.study.study_name}: {len(trials)} of {w.cfg.study.n_trials} trials ({states or 'none yet'})"
+    done = [t for t in trials if t.state.name == "COMPLETE"]
+    if not done:
+        return head + "; no trial completed"
+    top = w.study.best_trial
+    params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in top.params.items())
+    return f"{head}; best: trial {top.number}, {w.cfg.objective}={top.value:.6g} ({params})"
+
+
+def write_hparams(cfg: DictConfig, tdir: Any, trial: Any, state: str) -> None:
+    """The trial's one HParams row, written when its state is known (the job writes none in a study:
+    TensorBoard keeps a run's first row)."""
+    from ddplab.writers import TensorBoardWriter
+
+    events = rundir.events_dir(tdir)
+    hp = {"trial": trial.number, "trial_state": state, **hparams_of(cfg, tdir, _world(cfg))}
+    writer = TensorBoardWriter(str(events))
+    writer.hparams(hp, f"{tdir.name}/{events.name}")
+    writer.close()
+
+
+def _world(cfg: DictConfig) -> int:
+    return int(cfg.distributed.nproc_per_node) if str(cfg.distributed.strategy) != "none" else 1
+
+
+def best(w: Worker) -> dict[str, float]:
+    try:
+        return {str(w.cfg.objective): float(w.study.best_value)}
+    except ValueError:  # no trial completed
+        return {str(w.cfg.objective): math.nan}

@@ -1,0 +1,45 @@
+"""Callbacks and a pruner for tests/test_study.py, named by `_target_` (tests/ is on every rank's PYTHONPATH)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import optuna
+
+
+class SignalOnce:
+    """Rank 0 sends ``sig`` to its own process after optimizer step ``step``, once per test (``marker``):
+    the worker of a one-process trial is preempted (SIGTERM) or killed (SIGKILL) mid-trial."""
+
+    def __init__(self, step: int, sig: str, marker: str):
+        self.step, self.sig, self.marker = step, getattr(signal, sig), Path(marker)
+
+    def on_step_end(self, state, step):
+        if state.dist.rank == 0 and step == self.step and not self.marker.exists():
+            self.marker.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), self.sig)
+
+
+class RecordFitEnd:
+    """Every rank notes where its training ended: ``<dir>/<trial dir name>-rank<r>.json``."""
+
+    def __init__(self, dir: str):
+        self.dir = Path(dir)
+
+    def on_fit_end(self, state, metrics):
+        self.dir.mkdir(parents=True, exist_ok=True)
+        where = {"step": state.loop.step, "epoch": state.loop.epoch, "pid": os.getpid()}
+        (self.dir / f"{state.run_dir.name}-rank{state.dist.rank}.json").write_text(json.dumps(where))
+
+
+class PruneFrom(optuna.pruners.BasePruner):
+    """Prunes trials numbered ``trial`` or later once they have reported epoch ``epoch``: a pruner whose
+    decision the test knows in advance."""
+
+    def __init__(self, trial: int = 1, epoch: int = 1):
+        self.trial, self.epoch = trial, epoch
+
+    def prune(self, study, trial):
+        return trial.number >= self.trial and (trial.last_step or 0) >= self.epoch

@@ -1,0 +1,230 @@
+"""mode=study: Optuna studies run by ddplab workers — real processes sharing a real storage (SQLite, the
+journal file), trials that are normal runs, pruning agreed by every rank, preemption and death of a worker."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, python_train, read_scalars
+from ddplab.events import read_hparams
+from ddplab.rundir import read_result
+
+pytestmark = pytest.mark.dist
+
+# Small trials: 2 epochs of 4 steps on the digits default, an MLP.
+SMALL = ["model=mlp", "num_epochs=2", "limit_train_steps=4", "progress=none", "study.sampler.n_startup_trials=2"]
+
+
+def study_args(d: Path, n: int, *extra: str, pruner: bool = False) -> list[str]:
+    return ["hparams_search=study", f"study.dir={d}", f"study.n_trials={n}", *SMALL,
+            *([] if pruner else ["study.pruner=null"]), *extra]
+
+
+def load(d: Path, name: str = "digits_lr_wd", url: str | None = None) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=url or f"sqlite:///{d / 'study.db'}")
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def trials_run(proc: subprocess.CompletedProcess) -> list[int]:
+    """The trial numbers a worker started (its log says `trial N (params): dir`)."""
+    import re
+
+    return [int(m) for m in re.findall(r"trial (\d+) \(", proc.stdout + proc.stderr)]
+
+
+def assert_told_as_recorded(d: Path, study: optuna.Study) -> None:
+    """Each trial's run dir records the state and value the study was told, and the study's trial count."""
+    for t in study.get_trials():
+        res = read_result(d / str(t.number))
+        assert res["trial"]["number"] == t.number and res["trial"]["state"] == t.state.name, res
+        if t.state.name == "COMPLETE":
+            assert t.value == res["trial"]["value"] == res["metrics"]["val/acc"]
+
+
+def test_two_workers_one_rank_each_complete_a_study(tmp_path):
+    d = tmp_path / "s"
+    workers = [start(study_args(d, 4), tmp_path) for _ in range(2)]
+    done = [finish(p) for p in workers]
+    for p in done:
+        assert_ok(p)
+    study = load(d)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 4
+    ran = trials_run(done[0]) + trials_run(done[1])
+    assert sorted(ran) == [0, 1, 2, 3], ran  # every trial trained once, by one worker
+    assert_told_as_recorded(d, study)
+    for t in study.get_trials():  # a normal run: events named after its params, one HParams row with its state
+        tdir = d / str(t.number)
+        hp = read_hparams(tdir)
+        assert hp["trial"] == t.number and hp["trial_state"] == "COMPLETE"
+        assert hp["optimizer.lr"] == pytest.approx(t.params["optimizer.lr"])
+        assert read_scalars(tdir)["val/acc"][-1][1] == pytest.approx(t.value, abs=1e-6)
+        assert any(p.name.startswith("lr=") for p in tdir.iterdir()), list(tdir.iterdir())
+    table = (d / "summary.md").read_text()
+    best = study.best_trial
+    assert f"4 of 4 trials (4 complete); best: trial {best.number}, val/acc={best.value:.6g}" in table
+    assert len((d / "summary.csv").read_text().splitlines()) == 5
+
+
+def test_one_worker_two_ranks_completes_a_study_and_pruning_stops_every_rank_at_once(tmp_path):
+    d, ends = tmp_path / "s", tmp_path / "ends"
+    # Trial 0 runs 3 epochs; trial 1 is pruned after its epoch 1 (the pruner's decision, known in advance).
+    proc = python_train(study_args(d, 2, "distributed.nproc_per_node=2", "num_epochs=3",
+                                   "++study.pruner={_target_:study_toy.PruneFrom,trial:1,epoch:1}",
+                                   "+callbacks.ends._target_=study_toy.RecordFitEnd", f"+callbacks.ends.dir={ends}"),
+                         tmp_path)
+    assert_ok(proc)
+    study = load(d)
+    t0, t1 = study.get_trials()
+    assert (t0.state.name, t1.state.name) == ("COMPLETE", "PRUNED")
+    assert sorted(t1.intermediate_values) == [1] and sorted(t0.intermediate_values) == [1, 2, 3]
+    # Both ranks of each trial ended at the same step: 3 epochs x 4 steps, and 1 x 4 for the pruned one.
+    for name, step, epoch in (("0", 12, 3), ("1", 4, 1)):
+        seen = [json.loads((ends / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert [(s["step"], s["epoch"]) for s in seen] == [(step, epoch)] * 2, seen
+        assert seen[0]["pid"] != seen[1]["pid"]
+    res = read_result(d / "1")
+    assert res["trial"]["state"] == "PRUNED" and res["note"].startswith("pruned by the study's pruner at epoch 1")
+    assert res["metrics"]["step"] == 4
+    assert_told_as_recorded(d, study)
+    assert read_hparams(d / "1")["trial_state"] == "PRUNED" and read_hparams(d / "0")["world_size"] == 2
+    assert "1 pruned" in (d / "summary.md").read_text()
+
+
+def test_a_preempted_worker_resumes_the_same_trial_and_tells_it_once(tmp_path):
+    d, ref, marker = tmp_path / "s", tmp_path / "ref", tmp_path / "fired"
+
+    def preempting(marker: Path) -> list[str]:  # SIGTERM to the worker after step 5 (of 12), once
+        return ["+callbacks.stop._target_=study_toy.SignalOnce", "+callbacks.stop.step=5",
+                "+callbacks.stop.sig=SIGTERM", f"+callbacks.stop.marker={marker}", "num_epochs=3"]
+
+    preempt = preempting(marker)
+    first = python_train(study_args(d, 2, *preempt), tmp_path)
+    assert first.returncode != 0 and marker.exists(), first.stderr[-2000:]
+    study = load(d)
+    assert [t.state.name for t in study.get_trials()] == ["RUNNING"]
+    assert read_result(d / "0")["status"] == "preempted"
+    again = python_train(study_args(d, 2, *preempt), tmp_path)  # the same command: the worker comes back
+    assert_ok(again)
+    assert "trial 0: resuming it (its worker stopped; preempted at step" in again.stdout + again.stderr
+    study = load(d)
+    assert [(t.number, t.state.name) for t in study.get_trials()] == [(0, "COMPLETE"), (1, "COMPLETE")]
+    assert_told_as_recorded(d, study)
+    # Resumed exactly: the same trial of the same study, never interrupted, ends with the same value.
+    (tmp_path / "ref_marker").write_text("{}")
+    whole = python_train(study_args(ref, 1, *preempting(tmp_path / "ref_marker")), tmp_path)
+    assert_ok(whole)
+    t_ref = load(ref).get_trials()[0]
+    assert t_ref.params == study.get_trials()[0].params
+    assert t_ref.value == study.get_trials()[0].value
+    assert t_ref.intermediate_values == study.get_trials()[0].intermediate_values
+
+
+@pytest.mark.parametrize("max_retries,state", [(2, "COMPLETE"), (0, "FAIL")])
+def test_a_sigkilled_worker_leaves_no_trial_running(tmp_path, max_retries, state):
+    d, marker = tmp_path / "s", tmp_path / "fired"
+    kill = ["+callbacks.kill._target_=study_toy.SignalOnce", "+callbacks.kill.step=5",
+            "+callbacks.kill.sig=SIGKILL", f"+callbacks.kill.marker={marker}", "num_epochs=3",
+            "checkpoint.every_n_steps=2", f"study.max_retries={max_retries}"]
+    first = python_train(study_args(d, 1, *kill), tmp_path)
+    assert first.returncode == -signal.SIGKILL and marker.exists()
+    assert [t.state.name for t in load(d).get_trials()] == ["RUNNING"]
+    again = python_train(study_args(d, 1, *kill), tmp_path)
+    assert_ok(again)
+    (t,) = load(d).get_trials()
+    assert t.state.name == state and t.user_attrs["ddplab:deaths"] == 1
+    if state == "COMPLETE":  # resumed from its step-4 checkpoint, not from scratch
+        assert "resuming it (its worker stopped; it died)" in again.stdout + again.stderr
+        assert read_result(d / "0")["metrics"]["step"] == 12
+        assert "resumed from" in (d / "0" / "train.log").read_text()
+    else:
+        assert "died 1 times" in t.user_attrs["error"] and read_result(d / "0")["trial"]["state"] == "FAIL"
+
+
+def test_restarting_a_finished_study_continues_it(tmp_path):
+    d = tmp_path / "s"
+    assert_ok(python_train(study_args(d, 2), tmp_path))
+    first = [(t.number, t.params, t.value) for t in load(d).get_trials()]
+    same = python_train(study_args(d, 2), tmp_path)  # nothing left to do: no trial added
+    assert_ok(same)
+    assert trials_run(same) == [] and len(load(d).get_trials()) == 2
+    more = python_train(study_args(d, 3), tmp_path)  # a larger budget: one more trial, the first two kept
+    assert_ok(more)
+    assert trials_run(more) == [2]
+    trials = load(d).get_trials()
+    assert [(t.number, t.params, t.value) for t in trials[:2]] == first and trials[2].state.name == "COMPLETE"
+
+
+def test_journal_storage_with_two_worker_processes(tmp_path):
+    d, journal = tmp_path / "s", tmp_path / "study.log"
+    args = study_args(d, 2, f"study.storage=journal:{journal}", "num_epochs=1")
+    done = [finish(p) for p in [start(args, tmp_path) for _ in range(2)]]
+    for p in done:
+        assert_ok(p)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    study = optuna.load_study(study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 2
+    assert sorted(trials_run(done[0]) + trials_run(done[1])) == [0, 1]
+
+
+@pytest.mark.parametrize("override,says", [
+    ("study.params={optimizer.lr:'between(1,2)'}", "study.params.optimizer.lr='between(1,2)': not a search expression"),
+    ("study.params={optimizer.lr:'tag(sqrt,interval(0.1,1))'}", "unknown tag 'sqrt'"),
+    ("study.params={optimizer.lr:0.1}", "a fixed value, not a search expression. Fix: set it as a plain override"),
+    ("++study.params={optimiser.lr:'interval(0.1,1)'}", "'optimiser.lr' is not a config key"),
+    ("objective=val/f1", "objective='val/f1': ClassificationTask logs no such metric"),
+    ("study.storage=sqlite:////nonexistent/dir/study.db", "study.storage=sqlite:////nonexistent/dir/study.db: cannot open it"),
+    ("study.storage=journal:/nonexistent/dir/s.log", "cannot open it (FileNotFoundError: no directory /nonexistent/dir)"),
+    ("study.storage=postgresql://ddplab@127.0.0.1:9/none", "study.storage=postgresql://ddplab@127.0.0.1:9/none"),
+])
+def test_bad_input_is_one_line_within_seconds(tmp_path, override, says):
+    t0 = time.monotonic()
+    proc = python_train(study_args(tmp_path / "s", 2, override), tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and says in errors[0], errors
+    assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 60
+    assert not (tmp_path / "s" / "0").exists()  # no trial was asked
+
+
+def test_a_study_name_reused_with_another_space_is_refused(tmp_path):
+    d = tmp_path / "s"
+    assert_ok(python_train(study_args(d, 1, "num_epochs=1"), tmp_path))
+    other = python_train(study_args(d, 2, "num_epochs=1", "study.params={optimizer.lr:'interval(0.1,0.2)'}"), tmp_path)
+    assert other.returncode == 2
+    said = other.stdout + other.stderr
+    assert ("study.name=digits_lr_wd exists in sqlite:///" in said
+            and "with another search space: optimizer.lr (FloatDistribution log 0.003..0.5 vs FloatDistribution "
+                "0.1..0.2)" in said), said[-2000:]
+    assert len(load(d).get_trials()) == 1
+
+
+def test_the_space_grammar_is_the_hydra_optuna_sweepers():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from ddplab.study.space import parse
+
+    cfg = compose_cfg()
+    space = parse({"optimizer.lr": "tag(log, interval(1e-4, 1e-1))", "optimizer.weight_decay": "interval(0, 0.1)",
+                   "batch_size": "range(32, 129, 32)", "model": "choice(mlp, convnet)",
+                   "num_epochs": "tag(int, interval(2, 8))", "seed": "tag(int, log, interval(1, 1000))"}, cfg)
+    assert space == {"optimizer.lr": FloatDistribution(1e-4, 1e-1, log=True),
+                     "optimizer.weight_decay": FloatDistribution(0.0, 0.1),
+                     "batch_size": CategoricalDistribution([32, 64, 96, 128]),
+                     "model": CategoricalDistribution(["mlp", "convnet"]),
+                     "num_epochs": IntDistribution(2, 8), "seed": IntDistribution(1, 1000, log=True)}
