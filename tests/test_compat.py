@@ -83,3 +83,14 @@ def test_cuda_memory_history_records_and_dumps(tmp_path):
     compat.record_cuda_memory_history(False)
     snap = pickle.loads((tmp_path / "snap.pickle").read_bytes())
     assert any(e["action"] == "alloc" for trace in snap["device_traces"] for e in trace), x.shape
+
+
+def test_optuna_trial_is_the_live_trial_of_that_number():
+    import optuna
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="maximize")
+    study.ask(), study.ask()
+    trial = compat.optuna_trial(study, 1)
+    trial.report(0.5, 3)
+    assert trial.number == 1 and study.get_trials()[1].intermediate_values == {3: 0.5}
+    assert study.get_trials()[0].intermediate_values == {}

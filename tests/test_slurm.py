@@ -1,5 +1,5 @@
 """ddplab on a real SLURM cluster (``scripts/slurm_local.sh up``): three ways to launch 2 ranks, and
-requeue on a time limit and on an operator's ``scontrol requeue``, resuming bitwise.
+requeue on a time limit and on an operator's ``scontrol requeue``, resuming bitwise; a study's workers as an array.
 
 Skipped when ``sinfo`` does not answer; ``.ci/run`` brings a one-node cluster up for them.
 """
@@ -275,3 +275,24 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, refere
     assert len(lag) == 1 and lag[0] < 30, lag  # the stop's checkpoint inside SLURM's default KillWait
     _assert_same_as_uninterrupted(sweep / "0", reference)
     print(f"submitit preemption: signal -> checkpoint {lag} s, bitwise equal")
+
+
+def test_a_study_run_by_a_slurm_array_of_two_workers(tmp_path):
+    """mode=study as docs/studies.md says to run it on SLURM: one worker per array task, the journal storage."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    study, journal = tmp_path / "study", tmp_path / "journal.log"
+    args = ["hparams_search=study", f"study.dir={study}", f"study.storage=journal:{journal}", "study.n_trials=4",
+            "study.pruner=null", "model=mlp", "num_epochs=2", "limit_train_steps=4", "progress=log"]
+    job = sbatch(tmp_path, srun_train(args), ["--array=0-1", "--ntasks=1", "--cpus-per-task=1"])
+    infos = [wait_job(f"{job}_{i}", tmp_path) for i in (0, 1)]
+    logs = "\n".join(p.read_text()[-2000:] for p in tmp_path.glob("slurm-*.out"))
+    assert [i["JobState"] for i in infos] == ["COMPLETED", "COMPLETED"], logs
+    told = optuna.load_study(study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert [t.state.name for t in told.get_trials()] == ["COMPLETE"] * 4
+    for t in told.get_trials():
+        assert result(study / str(t.number))["trial"]["value"] == t.value
+    ran = [int(n) for n in re.findall(r"trial (\d+) \(", "\n".join(
+        p.read_text() for p in tmp_path.glob("outputs/slurm-*/train.log")))]
+    assert sorted(ran) == [0, 1, 2, 3], ran  # each trial once, over the two array tasks

@@ -14,6 +14,7 @@ a checkpoint; whichever worker looks next resumes it there (ddplab.study.worker 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,24 +62,32 @@ def setup(cfg: DictConfig) -> Worker:
     url = str(cfg.study.storage or storage.default_url(study_dir))
     searched = space.parse(cfg.study.params, cfg)
     for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
-        _check_target(cfg, key)
+        _check_target(cfg, key, searched)
     with ask_lock(study_dir):
         store = storage.open_storage(url, cfg.study.timeout_s)
         study = storage.open_study(store, url, str(cfg.study.name), "minimize" if minimize else "maximize",
                                    space.signature(searched), str(cfg.objective))
     log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, url, cfg.study.n_trials,
              "minimizing" if minimize else "maximizing", cfg.objective, study_dir)
-    return Worker(cfg=cfg, dir=study_dir, url=url, study=study, space=searched, minimize=minimize)
+    limit = int(cfg.study.n_trials)
+    if str((cfg.study.sampler or {}).get("_target_", "")).endswith("GridSampler"):
+        grid = math.prod(len(getattr(d, "choices", ())) for d in searched.values())
+        limit = min(limit, grid)  # as Hydra's sweeper does: a grid point is not run twice
+    return Worker(cfg=cfg, dir=study_dir, url=url, study=study, space=searched, minimize=minimize, limit=limit)
 
 
-def _check_target(cfg: DictConfig, key: str) -> None:
+def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
     spec = cfg.study.get(key)
     if not spec:
         return
     from hydra.utils import instantiate
 
+    from ddplab.study.worker import make_sampler
+
     try:
-        instantiate(spec)
+        make_sampler(cfg, searched, 0) if key == "sampler" else instantiate(spec)
+    except ConfigError:
+        raise
     except Exception as e:
         why = " ".join(str(e).split())[:300]
         raise ConfigError(f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "

@@ -49,6 +49,7 @@ class Worker:
     study: Any  # optuna.Study
     space: dict[str, Any]
     minimize: bool
+    limit: int  # trials to ask for: study.n_trials, at most a GridSampler's grid
 
 
 @contextlib.contextmanager
@@ -74,14 +75,9 @@ def next_trial(w: Worker) -> tuple[Any, TrialClaim] | None:
                 if claim is not None and not _gave_up(w, t, claim):
                     log.info("trial %d: resuming it (its worker stopped; %s)", t.number, _why_free(w.dir / str(t.number)))
                     return t, claim
-        if len(trials) >= w.cfg.study.n_trials:
+        if len(trials) >= w.limit:
             return None
-        sampler = dict(OmegaConf.to_container(w.cfg.study.sampler, resolve=True))  # type: ignore[arg-type]
-        # Seeded per trial number: the same study samples the same params whichever worker asks.
-        sampler["seed"] = int(sampler.get("seed", w.cfg.seed)) + len(trials)
-        from hydra.utils import instantiate
-
-        w.study.sampler = instantiate(sampler)
+        w.study.sampler = make_sampler(w.cfg, w.space, len(trials))
         trial = w.study.ask(w.space)
         tdir = w.dir / str(trial.number)
         claim = _claim(tdir)
@@ -89,6 +85,23 @@ def next_trial(w: Worker) -> tuple[Any, TrialClaim] | None:
         (tdir / TRIAL_FILE).write_text(json.dumps({"study": w.study.study_name, "number": trial.number,
                                                   "params": trial.params}, indent=2))
         return w.study.get_trials(deepcopy=False)[trial.number], claim
+
+
+def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
+    """``study.sampler`` seeded for trial number ``n`` (the same study samples the same params whichever
+    worker asks); a GridSampler without a ``search_space`` gets the choices of ``study.params``, as in
+    Hydra's Optuna sweeper."""
+    from hydra.utils import instantiate
+
+    spec = dict(OmegaConf.to_container(cfg.study.sampler, resolve=True))  # type: ignore[arg-type]
+    spec["seed"] = int(spec.get("seed", cfg.seed)) + n
+    if str(spec.get("_target_", "")).endswith("GridSampler") and "search_space" not in spec:
+        spec["search_space"] = {k: list(getattr(d, "choices", ())) for k, d in space.items()}
+        ranges = [k for k, d in space.items() if not hasattr(d, "choices")]
+        if ranges:
+            raise ConfigError(f"study.sampler=GridSampler needs choices: study.params.{ranges[0]} is a range. Fix: "
+                              f"choice(...) or range(lo, hi, step) for it, or another sampler")
+    return instantiate(spec)
 
 
 def _claim(tdir: Path) -> TrialClaim | None:
@@ -128,10 +141,14 @@ def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = ""
 
     if error:
         compat.optuna_trial(w.study, trial.number).set_user_attr("error", error[:1000])
-    if state == "COMPLETE":
-        w.study.tell(trial.number, value)
-    else:
-        w.study.tell(trial.number, state=TrialState[state])
+    try:
+        if state == "COMPLETE":
+            w.study.tell(trial.number, value)
+        else:
+            w.study.tell(trial.number, state=TrialState[state])
+    except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
+        if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit below stops us instead
+            raise
     tdir = w.dir / str(trial.number)
     result = rundir.read_result(tdir) or {"status": "failed", "error": error}
     result["trial"] = {"study": w.study.study_name, "number": trial.number, "state": state, "value": value,
