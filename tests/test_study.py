@@ -182,6 +182,50 @@ def test_journal_storage_with_two_worker_processes(tmp_path):
     assert sorted(trials_run(done[0]) + trials_run(done[1])) == [0, 1]
 
 
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL server on loopback for this module (trust auth, a fresh data dir), stopped after."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    if not bins or os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("no PostgreSQL server here (apt-get install postgresql; the server runs as user postgres)")
+    pg = bins[-1].parent
+    root = Path(tempfile.mkdtemp(prefix="ddplab-pg-"))
+    shutil.chown(root, "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def as_postgres(*cmd: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True, capture_output=True, timeout=60)
+
+    as_postgres(str(pg / "initdb"), "-D", str(root / "data"), "-A", "trust", "-U", "postgres")
+    as_postgres(str(pg / "pg_ctl"), "-D", str(root / "data"), "-l", str(root / "log"), "-w", "-o",
+                f"-h 127.0.0.1 -p {port} -k {root}", "start")
+    try:
+        as_postgres(str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
+        yield f"postgresql://postgres@127.0.0.1:{port}/optuna"
+    finally:
+        as_postgres(str(pg / "pg_ctl"), "-D", str(root / "data"), "-m", "immediate", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_postgresql_storage_with_two_worker_processes(tmp_path, postgres):
+    d = tmp_path / "s"
+    args = study_args(d, 3, f"study.storage={postgres}", "num_epochs=1")
+    done = [finish(p) for p in [start(args, tmp_path) for _ in range(2)]]
+    for p in done:
+        assert_ok(p)
+    study = load(d, url=postgres)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 3
+    assert sorted(trials_run(done[0]) + trials_run(done[1])) == [0, 1, 2]
+    assert_told_as_recorded(d, study)
+
+
 @pytest.mark.parametrize("override,says", [
     ("study.params={optimizer.lr:'between(1,2)'}", "study.params.optimizer.lr='between(1,2)': not a search expression"),
     ("study.params={optimizer.lr:'tag(sqrt,interval(0.1,1))'}", "unknown tag 'sqrt'"),

@@ -2,7 +2,7 @@
 
     sqlite:///multirun/study-x/study.db     one machine (the default: <study.dir>/study.db)
     journal:/shared/fs/study-x.log          Optuna's journal file: workers on hosts sharing a file system
-    postgresql://user:pw@host/db            a cluster (pip install psycopg2-binary); mysql+pymysql://... too
+    postgresql://user:pw@host/db            a cluster (pip install 'psycopg[binary]'); mysql+pymysql://... too
 
 A storage that does not answer fails within ``study.timeout_s`` with one line naming the URL, never hangs.
 """
@@ -38,9 +38,10 @@ def open_storage(url: str, timeout_s: float) -> Any:
                 raise FileNotFoundError(f"no directory {path.parent}")
             return JournalStorage(JournalFileBackend(str(path)))
         return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url, timeout_s))
-    except ModuleNotFoundError as e:  # the database's driver
-        raise ConfigError(f"study.storage={url}: its driver is not installed ({e}). Fix: pip install "
-                          f"{'psycopg2-binary' if 'postgres' in url else 'pymysql' if 'mysql' in url else e.name}") from None
+    except ImportError as e:  # the database's driver (Optuna re-raises it as "Failed to import DB access module")
+        driver = "'psycopg[binary]'" if "postgres" in url else "pymysql" if "mysql" in url else "the database's driver"
+        raise ConfigError(f"study.storage={url}: its driver is not installed ({' '.join(str(e).split())[:200]}). "
+                          f"Fix: pip install {driver}") from None
     except Exception as e:  # sqlalchemy's OperationalError, ArgumentError, a missing dir ...
         why = " ".join(str(getattr(e, "orig", None) or e).split())[:300]
         raise ConfigError(f"study.storage={url}: cannot open it ({type(e).__name__}: {why}). Fix: a reachable "
