@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, python_train, read_scalars
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, python_train, read_scalars, torchrun
 from ddplab.events import read_hparams
 from ddplab.rundir import read_result
 
@@ -80,13 +80,16 @@ def test_two_workers_one_rank_each_complete_a_study(tmp_path):
     assert len((d / "summary.csv").read_text().splitlines()) == 5
 
 
-def test_one_worker_two_ranks_completes_a_study_and_pruning_stops_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("launch", ["self-launch", "torchrun"])
+def test_one_worker_two_ranks_completes_a_study_and_pruning_stops_every_rank_at_once(tmp_path, launch):
     d, ends = tmp_path / "s", tmp_path / "ends"
     # Trial 0 runs 3 epochs; trial 1 is pruned after its epoch 1 (the pruner's decision, known in advance).
-    proc = python_train(study_args(d, 2, "distributed.nproc_per_node=2", "num_epochs=3",
-                                   "++study.pruner={_target_:study_toy.PruneFrom,trial:1,epoch:1}",
-                                   "+callbacks.ends._target_=study_toy.RecordFitEnd", f"+callbacks.ends.dir={ends}"),
-                         tmp_path)
+    args = study_args(d, 2, "num_epochs=3", "++study.pruner={_target_:study_toy.PruneFrom,trial:1,epoch:1}",
+                      "+callbacks.ends._target_=study_toy.RecordFitEnd", f"+callbacks.ends.dir={ends}")
+    if launch == "torchrun":  # both ranks run the worker: rank 0 asks and tells, rank 1 trains what it picked
+        proc = torchrun(2, args, tmp_path)
+    else:  # one worker process, each trial self-launched on 2 ranks
+        proc = python_train(args + ["distributed.nproc_per_node=2"], tmp_path)
     assert_ok(proc)
     study = load(d)
     t0, t1 = study.get_trials()

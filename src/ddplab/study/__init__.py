@@ -4,6 +4,7 @@ the objective at every evaluation, stop when the pruner says so → tell the res
 
     python train.py hparams_search=study                                  # one worker
     python train.py hparams_search=study & python train.py hparams_search=study   # two, one machine
+    torchrun --standalone --nproc_per_node=2 train.py hparams_search=study   # one worker of 2 ranks
     sbatch --array=0-3 --wrap "python train.py hparams_search=study study.storage=journal:/shared/s.log"
 
 A trial is a normal run in ``<study.dir>/<number>/`` (checkpoints, TensorBoard events named after its
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -26,40 +27,88 @@ from ddplab.runtime import env
 from ddplab.runtime.signals import Preempted
 from ddplab.study import space, storage
 from ddplab.study.report import PRUNED
-from ddplab.study.worker import Worker, ask_lock, next_trial, objective_value, tell, trial_config
+from ddplab.study.worker import Worker, ask_lock, next_trial, objective_value, tell, trial_config, where
 
 log = logging.getLogger("ddplab")
 
 
 def run_study(cfg: DictConfig) -> dict[str, float]:
-    """Work on the study until it needs no more trials; the best trial's objective (``{objective: value}``)."""
-    w = setup(cfg)
-    while (taken := next_trial(w)) is not None:
-        trial, claim = taken
-        try:
-            run_trial(w, trial)
-        finally:
-            claim.release()
-    from ddplab.study.summary import finish
+    """Work on the study until it needs no more trials; the best trial's objective (``{objective: value}``).
 
-    return finish(w)
-
-
-def setup(cfg: DictConfig) -> Worker:
-    """Checks before any trial is asked: the config, the launcher, the objective, the space, the storage."""
+    Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens
+    the storage, claims, asks and tells; the others train the trial it picked (ranks.agree)."""
     validate(cfg)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
-    if env.is_launched():
-        raise ConfigError("mode=study: each worker is one process, and this one is a rank of a launched job "
-                          "(torchrun / srun -n>1). Fix: start workers as separate processes (one per srun task "
-                          "with --ntasks=1, an sbatch array, or '&') and give each trial its ranks with "
-                          "distributed.nproc_per_node=N")
+    w: Worker | None = None
+
+    def open_study() -> None:
+        nonlocal w
+        w = setup(cfg)
+
+    agree(cfg, open_study)
+    while True:
+        taken: tuple[Any, Any] | None = None
+
+        def take() -> tuple[int, dict[str, Any]] | None:
+            nonlocal taken
+            taken = next_trial(w)  # type: ignore[arg-type]
+            return None if taken is None else (taken[0].number, dict(taken[0].params))
+
+        picked = agree(cfg, take)
+        if picked is None:
+            break
+        if taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
+            from ddplab.job import run
+
+            run(trial_config(cfg, *picked), search_earlier_runs=False)
+            continue
+        trial, claim = taken
+        try:
+            run_trial(w, trial)  # type: ignore[arg-type]
+        finally:
+            claim.release()
+    from ddplab.study.summary import finish
+
+    return finish(w) if w is not None else {}
+
+
+def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
+    """``decide()`` on rank 0 of a launched worker, its answer on every rank (a process group just for it);
+    without a launcher, just ``decide()``. Rank 0's config error is every rank's, said once by rank 0."""
+    if not env.is_launched():
+        return decide()
+    from ddplab.runtime import collectives, group
+
+    st = group.init(cfg.distributed)
+    answer: Any = None
+    failure: BaseException | None = None
+    try:
+        if st.is_main:
+            try:
+                answer = ("ok", decide())
+            except ConfigError as e:
+                answer, failure = ("config", str(e)), e
+            except Exception as e:
+                answer, failure = ("error", f"{type(e).__name__}: {e}"), e
+        answer = collectives.broadcast_object(answer, st)
+    finally:
+        group.teardown(clean=True)
+    if failure is not None:
+        raise failure
+    if answer[0] == "config":
+        raise ConfigError(answer[1])
+    if answer[0] == "error":
+        raise RuntimeError(f"rank 0 of this study worker failed: {answer[1]}")
+    return answer[1]
+
+
+def setup(cfg: DictConfig) -> Worker:
+    """Checks before any trial is asked: the objective, the space, sampler and pruner, the storage."""
     minimize = _check_objective(cfg)
-    study_dir = Path(str(cfg.study.dir)).absolute()
+    study_dir, url = where(cfg)
     study_dir.mkdir(parents=True, exist_ok=True)
-    url = str(cfg.study.storage or storage.default_url(study_dir))
     searched = space.parse(cfg.study.params, cfg)
     for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
         _check_target(cfg, key, searched)
@@ -114,7 +163,7 @@ def run_trial(w: Worker, trial: Any) -> None:
     """Train ``trial`` and tell it once. A preemption leaves it RUNNING for a resume (the worker exits)."""
     from ddplab.job import run
 
-    cfg = trial_config(w, trial)
+    cfg = trial_config(w.cfg, trial.number, trial.params)
     tdir = w.dir / str(trial.number)
     name = rundir.label({k: str(v) for k, v in trial.params.items()})
     log.info("trial %d (%s): %s", trial.number, name, tdir)
@@ -128,8 +177,10 @@ def run_trial(w: Worker, trial: Any) -> None:
         tell(w, trial, "FAIL", None, f"config error: {e}")
         raise
     except Exception as e:
-        log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
         tell(w, trial, "FAIL", None, f"{type(e).__name__}: {e}")
+        if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
+            raise
+        log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
         return
     finally:
         logging.getLogger().removeHandler(handler)

@@ -59,6 +59,11 @@ def write_hparams(cfg: DictConfig, tdir: Any, trial: Any, state: str) -> None:
 
 
 def _world(cfg: DictConfig) -> int:
+    """The trial's ranks: the launcher's (torchrun, srun), or those the worker self-launched."""
+    from ddplab.runtime import env
+
+    if env.is_launched():
+        return env.world_size()
     return int(cfg.distributed.nproc_per_node) if str(cfg.distributed.strategy) != "none" else 1
 
 

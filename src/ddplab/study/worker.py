@@ -156,19 +156,27 @@ def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = ""
     rundir.write_result(tdir, result)
 
 
-def trial_config(w: Worker, trial: Any) -> DictConfig:
-    """The worker's config with the trial's params, as a normal run in the trial's dir that reports to the
-    study. Recomposed by Hydra where it runs (a param may pick a group option: model=mlp)."""
-    tdir = w.dir / str(trial.number)
-    settings = {"mode": "train", "run_dir": str(tdir), "resume": "auto"}
-    cfg = _compose(trial.params, settings) or _updated(w.cfg, trial.params, settings)
-    with open_dict(cfg):
-        cfg.callbacks = cfg.get("callbacks") or {}
-        cfg.callbacks.study = {"_target_": "ddplab.study.report.ReportToStudy", "storage": w.url,
-                               "study_name": w.study.study_name, "trial": trial.number, "objective": cfg.objective,
-                               "pruner": OmegaConf.to_container(cfg.study.pruner) if cfg.study.pruner else None,
-                               "timeout_s": cfg.study.timeout_s}
-    return cfg
+def where(cfg: DictConfig) -> tuple[Path, str]:
+    """The study's dir (absolute) and its storage URL, as every worker and rank computes them."""
+    from ddplab.study.storage import default_url
+
+    study_dir = Path(str(cfg.study.dir)).absolute()
+    return study_dir, str(cfg.study.storage or default_url(study_dir))
+
+
+def trial_config(cfg: DictConfig, number: int, params: dict[str, Any]) -> DictConfig:
+    """The worker's config with trial ``number``'s params, as a normal run in the trial's dir that reports to
+    the study. Recomposed by Hydra where it runs (a param may pick a group option: model=mlp)."""
+    study_dir, url = where(cfg)
+    settings = {"mode": "train", "run_dir": str(study_dir / str(number)), "resume": "auto"}
+    out = _compose(params, settings) or _updated(cfg, params, settings)
+    with open_dict(out):
+        out.callbacks = out.get("callbacks") or {}
+        out.callbacks.study = {"_target_": "ddplab.study.report.ReportToStudy", "storage": url,
+                               "study_name": str(cfg.study.name), "trial": number, "objective": out.objective,
+                               "pruner": OmegaConf.to_container(out.study.pruner) if out.study.pruner else None,
+                               "timeout_s": out.study.timeout_s}
+    return out
 
 
 def _compose(params: dict[str, Any], settings: dict[str, Any]) -> DictConfig | None:
