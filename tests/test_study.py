@@ -137,6 +137,53 @@ def test_a_preempted_worker_resumes_the_same_trial_and_tells_it_once(tmp_path):
     assert t_ref.intermediate_values == study.get_trials()[0].intermediate_values
 
 
+def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path):
+    """SIGTERM after the trial's last stop check (its fit has ended): the trial completes and is told, and the
+    worker takes no further trial (it exits as preempted); started again, it goes on with the next one."""
+    d, marker = tmp_path / "s", tmp_path / "fired"
+    args = study_args(d, 3, "+callbacks.late._target_=study_toy.SignalAtFitEnd", "+callbacks.late.sig=SIGTERM",
+                      f"+callbacks.late.marker={marker}")
+    first = python_train(args, tmp_path)
+    assert first.returncode == 128 + signal.SIGTERM and marker.exists(), first.stdout[-3000:] + first.stderr[-2000:]
+    assert "SIGTERM arrived between trials: this worker takes no further trial" in first.stdout + first.stderr
+    assert [t.state.name for t in load(d).get_trials()] == ["COMPLETE"]
+    again = python_train(args, tmp_path)
+    assert_ok(again)
+    assert trials_run(again) == [1, 2]
+    assert [t.state.name for t in load(d).get_trials()] == ["COMPLETE"] * 3
+    assert_told_as_recorded(d, load(d))
+
+
+def test_sigterm_to_a_worker_with_slow_steps_on_two_ranks_stops_within_a_step_and_resumes(tmp_path):
+    """1.5 s steps, a 2-rank trial self-launched by the worker, log steps rarer than the run: SIGTERM from outside
+    to the worker, at whatever point of a step it lands, checkpoints within about a step; the trial stays
+    RUNNING (a preemption, not a death) and the worker started again completes it, told once."""
+    d, trace = tmp_path / "s", tmp_path / "trace"
+    args = study_args(d, 1, "model._target_=toy.SlowMLP", "+model.delay_s=1.5", f"+model.trace={trace}",
+                      "num_epochs=1", "limit_train_steps=6", "log_every_n_steps=50", "distributed.nproc_per_node=2")
+    worker = start(args, tmp_path)
+    t0 = time.monotonic()
+    while not (trace.exists() and len(trace.read_text().split()) >= 4) and time.monotonic() - t0 < 120:
+        time.sleep(0.1)  # rank 0 is in its second training forward
+    time.sleep(0.7)
+    signalled = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    first = finish(worker)
+    took = time.monotonic() - signalled
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout[-3000:] + first.stderr[-3000:]
+    assert took < 2 * 1.5 + 15, took  # at most the step under way and the next, plus checkpoint and exit
+    res = read_result(d / "0")
+    assert res["status"] == "preempted" and 1 <= res["step"] <= 3, res
+    (t,) = load(d).get_trials()
+    assert t.state.name == "RUNNING" and "ddplab:deaths" not in t.user_attrs
+    again = python_train(args, tmp_path)
+    assert_ok(again)
+    (t,) = load(d).get_trials()
+    assert t.state.name == "COMPLETE" and read_result(d / "0")["metrics"]["step"] == 6
+    assert "ddplab:deaths" not in t.user_attrs
+    assert_told_as_recorded(d, load(d))
+
+
 @pytest.mark.parametrize("max_retries,state", [(2, "COMPLETE"), (0, "FAIL")])
 def test_a_sigkilled_worker_leaves_no_trial_running(tmp_path, max_retries, state):
     d, marker = tmp_path / "s", tmp_path / "fired"

@@ -24,7 +24,6 @@ from omegaconf import DictConfig
 from ddplab import build, rundir, strategy
 from ddplab.batch_size import global_batch_size
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
-from ddplab.config import ConfigError
 from ddplab.data.batches import first_tensor, map_tensors
 from ddplab.data.streams import is_stream
 from ddplab.evaluation import Evaluator, derived
@@ -41,7 +40,7 @@ from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.runtime.stopping import StopAgreement, slow_save_warning
 from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.state import State
-from ddplab.task import check_batch, check_output, logged_names, name_of
+from ddplab.task import check_batch, check_objective, check_output, name_of
 from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
 
@@ -119,10 +118,7 @@ class Trainer:
     def _check_objective(self) -> None:
         """The objective must be a metric the task logs: otherwise no best checkpoint is ever kept and sweepers get None."""
         s = self.state
-        names = [f"val/{m}" for m in logged_names(s.task)] + s.callbacks.logged_names()
-        if s.cfg.objective not in names:
-            raise ConfigError(f"objective={s.cfg.objective!r}: {name_of(s.task)} logs no such metric. "
-                              f"Fix: objective= one of {', '.join(names)}")
+        check_objective(s.cfg.objective, s.task, s.callbacks.logged_names())
 
     def position(self) -> str:
         return self.state.position()

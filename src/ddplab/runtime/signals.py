@@ -47,6 +47,22 @@ def hold_during_startup() -> None:
             signal.signal(sig, _remember)
 
 
+_FOR_LIFE: list[bool] = []  # set by hold_for_life: the hold outlives each job (a study worker's jobs)
+
+
+def hold_for_life() -> None:
+    """A study worker's call: between its jobs, and after each job's handler is gone, a stop signal is
+    remembered too (not fatal), and :func:`held` tells the worker to take no further trial. A signal that
+    reached a job after its last stop check (the job completed) is handed on the same way."""
+    _FOR_LIFE[:] = [True]
+    hold_during_startup()
+
+
+def held() -> str | None:
+    """The name of a stop signal remembered while no job's handler was installed (or handed on by one)."""
+    return _EARLY[0][0] if _EARLY else None
+
+
 def _remember(signum: int, frame: FrameType | None) -> None:
     now = time.monotonic()
     if not _EARLY:
@@ -106,8 +122,9 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 old = signal.signal(sig, self._handle)
-                # The start-up hold ends here: after the job, a signal acts as it would without ddplab.
-                self._old[sig] = signal.SIG_DFL if old is _remember else old
+                # The start-up hold ends here: after the job, a signal acts as it would without ddplab
+                # (a study worker's hold lasts: hold_for_life).
+                self._old[sig] = signal.SIG_DFL if old is _remember and not _FOR_LIFE else old
         if _EARLY and self.name is None:  # it came while the process started (hold_during_startup)
             (self.name, self.at), _EARLY[:] = _EARLY[0], []
             log.warning("%s received during start-up, %.1f s ago: stopping at the first step boundary all ranks "
@@ -120,6 +137,8 @@ class StopSignal:
         return self
 
     def uninstall(self) -> None:
+        if _FOR_LIFE and self.name is not None and not _EARLY:  # the worker must not take another trial
+            _EARLY.append((self.name, self.at))
         self._watching.set()
         for sig, old in self._old.items():
             signal.signal(sig, old)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from ddplab import rundir
 from ddplab.config import ConfigError, validate
-from ddplab.runtime import env
+from ddplab.runtime import env, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.study import space, storage
 from ddplab.study.report import PRUNED
@@ -41,6 +41,7 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
+    signals.hold_for_life()  # a stop signal between trials (or after a job's last stop check) ends the worker
     w: Worker | None = None
 
     def open_study() -> None:
@@ -51,14 +52,21 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
     while True:
         taken: tuple[Any, Any] | None = None
 
-        def take() -> tuple[int, dict[str, Any]] | None:
+        def take() -> tuple[Any, ...] | None:
             nonlocal taken
+            if signals.held():  # preempted between trials: take none (the last one was told)
+                return ("stop", signals.held())
             taken = next_trial(w)  # type: ignore[arg-type]
-            return None if taken is None else (taken[0].number, dict(taken[0].params))
+            return None if taken is None else ("trial", taken[0].number, dict(taken[0].params))
 
         picked = agree(cfg, take)
         if picked is None:
             break
+        if picked[0] == "stop":
+            log.warning("%s arrived between trials: this worker takes no further trial (start it again to go on)",
+                        picked[1])
+            raise Preempted(picked[1], -1, None)
+        picked = picked[1:]
         if taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
             from ddplab.job import run
 
@@ -145,18 +153,12 @@ def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
 
 
 def _check_objective(cfg: DictConfig) -> bool:
-    """The objective must be a metric the task logs (else every trial fails): whether it is minimised."""
+    """The trainer's check, before any trial: an objective nothing logs would fail every trial. Minimised?"""
     from ddplab import build
-    from ddplab.task import logged_names, name_of
+    from ddplab.callbacks import Callbacks
+    from ddplab.task import check_objective
 
-    task = build.task(cfg)
-    metric = str(cfg.objective).split("/", 1)[-1]
-    names = [f"val/{m}" for m in logged_names(task)]
-    callbacks = set((cfg.get("callbacks") or {}).keys())
-    if cfg.objective not in names and not (cfg.objective.startswith("val_ema/") and "ema" in callbacks):
-        raise ConfigError(f"objective={cfg.objective!r}: {name_of(task)} logs no such metric, so no trial could "
-                          f"be told a value. Fix: objective= one of {', '.join(names)}")
-    return metric not in getattr(task, "maximize", ())
+    return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())
 
 
 def run_trial(w: Worker, trial: Any) -> None:

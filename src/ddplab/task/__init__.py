@@ -74,6 +74,18 @@ def logged_names(task: Any) -> list[str]:
     return ["loss", *getattr(task, "metric_names", ()), *getattr(task, "derived_names", ())]
 
 
+def check_objective(objective: str, task: Any, callback_names: list[str]) -> bool:
+    """The objective must be a metric the task (or a callback: val_ema/*) logs, else no best checkpoint is kept
+    and sweepers and studies get None: a ConfigError listing the ones there are. Whether it is minimised."""
+    names = [f"val/{m}" for m in logged_names(task)] + list(callback_names)
+    if objective not in names:
+        from ddplab.config.errors import ConfigError
+
+        raise ConfigError(f"objective={objective!r}: {name_of(task)} logs no such metric. "
+                          f"Fix: objective= one of {', '.join(names)}")
+    return objective.split("/", 1)[-1] not in getattr(task, "maximize", ())
+
+
 def check_batch(task: Any, batch: Any) -> None:
     """A batch's tensors must agree on their leading (sample) dim (checked on the first batches only)."""
     found = [(where, tuple(t.shape)) for where, t in tensors(batch) if t.dim() > 0]
