@@ -285,3 +285,41 @@ class ValStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         return zip(self.x, self.y)
+
+
+STALLS: list[tuple[int, float]] = []  # (step, seconds the loop paused) per checkpoint, in-process runs
+
+
+class StallRecorder:
+    """Records how long each checkpoint held the loop (the manager's ``last_stall_s``)."""
+
+    def on_save(self, state, path):
+        STALLS.append((state.loop.step, state.checkpoints.last_stall_s))
+
+
+class SlowDisk:
+    """A slow file system under the checkpoints: every step file takes ``delay_s`` longer to write.
+    ``signal_at``: rank 0 sends SIGTERM to its whole process group right after that step's checkpoint is
+    handed over (its write is then in flight). ``kill_at``: the process dies by SIGKILL half-way through
+    writing that step's file, its temporary file half written."""
+
+    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, kill_at: int = 0):
+        self.delay_s, self.signal_at, self.kill_at = delay_s, signal_at, kill_at
+
+    def setup(self, state):
+        from ddplab.checkpoint import files
+
+        real = files.save_atomic
+
+        def slow(obj, path):
+            if self.kill_at and path.name == f"step-{self.kill_at:08d}.pt":
+                path.with_name(f".{path.name}.tmp{os.getpid()}").write_bytes(b"PK\x03\x04" + b"\0" * 4096)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.delay_s)
+            real(obj, path)
+
+        files.save_atomic = slow  # files.save looks it up at each call
+
+    def on_save(self, state, path):
+        if self.signal_at and state.loop.step == self.signal_at and _rank() == 0:
+            os.killpg(os.getpgid(0), signal.SIGTERM)  # what SLURM does: the whole job at once

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -92,11 +92,13 @@ def _plain(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
 
-def checkpoints_of(s: State) -> tuple[CheckpointManager, ResumeGuard]:
-    """The CheckpointManager with every stateful part of the job registered, and its drift guard."""
+def checkpoints_of(s: State, stop: Callable[[str], None] | None = None) -> tuple[CheckpointManager, ResumeGuard]:
+    """The CheckpointManager with every stateful part of the job registered, and its drift guard.
+    ``stop(reason)``: how a failed background write stops the loop (the trainer's StopSignal.request)."""
     meta = {"config": OmegaConf.to_yaml(s.cfg, resolve=True), "world_size": s.dist.world_size}
     guard = ResumeGuard(s.cfg, s.dist.world_size)  # a checkpoint of another config is refused
-    manager = CheckpointManager(s.run_dir / "checkpoints", s.cfg.checkpoint, s.dist, meta, check_meta=guard.check)
+    manager = CheckpointManager(s.run_dir / "checkpoints", s.cfg.checkpoint, s.dist, meta, check_meta=guard.check,
+                                stop=stop)
     entries = {**s.strategy.checkpoint_entries(s.module, s.optimizer, manager), "scheduler": s.scheduler,
                "scaler": s.precision, "loop": s.loop,
                "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly

@@ -63,7 +63,7 @@ class Trainer:
         self._step_fn = s.task  # the first step swaps in a checking wrapper (_first_step)
         s.callbacks(Hook.SETUP, s)
         self._check_objective()
-        s.checkpoints, guard = checkpoints_of(s)
+        s.checkpoints, guard = checkpoints_of(s, stop=self.stop.request)
         s.config_changes = resume(s, guard)  # opted-in config changes applied, as text (or None)
         # The resumed run's last save: would a preemption's checkpoint be written within the launcher's grace?
         slow_save_warning(s.checkpoints.resumed_save_s, self.grace_s, "the last checkpoint of the resumed run")
@@ -149,7 +149,9 @@ class Trainer:
                 self._end_epoch()
             while loop.epoch < min(cfg.num_epochs, stop) and s.stop_reason is None:
                 last_train = self.run_epoch() or last_train
+            s.checkpoints.finish()  # async_save: the last checkpoint is on disk before the run says done
         except BaseException as e:
+            s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, self.state, e)
             raise
         finally:
@@ -183,7 +185,7 @@ class Trainer:
         loop.step_in_epoch = loop.batches_in_epoch = 0
         loop.eval_pending = True
         if self.stopper.agreed:  # agreed in the epoch's last steps: its evaluation runs on resume
-            self._preempt(self._save())
+            self._preempt()
         self._end_epoch()
         return last_train
 
@@ -195,7 +197,7 @@ class Trainer:
         if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
             val = self._evaluate_all(interruptible=True)
             if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
-                self._preempt(self._save())
+                self._preempt()
             improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
             best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
             s.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
@@ -205,10 +207,11 @@ class Trainer:
         loop.eval_pending = False
         self._save(is_best=improved)
 
-    def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None) -> str:
-        """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or ""."""
+    def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False) -> str:
+        """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or "".
+        ``now``: on disk when this returns, even with checkpoint.async_save."""
         s = self.state
-        path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self._close_log_interval)
+        path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self._close_log_interval, now=now)
         if path:
             slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
             s.callbacks(Hook.ON_SAVE, self.state, path)
@@ -221,9 +224,10 @@ class Trainer:
         if self.metrics.steps:
             self._log()
 
-    def _preempt(self, checkpoint: str | None) -> None:
-        """Every rank agreed to stop here, right after a checkpoint: leave with status preempted."""
-        raise Preempted(self.stopper.reason, self.state.loop.step, checkpoint)
+    def _preempt(self) -> None:
+        """Every rank agreed to stop here: checkpoint (written before leaving, async_save or not), then
+        leave with status preempted."""
+        raise Preempted(self.stopper.reason, self.state.loop.step, self._save(now=True))
 
     def _train_epoch(self) -> dict[str, float]:
         s, stopper = self.state, self.stopper
@@ -259,7 +263,7 @@ class Trainer:
                 else:
                     stopper.after_step()
                 if stopper.agreed and loop.batches_in_epoch < spe:  # at the epoch's end: run_epoch saves
-                    self._preempt(self._save())
+                    self._preempt()
                 if self._save(mid_epoch=(loop.batches_in_epoch, spe)):
                     t_step = time.perf_counter()
                     self.watch.mark(loop.step + 1, t_step)

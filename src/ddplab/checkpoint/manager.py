@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:  # the type only: importing torch.distributed.checkpoint costs ~0.6 s of start-up
     from torch.distributed.checkpoint.stateful import Stateful
 
-from ddplab.checkpoint import files
+from ddplab.checkpoint import background, files
 from ddplab.config import drift
-from ddplab.runtime.collectives import broadcast_object
+from ddplab.runtime.collectives import broadcast_object, side_group
 from ddplab.runtime.group import DistState
 
 log = logging.getLogger("ddplab")
@@ -35,11 +35,14 @@ log = logging.getLogger("ddplab")
 
 class CheckpointManager:
     def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any],
-                 check_meta: Callable[[dict[str, Any], Path], None] | None = None):
-        """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best); ``meta``: stored as is;
-        ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before any load)."""
+                 check_meta: Callable[[dict[str, Any], Path], None] | None = None,
+                 stop: Callable[[str], None] | None = None):
+        """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best, async_save); ``meta``:
+        stored as is; ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before
+        any load); ``stop(reason)``: asks the loop for a stop (a background write failed: the stop's save
+        then raises its error on every rank)."""
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
-        self.check_meta = check_meta
+        self.check_meta, self._stop = check_meta, stop
         self._every = int(policy.every_n_steps)  # read once: save(mid_epoch=...) runs every step
         self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
@@ -50,6 +53,11 @@ class CheckpointManager:
         # launcher's grace after a stop signal is lost on preemption, so the trainer says so.
         self.last_save_s = 0.0
         self.resumed_save_s = 0.0
+        # checkpoint.async_save: the loop pauses for last_stall_s only; a writer thread does the rest.
+        self._writer = background.Writer() if policy.get("async_save", False) and self._enabled else None
+        self._staging = background.Staging()
+        self._group: Any = None  # a side group for sharded background writes (made at the first one)
+        self.last_stall_s = 0.0
 
     def register(self, key: str, component: Stateful, optional: bool = False) -> None:
         """``optional``: a checkpoint without this entry still loads; the component keeps its fresh state
@@ -59,6 +67,11 @@ class CheckpointManager:
         self.components[key] = component
         if optional:
             self._optional.add(key)
+
+    @property
+    def staging_bytes(self) -> int:
+        """CPU memory async_save holds for its copies of the state (0 for synchronous saves)."""
+        return self._staging.nbytes
 
     # ------------------------------------------------------ sidecar directories
     def sidecar_path(self, suffix: str) -> Path:
@@ -78,17 +91,19 @@ class CheckpointManager:
         return bool(every) and step % every == 0 and position[0] < position[1]
 
     def save(self, step: int, is_best: bool = False, mid_epoch: tuple[int, int] | None = None,
-             before: Callable[[], None] | None = None) -> str:
-        """Collective: every rank gathers its components' state; rank 0 writes; all wait. The path, or
-        "" when nothing was saved.
+             before: Callable[[], None] | None = None, now: bool = False) -> str:
+        """Collective: every rank gathers its components' state; rank 0 writes. The path, or "" when
+        nothing was saved.
 
         ``mid_epoch`` (batches consumed, batches per epoch): called after every step, this saves only
         when ``checkpoint.every_n_steps`` says a save is due; otherwise (epoch end, stop) it always
         saves. ``before`` runs on every rank right before a save (the trainer closes its log interval).
+        ``now``: written before this returns even with ``checkpoint.async_save`` (a stop's checkpoint).
 
         Rank 0's outcome goes to every rank (in place of a plain barrier, at the same cost): a
         failed write (a full disk) stops all ranks together with rank 0's message, instead of
-        leaving the others waiting in a barrier until the timeout.
+        leaving the others waiting in a barrier until the timeout. With ``async_save`` the outcome
+        is the previous background write's, said at the next save or at :meth:`finish`.
         """
         if not self._enabled or (mid_epoch is not None and not self._due(step, mid_epoch)):
             return ""
@@ -96,21 +111,90 @@ class CheckpointManager:
             before()
         t0 = time.perf_counter()
         self._step = step
+        if self._writer is not None:
+            # Every rank: the write in flight is done, and how it went (rank 0's word) before anything new.
+            error = broadcast_object(self._settle(t0), self.state)
+            if error:
+                raise files.CheckpointWriteError(error)
+            if not now:
+                return self._save_in_background(step, is_best, t0)
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
         outcome: tuple[str, str] = ("", "")
         if self.state.is_main:
             try:
-                outcome = (str(files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
-                                          is_best and self.policy.save_best)), "")
+                outcome = (str(self._write(entries, step, is_best)), "")
             except OSError as e:
                 outcome = ("", str(e))
         path, error = broadcast_object(outcome, self.state)  # nobody races ahead of (or reads) a half-written file
         if error:
             raise files.CheckpointWriteError(error)
-        self.last_save_s = time.perf_counter() - t0
+        self.last_save_s = self.last_stall_s = time.perf_counter() - t0
         if path and self.state.is_main:
             _note_save_time(self.dir, Path(path).name, self.last_save_s)
         return path
+
+    def _write(self, entries: dict[str, Any], step: int, is_best: bool) -> Path:
+        return files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
+                          is_best and self.policy.save_best)
+
+    def _settle(self, t0: float) -> str:
+        """Wait for the background write in flight (async_save); its error ("" if none or it succeeded)."""
+        if self._writer is None:
+            return ""
+        busy = self._writer.busy
+        error = self._writer.wait()
+        waited = time.perf_counter() - t0
+        self.last_save_s = self._writer.seconds or self.last_save_s  # what a stop's save will cost, about
+        if busy and waited > 0.05:
+            log.warning("checkpoint at step %d waited %.2fs for the previous background write (%.2fs in all): "
+                        "saves come faster than they are written. Fix: raise checkpoint.every_n_steps",
+                        self._step, waited, self._writer.seconds)
+        return error
+
+    def _save_in_background(self, step: int, is_best: bool, t0: float) -> str:
+        """checkpoint.async_save: copy every component's state (the loop waits for this only), then write
+        in the background. A sharded component (FSDP) stages its own shards through DCP's async_save."""
+        if self._group is None and any(hasattr(c, "stage") for c in self.components.values()):
+            self._group = side_group(self.state) or False
+        entries: dict[str, Any] = {}
+        pending: list[Callable[[], None]] = []  # sharded writes in flight: done before the step file names them
+        for key, c in self.components.items():
+            if hasattr(c, "stage"):
+                entries[key], finish = c.stage(self._group or None)
+                pending.append(finish)
+            else:
+                entries[key] = self._staging.copy(c.state_dict())
+        meta = self._staging.copy(self.meta)
+
+        def write() -> None:
+            for finish in pending:
+                finish()
+            if self.state.is_main:
+                path = files.save({**entries, "meta": meta}, self.dir, step, self.policy.keep_last,
+                                  is_best and self.policy.save_best)
+                _note_save_time(self.dir, path.name, time.perf_counter() - t0)
+
+        self._writer.start(write, self._on_write_error)
+        self.last_stall_s = time.perf_counter() - t0
+        return str(self.dir / f"{files.step_name(step)}.pt")
+
+    def _on_write_error(self, error: str) -> None:
+        if self._stop is not None:
+            self._stop(f"a background checkpoint write failed ({error.split(':')[0]})")
+
+    def finish(self) -> None:
+        """Collective, at the end of a run: the last background write is done; its failure fails every rank."""
+        if self._writer is None:
+            return
+        error = broadcast_object(self._settle(time.perf_counter()), self.state)
+        if error:
+            raise files.CheckpointWriteError(error)
+
+    def drain(self) -> None:
+        """Local, on the way out of a failed run: let the write in hand finish (it is a complete
+        checkpoint); its outcome is no longer anyone's to act on."""
+        if self._writer is not None:
+            self._writer.wait()
 
     # ---------------------------------------------------------------- loading
     def resume(self, resume: str | None, run_dir: Path, search_earlier_runs: bool = False) -> Path | None:

@@ -110,6 +110,9 @@ class CheckpointConfig:
     keep_last: int = 2  # step files kept (plus best.pt); last.pt always points at the newest
     save_best: bool = True  # best.pt: the checkpoint with the best `objective` so far
     enabled: bool = True  # false: write no checkpoints at all (debug runs)
+    # true: the loop pauses only to copy the state to CPU memory; a background thread writes it (one in
+    # flight; stops and the run's end wait for it). Costs one copy of the state in CPU memory.
+    async_save: bool = False
 
     @staticmethod
     def check(c: Any, key: str = "checkpoint") -> None:

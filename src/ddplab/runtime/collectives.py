@@ -27,6 +27,15 @@ def broadcast_object(obj: Any, state: DistState) -> Any:
     return box[0]
 
 
+def side_group(state: DistState) -> Any:
+    """A second gloo group over every rank, for collectives a background thread runs (an asynchronous
+    sharded checkpoint) while the loop runs its own on the job's group: two threads sharing one group
+    would interleave their collectives. Collective to create; None on one process."""
+    if not state.is_distributed:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def gather_object(obj: Any, state: DistState) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (checkpoint-time only)."""
     if not state.is_distributed:

@@ -34,6 +34,23 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
+@contextlib.contextmanager
+def _written_or_removed(path: Path) -> Iterator[None]:
+    """A failed sharded write removes its partial shards (they would keep a full disk full for the retry;
+    the step file naming them was not written yet) and raises one line. DCP gathers every rank's write
+    result, so all ranks raise here together."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # (torch's CheckpointException is a BaseException)
+        shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"could not write sharded checkpoint {path}: {_first_failure(e)} ({free_space(path.parent)} on "
+            "its file system). The previous checkpoint is intact. Fix: free space (or point run_dir "
+            "elsewhere), then run the same command with resume=auto") from None
+
+
 class ShardedState:
     """Stateful: model + optimizer written by every rank into a sidecar directory (collective)."""
 
@@ -44,22 +61,33 @@ class ShardedState:
 
     def state_dict(self) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         path = self.sidecars.sidecar_path(self.SUFFIX)
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        try:
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # (torch's CheckpointException is a BaseException)
-            # DCP gathers every rank's write result, so all ranks raise here together. Partial shards would
-            # keep a full disk full for the retry; the step file naming them was not written yet.
-            shutil.rmtree(path, ignore_errors=True)
-            raise CheckpointWriteError(
-                f"could not write sharded checkpoint {path}: {_first_failure(e)} ({free_space(path.parent)} on "
-                "its file system). The previous checkpoint is intact. Fix: free space (or point run_dir "
-                "elsewhere), then run the same command with resume=auto") from None
+        with _written_or_removed(path):
+            dcp.save(self._state(), checkpoint_id=str(path))
         return {"sidecar": path.name}
+
+    def stage(self, group: Any) -> tuple[dict[str, Any], Callable[[], None]]:
+        """checkpoint.async_save: DCP copies this rank's shards to CPU now and writes them in its own
+        thread (collectives on ``group``, not the loop's). The entry, and a call that blocks until the
+        shards are written (or raises as :meth:`state_dict` does)."""
+        import torch.distributed.checkpoint as dcp
+
+        path = self.sidecars.sidecar_path(self.SUFFIX)
+        with _written_or_removed(path):
+            future = dcp.async_save(self._state(), checkpoint_id=str(path), process_group=group)
+
+        def finish() -> None:
+            with _written_or_removed(path):
+                future.result()
+
+        return {"sidecar": path.name}, finish
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
         if "sharded" not in ck:
