@@ -12,6 +12,7 @@ import helpers.jobs  # noqa: F401  (registers ddplab's configs, as train.py does
 #   slow  — seconds or more: whole training runs, real processes. `pytest -m "not slow"` is the inner loop.
 #   dist  — starts real multi-process jobs (gloo on CPU); always slow too.
 #   slurm — submits jobs to a real SLURM cluster; always slow too.
+#   netns — two hosts made of network namespaces (scripts/netns_cluster.sh); always slow too.
 #   cuda  — needs a CUDA GPU: skipped without one (the reason names CUDA, so .ci/run allows the skip).
 
 
@@ -32,10 +33,10 @@ def small() -> list[str]:
     return ["num_epochs=1", "model=mlp", "log_every_n_steps=5", "progress=log"]
 
 
-# What a CI machine may lack, so a test may skip there: a GPU, a SLURM cluster (the first phase of .ci/run;
-# the second starts one), a CPU that computes bf16 natively. Any other skip — `ss` missing, a mount refused,
+# What a CI machine may lack, so a test may skip there: a GPU, a SLURM cluster or the two-host cluster (the
+# first phase of .ci/run; later phases start them), a CPU that computes bf16 natively. Any other skip — `ss` missing, a mount refused,
 # keras absent — would hide an untested promise: under DDPLAB_CI=1 (.ci/run) it fails instead.
-CI_MAY_SKIP = ("CUDA", "GPU", "SLURM", "computes bf16 natively")
+CI_MAY_SKIP = ("CUDA", "GPU", "SLURM", "computes bf16 natively", "two-host cluster")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -36,6 +36,7 @@ class Session:
         self.state: DistState = DistState()
         self.run_dir: Path = Path()
         self._lock: rundir.RunDirLock | None = None  # set once rank 0 holds the run dir
+        self.hosts: dict[int, str] = {}  # rank -> host, from the start-up rank table (failures name hosts)
         # torchrun's restart memo, named while the agent is this rank's parent: if the agent dies, the
         # parent pid changes, and the memo must still be found to be removed when the job completes.
         self._memo: Path | None = None
@@ -83,6 +84,7 @@ class Session:
                 self.cfg.resume = "auto"
         table, rows = collectives.rank_table(st, collectives.rank_config_digest(self.cfg))
         log.info("ranks: %s", table)
+        self.hosts = {int(r["rank"]): str(r["host"]) for r in rows}
         # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
         self.provenance = provenance.write(self.run_dir, provenance.collect(rows, st.backend)) if st.is_main else ""
 
@@ -134,7 +136,7 @@ class Session:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
             elif isinstance(exc, Exception):
                 report = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
-                                                self.cfg.distributed.timeout_s)
+                                                self.cfg.distributed.timeout_s, self.hosts)
                 log.error(report)
                 if self._lock is not None:  # never into a run dir another job holds
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})

@@ -7,6 +7,7 @@ other module gets the resulting :class:`DistState` and the named helpers of
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -130,27 +131,44 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float) -> str:
+def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float,
+                     hosts: dict[int, str] | None = None) -> str:
     """A one-paragraph account of why this rank stopped, naming the rank(s) at fault where possible.
 
     Each failing rank leaves a note in the rendezvous store (no collective: the
     group may be broken). A rank whose collective timed out waits briefly for
     the others' notes; ranks that left none never reached the collective —
-    hung, dead or far slower — and are named.
+    hung, dead, cut off or far slower — and are named, with their hosts (``hosts``: rank -> host, from
+    the start-up rank table): across machines, a silent host is the first thing to look at.
     """
     msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {exc}"
     if not (state.is_distributed and dist.is_initialized()):
         return msg
-    try:
-        store = compat.default_store()
-        store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
-        if _is_timeout(exc):
-            time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
-            silent = [r for r in range(state.world_size)
-                      if not store.check([f"ddplab/{job_key}/failed/{r}"])]
-            msg += (f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
-                    f"Rank(s) {silent} never reached it: hung, dead or far slower than the rest "
-                    "(a stuck data loader, a deadlock, a rank-dependent branch that skips a collective).")
-    except Exception:  # the store may be gone too; the plain message still stands
-        pass
+    found: list[list[int]] = []
+
+    def notes() -> None:
+        try:
+            store = compat.default_store()
+            store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
+            if _is_timeout(exc):
+                time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
+                found.append([r for r in range(state.world_size)
+                              if not store.check([f"ddplab/{job_key}/failed/{r}"])])
+        except Exception:  # the store may be gone too; the plain message still stands
+            pass
+
+    # In a thread, waited for a bounded time: the store lives on rank 0's host, and a rank cut off from it
+    # (its host's link is down) would block in the store's socket until the link came back.
+    worker = threading.Thread(target=notes, name="ddplab-failure-notes", daemon=True)
+    worker.start()
+    worker.join(min(3.0, timeout_s / 4) + 5.0)
+    if found:
+        silent = found[0]
+        on = ", ".join(f"rank {r} on {hosts[r]}" for r in silent if hosts and r in hosts)
+        msg += (f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
+                f"Rank(s) {silent} never reached it{f' ({on})' if on else ''}: hung, dead, cut off from the "
+                "network or far slower than the rest (a stuck data loader, a deadlock, a rank-dependent "
+                "branch that skips a collective, a host whose link is down).")
+    elif worker.is_alive():
+        msg += "\n  The job's store (on rank 0's host) did not answer: is this host cut off from it?"
     return msg
