@@ -147,8 +147,12 @@ def launcher_grace_s() -> float | None:
     """The grace a preempted rank has to checkpoint (None: no launcher kills it): torchrun's and the
     self-launcher's 30 s, Kubernetes' default 30 s, SLURM's KillWait; the shortest where several apply."""
     e = os.environ
-    graces = [LAUNCHER_GRACE_S] if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "KUBERNETES_SERVICE_HOST" in e \
-        else []
+    graces = [LAUNCHER_GRACE_S] if is_self_launched() or "KUBERNETES_SERVICE_HOST" in e else []
+    if "TORCHELASTIC_RUN_ID" in e:  # torchrun's --shutdown-timeout reaches its ranks only through this variable
+        try:
+            graces.append(float(e.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", LAUNCHER_GRACE_S)))
+        except ValueError:
+            graces.append(LAUNCHER_GRACE_S)
     if "SLURM_JOB_ID" in e:
         graces.append(slurm_kill_wait_s())
     return min(graces) if graces else None
