@@ -6,13 +6,17 @@
     python scripts/bench_checkpoint.py --dir /mnt/nfs/x   # checkpoints on another file system
 
 Each (size, mode) is one ``python train.py``-equivalent run in its own process (its peak memory is its
-own): the real trainer, ``model=mlp`` with three square hidden layers sized so that the weights plus
-SGD's momentum make the state, a checkpoint every 2 optimizer steps. A callback records, per save:
+own): the real trainer, ``model=mlp`` with hidden layers [H, H, H] sized so that the weights plus
+SGD's momentum make the state, a checkpoint every 8 optimizer steps (12 above 1 GB: a write ends before
+the next save). A callback records, per save:
 
   stall s    how long the save held the loop (sync: the whole write; async: the copy to CPU memory,
-             and any wait for the previous write)
+             and any wait for the previous write, also shown on its own)
   write s    the save's start to its file on disk (``checkpoints/save_seconds.json``)
   step s     median time of the optimizer steps after a save (async: they run while the write does)
+
+  whole run  the run's wall time, start-up to exit (same steps, same saves): what the stall saved, net of
+             the steps slowed by a write beside them (on a CPU-only machine they share the cores)
 
 The first save of each run is left out of the medians (async: it allocates its buffers).
 Reported also: the state's size, peak RSS of the process, and async's staging buffers.
@@ -47,14 +51,21 @@ class SaveRecorder:
         self.t = now
 
     def on_save(self, state, path):
-        RECORD.append({"save": state.loop.step, "stall_s": state.checkpoints.last_stall_s,
-                       "staging_bytes": state.checkpoints.staging_bytes})
+        ck = state.checkpoints
+        RECORD.append({"save": state.loop.step, "stall_s": ck.last_stall_s, "wait_s": ck.last_wait_s,
+                       "staging_bytes": ck.staging_bytes})
         self.t = time.perf_counter()
 
 
 def hidden_for(gb: float) -> int:
-    """Three HxH layers (~3 H^2 fp32 weights) plus momentum: 24 H^2 bytes of state."""
-    return int(math.sqrt(gb * 2**30 / 24))
+    """Hidden [H, H, H] has two HxH weight matrices (~2 H^2 fp32 numbers) plus their momentum: 16 H^2 bytes."""
+    return int(math.sqrt(gb * 2**30 / 16))
+
+
+def every_for(gb: float) -> int:
+    """Steps between saves: enough for a write to end before the next save (on 2 cores: a 2 GB write takes
+    ~8 s, steps ~1 s), so the stall is the copy; a save that must wait anyway is counted in its stall."""
+    return 8 if gb <= 1 else 12
 
 
 def one(gb: float, mode: str, saves: int, where: Path) -> dict[str, float]:
@@ -68,14 +79,16 @@ def one(gb: float, mode: str, saves: int, where: Path) -> dict[str, float]:
     register_configs()
     h = hidden_for(gb)
     ov = ["model=mlp", f"model.hidden=[{h},{h},{h}]", "model.dropout=0", "num_epochs=1",
-          f"limit_train_steps={2 * saves + 1}", "checkpoint.every_n_steps=2", f"checkpoint.keep_last={saves + 2}",
+          f"limit_train_steps={every_for(gb) * saves + 1}", f"checkpoint.every_n_steps={every_for(gb)}", f"checkpoint.keep_last={saves + 2}",
           "checkpoint.save_best=false", "limit_val_batches=1", "batch_size=32", "progress=none",
           f"checkpoint.async_save={mode == 'async'}", "+callbacks.rec._target_=__main__.SaveRecorder"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=ov)
     with open_dict(cfg):
         cfg.run_dir = str(where)
+    t0 = time.perf_counter()
     ddplab.run(cfg)
+    run_s = time.perf_counter() - t0
     written = json.loads((where / "checkpoints" / "save_seconds.json").read_text())
     saves_ = [r for r in RECORD if "save" in r][1:]
     steps = [r["step_s"] for i, r in enumerate(RECORD) if "step" in r and i and "save" in RECORD[i - 1]][1:]
@@ -83,9 +96,10 @@ def one(gb: float, mode: str, saves: int, where: Path) -> dict[str, float]:
         1, len(list((where / "checkpoints").glob("step-*.pt"))))
     return {"gb": gb, "mode": mode, "state_gb": state_bytes / 2**30,
             "stall_s": statistics.median(r["stall_s"] for r in saves_),
+            "wait_s": max(r["wait_s"] for r in saves_),
             "write_s": statistics.median(v for k, v in written.items() if k.startswith("step-")),
             "step_after_save_s": statistics.median(steps) if steps else float("nan"),
-            "staging_gb": max(r["staging_bytes"] for r in saves_) / 2**30,
+            "staging_gb": max(r["staging_bytes"] for r in saves_) / 2**30, "run_s": run_s,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -113,13 +127,13 @@ def main() -> None:
                 rows.append(json.loads(line[7:]))
                 subprocess.run(["rm", "-rf", str(where)])
                 print(f"done: {gb} GB {mode}", file=sys.stderr, flush=True)
-    print("| state | mode | loop stall per save | write (save start to file on disk) | stall / sync stall "
-          "| step after a save | staging buffers | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| state | mode | loop stall per save | of it, waiting for the previous write (max) | write (save start "
+          "to file on disk) | stall / sync stall | step after a save | whole run | staging buffers | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sync = next(x for x in rows if x["gb"] == r["gb"] and x["mode"] == "sync")
-        print(f"| {r['state_gb']:.2f} GB | {r['mode']} | {r['stall_s']:.3f} s | {r['write_s']:.2f} s "
-              f"| {100 * r['stall_s'] / sync['stall_s']:.1f} % | {r['step_after_save_s']:.2f} s "
+        print(f"| {r['state_gb']:.2f} GB | {r['mode']} | {r['stall_s']:.3f} s | {r['wait_s']:.2f} s | {r['write_s']:.2f} s "
+              f"| {100 * r['stall_s'] / sync['stall_s']:.1f} % | {r['step_after_save_s']:.2f} s | {r['run_s']:.1f} s "
               f"| {r['staging_gb']:.2f} GB | {r['peak_rss_gb']:.2f} GB |")
 
 

@@ -1,5 +1,5 @@
 """Randomized fault-injection soak of the preemption promises: nothing lost, bitwise resume, exact metrics,
-no run mixed up with another (issue 22, item 9). One trial at a time (2 ranks at most).
+no run mixed up with another (issue 22, item 9). One trial at a time (2 ranks at most), its reference beside it.
 
     python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn from seed 1
     python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (the seed a failure prints)
@@ -7,14 +7,14 @@ no run mixed up with another (issue 22, item 9). One trial at a time (2 ranks at
 
 A trial draws from its seed: the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
 ``python train.py distributed.nproc_per_node=2``), the step time (log-uniform 1 ms - 4 s, few steps when long;
-``--long``: ~10x more training), log_every_n_steps (1-100), grad_accum_steps (1-3), checkpoint.every_n_steps, and
-one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase (data fetch, forward,
-backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself, the other rank, its
-launcher or every process of the job (tests/soak_toy.py, from inside the job, once per trial). Then the job
+``--long``: ~10x more training), log_every_n_steps (1-100), grad_accum_steps (1-3), checkpoint.every_n_steps,
+checkpoint.async_save, and one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase
+(data fetch, forward, backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself,
+the other rank, its launcher or every process of the job (tests/soak_toy.py, from inside the job, once). The job
 reruns with ``resume=auto`` until it completes, and the trial checks:
 
 1. final model/optimizer/scheduler/loop/rng/results bitwise equal to an uninterrupted run (cached per config
-   and launcher; run without delays, which only sleep);
+   and launcher; run without delays, which only sleep, beside the faulted one);
 2. TensorBoard: no step twice per tag; val/* bitwise; train/loss, train/acc bitwise where the log interval is
    the reference's. A stop between log steps logs the interval so far before its checkpoint, splitting the
    reference's interval (p, t]: its mean must equal the parts' steps-weighted mean (relative 1e-5);
@@ -25,13 +25,13 @@ reruns with ``resume=auto`` until it completes, and the trial checks:
 5. nothing changed in the trial's working dir outside the run dir; none of ddplab's scratch (``ddplab-rank*``,
    ``ddplab-<uid>/*``) left in the trial's TMPDIR (others, torch's, are noted);
 6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace).
-
 Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -79,6 +79,7 @@ class Trial:
     phase: str
     k: int
     long: bool = False
+    async_save: bool = False  # checkpoint.async_save: the fault may meet a background write in flight
 
     @property
     def world(self) -> int:
@@ -91,12 +92,12 @@ class Trial:
     def overrides(self) -> list[str]:
         return PARTS + [f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
                         f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
-                        f"checkpoint.every_n_steps={self.every_n}"]
+                        f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
 
     def label(self) -> str:
         return (f"{self.launcher:10s} {self.signal:7s}->{self.target}@{self.phase}#{self.k} rank {self.rank} "
                 f"step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} accum {self.accum} "
-                f"log {self.log_every} ckpt {self.every_n}")
+                f"log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
 
 
 def calls(t: Trial) -> list[int]:
@@ -127,6 +128,7 @@ def draw(seed: int, long: bool = False) -> Trial:
     t.rank = rng.randrange(t.world)
     t.phase = rng.choice([p for p in PHASES if p != "between" or accum > 1])
     t.k = rng.choice(calls(t))
+    t.async_save = rng.random() < 0.5  # drawn last: every earlier draw of a seed is what it was
     return t
 
 
@@ -298,12 +300,23 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
     cwd, tmp = tdir / "cwd", tdir / "tmp"
     cwd.mkdir(parents=True)
     tmp.mkdir()
-    ref, run, log = reference(t, root, cache), cwd / "run", tdir / "run.log"
-    before, env, notes = snapshot(cwd), job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
+    run, before = cwd / "run", snapshot(cwd)
+    # The uninterrupted reference runs beside the faulted attempts (its own dirs, trial id and session; faults
+    # fire by call count, not by time): on 2 cores a trial takes less, and the faulted job meets load.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ref_job = pool.submit(reference, t, root, cache)
+        problems, notes, final_eval_resume = fault_and_resume(t, tdir, cwd, run)
+        ref = ref_job.result()
+    return problems + check_final(run, ref, final_eval_resume) + check_files(cwd, before, tmp, notes), notes
+
+
+def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[str], list[str], bool]:
+    """The faulted run, then resumes until it completes (at most 3): problems, notes, resumed at the last epoch's end."""
+    log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
     timeout = 180 + 3 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
     problems = check_fault(t, attempts[0], run, tdir, notes) + check_preempted(run, "the faulted run")
-    final_eval_resume = False  # resumed at the last epoch's end: the RNG streams are not restored (by design)
+    final_eval_resume = False
     while read_result(run).get("status") != "completed" and len(attempts) < 4:
         loop = load(run / "checkpoints" / "last.pt")["loop"] if (run / "checkpoints" / "last.pt").exists() else {}
         final_eval_resume = loop.get("epoch") == t.epochs and not loop.get("batches_in_epoch")
@@ -314,10 +327,9 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
     for i, a in enumerate(attempts):
         problems += [f"attempt {i} timed out after {timeout:.0f}s"] if a.timed_out else []
         problems += [f"attempt {i}: processes alive {GRACE_S:.0f}s after it ended: {a.left}"] if a.left else []
-    notes.append(f"{len(attempts)} run(s)")
-    if final_eval_resume:
-        notes.append("rng not compared: resumed at the last epoch's end")
-    return problems + check_final(run, ref, final_eval_resume) + check_files(cwd, before, tmp, notes), notes
+    last_eval = ["rng not compared: resumed at the last epoch's end"] if final_eval_resume else []
+    notes += [f"{len(attempts)} run(s)"] + last_eval
+    return problems, notes, final_eval_resume
 
 
 def trial_seeds(seed: int, n: int) -> list[int]:

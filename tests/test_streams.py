@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import torch
 import ddplab
 import toy
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, run_killed_after_step, torchrun
+from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, run_killed_after_step, torchrun
 from ddplab import build
 from ddplab.config.errors import ConfigError
 from ddplab.data.sampling import ShardedGlobalSampler
@@ -139,16 +140,18 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
                      "+callbacks.soak._target_=soak_toy.SoakCallback"]
     runs = {}
     for n in (1, 2, 3):
-        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = result(tmp_path / str(n))["metrics"]
     assert runs[1]["step"] == 2 * (1438 // 48)
     for n in (2, 3):
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
+    # One crash, its run dir copied: each copy resumes at another world size.
+    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
+                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    assert crashed.returncode != 0
+    shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
     for resumed_at in (2, 3):
         run = tmp_path / f"killed_then_{resumed_at}"
-        crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
-                          extra_env=rank_kills_itself(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
-        assert crashed.returncode != 0
         assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
                           timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()

@@ -16,7 +16,7 @@ import torch
 
 import ddplab
 from helpers.counting import assert_quiet_between_log_steps, count_steps
-from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, read_scalars, run_cmd, run_killed_after_step
+from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, ranks, read_scalars, run_cmd, run_killed_after_step
 from ddplab.task import TaskError
 
 
@@ -68,7 +68,7 @@ def test_regression_is_exact_over_world_sizes_1_2_3_and_minimises_its_objective(
     args = ["task=regression", "num_epochs=4", "objective=val/mae", "progress=none"]
     runs = {}
     for n in (1, 2, 3):
-        assert_ok(run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240))
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = json.loads((tmp_path / str(n) / "result.json").read_text())["metrics"]
     for n in (2, 3):
         assert_close_weights(weights(tmp_path / str(n)), weights(tmp_path / "1"))

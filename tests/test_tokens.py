@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 import ddplab
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import REPO, assert_ok, compose_cfg, rank_kills_itself, run_cmd, run_killed_after_step, torchrun
+from helpers.jobs import REPO, assert_ok, compose_cfg, rank_kills_itself, ranks, run_cmd, run_killed_after_step, torchrun
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import TokenFileError, tokens, write_tokens
@@ -121,18 +122,20 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
                                      "+callbacks.soak._target_=soak_toy.SoakCallback"]
     runs = {}
     for n in (1, 2, 3):
-        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = metrics(tmp_path / str(n))
     assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)  # 2 epochs of 98 steps
     for n in (2, 3):
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
+    # One crash (rank 1 SIGKILLed), its run dir copied: each copy resumes at another world size.
+    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
+                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    fired = json.loads((tmp_path / "fault" / "fired").read_text())
+    assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
+    shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
     for resumed_at, ref in ((2, "2"), (3, "1")):
         run = tmp_path / f"killed_then_{resumed_at}"
-        crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
-                          extra_env=rank_kills_itself(tmp_path / f"fault_{resumed_at}", rank=1, k=13))
-        fired = json.loads((tmp_path / f"fault_{resumed_at}" / "fired").read_text())
-        assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
         assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
                           timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
@@ -205,7 +208,7 @@ def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwis
             "progress=none", "num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2",
             "+callbacks.soak._target_=soak_toy.SoakCallback"]
     for n in (1, 2):
-        assert_ok(torchrun(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
     assert metrics(tmp_path / "2")["val/loss"] == pytest.approx(metrics(tmp_path / "1")["val/loss"], rel=1e-5)
     run = tmp_path / "killed"
     crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,

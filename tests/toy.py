@@ -33,7 +33,7 @@ _FAULTED = []  # once per process: an in-process resume must not fault again
 
 
 class FaultyMLP(MLP):
-    """Crashes, hangs, gets SIGKILLed, makes the loss NaN (fault="nonfinite") or the gradients Inf with a finite
+    """Crashes, hangs (fault="hang", or "hang_until_killed": ended by SIGTERM), gets SIGKILLed, makes the loss NaN (fault="nonfinite") or the gradients Inf with a finite
     loss (fault="infgrad") on `fault_rank` at its `fault_call`-th training forward — once per process, and only
     before any torchrun restart."""
 
@@ -62,6 +62,10 @@ class FaultyMLP(MLP):
             if self.fault == "infgrad":
                 out.register_hook(lambda g: torch.full_like(g, float("inf")))
                 return out
+            if self.fault == "hang_until_killed":
+                # Hung, but ended by the launcher's SIGTERM (ddplab's handler would only note it and let the
+                # sleep go on, holding torchrun for its 30 s grace): the tests that need a hung rank, not that wait.
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
             time.sleep(3600)  # hang
         return out
 

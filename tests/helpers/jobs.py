@@ -63,6 +63,14 @@ def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300
     return run_cmd(cmd, cwd, timeout, extra_env)
 
 
+def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The job on ``n`` ranks: torchrun for several, plain ``python train.py`` for one (the same job; the
+    launcher is not what the world-size tests compare, and torchrun's agent costs seconds per launch)."""
+    if n == 1:
+        return python_train(script_args, cwd, timeout)
+    return torchrun(n, script_args, cwd, timeout)
+
+
 def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
     """Environment for tests/soak_toy.py's injector (with ``+callbacks.soak._target_=soak_toy.SoakCallback``):
     rank ``rank`` SIGKILLs itself before its ``k``-th optimizer step; ``d/fired`` records where. ``d`` lies

@@ -58,6 +58,7 @@ class CheckpointManager:
         self._staging = background.Staging()
         self._group: Any = None  # a side group for sharded background writes (made at the first one)
         self.last_stall_s = 0.0
+        self.last_wait_s = 0.0  # of last_stall_s, the part spent waiting for the previous background write
 
     def register(self, key: str, component: Stateful, optional: bool = False) -> None:
         """``optional``: a checkpoint without this entry still loads; the component keeps its fresh state
@@ -144,6 +145,7 @@ class CheckpointManager:
         busy = self._writer.busy
         error = self._writer.wait()
         waited = time.perf_counter() - t0
+        self.last_wait_s = waited if busy else 0.0
         self.last_save_s = self._writer.seconds or self.last_save_s  # what a stop's save will cost, about
         if busy and waited > 0.05:
             log.warning("checkpoint at step %d waited %.2fs for the previous background write (%.2fs in all): "
