@@ -210,6 +210,10 @@ def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_p
         assert env.launcher_grace_s() == 30.0
         monkeypatch.delenv("SLURM_JOB_ID")
         assert env.launcher_grace_s() == 30.0
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")  # torchrun --shutdown-timeout 7
+        assert env.launcher_grace_s() == 7.0
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")  # not a number: torchrun's default
+        assert env.launcher_grace_s() == 30.0
         monkeypatch.delenv("TORCHELASTIC_RUN_ID")
         assert env.launcher_grace_s() is None
     finally:
