@@ -154,7 +154,8 @@ def test_a_host_whose_link_goes_down_mid_step_fails_the_job_within_the_timeout_n
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     slow = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.2", "num_epochs=5", "progress=log",
             "log_every_n_steps=1", f"distributed.timeout_s={timeout_s}", f"hydra.run.dir={run}"]
-    # read_timeout: how long the cut-off agent waits on the rendezvous store (torchrun's default is 60 s).
+    # read_timeout: the agents' store reads give up after timeout_s, not torchrun's 60 s (the cut-off agent's
+    # shutdown still blocks on the store afterwards: the finally below kills it).
     procs = [on_host(h, rdzv(29401, "link-down", f"read_timeout={timeout_s}") + [str(TRAIN), *slow], log)
              for h, log in zip("ab", logs)]
     try:
