@@ -149,7 +149,7 @@ def test_srun_one_torchrun_per_node_of_two(tmp_path, one_host, slurm_env):
 
 
 def test_a_host_whose_link_goes_down_mid_step_fails_the_job_within_the_timeout_naming_it(tmp_path):
-    timeout_s = 10
+    timeout_s = 8
     run = tmp_path / "run"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     slow = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.2", "num_epochs=5", "progress=log",
