@@ -19,8 +19,8 @@ import ddplab
 import toy
 from ddplab.checkpoint import files
 from helpers.compare import assert_same_checkpoint, load
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, run_cmd, torchrun
-from test_preemption import finish, result, start, wait_for
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, run_cmd, tmpfs, torchrun
+from test_preemption import finish, result, start
 
 pytestmark = pytest.mark.slow
 
@@ -140,11 +140,7 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
     val = {r: json.loads((r / "result.json").read_text())["metrics"]["val/loss"] for r in (a, c)}
     assert val[a] == val[c], val
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:
         run = disk / "run"  # room for the logs and events, not for the first checkpoint's ~0.6 MB of shards
         proc = torchrun(2, fsdp + ASYNC + [f"hydra.run.dir={run}"], tmp_path, timeout=180)
         out = proc.stdout + proc.stderr
@@ -156,5 +152,3 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
         assert said.keys() == {0, 1} and len(set(said.values())) == 1 and 11 <= said[0] <= 21, out[-4000:]
         assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []
         assert json.loads((run / "result.json").read_text())["status"] == "failed"
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -7,7 +7,6 @@ import errno
 import json
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 import yaml
 
 import ddplab
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, tmpfs, torchrun
 from ddplab.checkpoint import files
 from ddplab.config import ConfigError
 
@@ -142,11 +141,7 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
     """distributed=fsdp: every rank writes its own shards, so every rank meets the full disk. Each says where
     and how much space is left (it was "RuntimeError: [enforce fail at inline_container.cc:672] unexpected
     pos" with a traceback per rank, partial shards left and no result.json)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:
         run = disk / "run"  # room for the logs and events, not for the first checkpoint's ~0.6 MB of shards
         proc = torchrun(2, ["model=mlp", "num_epochs=1", "distributed=fsdp", "distributed.timeout_s=20",
                             f"hydra.run.dir={run}"], tmp_path, timeout=180)
@@ -160,8 +155,6 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
         assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []  # shards gone
         res = json.loads((run / "result.json").read_text())
         assert res["status"] == "failed" and "could not write sharded checkpoint" in res["error"]
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 # ------------------------------------------------------------------ waits bounded by the timeout
@@ -224,14 +217,8 @@ def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
 
 
 def test_a_read_only_run_dir_is_one_clear_line(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         proc = python_train([f"hydra.run.dir={ro}/run", "num_epochs=1"], tmp_path, timeout=60)
-    finally:
-        subprocess.run(["umount", str(ro)])
     assert proc.returncode == 2
     assert f"cannot write the run dir {ro}/run (Read-only file system at {ro})" in proc.stderr
     assert "Fix: hydra.run.dir=" in proc.stderr and "Traceback" not in proc.stderr

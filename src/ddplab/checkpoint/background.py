@@ -45,7 +45,12 @@ class Staging:
                 seen[id(obj)] = (obj, self._buffer(obj, path))
             return seen[id(obj)][1]
         if isinstance(obj, dict):
-            return type(obj)((k, self._copy(v, path + (k,), seen)) for k, v in obj.items())
+            # A shallow copy keeps the mapping's type and attributes (a module state_dict's _metadata, which
+            # load_state_dict reads for versions; a defaultdict's factory); then every value is copied.
+            out = copy.copy(obj)
+            for k, v in obj.items():
+                out[k] = self._copy(v, path + (k,), seen)
+            return out
         if type(obj) in (list, tuple):
             return type(obj)(self._copy(v, path + (i,), seen) for i, v in enumerate(obj))
         return copy.deepcopy(obj)  # numbers and strings (immutable), and anything else a state holds
