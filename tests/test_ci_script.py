@@ -1,0 +1,53 @@
+"""`.ci/run` fails at the first failed step — an install, the suite (pytest's exit 5, no test collected,
+included) — instead of going on to later phases that could still end it with 0."""
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Every command the script runs before its cluster phases, stood in for by one that notes its arguments.
+STEPS = ("pip", "python", "mkdocs", "apt-get", "sinfo")
+
+
+def _fake(bin_dir: Path, name: str, fail_on: str, code: int) -> None:
+    script = bin_dir / name
+    script.write_text(f'#!/bin/sh\necho "{name} $*" >> "$CALLS"\n'
+                      f'case "{name} $*" in *"{fail_on}"*) exit {code};; esac\nexit 0\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]:
+    """.ci/run in a copy of the repository's script, each step faked; the step matching ``fail_on`` fails."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(REPO / ".ci" / "run", repo / ".ci" / "run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in STEPS:
+        _fake(bin_dir, name, fail_on, code)
+    calls = tmp_path / "calls"
+    calls.touch()
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls)}
+    proc = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    return proc.returncode, calls.read_text().splitlines()
+
+
+@pytest.mark.parametrize("fail_on", ["pip install torch==", "pip install -e", "pip install --no-deps hydra-optuna"])
+def test_a_failed_install_fails_ci_before_the_suite(tmp_path, fail_on):
+    rc, calls = run_ci(tmp_path, fail_on)
+    assert rc != 0
+    assert calls[-1].startswith(fail_on), calls  # nothing ran after the failed install
+    assert not any(c.startswith(("python", "mkdocs")) for c in calls)
+
+
+@pytest.mark.parametrize("code", [1, 5])  # 5: pytest collected no test
+def test_a_failed_or_empty_suite_fails_ci_before_the_docs(tmp_path, code):
+    rc, calls = run_ci(tmp_path, "python -m pytest", code)
+    assert rc == code
+    assert calls[-1].startswith("python -m pytest -q"), calls
+    assert not any(c.startswith("mkdocs") for c in calls)
