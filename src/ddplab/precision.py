@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddplab import compat
+from ddplab.runtime import env
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,37 @@ _SLOWDOWN = {(torch.bfloat16, True): "~2x", (torch.bfloat16, False): "~40x",
              (torch.float16, True): "~70x", (torch.float16, False): "~40x"}
 
 
-@functools.cache
+# oneDNN's instruction-set levels, lowest first (its ONEDNN_MAX_CPU_ISA names; the AVX10 names alias the
+# AVX512 ones), and the lowest level at which oneDNN uses each flag. A cap below it makes oneDNN emulate
+# what the hardware has, so the flag does not count: the cap, not /proc/cpuinfo, decides the speed.
+_ISA_LEVELS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16")
+_ISA_ALIASES = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX",
+                "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16"}
+_FLAG_NEEDS = {"avx512bw": "AVX512_CORE", "avx512_bw": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16",
+               "avx512_fp16": "AVX10_1_512", "amx_bf16": "AVX10_1_512_AMX", "amx_fp16": "AVX10_1_512_AMX_FP16"}
+
+
+def _under_isa_cap(flags: frozenset[str], cap: str | None) -> frozenset[str]:
+    """``flags`` less those oneDNN will not use under ``cap`` (None, ALL, DEFAULT or a name it does not
+    know: no cap, as oneDNN itself treats them)."""
+    cap = _ISA_ALIASES.get(cap or "", cap)
+    if cap not in _ISA_LEVELS:
+        return flags
+    level = _ISA_LEVELS.index(cap)
+    return frozenset(f for f in flags if f not in _FLAG_NEEDS or _ISA_LEVELS.index(_FLAG_NEEDS[f]) <= level)
+
+
 def cpu_features() -> frozenset[str]:
+    """The feature flags oneDNN will use on this CPU: the hardware's (:func:`hardware_features`) less those
+    above the ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``). Tests monkeypatch this function."""
+    return _under_isa_cap(hardware_features(), env.onednn_isa_cap())
+
+
+@functools.cache
+def hardware_features() -> frozenset[str]:
     """This CPU's feature flags, lower case: /proc/cpuinfo's first processor plus torch's own
-    probe (which also works off Linux). Read once per process; tests monkeypatch this function."""
+    probe (which also works off Linux). Read once per process."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -84,8 +84,9 @@ def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
     return {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(d), "SOAK_DIR": str(d)}
 
 
-def python_train(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout)
+def python_train(args: list[str], cwd: Path, timeout: float = 300,
+                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout, extra_env)
 
 
 def run_killed_after_step(cfg: DictConfig, step: int) -> None:

@@ -91,6 +91,17 @@ def prepare_self_launch(nproc: int) -> None:
     os.environ[SELF_LAUNCHED] = "1"
 
 
+def onednn_isa_cap() -> str | None:
+    """The instruction set oneDNN (torch's CPU conv/matmul kernels) is capped at, upper case, or None.
+    oneDNN reads ONEDNN_MAX_CPU_ISA (older releases DNNL_MAX_CPU_ISA) once per process; a cap below the
+    CPU's own ISA makes it emulate what the hardware could run natively."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            return value
+    return None
+
+
 def master_address() -> str:
     """MASTER_ADDR:MASTER_PORT as env:// will use them (for messages)."""
     adopt_scheduler_env()
