@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import toy
 from ddplab.checkpoint import files
 from helpers.compare import assert_same_checkpoint, load
 from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, run_cmd, tmpfs, torchrun
-from test_preemption import finish, result, start
+from test_preemption import finish, ranks_of, result, start, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +55,42 @@ def test_async_saves_write_the_sync_saves_bitwise_and_hold_the_loop_a_fraction_a
     assert mean["async"] < 0.35 * mean["sync"], stalls
     # The run waits for its last write: result.json says completed only with last.pt on disk.
     assert load(tmp_path / "async" / "checkpoints" / "last.pt")["meta"] is not None
+
+
+UPLOAD = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=0.05",  # each write takes 50 ms more
+          "+callbacks.up._target_=toy.LoadsEachSave"]
+
+
+def test_on_save_is_told_of_each_async_checkpoint_once_it_is_on_disk_and_of_the_sync_runs_ones(tmp_path):
+    """A callback that uploads (here: loads) the checkpoint it is told of: with async_save it is told once the
+    file is on disk — at the next save, or at the run's end — of the same checkpoints as a synchronous run."""
+    seen = {}
+    for mode, extra in (("sync", []), ("async", ASYNC)):
+        rec = tmp_path / f"{mode}-saves"
+        ddplab.run(compose_cfg(BASE + extra + UPLOAD + [f"+callbacks.up.record={rec}"], tmp_path / mode))
+        seen[mode] = toy.saves_seen(str(rec))
+    steps = [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
+    assert seen["sync"] == [(s, str(s)) for s in steps]
+    assert seen["async"] == [(at, str(s)) for at, s in zip(steps[1:] + [44], steps)], seen["async"]
+
+
+@pytest.mark.dist
+def test_two_rank_ddp_async_writes_the_sync_files_and_every_rank_is_told_of_each_at_the_same_step(tmp_path):
+    """The default strategy (2-rank DDP): the step files are the synchronous run's bit for bit, and on_save
+    fires on both ranks at the same step, each time with a file that loads."""
+    args = ["model=mlp", "num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=9", "progress=log"]
+    for mode, extra in (("sync", []), ("async", ASYNC)):
+        run = tmp_path / mode
+        assert_ok(torchrun(2, args + extra + UPLOAD + [f"+callbacks.up.record={tmp_path / mode}-saves",
+                                                       f"hydra.run.dir={run}"], tmp_path, timeout=240))
+    assert _step_files(tmp_path / "sync") == _step_files(tmp_path / "async")
+    for name in _step_files(tmp_path / "sync"):
+        assert_same_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name)
+    steps = [5, 10, 15, 20, 22]
+    for rank in (0, 1):
+        assert toy.saves_seen(f"{tmp_path}/sync-saves", rank) == [(s, str(s)) for s in steps]
+        got = toy.saves_seen(f"{tmp_path}/async-saves", rank)
+        assert got == [(at, str(s)) for at, s in zip(steps[1:] + [22], steps)], (rank, got)
 
 
 def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_continues(tmp_path, monkeypatch, caplog):
@@ -89,10 +127,10 @@ def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_c
 
 
 @pytest.mark.dist
-def test_a_stop_during_a_background_write_waits_for_it_and_a_write_killed_half_way_is_never_resumed(tmp_path):
+def test_a_stop_during_a_background_write_waits_for_it_and_saves_its_own_step(tmp_path):
     run, log = tmp_path / "run", tmp_path / "run.log"
     cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
-    # 1. SIGTERM right after step 10's checkpoint was handed over; its write takes 2 s.
+    # SIGTERM as step 10's checkpoint starts being written in the background; its write takes 2 s.
     proc = start(cmd + ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=2",
                         "+callbacks.disk.signal_at=10"], tmp_path, log)
     took = finish(proc, log, timeout=60)
@@ -107,14 +145,25 @@ def test_a_stop_during_a_background_write_waits_for_it_and_a_write_killed_half_w
     assert load(run / "checkpoints" / "last.pt")["meta"]["config"]  # the stop's own save, complete
     assert took < 15, took  # both writes (2 s each) well inside a launcher's 30 s grace
 
-    # 2. Resumed, then SIGKILLed half-way through writing step 30's file (in the background).
-    proc = subprocess.run(cmd + ["resume=auto", "+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.kill_at=30"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=job_env())
+
+@pytest.mark.dist
+def test_the_real_writer_killed_mid_write_leaves_a_partial_temporary_file_only_and_resume_skips_it(tmp_path):
+    """SIGKILL inside the writer thread's torch.save, 64 KiB into step 30's file: those bytes are on disk under
+    the temporary name only (every *.pt loads), and resume=auto continues from step 22 and ends bitwise."""
+    run, note, ckdir = tmp_path / "run", tmp_path / "note", tmp_path / "run" / "checkpoints"
+    cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
+    proc = run_cmd(cmd + ["+callbacks.die._target_=toy.DiesMidWrite", "+callbacks.die.at=30",
+                          f"+callbacks.die.note={note}"], tmp_path, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    ckdir = run / "checkpoints"
-    assert any(p.name.startswith(".step-00000030.pt.tmp") for p in ckdir.iterdir())  # the half-written file
-    assert "step-00000030.pt" not in _step_files(run)
-    # 3. resume=auto takes the newest complete checkpoint (step 22, the epoch end), never the partial one, and ends bitwise.
+    thread, name, size = note.read_text().split()
+    partial = Path(name)
+    assert thread == "ddplab-checkpoint-writer"  # the real background writer, inside torch.save
+    assert partial.parent == ckdir and partial.name.startswith(".step-00000030.pt.tmp"), name
+    assert partial.stat().st_size == int(size) and 65536 <= int(size) < (ckdir / "step-00000022.pt").stat().st_size / 2
+    with pytest.raises(Exception):
+        torch.load(partial, weights_only=True)
+    assert _step_files(run) == ["best.pt", "last.pt", "step-00000020.pt", "step-00000022.pt"]  # keep_last=2
+    assert [load(ckdir / n)["loop"]["step"] for n in _step_files(run)] == [22, 22, 20, 22]  # all complete
     proc = run_cmd(cmd + ["resume=auto"], tmp_path, timeout=120)
     assert_ok(proc)
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "resumed from" in ln]
@@ -123,6 +172,87 @@ def test_a_stop_during_a_background_write_waits_for_it_and_a_write_killed_half_w
     ref = tmp_path / "ref"
     assert_ok(run_cmd([sys.executable, str(TRAIN), *SLOW, f"hydra.run.dir={ref}"], tmp_path, timeout=120))
     assert_same_checkpoint(ckdir / "last.pt", ref / "checkpoints" / "last.pt")
+
+
+DDP2 = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.1", "num_epochs=2", "log_every_n_steps=5",
+        "checkpoint.every_n_steps=10", "progress=log", "distributed.timeout_s=30"]  # 2 ranks, 44 steps of 0.1 s
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory) -> Path:
+    """DDP2 uninterrupted, synchronous saves: its last.pt."""
+    ref = tmp_path_factory.mktemp("ref")
+    assert_ok(torchrun(2, DDP2 + [f"hydra.run.dir={ref / 'run'}"], ref, timeout=240))
+    return ref / "run" / "checkpoints" / "last.pt"
+
+
+def _wait_gone(pids: list[int], timeout: float = 60) -> None:
+    """Until none of ``pids`` runs (ranks orphaned by a killed torchrun agent: each is in a session of its own)."""
+    def alive() -> list[int]:
+        return [p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().rsplit(
+            ")", 1)[-1].split()[0] != "Z"]
+
+    t0 = time.monotonic()
+    while alive() and time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+    left = alive()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} still running {timeout}s after their launcher died"
+
+
+@pytest.mark.dist
+def test_two_rank_ddp_async_full_disk_on_the_writer_stops_every_rank_with_the_write_error(tmp_path):
+    """Rank 0's background write fills the disk: both ranks stop at the same step, before the next save,
+    with the write's own error; result.json says failed; no partial file is left."""
+    args = ["model=mlp", "num_epochs=1", "checkpoint.every_n_steps=10", "distributed.timeout_s=30", "progress=log"]
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:
+        run = disk / "run"  # room for the logs and events, not for the first checkpoint
+        proc = torchrun(2, args + ASYNC + [f"hydra.run.dir={run}"], tmp_path, timeout=180)
+        out, ckdir = proc.stdout + proc.stderr, run / "checkpoints"
+        assert proc.returncode != 0, out[-4000:]
+        said = {int(r): int(st) for r, st in re.findall(
+            rf"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write checkpoint "
+            rf"{re.escape(str(ckdir))}/step-00000010\.pt: \w+: .*No space left on device", out)}
+        # Each rank raised the write's error itself (none was left to torchrun's kill), at the same step, by the
+        # next save (step 20, said as 21) at the latest.
+        assert said.keys() == {0, 1} and len(set(said.values())) == 1 and 11 <= said[0] <= 21, out[-4000:]
+        assert [p.name for p in ckdir.iterdir() if p.suffix == ".pt" or ".tmp" in p.name] == []
+        res = json.loads((run / "result.json").read_text())
+        assert res["status"] == "failed" and "step-00000010.pt" in res["error"] \
+            and "No space left on device" in res["error"], res
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_both_and_resumes_bitwise(
+        tmp_path, ddp_reference, sig):
+    """torchrun's agent gets SIGTERM (passed on to the ranks) or SIGKILL (the ranks' launcher watch notices)
+    while step 10's file is being written in the background (3 s): that write completes, the stop's own
+    checkpoint follows it, last.pt is the stop's, and resume=auto from the dir ends bitwise."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    disk = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=3", "+callbacks.disk.signal_at=10",
+            f"+callbacks.disk.signal={sig}", "+callbacks.disk.to=launcher"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
+           *DDP2, *ASYNC, *disk, f"hydra.run.dir={run}"]
+    proc = start(cmd, tmp_path, log)
+    wait_for(run / "provenance.json", proc, log)  # both ranks are up
+    ranks = list(ranks_of(proc.pid).values())
+    assert len(ranks) == 2, ranks
+    finish(proc, log, timeout=120)
+    _wait_gone(ranks)
+    out, res = log.read_text(), result(run)
+    why = "SIGTERM" if sig == "SIGTERM" else "launcher died"
+    assert res["status"] == "preempted" and why in res["signal"], (res, out[-3000:])
+    stop = res["step"]
+    assert 10 < stop <= 30 and res["checkpoint"].endswith(f"step-{stop:08d}.pt"), res
+    assert re.search(rf"checkpoint at step {stop} waited [\d.]+s for the previous background write", out), out[-3000:]
+    ckdir = run / "checkpoints"
+    assert {"last.pt", "step-00000010.pt", f"step-{stop:08d}.pt"} <= set(_step_files(run))
+    assert not [p.name for p in ckdir.iterdir() if ".tmp" in p.name]
+    assert [load(ckdir / n)["loop"]["step"] for n in ("step-00000010.pt", "last.pt")] == [10, stop]
+    assert_ok(torchrun(2, DDP2 + ASYNC + ["resume=auto", f"hydra.run.dir={run}"], tmp_path, timeout=240))
+    assert_same_checkpoint(ckdir / "last.pt", ddp_reference)
 
 
 @pytest.mark.dist

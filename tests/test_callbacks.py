@@ -216,6 +216,39 @@ def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before  # untouched
 
 
+def test_eval_mode_of_a_run_trained_with_ema_evaluates_with_its_callbacks(tmp_path):
+    """mode=eval takes the callbacks the run trained with from the checkpoint: EMA's val_ema/* is evaluated
+    (from the restored shadow) and may be the objective; a callback the command adds runs beside them."""
+    import toy
+
+    run = tmp_path / "r"
+    out = ddplab.run(compose_cfg(BASE + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.5",
+                                         "objective=val_ema/acc"], run))
+    toy.RECORDED.clear()
+    got = ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "objective=val_ema/acc",
+                                  "+callbacks.rec._target_=toy.Recorder"], tmp_path / "eval"))
+    assert got["val_ema/acc"] == out["val_ema/acc"] and got["val/acc"] == out["val/acc"], got
+    assert got["val_ema/loss"] == pytest.approx(out["val_ema/loss"], rel=1e-6)
+    assert out["val_ema/acc"] != out["val/acc"]  # two weights, two answers: the EMA's are the shadow's
+    assert ("on_eval_end", 22) in toy.RECORDED
+
+
+def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_path):
+    """A study trial's reporter (training_only) came back with the run's callbacks: mode=eval of a trial's
+    checkpoint would report to its finished trial. The study's own callback says it serves training only."""
+    import toy
+    from ddplab.study.report import ReportToStudy
+
+    assert ReportToStudy.training_only
+    run = tmp_path / "r"
+    ddplab.run(compose_cfg(BASE + ["num_epochs=1", "+callbacks.t._target_=toy.TrainingOnlyRecorder"], run))
+    assert ("training_only.on_eval_end", 22) in toy.RECORDED  # it did run while training
+    toy.RECORDED.clear()
+    ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "+callbacks.rec._target_=toy.Recorder"],
+                           tmp_path / "eval"))
+    assert ("on_eval_end", 22) in toy.RECORDED and not [h for h, _ in toy.RECORDED if h.startswith("training_only")]
+
+
 def test_eval_mode_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = python_train(["mode=eval"], tmp_path, timeout=60)
     assert proc.returncode == 2 and "mode=eval evaluates a checkpoint: name it" in proc.stdout + proc.stderr

@@ -156,13 +156,15 @@ def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path, caplog):
 def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
     ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none"], run_dir=tmp_path / "a"))
     ck = tmp_path / "a" / "checkpoints" / "last.pt"
-    with pytest.raises(RuntimeError) as e:
+    from ddplab.config import ConfigError  # exit 2 in one line, like any config that cannot work
+
+    with pytest.raises(ConfigError) as e:
         ddplab.run(compose_cfg(["model=mlp", "model.hidden=[128,256]", "num_epochs=1", f"resume={ck}"],
                                run_dir=tmp_path / "b"))
     msg = str(e.value)
     assert "does not fit this model" in msg and "net.1.weight: checkpoint (256, 64) vs model (128, 64)" in msg
     assert "Fix:" in msg
-    with pytest.raises(RuntimeError, match=r"missing: features\.0\.weight.*unexpected: net\.1\.bias"):
+    with pytest.raises(ConfigError, match=rf"^resume={ck}: does not fit.*missing: features\.0\.weight.*unexpected: net\.1\.bias"):
         ddplab.run(compose_cfg(["model=convnet", "num_epochs=1", f"resume={ck}"], run_dir=tmp_path / "c"))
 
 

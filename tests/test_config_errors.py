@@ -109,3 +109,45 @@ def test_an_image_over_pillows_limit_or_broken_names_the_file(tmp_path):
     with pytest.raises(ImageFileError, match=rf"^{tmp_path / 'cat' / 'cut.jpg'}: cannot be decoded .*Fix: "):
         ds[1]
     assert sys.modules["PIL.Image"].MAX_IMAGE_PIXELS == 89478485  # the default limit, untouched
+
+
+@pytest.mark.parametrize("launcher", ["python", pytest.param("torchrun", marks=pytest.mark.dist)])
+def test_a_token_file_its_config_does_not_describe_is_one_config_error_not_hydras(tmp_path, launcher):
+    """Refused by the dataset factory inside Hydra's instantiate: the factory's own line, once, exit 2."""
+    import numpy as np
+
+    from ddplab.data.tokens import write_tokens
+
+    f = write_tokens(np.arange(2000) % 256, tmp_path / "t.bin", "uint16", vocab_size=256)
+    args = ["task=lm", "dataset=tokens", f"dataset.path={f}", "dataset.dtype=uint32", "model.n_embd=32",
+            "model.n_layer=1", "model.n_head=2", "progress=none"]
+    proc = torchrun(2, args, tmp_path, timeout=120) if launcher == "torchrun" else python_train(args, tmp_path, 120)
+    assert proc.returncode == (1 if launcher == "torchrun" else 2)
+    if launcher == "torchrun":
+        assert "exitcode  : 2" in proc.stderr  # every rank exited 2; torchrun says 1
+    assert_one_config_error(proc, tmp_path, f"{f} was written as uint16 (t.bin.json), but dataset.dtype=uint32. "
+                                            "Fix: dataset.dtype=uint16")
+    out = "\n".join(ddplab_lines(proc.stdout + proc.stderr))
+    assert out.count("was written as uint16") == 1 and "Traceback" not in out and "InstantiationException" not in out
+
+
+@pytest.mark.dist
+def test_a_checkpoint_of_another_strategy_is_one_config_error_under_every_launcher(tmp_path):
+    """An FSDP run's checkpoint resumed with distributed=ddp (torchrun) or in one process, and a DDP run's
+    resumed with distributed=fsdp: the sentence was right, but as a RuntimeError traceback with exit 1."""
+    args = [*SMALL, "limit_train_steps=3"]
+    assert_ok(torchrun(2, [*args, "distributed=fsdp", "run_dir=fsdp"], tmp_path, timeout=180))
+    assert_ok(python_train([*args, "run_dir=full"], tmp_path, timeout=120))
+    sharded, full = (tmp_path / d / "checkpoints" / "last.pt" for d in ("fsdp", "full"))
+    cases = {"ddp": (torchrun, [f"resume={sharded}"], "was saved with distributed=fsdp"),
+             "one": (None, [f"resume={sharded}"], "was saved with distributed=fsdp"),
+             "to_fsdp": (torchrun, ["distributed=fsdp", f"resume={full}"], "was saved without distributed=fsdp")}
+    for name, (launcher, extra, says) in cases.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = (torchrun(2, [*args, *extra], cwd, timeout=180) if launcher
+                else python_train([*args, *extra], cwd, timeout=120))
+        assert proc.returncode == 2 or (launcher and "exitcode  : 2" in proc.stderr), proc.stderr[-3000:]
+        assert_one_config_error(proc, cwd, extra[-1])
+        out = "\n".join(ddplab_lines(proc.stdout + proc.stderr))
+        assert "Traceback" not in out and says in out, out[-3000:]

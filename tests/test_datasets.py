@@ -183,3 +183,25 @@ def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_
     assert images.shape == (1797, 8, 8) and (images == bunch.images).all() and (target == bunch.target).all()
     probe = "import sys; from ddplab.data.datasets import digits; digits(); print('sklearn' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_imagefolder_infers_its_classes_from_the_folders_and_says_a_missing_root_in_one_line(tmp_path):
+    """Like torchvision's ImageFolder: the class folders give dataset.num_classes (and so model.num_classes); a
+    given one that disagrees is one line; a missing root names dataset.root and the path, exit 2."""
+    from helpers.jobs import python_train
+
+    make_image_folder(tmp_path / "data", classes=("a", "b", "c", "d"))
+    args = ["dataset=imagefolder", "model=mlp", "dataset.image_size=8", "batch_size=4", "num_epochs=1",
+            "progress=none"]
+    out = ddplab.run(compose_cfg(args + [f"dataset.root={tmp_path / 'data'}"], run_dir=tmp_path / "run"))
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
+    assert out["val/num_samples"] == 8 and last["net.7.weight"].shape[0] == 4  # 4 class folders: 4 outputs
+    with pytest.raises(ConfigError, match=r"^dataset.num_classes=3, but .*train has 4 class folders. "
+                                          r"Fix: dataset.num_classes=4$"):
+        ddplab.run(compose_cfg(args + [f"dataset.root={tmp_path / 'data'}", "dataset.num_classes=3"],
+                               run_dir=tmp_path / "run3"))
+    proc = python_train(args + [f"dataset.root={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'gone'}"],
+                        tmp_path)
+    said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "config error: " in ln]
+    assert proc.returncode == 2 and len(said) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"config error: dataset.root='{tmp_path / 'missing'}': no such file or directory" in said[0], said[0]

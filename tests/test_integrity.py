@@ -211,6 +211,23 @@ def test_a_config_error_under_torchrun_is_said_once_by_rank_zero_without_a_trace
     assert "ConfigError" not in out
 
 
+@pytest.mark.dist
+def test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection(tmp_path):
+    """A callback raises on rank 1 only; rank 0 then loses its connection in the next collective. result.json
+    and rank 0's line name rank 1's error; the peer's lost connection prints no traceback of its own."""
+    proc = torchrun(2, ["model=mlp", "num_epochs=1", "progress=none", "+callbacks.fail._target_=toy.FailsOnRank",
+                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
+    assert error.startswith("rank 1/2 failed in epoch 1, step 4: RuntimeError: FailsOnRank: a callback's own bug on "
+                            "rank 1 at step 3"), error
+    # Rank 1's traceback (its own bug), torchrun's and its summary's copy of rank 1's: none from rank 0.
+    assert "Connection closed" not in out and out.count("Traceback") == 3, out
+    assert re.search(r"rank 0/2 stopped in epoch 1, step 4: lost its connection to rank 1, which failed first", out)
+    assert len(out.splitlines()) <= 120, len(out.splitlines())  # 197 before: rank 0's traceback twice
+
+
 def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot train on .*dataset.image_size=1.* Fix: "):
         ddplab.run(compose_cfg(["dataset=synthetic", "dataset.image_size=1", "num_epochs=1"], tmp_path / "r"))

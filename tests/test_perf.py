@@ -155,3 +155,15 @@ def test_inductor_compile_single_process(tmp_path):
     out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "perf.compile=true"],
                                  run_dir=tmp_path))
     assert out["val/acc"] > 0.8
+
+
+def test_flop_counting_never_draws_from_the_users_random_streams(tmp_path):
+    """A dataset drawing noise from torch's global generator: the FLOP count at the first log step must not call it
+    (or draw at all), so the log interval alone leaves the weights bitwise the same."""
+    args = ["model=mlp", "dataset._target_=toy.torch_noisy_digits", "num_epochs=1", "limit_train_steps=8",
+            "progress=none"]
+    for every in (1, 5):
+        ddplab.run(compose_cfg(args + [f"log_every_n_steps={every}"], run_dir=tmp_path / str(every)))
+    a, b = final_weights(tmp_path / "1"), final_weights(tmp_path / "5")
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert read_scalars(tmp_path / "5" / "tb")["vitals/tflops"][-1][1] > 0  # counted, on the batch in hand

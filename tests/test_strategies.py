@@ -44,7 +44,9 @@ def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
 
     # Cross-strategy resume is refused with the reason (the check is the model entry's, whatever the world size:
     # one process says it as two would).
-    with pytest.raises(RuntimeError, match="saved with distributed=fsdp"):
+    from ddplab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="saved with distributed=fsdp"):
         ddplab.run(compose_cfg(ARGS + [f"resume={ck / 'last.pt'}"], run_dir=tmp_path / "ddp_from_fsdp"))
 
 
@@ -94,3 +96,12 @@ def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "needs at least 2 GPUs" in proc.stdout
+
+
+@pytest.mark.parametrize("args,n", [(["distributed=none"], 1), (["distributed=dp"], 1), (["distributed=ddp"], 1),
+                                    (["distributed=ddp", "distributed.nproc_per_node=2"], 2),
+                                    (["distributed=fsdp", "distributed.nproc_per_node=3"], 3)])
+def test_a_strategy_says_how_many_ranks_a_job_starts_by_itself(args, n):
+    from ddplab.strategy import ranks_started
+
+    assert ranks_started(compose_cfg(args)) == n

@@ -16,11 +16,12 @@ import torch
 import ddplab
 import toy
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, run_killed_after_step, torchrun
+from helpers.jobs import (assert_ok, compose_cfg, python_train, rank_kills_itself, ranks, run_killed_after_step,
+                          torchrun)
 from ddplab import build
 from ddplab.config.errors import ConfigError
 from ddplab.data.sampling import ShardedGlobalSampler
-from ddplab.data.streams import StreamEnded, StreamLoader, stream_eval_batches
+from ddplab.data.streams import StreamEnded, StreamLoader, sample_id, stream_differs, stream_eval_batches
 
 STREAM = ["model=mlp", "dataset._target_=toy.digit_stream", "progress=none", "batch_size=48"]
 
@@ -89,6 +90,17 @@ def test_validation_streams_split_contiguously_each_sample_on_one_rank():
     for world in (1, 2, 3):
         got = [[y.tolist() for _, y in stream_eval_batches(val, world, r, 2, torch.device("cpu"))] for r in range(world)]
         assert sum((sum(g, []) for g in got), []) == list(range(10)), world
+
+
+def test_a_reordered_first_batch_is_named_a_shuffle_that_differs_between_ranks():
+    first, other = torch.tensor([3, 11, 12, 13]), torch.tensor([3, 13, 11, 12])  # (count, sample ids...)
+    line = stream_differs("dataset._target_='x.y'", first, other, rank=1)
+    assert line == ("dataset._target_='x.y': the training stream is not the same on every rank, so samples would be "
+                    "lost or used twice: its first global batch read has, on rank 1, the same samples in another "
+                    "order: it shuffles with a generator that differs between ranks (Python's random or numpy's global "
+                    "generator, which ddplab seeds per rank, or an unseeded one). Fix: shuffle with a generator of "
+                    "your own seeded from the seed and set_epoch's epoch alone")
+    assert sample_id((torch.ones(2), 1)) == sample_id((torch.ones(2), 1)) != sample_id((torch.ones(2), 2))
 
 
 ONE_RANK = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
@@ -174,3 +186,65 @@ def test_a_stream_shorter_on_one_rank_stops_every_rank_naming_it(tmp_path):
     assert re.search(r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "
                      r"batches of 48 in epoch 1, but its __len__ \(1438\) promises 29", out), out[-3000:]
     assert result(tmp_path / "run")["status"] == "failed"
+
+
+ON_2_RANKS = ["num_epochs=1", "limit_train_steps=3", "distributed.nproc_per_node=2"]
+
+
+@pytest.mark.dist
+def test_a_stream_the_same_on_every_rank_trains_and_the_start_up_line_says_ddplab_shards_it(tmp_path):
+    proc = python_train(STREAM + ON_2_RANKS + [f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=180)
+    assert_ok(proc)
+    out = re.sub(r"^\S+ ", "", proc.stdout + proc.stderr, flags=re.M)  # without the time stamps
+    assert ("data:\n  a stream (StatefulDigitStream, 0 worker(s)), sharded by ddplab: every rank reads the whole "
+            "stream and keeps its slice of each global batch (checked: the same stream on every rank)\n") in out
+    assert result(tmp_path / "run")["metrics"]["step"] == 3
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["shards_itself", "python_shuffle"])
+def test_a_stream_that_differs_between_ranks_is_refused_in_one_line(tmp_path, how):
+    """A stream that shards itself (each rank would get a quarter of the samples, half never used) or shuffles per
+    rank (some samples twice, others never) is refused at its first global batch, exit 2, no traceback."""
+    args = ["model=mlp", "dataset._target_=toy.rank_dependent_stream", f"+dataset.how={how}", "progress=none",
+            "batch_size=48", *ON_2_RANKS, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = python_train(args, tmp_path, timeout=180)
+    out = proc.stdout + proc.stderr
+    said = [ln for ln in out.splitlines() if "is not the same on every rank" in ln]
+    assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in out, out[-3000:]
+    assert re.search(r"config error: dataset._target_='toy.rank_dependent_stream': the training stream is not the same "
+                     r"on every rank, so samples would be lost or used twice: its first global batch read has, on "
+                     r"rank 1, other samples \(\w+( of 48)? in common\): it shards itself by rank \(torch.distributed"
+                     r".get_rank\(\), datasets' split_dataset_by_node\), which ddplab then shards again, or shuffles "
+                     r"with a generator that differs between ranks \(Python's random or numpy's global generator, which "
+                     r"ddplab seeds per rank, or an unseeded one\). Fix: yield the whole stream on every rank, in an "
+                     r"order seeded from the seed and set_epoch's epoch alone, and let ddplab give each rank its slice$",
+                     said[0]), said[0]
+    assert result(tmp_path / "run")["status"] == "failed"
+
+
+def test_a_position_saved_with_other_loader_workers_is_refused_in_one_line():
+    """The order in which workers hand over samples is part of the stream: a mid-epoch position saved with 0 workers
+    means other samples with 2 (torchdata would fail on it with an AssertionError)."""
+    first = loader(stream(), 1, 0, workers=0)
+    first.set_epoch(1)
+    it = iter(first)
+    next(it), next(it)
+    again = loader(stream(), 1, 0, workers=2)
+    again.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    again.set_epoch(1, skip=2)
+    with pytest.raises(ConfigError, match=r"^perf.num_workers=2: the checkpoint stopped mid-epoch \(epoch 2, micro-batch "
+                                          r"2\) in a stream read with perf.num_workers=0.* Fix: resume with "
+                                          r"perf.num_workers=0 \(change it at an epoch's end\)$"):
+        ids(again)
+
+
+@pytest.mark.slow
+def test_a_stream_resumed_mid_epoch_with_other_num_workers_exits_2_naming_both(tmp_path):
+    args = STREAM + ["num_epochs=1", "checkpoint.every_n_steps=5"]
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 7)  # last checkpoint: step 5 of 29, mid-epoch
+    proc = python_train(args + ["resume=auto", "perf.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    out = proc.stdout + proc.stderr
+    said = [ln for ln in out.splitlines() if "config error: " in ln]
+    assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in out, out[-3000:]
+    assert "config error: perf.num_workers=2: the checkpoint stopped mid-epoch (epoch 1, micro-batch 5)" in said[0]

@@ -18,7 +18,8 @@ import torch
 
 import ddplab
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import REPO, assert_ok, compose_cfg, rank_kills_itself, ranks, run_cmd, run_killed_after_step, torchrun
+from helpers.jobs import (REPO, assert_ok, compose_cfg, python_train, rank_kills_itself, ranks, run_cmd,
+                          run_killed_after_step, torchrun)
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import TokenFileError, tokens, write_tokens
@@ -145,13 +146,34 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
         assert metrics(run)["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
 
 
+def corrupt_token_file(tmp_path: Path) -> Path:
+    """A token id past the vocabulary at byte 24690 (token 12345), deep in the file: found while training."""
+    ids = np.arange(20_000) % 200
+    ids[12_345] = 60_000  # fits uint16, not the 256-token vocabulary
+    return write_tokens(ids, tmp_path / "t.bin", vocab_size=256)
+
+
+@pytest.mark.slow
+def test_a_corrupt_token_read_by_a_dataloader_worker_is_one_line_naming_file_and_offset_exit_2(tmp_path):
+    """torch re-raises a worker's error with its traceback inside the message: the user gets the original
+    error's one line (and which worker), exit 2 like any input error, and no traceback."""
+    f = corrupt_token_file(tmp_path)
+    proc = python_train(LM + [f"dataset.path={f}", "num_epochs=1", "perf.num_workers=2",
+                              f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    said = [ln for ln in out.splitlines() if "ERROR" in ln or "Error" in ln]
+    assert proc.returncode == 2 and "Traceback" not in out and len(said) == 1, out[-3000:]
+    assert re.search(r"ERROR: rank 0/1 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset "
+                     r"24690 is >= dataset.vocab_size=256. Fix: [^\n]* \(in DataLoader worker [01]\)$", said[0]), said
+    error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
+    assert error == said[0].split("ERROR: ", 1)[1]
+
+
 @pytest.mark.dist
 def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tmp_path):
     """A token id past the vocabulary deep in the file (a corrupt byte): the rank that reads it fails naming the
     file and byte offset; the other rank is stopped with it (the job ends in seconds, not at timeout_s)."""
-    ids = np.arange(20_000) % 200
-    ids[12_345] = 60_000  # fits uint16, not the 256-token vocabulary
-    f = write_tokens(ids, tmp_path / "t.bin", vocab_size=256)
+    f = corrupt_token_file(tmp_path)
     args = LM + [f"dataset.path={f}", "num_epochs=1", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = torchrun(2, args, tmp_path, timeout=100)
     out = proc.stdout + proc.stderr

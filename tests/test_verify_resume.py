@@ -30,6 +30,11 @@ def verdict(tmp_path: Path, args: list[str]) -> tuple[int, str, dict]:
                                                                          if report.exists() else {})
 
 
+def python_lines(tmp_path: Path) -> list[str]:
+    """The console lines of the last :func:`verdict` (its train.log: what rank 0 said)."""
+    return (tmp_path / "run" / "train.log").read_text().splitlines()
+
+
 # --------------------------------------------------------------------------- in-process
 def test_first_difference_names_the_path_bitwise_or_to_a_tolerance():
     a = {"model": {"w": torch.tensor([1.0, 0.0, 3.0])}, "loop": {"step": 4}, "rng": [torch.tensor([1], dtype=torch.uint8)]}
@@ -111,3 +116,38 @@ def test_two_ranks_pass_bitwise_and_resumed_at_one_rank_pass_to_a_tolerance(tmp_
                                                       "model.dropout=0"])
     assert code == 0 and "equal to rtol=0.0001 (another world size; RNG streams not compared)" in line, line
     assert (report["nproc"], report["resume_nproc"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_a_resumed_leg_refused_at_start_up_is_that_refusal_not_a_fail(tmp_path):
+    """verify.resume_nproc=3 on a 2-core machine: the resumed leg is refused before it writes a result.json.
+    verify read the first leg's stale one (preempted), compared, and blamed state outside the checkpoint."""
+    import os
+
+    more = len(os.sched_getaffinity(0)) + 1
+    code, line, report = verdict(tmp_path, [f"verify.resume_nproc={more}"])
+    assert code == 2 and report == {}, line
+    said = [ln for ln in python_lines(tmp_path) if "error" in ln.lower()]
+    assert len(said) == 1 and f"distributed.nproc_per_node={more}: this machine has" in said[0], said
+    assert "the resumed run" in said[0] and "Fix: " in said[0], said
+
+
+@pytest.mark.slow
+def test_a_dataset_drawing_from_torchs_generator_passes(tmp_path):
+    """What the docs tell users to do: noise from torch's generator, which ddplab seeds and checkpoints. ddplab's own
+    bookkeeping (the FLOP count at the first log step, which a resumed run reaches at another step) draws nothing."""
+    code, line, report = verdict(tmp_path, ["dataset._target_=toy.torch_noisy_digits"])
+    assert code == 0 and "verify_resume: PASS: stopped at step 3 of 12" in line and "bit-identical" in line, line
+
+
+@pytest.mark.dist
+def test_a_stream_shuffled_per_rank_is_refused_in_one_line(tmp_path):
+    """Python's random, seeded per rank by ddplab, shuffling a stream: the ranks read different streams, which the
+    uninterrupted run refuses at its first batch; verify_resume says so (exit 2), not a resume that differs."""
+    proc = python_train(["mode=verify_resume", *SHORT, "dataset._target_=toy.rank_dependent_stream",
+                         "+dataset.how=python_shuffle", "batch_size=48", "distributed.nproc_per_node=2",
+                         f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    out = proc.stdout + proc.stderr
+    said = [ln for ln in out.splitlines() if "config error: " in ln]
+    assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in out, out[-3000:]
+    assert "dataset._target_='toy.rank_dependent_stream': the training stream is not the same on every rank" in said[0]

@@ -142,6 +142,15 @@ class Recorder:
     def on_fit_end(self, state, metrics): self._note("on_fit_end", state)
 
 
+class TrainingOnlyRecorder(Recorder):
+    """A Recorder that serves training only (like a study trial's reporter): mode=eval leaves it out."""
+
+    training_only = True
+
+    def _note(self, hook, state):
+        RECORDED.append((f"training_only.{hook}", state.loop.step))
+
+
 class SignalJobAtLastSave:
     """Rank 0 sends SIGINT to every process of the job (a Ctrl-C in the terminal) right after the last
     checkpoint of the run, noting the time in ``stamp``: too late to stop anything, the job completes."""
@@ -230,6 +239,29 @@ def noisy_digits(noise_seed=None, **kw):
     return {"train": _Noisy(s.train, noise_seed), "val": s.val}
 
 
+class _TorchNoisy(torch.utils.data.Dataset):
+    """Samples plus noise drawn from torch's global generator (what the docs tell users to do: ddplab seeds and
+    checkpoints it)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.5 * torch.randn(x.shape), y
+
+
+def torch_noisy_digits(**kw):
+    """digits with per-sample noise from torch's global generator."""
+    from ddplab.data import digits
+
+    s = digits(**kw)
+    return {"train": _TorchNoisy(s.train), "val": s.val}
+
+
 class DigitStream(torch.utils.data.IterableDataset):
     """An IterableDataset over the digits: one order per (seed, epoch), split over DataLoader workers. It has no
     state_dict(): torchdata replays it on resume. ``short_on_rank``: that rank's stream ends ``short`` samples
@@ -291,6 +323,43 @@ class ValStream(torch.utils.data.IterableDataset):
         return zip(self.x, self.y)
 
 
+class RankDependentStream(torch.utils.data.IterableDataset):
+    """A user's stream that is not the same on every rank. ``how="shards_itself"``: it yields only its rank's
+    share (torch.distributed.get_rank(), what datasets' split_dataset_by_node does), its __len__ that share's;
+    ``how="python_shuffle"``: each epoch's order from Python's global random, which ddplab seeds per rank."""
+
+    def __init__(self, x, y, how):
+        self.x, self.y, self.how = x, y, how
+
+    def _share(self):
+        import torch.distributed as dist
+
+        on = self.how == "shards_itself" and dist.is_initialized()
+        return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+
+    def __len__(self):
+        rank, world = self._share()
+        return len(range(rank, len(self.y), world))
+
+    def __iter__(self):
+        import random
+
+        order = list(range(len(self.y)))
+        if self.how == "python_shuffle":
+            random.shuffle(order)
+        rank, world = self._share()
+        for i in order[rank::world]:
+            yield self.x[i], self.y[i]
+
+
+def rank_dependent_stream(how, **kw):
+    """digits' training set as a RankDependentStream; validation a stream in stored order."""
+    from ddplab.data import digits
+
+    s = digits(**kw)
+    return {"train": RankDependentStream(s.train.x, s.train.y, how), "val": ValStream(s.val.x, s.val.y)}
+
+
 STALLS: list[tuple[int, float]] = []  # (step, seconds the loop paused) per checkpoint, in-process runs
 
 
@@ -303,27 +372,116 @@ class StallRecorder:
 
 class SlowDisk:
     """A slow file system under the checkpoints: every step file takes ``delay_s`` longer to write.
-    ``signal_at``: rank 0 sends SIGTERM to its whole process group right after that step's checkpoint is
-    handed over (its write is then in flight). ``kill_at``: the process dies by SIGKILL half-way through
-    writing that step's file, its temporary file half written."""
+    ``signal_at``: rank 0 sends ``signal`` as that step's file starts being written (the write is then in
+    flight, in the background with checkpoint.async_save): to its whole process group (``to="group"``, what
+    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent)."""
 
-    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, kill_at: int = 0):
-        self.delay_s, self.signal_at, self.kill_at = delay_s, signal_at, kill_at
+    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group"):
+        self.delay_s, self.signal_at, self.signal, self.to = delay_s, signal_at, signal, to
+        self._real = None
 
     def setup(self, state):
         from ddplab.checkpoint import files
 
-        real = files.save_atomic
+        real = self._real = files.save_atomic
 
         def slow(obj, path):
-            if self.kill_at and path.name == f"step-{self.kill_at:08d}.pt":
-                path.with_name(f".{path.name}.tmp{os.getpid()}").write_bytes(b"PK\x03\x04" + b"\0" * 4096)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.signal_at and path.name == f"step-{self.signal_at:08d}.pt":
+                sig = getattr(signal, self.signal)
+                os.kill(os.getppid(), sig) if self.to == "launcher" else os.killpg(os.getpgid(0), sig)
             time.sleep(self.delay_s)
             real(obj, path)
 
         files.save_atomic = slow  # files.save looks it up at each call
 
+    def _restore(self):  # an in-process run leaves the next one a normal disk
+        from ddplab.checkpoint import files
+
+        if self._real is not None:
+            files.save_atomic, self._real = self._real, None
+
+    def on_fit_end(self, state, metrics):
+        self._restore()
+
+    def on_exception(self, state, exc):
+        self._restore()
+
+
+class LoadsEachSave:
+    """A user's on_save that uploads each checkpoint: it opens ``path`` with torch.load and appends
+    "<loop step now> <the file's loop step>" (or the error's type) to ``<record>-rank<r>.txt``."""
+
+    def __init__(self, record: str):
+        self.record = record
+
     def on_save(self, state, path):
-        if self.signal_at and state.loop.step == self.signal_at and _rank() == 0:
-            os.killpg(os.getpgid(0), signal.SIGTERM)  # what SLURM does: the whole job at once
+        try:
+            got = str(torch.load(path, map_location="cpu", weights_only=True)["loop"]["step"])
+        except Exception as e:
+            got = type(e).__name__
+        with open(f"{self.record}-rank{_rank()}.txt", "a") as f:
+            f.write(f"{state.loop.step} {got}\n")
+
+
+def saves_seen(record: str, rank: int = 0) -> list[tuple[int, str]]:
+    """LoadsEachSave's record of one rank: (loop step when on_save fired, the file's step or the error)."""
+    with open(f"{record}-rank{rank}.txt") as f:
+        return [(int(a), b) for a, b in (line.split() for line in f)]
+
+
+class FailsOnRank:
+    """A user's callback with a bug that shows on one rank only: ``rank`` raises after optimizer step ``step``."""
+
+    def __init__(self, rank: int = 1, step: int = 3):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state, step):
+        if step == self.step and state.dist.rank == self.rank:
+            raise RuntimeError(f"FailsOnRank: a callback's own bug on rank {self.rank} at step {step}")
+
+
+class _DyingFile:
+    """What torch.save writes through, for DiesMidWrite: after ``after_bytes`` the bytes so far are flushed,
+    noted, and the process is SIGKILLed — from inside torch.save, on whatever thread writes."""
+
+    def __init__(self, f, after_bytes: int, note: str):
+        self.f, self.after, self.note, self.written = f, after_bytes, note, 0
+
+    def write(self, data):
+        n = self.f.write(data)
+        self.written += len(data)
+        if self.written >= self.after:
+            self.f.flush()
+            inner = self.f
+            while not hasattr(inner, "fileno"):  # ddplab's own wrapper around the open file
+                inner = inner.f
+            inner.flush()
+            os.fsync(inner.fileno())
+            import threading
+
+            with open(self.note, "w") as out:
+                out.write(f"{threading.current_thread().name} {inner.name} {os.path.getsize(inner.name)}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    def flush(self):
+        self.f.flush()
+
+
+class DiesMidWrite:
+    """The process dies by SIGKILL inside the real checkpoint writer's torch.save, once ``after_bytes`` of step
+    ``at``'s checkpoint are on disk. ``note`` gets "<thread> <file being written> <its size>" just before."""
+
+    def __init__(self, at: int, note: str, after_bytes: int = 65536):
+        self.at, self.note, self.after = at, note, after_bytes
+
+    def setup(self, state):
+        real = torch.save
+
+        def save(obj, f, *a, **k):
+            loop = obj.get("loop") if isinstance(obj, dict) else None
+            if isinstance(loop, dict) and loop.get("step") == self.at:
+                f = _DyingFile(f, self.after, self.note)
+            return real(obj, f, *a, **k)
+
+        torch.save = save

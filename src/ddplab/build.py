@@ -4,6 +4,7 @@ on the model, dataset and task groups: the dataset's splits + augmentation, the 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, NamedTuple
 
@@ -12,9 +13,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ddplab.config import ConfigError
+from ddplab.config import ConfigError, InputError
 from ddplab.data.streams import StreamLoader, is_stream
-from ddplab.runtime import signals
+from ddplab.runtime import collectives, signals
 from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, on_device,
                          to_device)
 
@@ -53,9 +54,15 @@ def task(cfg: DictConfig) -> Any:
     return made
 
 
-def model(cfg: DictConfig) -> nn.Module:
-    """The model factory's module, with ``model.weights`` (a local file) loaded into it."""
+def model(cfg: DictConfig, num_classes: int | None = None) -> nn.Module:
+    """The model factory's module, with ``model.weights`` (a local file) loaded into it. ``num_classes``: the
+    dataset's count, for a ``model.num_classes`` left null (dataset=imagefolder counts its class folders)."""
     spec = _spec(cfg, "model")
+    if "num_classes" in spec and spec["num_classes"] is None:
+        if num_classes is None:
+            raise ConfigError(f"model.num_classes=None: dataset._target_={cfg.dataset.get('_target_')!r} does not "
+                              "say how many classes it has. Fix: set dataset.num_classes (or model.num_classes)")
+        spec["num_classes"] = num_classes
     weights = spec.pop("weights", None)
     module = _make(spec, "model")
     if weights:
@@ -65,8 +72,9 @@ def model(cfg: DictConfig) -> nn.Module:
     return module
 
 
-def callbacks(cfg: DictConfig) -> dict[str, Any]:
-    """name -> the callback ``cfg.callbacks.<name>`` makes (entries set to null are left out)."""
+def callbacks(cfg: DictConfig, evaluating: bool = False) -> dict[str, Any]:
+    """name -> the callback ``cfg.callbacks.<name>`` makes (entries set to null are left out; ``evaluating``:
+    mode=eval, which leaves out those that only serve training)."""
     spec = _spec(cfg, "callbacks") if cfg.get("callbacks") else {}
     made = {}
     for name, node in spec.items():
@@ -76,7 +84,7 @@ def callbacks(cfg: DictConfig) -> dict[str, Any]:
             raise TypeError(f"callbacks.{name}={node!r}: a callback entry needs a _target_ (a class) and its "
                             f"arguments. Fix: callbacks.{name}._target_=mypkg.MyCallback, or drop it")
         made[name] = _make(node, f"callbacks.{name}")
-    return made
+    return {name: cb for name, cb in made.items() if not (evaluating and getattr(cb, "training_only", False))}
 
 
 def _spec(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -89,14 +97,15 @@ _NAMES_A_KEY = re.compile(r"^(model|dataset|task|callbacks|optimizer|scheduler)\
 
 def _make(spec: dict[str, Any], key: str) -> Any:
     """``instantiate(spec)``; what is the config's fault becomes a one-line :class:`ConfigError`: a
-    ``_target_`` that does not import, and a factory's own refusal of a value (an error whose message
-    starts with the key it refuses, ``model.n_embd=...: ...``, as ddplab's factories write them). Any
+    ``_target_`` that does not import, a factory's own refusal of a value (an error whose message
+    starts with the key it refuses, ``model.n_embd=...: ...``, as ddplab's factories write them), and of
+    the input its config names (an :class:`InputError`: a token file the config does not describe). Any
     other error is a failure of the code, with its traceback."""
     try:
         return instantiate(spec, _convert_="all")
     except InstantiationException as e:
         cause = e.__cause__
-        if isinstance(cause, ConfigError) or (isinstance(cause, (ValueError, KeyError, TypeError))
+        if isinstance(cause, (ConfigError, InputError)) or (isinstance(cause, (ValueError, KeyError, TypeError))
                                               and _NAMES_A_KEY.match(str(cause.args[0]) if cause.args else "")):
             raise ConfigError(str(cause.args[0])) from None
         if str(e).startswith("Error locating target"):
@@ -160,8 +169,9 @@ def _stream_data(cfg: DictConfig, state: Any, data: Splits, augment: Any, global
         raise ConfigError(f"batch_size={cfg.batch_size} x grad_accum_steps={accum}: one optimizer step needs "
                           f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
                           "batch_size or grad_accum_steps")
+    rows = functools.partial(collectives.all_ranks_rows, state=state) if state.world_size > 1 else None
     loader = StreamLoader(data.train, sampler, state.device, cfg.perf.num_workers, cfg.perf.pin_memory,
-                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), signals.shield_worker)
+                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), signals.shield_worker, rows, name)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 

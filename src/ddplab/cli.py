@@ -16,9 +16,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ddplab import rundir, verify
-from ddplab.config import ConfigError
+from ddplab.config import ConfigError, InputError
 from ddplab.job import run
-from ddplab.runtime import env, launch, requeue, watch
+from ddplab.runtime import env, group, launch, requeue, watch
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -168,6 +168,8 @@ def main(cfg: DictConfig) -> float | None:
         return float("nan")
     except Exception as e:
         if not rundir.is_multirun():
+            if isinstance(e, (InputError, group.PeerFailed)):  # the Session said it in one line, where it was met
+                raise SystemExit(launch.CONFIG_EXIT if isinstance(e, InputError) else 1) from None
             raise
         if env.is_launched() and not env.is_self_launched():
             log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
@@ -175,8 +177,8 @@ def main(cfg: DictConfig) -> float | None:
             # Hydra would catch an exception and start the next job; leave instead,
             # so torchrun ends the other ranks (a peer may be blocked mid-collective).
             raise SystemExit(1) from e
-        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
-        _record_failure(cfg, f"{type(e).__name__}: {e}")
+        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, group.plain_message(e))
+        _record_failure(cfg, f"{type(e).__name__}: {group.plain_message(e)}")
         return float("nan")
     return metrics.get(cfg.objective)
 

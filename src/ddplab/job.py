@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
-from ddplab.config import ConfigError, validate
+from ddplab.config import ConfigError, InputError, validate
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
 from ddplab.runtime import env, group
@@ -96,7 +96,9 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
     except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
-        noted = (rundir.read_result(run_dir) or {}).get("error", "a rank refused the config (see its log)")
+        noted = (rundir.read_result(run_dir) or {}).get("error", "config error: a rank refused the config (see its log)")
+        if not noted.startswith("config error: "):  # an input file, said by the rank that met it
+            raise InputError(noted) from None
         raise ConfigError(noted.removeprefix("config error: ")) from None
     except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
         noted = rundir.read_result(run_dir) or {}
@@ -113,7 +115,8 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
             # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
             log.warning("%s, after every rank checkpointed at step %s: the job stays preempted", e, noted.get("step"))
             raise Preempted(noted.get("signal", "SIGTERM"), noted.get("step", -1), noted["checkpoint"]) from None
-        rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
+        if noted.get("status") != "failed":  # rank 0's record of the first real error stays
+            rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
         raise
 
 
@@ -128,3 +131,5 @@ def run_rank(job: dict[str, Any]) -> dict[str, float]:
     except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None
+    except (InputError, group.PeerFailed) as e:  # said by this rank's Session in one line; exit 2: the input's fault
+        raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else 1) from None

@@ -1,7 +1,10 @@
 """Model FLOPs and device peaks, for the ``vitals/tflops`` and ``vitals/mfu`` scalars.
 
 FLOPs are counted once with ``torch.utils.flop_counter`` on one eval-mode
-sample (no running-stat update, no random numbers drawn) and multiplied by 3
+sample of the first batch trained on (never the dataset's ``__getitem__``: a probe
+of it would draw from the user's random streams at a step that depends on
+``log_every_n_steps``; every torch random state is restored around the count, and
+no running stat is updated) and multiplied by 3
 for forward + backward — the convention of MFU reports (backward costs about
 twice the forward). MFU = achieved FLOP/s / (peak FLOP/s x devices), with the
 peak of the compute dtype looked up for known GPUs (dense, no sparsity) or
@@ -11,10 +14,12 @@ given as ``perf.peak_tflops``.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ddplab.data.batches import first_tensor
 
 log = logging.getLogger("ddplab")
 
@@ -43,14 +48,14 @@ def train_flops_per_sample(module: nn.Module, sample: Tensor | None) -> float | 
     """3 x forward FLOPs of one sample, or None if the model cannot be counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    if sample is None:  # nothing to count on (a stream: taking a sample would move it)
-        log.info("vitals/tflops off: no tensor sample to count the model's FLOPs on (an IterableDataset, or "
-                 "samples without a tensor)")
+    if sample is None:
+        log.info("vitals/tflops off: no tensor in the batch to count the model's FLOPs on")
         return None
     was_training = module.training
     module.eval()
-    try:
-        with FlopCounterMode(display=False) as counter:
+    cuda = [sample.device] if sample.device.type == "cuda" else []
+    try:  # a model that draws even in eval mode must not shift the streams that training continues with
+        with torch.random.fork_rng(devices=cuda), FlopCounterMode(display=False) as counter:
             module(sample[:1])
         flops = counter.get_total_flops()
     except Exception as e:  # exotic ops: no MFU, but never a failed run
@@ -68,18 +73,25 @@ class FlopRate:
     launch to the first training step — and never when ``enabled`` is False.
     """
 
-    def __init__(self, enabled: bool, module: nn.Module, sample: Callable[[], Tensor], device: torch.device,
-                 dtype: torch.dtype, peak_override: float | None, world_size: int):
+    def __init__(self, enabled: bool, module: nn.Module, device: torch.device, dtype: torch.dtype,
+                 peak_override: float | None, world_size: int):
         self._todo = enabled
-        self._module, self._sample, self._device, self._dtype = module, sample, device, dtype
+        self._module, self._sample, self._device, self._dtype = module, None, device, dtype
         self._override, self._world = peak_override, world_size
         self.per_sample: float | None = None
         self.peak: float | None = None
 
+    def keep(self, batch: Any) -> None:
+        """The first tensor of a batch trained on (as the model gets it), one sample of it, for the count."""
+        x = first_tensor(batch) if self._todo and self._sample is None else None
+        if x is not None and x.dim():
+            self._sample = x[:1].clone()  # not a view: the batch's memory is freed
+
     def rates(self, samples_per_s: float) -> dict[str, float]:
         if self._todo:
             self._todo = False
-            self.per_sample = train_flops_per_sample(self._module, self._sample())
+            self.per_sample = train_flops_per_sample(self._module, self._sample)
+            self._sample = None
             self.peak = peak_tflops(self._device, self._dtype, self._override)
         if not self.per_sample:
             return {}

@@ -94,11 +94,12 @@ def _plain(v: Any) -> Any:
 
 def checkpoints_of(s: State, stop: Callable[[str], None] | None = None) -> tuple[CheckpointManager, ResumeGuard]:
     """The CheckpointManager with every stateful part of the job registered, and its drift guard.
-    ``stop(reason)``: how a failed background write stops the loop (the trainer's StopSignal.request)."""
+    ``stop(reason)``: how a failed background write stops the loop (the trainer's StopSignal.request). The
+    callbacks' on_save hears of each checkpoint once it is on disk (with async_save: after the write)."""
     meta = {"config": OmegaConf.to_yaml(s.cfg, resolve=True), "world_size": s.dist.world_size}
     guard = ResumeGuard(s.cfg, s.dist.world_size)  # a checkpoint of another config is refused
     manager = CheckpointManager(s.run_dir / "checkpoints", s.cfg.checkpoint, s.dist, meta, check_meta=guard.check,
-                                stop=stop)
+                                stop=stop, saved=lambda path: s.callbacks(Hook.ON_SAVE, s, path))
     entries = {**s.strategy.checkpoint_entries(s.module, s.optimizer, manager), "scheduler": s.scheduler,
                "scaler": s.precision, "loop": s.loop,
                "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
@@ -130,14 +131,16 @@ def resume(s: State, guard: ResumeGuard) -> str | None:
     return changes
 
 
-# Keys mode=eval takes from the command line; everything else comes from the checkpoint's config.
-_EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches", "callbacks",
+# Keys mode=eval takes from the command line; everything else comes from the checkpoint's config. The
+# callbacks are the run's (EMA's val_ema/* is part of its evaluation), plus any the command adds.
+_EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches",
              "log_every_n_steps")
 
 
 def eval_config(cfg: DictConfig) -> DictConfig:
-    """mode=eval: the checkpoint's own config (model, data, task, ...) with this command's
-    launch settings, so ``python train.py mode=eval resume=<run dir>`` needs nothing else."""
+    """mode=eval: the checkpoint's own config (model, data, task, callbacks, ...) with this command's
+    launch settings (and any callbacks it adds), so ``python train.py mode=eval resume=<run dir>`` needs
+    nothing else."""
     from ddplab.checkpoint import files
 
     path = files.find_resume_path(cfg.resume, Path("."))
@@ -150,6 +153,7 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     for key in _EVAL_OWN:
         if key in mine:
             merged[key] = mine[key]
+    merged.callbacks = {**(merged.get("callbacks") or {}), **(mine.get("callbacks") or {})}
     merged.resume = str(path)
     OmegaConf.set_struct(merged, True)
     return merged

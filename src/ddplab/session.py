@@ -124,6 +124,7 @@ class Session:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        said = None  # this rank's line, when it only lost its connection to a rank that failed first
         try:
             if isinstance(exc, Preempted):  # every rank stopped at the same step, after its checkpoint
                 log.warning("preempted: %s", exc)
@@ -135,9 +136,10 @@ class Session:
                 if self._lock is not None:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
             elif isinstance(exc, Exception):
-                report = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
-                                                self.cfg.distributed.timeout_s, self.hosts)
-                log.error(report)
+                report, says = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
+                                                      self.cfg.distributed.timeout_s, self.hosts)
+                log.error(says)
+                said = says if says != report else None
                 if self._lock is not None:  # never into a run dir another job holds
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})
         finally:
@@ -151,3 +153,5 @@ class Session:
             self._where = lambda: "after the job"
             self.stop.uninstall()
             group.teardown(clean=exc is None or isinstance(exc, Preempted))
+        if said:  # the peer's error is the job's; this rank's lost connection needs no traceback
+            raise group.PeerFailed(said) from None

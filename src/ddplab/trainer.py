@@ -24,8 +24,7 @@ from omegaconf import DictConfig
 from ddplab import build, rundir, strategy
 from ddplab.batch_size import global_batch_size
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
-from ddplab.data.batches import first_tensor, map_tensors
-from ddplab.data.streams import is_stream
+from ddplab.data.batches import map_tensors
 from ddplab.evaluation import Evaluator, derived
 from ddplab.metrics import TrainMetrics
 from ddplab.optim import make_optimizer
@@ -81,8 +80,8 @@ class Trainer:
         self._first_step_done = False
         self._bar = Progress("none", 0, 0, cfg.num_epochs)  # each epoch draws its own
         self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
-        self.flops = FlopRate(s.strategy.counts_flops, s.module, self._flop_sample, dist.device,
-                              s.precision.dtype, cfg.perf.peak_tflops, dist.world_size)
+        self.flops = FlopRate(s.strategy.counts_flops, s.module, dist.device, s.precision.dtype,
+                              cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (_checked_step)
 
     def _build(self, cfg: DictConfig, dist: DistState, run_dir: Path, search_earlier_runs: bool) -> State:
         """The job's parts, in an order that fixes the random draws: same seed on every rank here, so
@@ -92,10 +91,10 @@ class Trainer:
         seed_everything(cfg.seed)
         strat = strategy.make(cfg, dist)
         task = build.task(cfg)
-        callbacks = Callbacks(build.callbacks(cfg))
+        callbacks = Callbacks(build.callbacks(cfg, evaluating=self.eval_only))
         data, sampler, loader, spe = build.train_data(cfg, dist, global_batch, accum)
         # The unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
-        module = strat.prepare(build.model(cfg))
+        module = strat.prepare(build.model(cfg, data.num_classes))
         model = strat.wrap(module)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), params,
@@ -209,12 +208,11 @@ class Trainer:
 
     def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False) -> str:
         """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or "".
-        ``now``: on disk when this returns, even with checkpoint.async_save."""
+        ``now``: on disk when this returns, even with checkpoint.async_save. The manager tells on_save."""
         s = self.state
         path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self._close_log_interval, now=now)
         if path:
             slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
-            s.callbacks(Hook.ON_SAVE, self.state, path)
         return path
 
     def _close_log_interval(self) -> None:
@@ -323,6 +321,7 @@ class Trainer:
         """The task's step with its batch and output checked (first step only: host metadata, no sync)."""
         s = self.state
         check_batch(s.task, batch)
+        self.flops.keep(batch)  # never the dataset: calling it would draw from the user's random streams
         return check_output(s.task, s.task(model, batch))
 
     def _optimizer_step(self) -> None:
@@ -377,12 +376,6 @@ class Trainer:
             return batch
         return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
                            else t)
-
-    def _flop_sample(self) -> torch.Tensor | None:
-        """One sample's input, for counting the model's FLOPs (the first tensor of a training sample)."""
-        train = self.state.data.train
-        x = None if is_stream(train) else first_tensor(train[0])  # a stream has no sample that would not move it
-        return None if x is None else self._to_memory_format(x[None].to(self.state.dist.device))
 
     def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
         """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when

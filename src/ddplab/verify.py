@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ddplab.callbacks import Callback
 from ddplab.checkpoint.compare import first_difference
 from ddplab.config import ConfigError, validate
 from ddplab.runtime import env
+from ddplab.runtime.launch import CONFIG_EXIT
 
 log = logging.getLogger("ddplab")
 
@@ -211,10 +213,18 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str) -> dict[str, Any]:
     job = _with(job, {"run_dir": str(run_dir)})
     spec = run_dir.parent / f"{run_dir.name}.json"
     spec.write_text(json.dumps(job))
+    refusal = spec.with_suffix(".refused")
+    refusal.unlink(missing_ok=True)
     log.info("verify_resume: %s (%s)", what, run_dir)
+    started = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
         code = subprocess.call([sys.executable, "-m", __name__, str(spec)], stdout=out, stderr=subprocess.STDOUT)
-    result = rundir.read_result(run_dir) or {}
+    # The resumed leg reuses the first leg's dir: the result.json left from that leg must not pass for this
+    # one's (a leg refused before its Session starts writes none).
+    result = rundir.read_result(run_dir, since=started) or {}
+    refused = refusal.read_text() if refusal.is_file() else str(result.get("error", ""))
+    if refused.startswith("config error: "):  # the job cannot run as it is (e.g. a stream that differs by rank)
+        raise ConfigError(f"{what}: {refused.removeprefix('config error: ')}")
     if result.get("status") not in ("completed", "preempted"):
         raise VerifyFailed(f"{what} failed (exit {code}, {result.get('error', 'no result.json')}): see "
                            f"{run_dir.parent / (run_dir.name + '.log')}")
@@ -233,6 +243,9 @@ def _child_main(spec: str) -> int:
         run(cfg, search_earlier_runs=False)
     except Preempted as e:
         return e.exit_code
+    except ConfigError as e:  # refused, perhaps before its Session could record it: the parent says it once
+        Path(spec).with_suffix(".refused").write_text(f"config error: {e}")
+        return CONFIG_EXIT
     return 0
 
 

@@ -15,7 +15,8 @@ Hooks get the job's :class:`ddplab.state.State` (``state.module``, ``.optimizer`
 * ``on_log(state, values, step)`` — each log step, with the reduced values (the same on every rank);
 * ``on_eval_end(state, metrics) -> dict | None`` — after each evaluation; returns extra metrics
   to log and record (``objective`` may name those listed in ``logged_names``);
-* ``on_save(state, path)`` / ``on_load(state, path)`` — after a checkpoint write / load;
+* ``on_save(state, path)`` / ``on_load(state, path)`` — once a checkpoint is on disk (it loads) / after a
+  load; with ``checkpoint.async_save`` on_save comes at the next save, the stop's or the run's end;
 * ``on_exception(state, exc)``; ``on_fit_end(state, metrics)``.
 
 A callback with ``state_dict()``/``load_state_dict()`` is checkpointed as entry
@@ -49,6 +50,7 @@ class Hook(str, enum.Enum):
                 a checkpoint falls due                -> ON_SAVE(state, path)
             evaluation (exact, all ranks)             -> ON_EVAL_END(state, metrics) -> extra metrics
             the epoch's checkpoint                    -> ON_SAVE(state, path)
+            (async_save: each ON_SAVE once that file is on disk: the next save, a stop's, or the end below)
         ON_FIT_END(state, metrics)
         any exception on the way                      -> ON_EXCEPTION(state, exc), then it propagates
         (a preemption too: every rank's checkpoint, ON_SAVE, then ON_EXCEPTION with ``Preempted``)
@@ -70,6 +72,9 @@ HOOKS = tuple(h.value for h in Hook)
 
 class Callback:
     logged_names: tuple[str, ...] = ()  # metric tags it logs, e.g. ("val_ema/acc",)
+    # mode=eval evaluates with the callbacks the run trained with (EMA's val_ema/* is part of its evaluation);
+    # one that only serves training (a study trial's reporter, which would report to a finished trial) says so.
+    training_only: bool = False
 
     def setup(self, state: State) -> None: ...
     def on_fit_start(self, state: State) -> None: ...

@@ -52,6 +52,24 @@ def free_space(path: Path) -> str:
         return "free space unknown"
 
 
+class _WriteErrors:
+    """The file torch.save writes through, keeping the first OSError a write raised: torch reports it only as
+    "enforce fail at inline_container.cc ... unexpected pos", which hides ENOSPC, EDQUOT or EIO."""
+
+    def __init__(self, f: Any):
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_atomic(obj: dict[str, Any], path: Path) -> None:
     """Write to a temporary file, fsync, rename: a crash mid-write leaves the old file intact.
 
@@ -61,15 +79,18 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    out: _WriteErrors | None = None
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            out = _WriteErrors(f)
+            torch.save(obj, out)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError too
         tmp.unlink(missing_ok=True)
+        cause = (out.error if out is not None else None) or e
         raise CheckpointWriteError(
-            f"could not write checkpoint {path}: {type(e).__name__}: {e} ({free_space(path.parent)} on its "
+            f"could not write checkpoint {path}: {type(cause).__name__}: {cause} ({free_space(path.parent)} on its "
             "file system). The previous checkpoint is intact. Fix: free space (or point run_dir elsewhere), "
             "then run the same command with resume=auto") from e
     os.replace(tmp, path)  # atomic on POSIX

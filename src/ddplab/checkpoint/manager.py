@@ -36,13 +36,14 @@ log = logging.getLogger("ddplab")
 class CheckpointManager:
     def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any],
                  check_meta: Callable[[dict[str, Any], Path], None] | None = None,
-                 stop: Callable[[str], None] | None = None):
+                 stop: Callable[[str], None] | None = None, saved: Callable[[str], None] | None = None):
         """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best, async_save); ``meta``:
         stored as is; ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before
         any load); ``stop(reason)``: asks the loop for a stop (a background write failed: the stop's save
-        then raises its error on every rank)."""
+        then raises its error on every rank); ``saved(path)``: called on every rank, on the loop's thread,
+        for each checkpoint once it is on disk (the callbacks' on_save)."""
         self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
-        self.check_meta, self._stop = check_meta, stop
+        self.check_meta, self._stop, self._saved = check_meta, stop, saved
         self._every = int(policy.every_n_steps)  # read once: save(mid_epoch=...) runs every step
         self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
@@ -59,6 +60,9 @@ class CheckpointManager:
         self._group: Any = None  # a side group for sharded background writes (made at the first one)
         self.last_stall_s = 0.0
         self.last_wait_s = 0.0  # of last_stall_s, the part spent waiting for the previous background write
+        # The background write's path, told to ``saved`` only once rank 0's word says it is on disk: every
+        # rank hears that word at the same step (the next save, a stop's, the run's end).
+        self._in_flight = ""
 
     def register(self, key: str, component: Stateful, optional: bool = False) -> None:
         """``optional``: a checkpoint without this entry still loads; the component keeps its fresh state
@@ -100,6 +104,7 @@ class CheckpointManager:
         when ``checkpoint.every_n_steps`` says a save is due; otherwise (epoch end, stop) it always
         saves. ``before`` runs on every rank right before a save (the trainer closes its log interval).
         ``now``: written before this returns even with ``checkpoint.async_save`` (a stop's checkpoint).
+        With ``async_save`` the returned path is written later: ``saved`` hears of it when it is on disk.
 
         Rank 0's outcome goes to every rank (in place of a plain barrier, at the same cost): a
         failed write (a full disk) stops all ranks together with rank 0's message, instead of
@@ -114,9 +119,7 @@ class CheckpointManager:
         self._step = step
         if self._writer is not None:
             # Every rank: the write in flight is done, and how it went (rank 0's word) before anything new.
-            error = broadcast_object(self._settle(t0), self.state)
-            if error:
-                raise files.CheckpointWriteError(error)
+            self._settled(broadcast_object(self._settle(t0), self.state))
             if not now:
                 return self._save_in_background(step, is_best, t0)
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
@@ -132,6 +135,8 @@ class CheckpointManager:
         self.last_save_s = self.last_stall_s = time.perf_counter() - t0
         if path and self.state.is_main:
             _note_save_time(self.dir, Path(path).name, self.last_save_s)
+        if path and self._saved is not None:
+            self._saved(path)
         return path
 
     def _write(self, entries: dict[str, Any], step: int, is_best: bool) -> Path:
@@ -178,7 +183,16 @@ class CheckpointManager:
 
         self._writer.start(write, self._on_write_error)
         self.last_stall_s = time.perf_counter() - t0
-        return str(self.dir / f"{files.step_name(step)}.pt")
+        self._in_flight = str(self.dir / f"{files.step_name(step)}.pt")
+        return self._in_flight
+
+    def _settled(self, error: str) -> None:
+        """Every rank, with rank 0's word on the write in flight: its error raised, or ``saved`` told of it."""
+        path, self._in_flight = self._in_flight, ""
+        if error:
+            raise files.CheckpointWriteError(error)
+        if path and self._saved is not None:
+            self._saved(path)
 
     def _on_write_error(self, error: str) -> None:
         if self._stop is not None:
@@ -188,15 +202,14 @@ class CheckpointManager:
         """Collective, at the end of a run: the last background write is done; its failure fails every rank."""
         if self._writer is None:
             return
-        error = broadcast_object(self._settle(time.perf_counter()), self.state)
-        if error:
-            raise files.CheckpointWriteError(error)
+        self._settled(broadcast_object(self._settle(time.perf_counter()), self.state))
 
     def drain(self) -> None:
         """Local, on the way out of a failed run: let the write in hand finish (it is a complete
-        checkpoint); its outcome is no longer anyone's to act on."""
+        checkpoint); its outcome is no longer anyone's to act on, nor ``saved``'s: no rank can agree on it."""
         if self._writer is not None:
             self._writer.wait()
+            self._in_flight = ""
 
     # ---------------------------------------------------------------- loading
     def resume(self, resume: str | None, run_dir: Path, search_earlier_runs: bool = False) -> Path | None:

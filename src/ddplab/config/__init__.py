@@ -14,12 +14,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ddplab import rundir
-from ddplab.config.errors import ConfigError
+from ddplab.config.errors import ConfigError, InputError
 from ddplab.config.groups import GROUPS
 from ddplab.config.schema import DistributedConfig, TrainConfig
 from ddplab.config.validate import validate
 
-__all__ = ["ConfigError", "register_configs", "validate"]
+__all__ = ["ConfigError", "InputError", "register_configs", "validate"]
 
 
 def register_configs() -> None:

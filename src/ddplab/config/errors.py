@@ -9,6 +9,12 @@ class ConfigError(ValueError):
     """A config value that composes but cannot work; the message names key and fix."""
 
 
+class InputError(ValueError):
+    """Data the job reads (a token file, an image) that cannot work, met while it runs; the message names the
+    file, where in it, and the fix. It exits 2 in one line like a ConfigError, but it may show on one rank
+    only, so the rank that meets it says it (the Session), with the epoch and step."""
+
+
 def require(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")

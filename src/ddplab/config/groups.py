@@ -35,7 +35,7 @@ class ModelConfig:
     """Keys every model option has; `weights` is ddplab's (see build.model), the rest go to the factory."""
 
     _target_: str = MISSING
-    num_classes: int = MISSING
+    num_classes: Optional[int] = MISSING  # null: the dataset's own count (dataset=imagefolder: its class folders)
     in_channels: int = 1
     weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the wrap
 
@@ -219,7 +219,7 @@ class ImageFolderConfig(FilesConfig):
     """root/train/<class>/<image> and root/val/<class>/<image>, decoded with Pillow."""
 
     _target_: str = "ddplab.data.imagefolder"
-    num_classes: int = MISSING  # the number of class folders (checked)
+    num_classes: Optional[int] = None  # null: the number of class folders; a value is checked against them
     in_channels: int = 3
     image_size: int = 224  # short side resized to this, centre crop to square
     train_dir: str = "train"

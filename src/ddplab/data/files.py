@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ddplab.config.errors import InputError
 from ddplab.data.datasets import Splits, TensorData
 
 MNIST_URL = "https://yann.lecun.com/exdb/mnist/ (or any mirror; torchvision's MNIST(download=True) layout works)"
@@ -216,7 +217,7 @@ class ImageFolder(Dataset):
         return (x - self.mean) / self.std, torch.tensor(label)
 
 
-class ImageFileError(ValueError):
+class ImageFileError(InputError):
     """An image that cannot be decoded: the message starts with its path."""
 
 

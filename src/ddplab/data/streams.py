@@ -11,6 +11,10 @@ map-style sampler follows, so the promises carry over:
 * the loader's state (its workers' too) is the checkpoint entry ``data``: a mid-epoch resume continues
   at the next unread sample, at this world size or another, bitwise at the same one.
 
+So the stream must be the same on every rank: the first global batch each process reads is checked (a hash per
+sample, ONE small collective) and a stream that differs (one that shards itself by rank, or shuffles with a
+generator ddplab seeds per rank) is refused in one line rather than losing or doubling samples without a word.
+
 The price: every rank reads the whole stream (it collates only its slice). That is cheap beside a training step for
 token or feature streams; decoding-heavy streams are better as map-style datasets (``imagefolder``).
 
@@ -23,13 +27,16 @@ stream up to the position (exact, but it rereads).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import IterableDataset, default_collate
 
+from ddplab.config.errors import ConfigError
 from ddplab.data.batches import move
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
 
@@ -47,8 +54,13 @@ class StreamLoader:
 
     def __init__(self, data: IterableDataset, sampler: ShardedGlobalSampler, device: torch.device,
                  num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None):
+                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None,
+                 all_ranks_rows: Callable[[Tensor], Tensor] | None = None, name: str | None = None):
+        """``all_ranks_rows``: every rank's row of a tensor (one collective), for checking once that the ranks
+        read the same stream; None on one rank. ``name``: the dataset as the user's config names it."""
         self.data, self.sampler, self.device = data, sampler, device
+        self.all_ranks_rows, self.name = all_ranks_rows, name or type(data).__name__
+        self._checked = all_ranks_rows is None  # once per process: the ranks read one stream
         self.num_workers, self.prefetch, self.worker_init_fn = num_workers, prefetch_factor, worker_init_fn
         self.collate = collate_fn or default_collate  # this rank's slice only: nobody collates the whole batch
         self.pin = pin_memory and device.type == "cuda"
@@ -60,8 +72,8 @@ class StreamLoader:
         self.sampler.set_epoch(epoch, skip)
 
     def describe(self) -> str:
-        return (f"a stream ({type(self.data).__name__}, {self.num_workers} worker(s)): every rank reads it and "
-                "keeps its slice of each global batch")
+        return (f"a stream ({type(self.data).__name__}, {self.num_workers} worker(s)), sharded by ddplab: every rank "
+                "reads the whole stream and keeps its slice of each global batch (checked: the same stream on every rank)")
 
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
@@ -91,12 +103,15 @@ class StreamLoader:
             if saved is None or (saved["epoch"], saved["micro_batches"]) != (epoch, skip):
                 raise RuntimeError(f"resume: no saved stream position for epoch {epoch}, micro-batch {skip} (the "
                                    f"checkpoint has {None if saved is None else (saved['epoch'], saved['micro_batches'])})")
+            self._check_same_workers(saved["loader"], epoch, skip)
             loader.load_state_dict(saved["loader"])
         self._loader, self._epoch, self._served = loader, epoch, skip
         b, promised = self.sampler.per_rank_batch, self.sampler.num_micro_batches
         lo, samples = self.sampler.rank * b, iter(loader)
         while self._served < promised:  # the tail that does not fill an optimizer step stays unread
             group = list(itertools.islice(samples, self.sampler.global_batch))
+            if not self._checked:  # before a short group leaves the loop: every rank joins the collective
+                self._check_one_stream(group)
             if len(group) < self.sampler.global_batch:
                 break
             self._served += 1  # before the yield: a checkpoint taken while this batch trains counts it
@@ -107,6 +122,28 @@ class StreamLoader:
                           f"{self.sampler.global_batch} in epoch {epoch + 1}, but its __len__ ({self.sampler.num_samples}) "
                           f"promises {promised}. Fix: make __len__ the number of samples one epoch yields")
 
+    def _check_same_workers(self, state: dict[str, Any], epoch: int, skip: int) -> None:
+        """A mid-epoch position holds only with the loader workers it was saved with."""
+        snapshot = state.get("_snapshot")  # torchdata keeps one only with workers
+        old = int(snapshot["_main_snapshot"]["_num_workers"]) if snapshot else 0
+        if old != self.num_workers:
+            raise ConfigError(
+                f"perf.num_workers={self.num_workers}: the checkpoint stopped mid-epoch (epoch {epoch + 1}, micro-batch "
+                f"{skip}) in a stream read with perf.num_workers={old}; the order in which workers hand over samples "
+                f"is part of the stream, so that position means other samples with {self.num_workers}. Fix: resume "
+                f"with perf.num_workers={old} (change it at an epoch's end)")
+
+    def _check_one_stream(self, group: list[Any]) -> None:
+        """Every rank must read the same samples in the same order; the first global batch read tells."""
+        self._checked = True
+        ids = [sample_id(x) for x in group]
+        row = torch.zeros(self.sampler.global_batch + 1, dtype=torch.int64)
+        row[0], row[1:len(ids) + 1] = len(ids), torch.tensor(ids, dtype=torch.int64)
+        rows = self.all_ranks_rows(row.to(self.device)).cpu()
+        other = next((r for r in range(1, len(rows)) if not torch.equal(rows[r], rows[0])), None)
+        if other is not None:
+            raise ConfigError(stream_differs(self.name, rows[0], rows[other], other))
+
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint entry ``data``: where this epoch's stream is, the loader's (and workers') state."""
         state = self._loader.state_dict() if self._loader is not None else None
@@ -114,6 +151,49 @@ class StreamLoader:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._saved = sd if sd.get("loader") is not None else None
+
+
+def sample_id(sample: Any) -> int:
+    """A 64-bit hash of a sample: every tensor's dtype, shape and bytes, and other leaves' repr."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                feed(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                feed(v)
+        else:
+            h.update(repr(x).encode())
+
+    feed(sample)
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def stream_differs(name: str, first: Tensor, other: Tensor, rank: int) -> str:
+    """The one line that refuses a stream which differs between rank 0 and ``rank`` (rows: count, ids...)."""
+    n0, n1 = int(first[0]), int(other[0])
+    a, b = set(first[1:n0 + 1].tolist()), set(other[1:n1 + 1].tolist())
+    shuffle = ("shuffles with a generator that differs between ranks (Python's random or numpy's global generator, "
+               "which ddplab seeds per rank, or an unseeded one)")
+    if a == b and n0 == n1:
+        what, fix = f"the same samples in another order: it {shuffle}", ("shuffle with a generator of your own seeded "
+                                                                        "from the seed and set_epoch's epoch alone")
+    else:
+        common = "none" if not a & b else f"{len(a & b)} of {n0}"
+        what = (f"{n1} samples where rank 0 has {n0}" if n0 != n1 else f"other samples ({common} in common)") + (
+            ": it shards itself by rank (torch.distributed.get_rank(), datasets' split_dataset_by_node), which ddplab "
+            f"then shards again, or {shuffle}")
+        fix = ("yield the whole stream on every rank, in an order seeded from the seed and set_epoch's epoch alone, "
+               "and let ddplab give each rank its slice")
+    return (f"{name}: the training stream is not the same on every rank, so samples would be lost or used twice: its "
+            f"first global batch read has, on rank {rank}, {what}. Fix: {fix}")
 
 
 def stream_eval_batches(data: IterableDataset, world_size: int, rank: int, batch_size: int, device: torch.device,

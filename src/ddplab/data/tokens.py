@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset
 
+from ddplab.config.errors import InputError
 from ddplab.data.datasets import Splits
 
 DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
-class TokenFileError(ValueError):
+class TokenFileError(InputError):
     """A token file that does not match its config or its sidecar, or that changed under a run."""
 
 

@@ -7,6 +7,8 @@ other module gets the resulting :class:`DistState` and the named helpers of
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -131,26 +133,56 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+class PeerFailed(RuntimeError):
+    """This rank lost its connection to a rank that failed first: no error of its own. The Session has said so
+    in one line and recorded the peer's error; nothing more to show (no traceback)."""
+
+
+# How a collective ends on the ranks still in it when a peer's process goes away (gloo, NCCL).
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+              "communicator was aborted")
+_WORKER = re.compile(r"^Caught \w+ in DataLoader worker process (\d+)\.\nOriginal Traceback")
+
+
+def plain_message(exc: BaseException) -> str:
+    """``exc``'s message. torch re-raises a DataLoader worker's error as the same type with the worker's
+    whole traceback as its message; of that, the original message (its last line) and which worker."""
+    text = str(exc)
+    worker = _WORKER.match(text)
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    at = text.rfind(f"\n{name}: ") if worker else -1
+    if at < 0:
+        return text
+    return f"{text[at + len(name) + 3:].rstrip()} (in DataLoader worker {worker.group(1)})"
+
+
 def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float,
-                     hosts: dict[int, str] | None = None) -> str:
-    """A one-paragraph account of why this rank stopped, naming the rank(s) at fault where possible.
+                     hosts: dict[int, str] | None = None) -> tuple[str, str]:
+    """Why the job stopped, as seen from this rank: (the job's first real error, for result.json; what this
+    rank says). Usually the same one paragraph, naming the rank(s) at fault where possible.
 
     Each failing rank leaves a note in the rendezvous store (no collective: the
     group may be broken). A rank whose collective timed out waits briefly for
     the others' notes; ranks that left none never reached the collective —
     hung, dead, cut off or far slower — and are named, with their hosts (``hosts``: rank -> host, from
-    the start-up rank table): across machines, a silent host is the first thing to look at.
+    the start-up rank table): across machines, a silent host is the first thing to look at. A rank that
+    only lost its connection to a peer records the note of the rank that failed first, and says one line.
     """
-    msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {exc}"
+    msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {plain_message(exc)}"
     if not (state.is_distributed and dist.is_initialized()):
-        return msg
+        return msg, msg
+    lost = any(s in str(exc).lower() for s in _LOST_PEER)
     found: list[list[int]] = []
+    first: list[tuple[int, str]] = []
 
     def notes() -> None:
         try:
             store = compat.default_store()
-            store.set(f"ddplab/{job_key}/failed/{state.rank}", msg)
-            if _is_timeout(exc):
+            store.set(f"ddplab/{job_key}/failed/{state.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
+            if lost:
+                first.extend(_first_real_failure(store, job_key, state))
+            elif _is_timeout(exc):
                 time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
                 found.append([r for r in range(state.world_size)
                               if not store.check([f"ddplab/{job_key}/failed/{r}"])])
@@ -162,6 +194,10 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     worker = threading.Thread(target=notes, name="ddplab-failure-notes", daemon=True)
     worker.start()
     worker.join(min(3.0, timeout_s / 4) + 5.0)
+    if first:
+        peer, report = first[0]
+        return report, (f"rank {state.rank}/{state.world_size} stopped {where}: lost its connection to rank {peer}, "
+                        "which failed first (its error is above, and in result.json)")
     if found:
         silent = found[0]
         on = ", ".join(f"rank {r} on {hosts[r]}" for r in silent if hosts and r in hosts)
@@ -171,4 +207,21 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
                 "branch that skips a collective, a host whose link is down).")
     elif worker.is_alive():
         msg += "\n  The job's store (on rank 0's host) did not answer: is this host cut off from it?"
-    return msg
+    return msg, msg
+
+
+def _first_real_failure(store: Any, job_key: str, state: DistState, wait_s: float = 2.0) -> list[tuple[int, str]]:
+    """[(rank, its report)] of the earliest failure another rank noted that is not a lost connection itself;
+    waited for up to ``wait_s`` (the peer notes before it leaves, but a rank may see the loss first)."""
+    until = time.monotonic() + wait_s
+    while True:
+        real = []
+        for r in range(state.world_size):
+            key = f"ddplab/{job_key}/failed/{r}"
+            if r != state.rank and store.check([key]):
+                note = json.loads(store.get(key))
+                if not note["lost"]:
+                    real.append((note["t"], r, note["msg"]))
+        if real or time.monotonic() > until:
+            return [(r, m) for _, r, m in sorted(real)[:1]]
+        time.sleep(0.1)

@@ -14,7 +14,7 @@ from ddplab.strategy.ddp import DDPStrategy
 from ddplab.strategy.fsdp import FSDPStrategy
 from ddplab.strategy.local import DataParallel, Local
 
-__all__ = ["Strategy", "make", "check_launch"]
+__all__ = ["Strategy", "make", "check_launch", "ranks_started"]
 
 _CLASSES: dict[str, type[Strategy]] = {c.name: c for c in (Local, DataParallel, DDPStrategy, FSDPStrategy)}
 
@@ -31,6 +31,12 @@ def check_launch(cfg: DictConfig, world_size: int) -> None:
 def saves_one_file(cfg: DictConfig) -> bool:
     """Whether the configured strategy's checkpoints are one ``.pt`` each (not a folder of shards)."""
     return _class(cfg).one_file_checkpoints
+
+
+def ranks_started(cfg: DictConfig) -> int:
+    """The ranks a job with this config starts by itself, without a launcher: a one-process strategy
+    runs one (it refuses any other distributed.nproc_per_node), the others distributed.nproc_per_node."""
+    return 1 if _class(cfg).one_process else int(cfg.distributed.nproc_per_node)
 
 
 def make(cfg: DictConfig, state: DistState) -> Strategy:

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
+from ddplab.config import ConfigError
 from ddplab.models.weights import state_dict_mismatch
 from ddplab.runtime import collectives
 from ddplab.runtime.group import DistState
@@ -50,14 +51,14 @@ class ModuleState:
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
         if "model" not in ck and "sharded" in ck:
-            raise RuntimeError(f"resume: {path} was saved with distributed=fsdp (sharded weights); resume it with "
-                               "the strategy it was saved with, or resume=null")
+            raise ConfigError(f"resume={path}: was saved with distributed=fsdp (sharded weights). Fix: resume it "
+                              "with distributed=fsdp, as it was saved, or resume=null")
         if "model" in ck:
             problems = state_dict_mismatch(self.module.state_dict(), ck["model"])
             if problems:
-                raise RuntimeError(f"resume: checkpoint {path} does not fit this model ({problems}). Fix: resume "
-                                   "with the model config it was saved with (see its meta.config entry), "
-                                   "or resume=null to start fresh.")
+                raise ConfigError(f"resume={path}: does not fit this model ({problems}). Fix: resume "
+                                  "with the model config it was saved with (see its meta.config entry), "
+                                  "or resume=null to start fresh")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.module.load_state_dict(sd)

@@ -91,8 +91,8 @@ class ShardedState:
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
         if "sharded" not in ck:
-            raise RuntimeError(f"resume: {path} was saved without distributed=fsdp (full weights); resume it "
-                               "with the strategy it was saved with, or resume=null")
+            raise ConfigError(f"resume={path}: was saved without distributed=fsdp (full weights). Fix: resume it "
+                              "with the strategy it was saved with (distributed=ddp), or resume=null")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Read this rank's shards back (any world size: DCP reshards on load); collective."""
