@@ -50,11 +50,20 @@ class SaveRecorder:
         RECORD.append({"step": step, "step_s": now - self.t})
         self.t = now
 
-    def on_save(self, state, path):
-        ck = state.checkpoints
-        RECORD.append({"save": state.loop.step, "stall_s": ck.last_stall_s, "wait_s": ck.last_wait_s,
-                       "staging_bytes": ck.staging_bytes})
-        self.t = time.perf_counter()
+    def on_fit_start(self, state):
+        # Each save as the loop makes it (on_save, with async_save, hears of a write only once it is on disk:
+        # at the next save), so the stall is this save's and the next step's time starts after it.
+        ck, inner = state.checkpoints, state.checkpoints.save
+
+        def save(*args, **kwargs):
+            path = inner(*args, **kwargs)
+            if path:
+                RECORD.append({"save": state.loop.step, "stall_s": ck.last_stall_s, "wait_s": ck.last_wait_s,
+                               "staging_bytes": ck.staging_bytes})
+                self.t = time.perf_counter()
+            return path
+
+        ck.save = save
 
 
 def hidden_for(gb: float) -> int:
