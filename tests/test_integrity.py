@@ -228,6 +228,26 @@ def test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_
     assert len(out.splitlines()) <= 120, len(out.splitlines())  # 197 before: rank 0's traceback twice
 
 
+@pytest.mark.dist
+def test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback(tmp_path):
+    """The same bug, self-launched: the parent wrapped the rank's error, with its whole call stack as a repr'd
+    dict, in a RuntimeError of its own that Hydra printed as a second traceback (135 lines, 6 tracebacks)."""
+    proc = python_train(["model=mlp", "num_epochs=1", "progress=none", "+callbacks.fail._target_=toy.FailsOnRank",
+                         "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
+    assert error.startswith("rank 1/2 failed in epoch 1, step 4: RuntimeError: FailsOnRank: "), error
+    # Rank 1's own traceback, once (in torch's log of the failed process); none from the parent or rank 0.
+    tracebacks = [ln for ln in out.splitlines() if ln.endswith("Traceback (most recent call last):")]
+    assert len(tracebacks) == 2 and all(t.startswith("E1") for t in tracebacks), tracebacks  # the rank's: its
+    # exception, and the spawn error torch chains to it
+    [said] = [ln for ln in out.splitlines() if "self-launched job failed" in ln]
+    assert said.endswith("self-launched job failed: rank 1 (local 1) exited with code 1: RuntimeError: FailsOnRank: "
+                         "a callback's own bug on rank 1 at step 3 (its error and traceback are above)"), said
+    assert "extraInfo" not in out and "py_callstack" not in out
+
+
 def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot train on .*dataset.image_size=1.* Fix: "):
         ddplab.run(compose_cfg(["dataset=synthetic", "dataset.image_size=1", "num_epochs=1"], tmp_path / "r"))

@@ -170,6 +170,9 @@ def main(cfg: DictConfig) -> float | None:
         if not rundir.is_multirun():
             if isinstance(e, (InputError, group.PeerFailed)):  # the Session said it in one line, where it was met
                 raise SystemExit(launch.CONFIG_EXIT if isinstance(e, InputError) else 1) from None
+            if isinstance(e, launch.RankFailed):  # the rank said it, traceback and all; the parent names it once
+                log.error("%s", e)
+                raise SystemExit(1) from None
             raise
         if env.is_launched() and not env.is_self_launched():
             log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "

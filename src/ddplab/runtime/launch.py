@@ -48,6 +48,11 @@ class RankRefusedConfig(RuntimeError):
     """A rank ended with :data:`CONFIG_EXIT`: the job's config cannot work (see rank 0's result.json)."""
 
 
+class RankFailed(RuntimeError):
+    """A rank failed and has said why itself (its error line, its traceback in torch's log, result.json): the
+    parent's one line names it, with no traceback of the parent's own."""
+
+
 def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path) -> dict[str, float]:
     """Run ``entry(job)`` on ``nproc`` local ranks; return rank 0's result.
 
@@ -83,10 +88,12 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         if failure.exitcode == CONFIG_EXIT:  # said and recorded by the rank; the caller says it once
             raise RankRefusedConfig(rank) from None
         others = ", ".join(f"rank {r} with {f.exitcode}" for r, f in sorted(e.failures.items()) if r != rank)
-        raise RuntimeError(
+        # torch's record of a rank's exception: {"message": "Type: text", "extraInfo": {its call stack}}
+        said = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        raise RankFailed(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
-            f"{failure.exitcode}: {failure.message or 'see its log above'}"
-            + (f" (then: {others})" if others else "")) from e
+            f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")
+            + (f" (then: {others})" if others else "")) from None
     return results[0]
 
 
