@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -56,3 +57,56 @@ class SignalAtFitEnd:
         if state.dist.rank == 0 and not self.marker.exists():
             self.marker.write_text("{}")
             os.kill(os.getpid(), self.sig)
+
+
+class BreakStorage:
+    """Rank 0 breaks the SQLite file ``db`` after optimizer step ``step``, once: fills its (small) file system
+    (``how="full"``), makes it and its dir immutable (``"readonly"``: even root cannot write), or deletes it."""
+
+    def __init__(self, step: int, how: str, db: str):
+        self.step, self.how, self.db = step, how, Path(db)
+
+    def on_step_end(self, state, step):
+        if state.dist.rank != 0 or step != self.step:
+            return
+        if self.how == "full":
+            with open(self.db.parent / "filler", "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+        elif self.how == "readonly":
+            subprocess.run(["chattr", "+i", str(self.db), str(self.db.parent)], check=True)
+        else:
+            self.db.unlink()
+
+
+class HoldAt:
+    """Rank 0 writes ``held`` after optimizer step ``step`` and waits there until ``go`` exists (at most
+    ``wait_s``): a trial the test keeps running while another worker looks at the study."""
+
+    def __init__(self, step: int, held: str, go: str, wait_s: float = 240.0):
+        self.step, self.held, self.go, self.wait_s = step, Path(held), Path(go), wait_s
+
+    def on_step_end(self, state, step):
+        if state.dist.rank != 0 or step != self.step:
+            return
+        self.held.write_text(str(os.getpid()))
+        t0 = time.monotonic()
+        while not self.go.exists() and time.monotonic() - t0 < self.wait_s:
+            time.sleep(0.05)
+
+
+class TallySteps:
+    """Rank 0 appends "<trial dir name> <step>" to ``file`` after every optimizer step: how often each
+    trial's steps were trained, whichever worker trained them."""
+
+    def __init__(self, file: str):
+        self.file = Path(file)
+
+    def on_step_end(self, state, step):
+        if state.dist.rank == 0:
+            with open(self.file, "a") as f:
+                f.write(f"{state.run_dir.name} {step}\n")

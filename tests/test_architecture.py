@@ -79,7 +79,7 @@ def _outside(*owners: str) -> list[Path]:
 
 
 STRATEGY_WORDS = re.compile(r"DistributedDataParallel|DataParallel|fully_shard|full_tensor|(?<!strategy\.)no_sync\(|"
-                            r"set_requires_gradient_sync|\bDTensor|strategy\s*(==|!=|in\b)|\"(ddp|dp|fsdp)\"")
+                            r"set_requires_gradient_sync|\bDTensor|strategy\)*\s*(==|!=|in\b)|\"(ddp|dp|fsdp)\"")
 
 
 def test_only_the_strategy_branches_on_the_strategy():

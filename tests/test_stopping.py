@@ -122,7 +122,9 @@ def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns
     ck = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
     assert ck["loop"]["eval_pending"] and ck["loop"]["epoch"] == 1 and ck["loop"]["step"] == 4
 
-    resumed = [a for a in args if not a.startswith("+model.eval_delay_s")] + ["+model.eval_delay_s=0", "resume=auto"]
+    # The toy's delay is a model key: a change on resume the drift guard must be told of.
+    resumed = [a for a in args if not a.startswith("+model.eval_delay_s")] + ["+model.eval_delay_s=0", "resume=auto",
+                                                                              "resume_apply_changes=true"]
     assert_ok(run_cmd(TORCHRUN + resumed, tmp_path, timeout=180))
     res = result(run)
     assert res["status"] == "completed", res
@@ -266,7 +268,8 @@ def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bi
     assert res["status"] == "preempted" and 2 <= res["step"] < 8, res
     saved = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
     assert (saved["data"]["epoch"], saved["data"]["micro_batches"]) == (0, res["step"]), saved["data"]
-    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", f"hydra.run.dir={run}"], tmp_path))
+    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", "resume_apply_changes=true",  # a model key
+                                         f"hydra.run.dir={run}"], tmp_path))
     assert f"0 epoch(s), {res['step']} step(s) done" in (run / "train.log").read_text()
     assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",
                            entries=("model", "optimizer", "scheduler", "loop", "data"))

@@ -1,7 +1,9 @@
 """mode=study: Optuna studies run by ddplab workers — real processes sharing a real storage (SQLite, the
 journal file), trials that are normal runs, pruning agreed by every rank, preemption and death of a worker."""
 
+import contextlib
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -11,9 +13,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, python_train, read_scalars, torchrun
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, python_train, read_scalars, tmpfs, torchrun
 from ddplab.events import read_hparams
 from ddplab.rundir import read_result
+from ddplab.study.storage import STORAGE_EXIT, default_url
 
 pytestmark = pytest.mark.dist
 
@@ -123,7 +126,7 @@ def test_a_preempted_worker_resumes_the_same_trial_and_tells_it_once(tmp_path):
     assert read_result(d / "0")["status"] == "preempted"
     again = python_train(study_args(d, 2, *preempt), tmp_path)  # the same command: the worker comes back
     assert_ok(again)
-    assert "trial 0: resuming it (its worker stopped; preempted at step" in again.stdout + again.stderr
+    assert f"trial 0: resuming it in {d / '0'} (preempted at step" in again.stdout + again.stderr
     study = load(d)
     assert [(t.number, t.state.name) for t in study.get_trials()] == [(0, "COMPLETE"), (1, "COMPLETE")]
     assert_told_as_recorded(d, study)
@@ -198,7 +201,7 @@ def test_a_sigkilled_worker_leaves_no_trial_running(tmp_path, max_retries, state
     (t,) = load(d).get_trials()
     assert t.state.name == state and t.user_attrs["ddplab:deaths"] == 1
     if state == "COMPLETE":  # resumed from its step-4 checkpoint, not from scratch
-        assert "resuming it (its worker stopped; it died)" in again.stdout + again.stderr
+        assert "died after step 4, its last checkpoint; death 1 of study.max_retries=2)" in again.stdout + again.stderr
         assert read_result(d / "0")["metrics"]["step"] == 12
         assert "resumed from" in (d / "0" / "train.log").read_text()
     else:
@@ -285,6 +288,13 @@ def test_postgresql_storage_with_two_worker_processes(tmp_path, postgres):
     ("study.storage=sqlite:////nonexistent/dir/study.db", "study.storage=sqlite:////nonexistent/dir/study.db: cannot open it"),
     ("study.storage=journal:/nonexistent/dir/s.log", "cannot open it (FileNotFoundError: no directory /nonexistent/dir)"),
     ("study.storage=postgresql://ddplab@127.0.0.1:9/none", "study.storage=postgresql://ddplab@127.0.0.1:9/none"),
+    ("study.params={optimizer.lr:'interval(0.9,0.1)'}",
+     "study.params.optimizer.lr='interval(0.9,0.1)': its low 0.9 is above its high 0.1. Fix: interval(0.1, 0.9)"),
+    ("study.params={optimizer.lr:'tag(log,interval(0.5,0.1))'}", "its low 0.5 is above its high 0.1. Fix: tag(log, "),
+    ("++study.params={num_epochs:'tag(int,interval(0.5,0.9))'}",
+     "study.params.num_epochs='tag(int,interval(0.5,0.9))': no integer lies in [0.5, 0.9]. Fix: "),
+    ("++study.params={num_epochs:'range(5,1)'}", "study.params.num_epochs='range(5,1)': it yields no value. Fix: "),
+    ("++study.params={num_epochs:'range(1,5,0)'}", "study.params.num_epochs='range(1,5,0)': not a usable search "),
 ])
 def test_bad_input_is_one_line_within_seconds(tmp_path, override, says):
     t0 = time.monotonic()
@@ -293,7 +303,7 @@ def test_bad_input_is_one_line_within_seconds(tmp_path, override, says):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and says in errors[0], errors
     assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 60
-    assert not (tmp_path / "s" / "0").exists()  # no trial was asked
+    assert not (tmp_path / "s" / "0").exists() and not (tmp_path / "s" / "study.db").exists()  # nothing asked
 
 
 def test_a_study_name_reused_with_another_space_is_refused(tmp_path):
@@ -322,3 +332,195 @@ def test_the_space_grammar_is_the_hydra_optuna_sweepers():
                      "batch_size": CategoricalDistribution([32, 64, 96, 128]),
                      "model": CategoricalDistribution(["mlp", "convnet"]),
                      "num_epochs": IntDistribution(2, 8), "seed": IntDistribution(1, 1000, log=True)}
+
+
+def test_a_study_dir_with_a_space_a_hash_and_a_question_mark_works(tmp_path):
+    """Any legal path: Hydra's override grammar and SQLite's URL each give these characters a meaning."""
+    d = tmp_path / "my study #1?x=y"
+    args = [a if not a.startswith("study.dir=") else f"study.dir='{d}'" for a in study_args(d, 1, "num_epochs=1")]
+    proc = python_train(args, tmp_path)
+    assert_ok(proc)
+    assert (d / "study.db").is_file() and not list(tmp_path.glob("my study #1")), list(tmp_path.iterdir())
+    study = load(d, url=default_url(d))
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"]
+    assert read_result(d / "0")["trial"]["state"] == "COMPLETE"
+    shown = (proc.stdout + proc.stderr).split("dashboard: optuna-dashboard ", 1)[1].splitlines()[0]
+    assert shown == shlex.quote(default_url(d)), shown  # pasted into a shell, it opens this study
+    assert optuna.load_study(study_name="digits_lr_wd", storage=shlex.split(shown)[0]).trials[0].state.name == "COMPLETE"
+
+
+def test_a_trial_that_cannot_be_composed_is_told_fail_not_left_running(tmp_path):
+    d = tmp_path / "s"
+    proc = python_train(study_args(d, 1, "num_epochs=1", "++study.params={model:'choice(nosuch,nosuch2)'}"), tmp_path)
+    assert_ok(proc)  # a failed trial does not stop the study
+    (t,) = load(d).get_trials()
+    assert t.state.name == "FAIL" and "Could not find 'model/nosuch" in t.user_attrs["error"], t.user_attrs
+    assert read_result(d / "0")["trial"]["state"] == "FAIL"
+
+
+@contextlib.contextmanager
+def storage_dir(tmp_path: Path, how: str):
+    """Where the study's SQLite file lives: a 600 KiB tmpfs to fill, or a dir made immutable (undone after)."""
+    if how == "full":
+        with tmpfs(tmp_path / "disk", "size=600k") as disk:
+            yield disk
+        return
+    (tmp_path / "db").mkdir()
+    try:
+        yield tmp_path / "db"
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, [tmp_path / "db", *(tmp_path / "db").iterdir()])], capture_output=True)
+
+
+@pytest.mark.parametrize("how,cause", [("full", "database or disk is full"),
+                                       ("readonly", "unable to open database file"),
+                                       ("deleted", "attempt to write a readonly database")])
+def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(tmp_path, how, cause):
+    d = tmp_path / "s"
+    with storage_dir(tmp_path, how) as where:
+        db = where / "study.db"
+        url = f"sqlite:///{db}"
+        args = study_args(d, 2, f"study.storage={url}", "+callbacks.brk._target_=study_toy.BreakStorage",
+                          "+callbacks.brk.step=2", f"+callbacks.brk.how={how}", f"+callbacks.brk.db={db}")
+        proc = python_train(args, tmp_path)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == STORAGE_EXIT, said[-3000:]
+        assert "Traceback" not in said and "exceeding max length" not in said, said[-3000:]
+        errors = [line for line in said.splitlines() if "ERROR: study.storage=" in line]  # the worker's line
+        assert len(errors) == 1, said[-3000:]
+        assert f"study.storage={url}: it failed under this worker (OperationalError: " in errors[0], errors
+        assert cause in errors[0] and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0]
+        assert trials_run(proc) == [0]  # no trial asked after the storage failed
+        if how == "full":  # space again: the study is as the line says, and a worker finishes it
+            (where / "filler").unlink()
+            assert states(url) == ["RUNNING"]
+            again = python_train(study_args(d, 2, f"study.storage={url}"), tmp_path)
+            assert_ok(again)
+            assert states(url) == ["COMPLETE"] * 2
+
+
+def states(url: str) -> list[str]:
+    """The trials' states, the database closed after (a tmpfs holding it can then be unmounted)."""
+    store = optuna.storages.RDBStorage(url)
+    try:
+        return [t.state.name for t in optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()]
+    finally:
+        store.engine.dispose()
+
+
+def open_url(url: str) -> optuna.Study:
+    from ddplab.study.storage import open_storage
+
+    return optuna.load_study(study_name="digits_lr_wd", storage=open_storage(url, 20))
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def tallied(tally: Path) -> dict[str, int]:
+    """Optimizer steps trained per trial number (study_toy.TallySteps), over every worker."""
+    from collections import Counter
+
+    return dict(Counter(line.split()[0] for line in tally.read_text().splitlines()))
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_workers_with_different_dirs_on_one_storage_train_each_trial_once(tmp_path, kind):
+    """Ownership lives in the storage: worker B, given another study.dir, sees worker A's trial alive and asks
+    a new one instead of taking it over; each trial is trained once and told once."""
+    url = f"journal:{tmp_path / 'study.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
+    held, go, tally = tmp_path / "held", tmp_path / "go", tmp_path / "tally"
+    common = [f"study.storage={url}", "+callbacks.tally._target_=study_toy.TallySteps", f"+callbacks.tally.file={tally}"]
+    a = start(study_args(tmp_path / "a", 2, *common, "+callbacks.hold._target_=study_toy.HoldAt",
+                         "+callbacks.hold.step=2", f"+callbacks.hold.held={held}", f"+callbacks.hold.go={go}"), tmp_path)
+    wait_for(held, a)  # A is inside trial 0, alive
+    b = python_train(study_args(tmp_path / "b", 2, *common), tmp_path)
+    go.write_text("")
+    a = finish(a)
+    assert tallied(tally) == {"0": 8, "1": 8}, (tallied(tally), b.stdout[-3000:])  # 2 epochs x 4 steps, once
+    assert trials_run(a) == [0] and trials_run(b) == [1], (trials_run(a), trials_run(b))
+    assert_ok(a)
+    assert_ok(b)
+    assert [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
+    assert read_result(tmp_path / "a" / "0")["trial"]["state"] == "COMPLETE" and not (tmp_path / "b" / "0").exists()
+    assert read_result(tmp_path / "b" / "1")["trial"]["state"] == "COMPLETE" and not (tmp_path / "a" / "1").exists()
+
+
+@pytest.mark.parametrize("resumer", ["a", "b"])
+def test_a_death_after_a_preemption_is_counted_and_the_trial_resumes_in_its_own_dir(tmp_path, resumer):
+    """SIGTERM (a preemption: no death), then the resuming worker (given the same study.dir, or another) is
+    SIGKILLed twice: with study.max_retries=1 the second death fails the trial, and each resume says what
+    happened last, in the trial's own dir."""
+    url, a, b = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "a", tmp_path / resumer
+    faults = ["num_epochs=3", "checkpoint.every_n_steps=1", "study.max_retries=1", f"study.storage={url}"]
+    for name, step, sig in (("term", 5, "SIGTERM"), ("k1", 7, "SIGKILL"), ("k2", 9, "SIGKILL")):
+        faults += [f"+callbacks.{name}._target_=study_toy.SignalOnce", f"+callbacks.{name}.step={step}",
+                   f"+callbacks.{name}.sig={sig}", f"+callbacks.{name}.marker={tmp_path / name}"]
+    first = python_train(study_args(a, 1, *faults), tmp_path)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-2000:]
+    stopped = read_result(a / "0")["step"]
+    runs = [python_train(study_args(b, 1, *faults), tmp_path) for _ in range(3)]
+    said = [p.stdout + p.stderr for p in runs]
+    killed = json.loads((tmp_path / "k1").read_text())["pid"]
+    assert [p.returncode for p in runs] == [-signal.SIGKILL, -signal.SIGKILL, 0], said[-1][-3000:]
+    (t,) = open_url(url).get_trials()
+    assert t.state.name == "FAIL" and t.user_attrs["ddplab:deaths"] == 2, (t.state, t.user_attrs)
+    assert f"trial 0: resuming it in {a / '0'} (preempted at step {stopped}" in said[0], said[0][-3000:]
+    assert f"trial 0: resuming it in {a / '0'} (its worker (pid {killed}" in said[1], said[1][-3000:]
+    assert "died after step 6, its last checkpoint; death 1 of study.max_retries=1)" in said[1], said[1][-3000:]
+    assert "preempted" not in said[1] and "resuming it" not in said[2], said[2][-3000:]
+    assert "died 2 times" in t.user_attrs["error"] and "died after step 8" in t.user_attrs["error"]
+    assert read_result(a / "0")["trial"]["state"] == "FAIL" and (b == a or not (b / "0").exists())
+
+
+def test_a_worker_that_would_train_trials_differently_is_refused(tmp_path):
+    """The study records the training config outside its space (config.drift's trajectory keys): a worker
+    whose trials would train differently is refused before it asks; harmless keys may differ."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    assert_ok(python_train(study_args(tmp_path / "a", 1, f"study.storage={url}", "num_epochs=1"), tmp_path))
+    other = python_train(study_args(tmp_path / "b", 2, f"study.storage={url}", "num_epochs=4", "model.hidden=[32]"),
+                         tmp_path)
+    said = other.stdout + other.stderr
+    errors = [line for line in said.splitlines() if "error" in line.lower()]
+    assert other.returncode == 2 and len(errors) == 1 and "Traceback" not in said, said[-3000:]
+    assert f"study.name=digits_lr_wd in {url} trains its trials with another config:" in errors[0], errors
+    assert "model.hidden: [256, 256] in the study, [32] here; num_epochs: 1 in the study, 4 here" in errors[0], errors
+    assert len(open_url(url).get_trials()) == 1 and not (tmp_path / "b" / "0").exists()
+    same = python_train(study_args(tmp_path / "c", 2, f"study.storage={url}", "num_epochs=1", "log_every_n_steps=3"),
+                        tmp_path)
+    assert_ok(same)
+    assert trials_run(same) == [1] and [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
+
+
+def test_the_training_record_keeps_keys_that_only_start_like_a_harmless_one():
+    """`model.*` starts like the harmless `mode`: it still decides how a trial trains (and a resume's drift)."""
+    from ddplab.config.drift import trajectory
+    from ddplab.study.storage import training
+
+    cfg = compose_cfg(["hparams_search=study", "model=mlp", "model.hidden=[32]"])
+    assert trajectory(cfg)["model.hidden"] == [32] and "mode" not in trajectory(cfg)
+    trains = training(cfg, {"optimizer.lr": None, "model": None})
+    assert "optimizer.lr" not in trains and not any(k.startswith("model") for k in trains) and "num_epochs" in trains
+
+
+def test_a_trial_is_taken_over_only_from_a_worker_provably_gone():
+    """The takeover verdict on an owner record: alive here (this process), dead here (a pid that has exited),
+    elsewhere within its lease or past it, and a preemption (free, no death)."""
+    from ddplab.study.owner import LEASE_S, me, verdict
+
+    now = time.time()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here, dead = me(), {**me(), "pid": int(gone.stdout), "started": "1"}
+    away = {**me(), "machine": "node9 boot x pidns 1", "host": "node9", "pid": 4121}
+    seen = {name: (v.free, v.death) for name, v in [
+        ("alive here", verdict(here, now)), ("dead here", verdict(dead, now)),
+        ("away, beating", verdict({**away, "beat": now - LEASE_S / 2}, now)),
+        ("away, silent", verdict({**away, "beat": now - LEASE_S - 5}, now)),
+        ("preempted", verdict({**here, "left": "preempted", "step": 24, "signal": "SIGTERM"}, now))]}
+    assert seen == {"alive here": (False, False), "dead here": (True, True), "away, beating": (False, False),
+                    "away, silent": (True, True), "preempted": (True, False)}, seen
+    assert "silent for 65s > lease 60s) died" in verdict({**away, "beat": now - LEASE_S - 5}, now).why

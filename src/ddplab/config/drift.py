@@ -45,8 +45,9 @@ def flatten(cfg: Any) -> dict[str, Any]:
 
 
 def _matters(key: str) -> bool:
-    # "callbacks." also covers an empty "callbacks" node (flattened as a leaf: {})
-    return not any(key in (h, h.rstrip(".")) or key.startswith(h) or key.startswith(h + ".") for h in HARMLESS)
+    # "callbacks." also covers an empty "callbacks" node (flattened as a leaf: {}); a bare name covers only
+    # itself and its children ("mode", not "model.hidden")
+    return not any(key == h.rstrip(".") or key.startswith(h if h.endswith(".") else h + ".") for h in HARMLESS)
 
 
 def trajectory(cfg: Any) -> dict[str, Any]:

@@ -25,17 +25,29 @@ from ddplab import rundir
 from ddplab.config import ConfigError, validate
 from ddplab.runtime import env, signals
 from ddplab.runtime.signals import Preempted
-from ddplab.study import space, storage
+from ddplab.study import owner, space, storage
 from ddplab.study.report import PRUNED
-from ddplab.study.worker import Worker, ask_lock, next_trial, objective_value, tell, trial_config, where
+from ddplab.study.worker import Worker, next_trial, objective_value, tell, trial_config, trial_dir, where
 
 log = logging.getLogger("ddplab")
 
 
 def run_study(cfg: DictConfig) -> dict[str, float]:
     """Work on the study until it needs no more trials; the best trial's objective (``{objective: value}``).
+    A storage that fails under the worker ends it with one line and exit code ``storage.STORAGE_EXIT``."""
+    try:
+        return _work(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        if not storage.failed(e):
+            raise
+        log.error("%s", e if isinstance(e, storage.StorageLost) else storage.StorageLost(where(cfg)[1], e))
+        raise SystemExit(storage.STORAGE_EXIT) from None
 
-    Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens
+
+def _work(cfg: DictConfig) -> dict[str, float]:
+    """Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens
     the storage, claims, asks and tells; the others train the trial it picked (ranks.agree)."""
     validate(cfg)
     import optuna
@@ -57,7 +69,9 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
             if signals.held():  # preempted between trials: take none (the last one was told)
                 return ("stop", signals.held())
             taken = next_trial(w)  # type: ignore[arg-type]
-            return None if taken is None else ("trial", taken[0].number, dict(taken[0].params))
+            if taken is None:
+                return None
+            return ("trial", taken[0].number, dict(taken[0].params), str(trial_dir(w, taken[0])))  # type: ignore[arg-type]
 
         picked = agree(cfg, take)
         if picked is None:
@@ -75,6 +89,9 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
         trial, claim = taken
         try:
             run_trial(w, trial)  # type: ignore[arg-type]
+        except Preempted as e:
+            claim.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+            raise
         finally:
             claim.release()
     from ddplab.study.summary import finish
@@ -115,15 +132,15 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
 def setup(cfg: DictConfig) -> Worker:
     """Checks before any trial is asked: the objective, the space, sampler and pruner, the storage."""
     minimize = _check_objective(cfg)
+    searched = space.parse(cfg.study.params, cfg)
     study_dir, url = where(cfg)
     study_dir.mkdir(parents=True, exist_ok=True)
-    searched = space.parse(cfg.study.params, cfg)
     for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
         _check_target(cfg, key, searched)
-    with ask_lock(study_dir):
+    with owner.claim_lock(url, cfg.study.timeout_s, study_dir):
         store = storage.open_storage(url, cfg.study.timeout_s)
         study = storage.open_study(store, url, str(cfg.study.name), "minimize" if minimize else "maximize",
-                                   space.signature(searched), str(cfg.objective))
+                                   space.signature(searched), str(cfg.objective), storage.training(cfg, searched))
     log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, url, cfg.study.n_trials,
              "minimizing" if minimize else "maximizing", cfg.objective, study_dir)
     limit = int(cfg.study.n_trials)
@@ -165,21 +182,24 @@ def run_trial(w: Worker, trial: Any) -> None:
     """Train ``trial`` and tell it once. A preemption leaves it RUNNING for a resume (the worker exits)."""
     from ddplab.job import run
 
-    cfg = trial_config(w.cfg, trial.number, trial.params)
-    tdir = w.dir / str(trial.number)
+    tdir = trial_dir(w, trial)
     name = rundir.label({k: str(v) for k, v in trial.params.items()})
     log.info("trial %d (%s): %s", trial.number, name, tdir)
     handler = _log_to(tdir)
     try:
+        cfg = trial_config(w.cfg, trial.number, trial.params, str(tdir))  # inside: a trial that cannot be composed is told
         metrics = run(cfg, search_earlier_runs=False)
     except Preempted:
         log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again", trial.number)
         raise
     except ConfigError as e:  # every trial would fail alike: fail this one and stop the worker
-        tell(w, trial, "FAIL", None, f"config error: {e}")
+        _tell_held(w, trial, "FAIL", None, f"config error: {e}")
         raise
     except Exception as e:
-        tell(w, trial, "FAIL", None, f"{type(e).__name__}: {e}")
+        lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
+        _tell_held(w, trial, "FAIL", None, storage.innermost(e) if lost else f"{type(e).__name__}: {e}")
+        if lost:
+            raise storage.StorageLost(w.url, e, f"trial {trial.number} told FAIL") from None
         if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
             raise
         log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
@@ -193,11 +213,23 @@ def run_trial(w: Worker, trial: Any) -> None:
         state = "PRUNED"
     else:
         state = "COMPLETE" if value is not None else "FAIL"
-    tell(w, trial, state, value, "" if state != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
+    _tell_held(w, trial, state, value, "" if state != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
     from ddplab.study.summary import write_hparams
 
     write_hparams(cfg, tdir, trial, state)
     log.info("trial %d: %s %s=%s", trial.number, state, cfg.objective, "" if value is None else f"{value:.6g}")
+
+
+def _tell_held(w: Worker, trial: Any, state: str, value: float | None, error: str = "") -> None:
+    """``tell``; where the storage cannot take it, the trial stays RUNNING and the line says so (the next
+    worker, on a mended storage, resumes it as one whose worker died)."""
+    try:
+        tell(w, trial, state, value, error)
+    except Exception as e:
+        if not storage.failed(e):
+            raise
+        raise storage.StorageLost(w.url, e, f"trial {trial.number} stays RUNNING in the study: the storage cannot "
+                                  "be written") from None
 
 
 def _log_to(tdir: Path) -> logging.Handler:

@@ -20,6 +20,8 @@ class ReportToStudy(Callback):
     evaluation as the trial's intermediate value at that epoch, asks the pruner, and every rank gets the
     answer; a pruned trial stops after this epoch's checkpoint, like early stopping."""
 
+    training_only = True  # mode=eval of a trial's checkpoint must not report to its finished trial
+
     def __init__(self, storage: str, study_name: str, trial: int, objective: str, pruner: Any = None,
                  timeout_s: float = 20.0):
         self.url, self.name, self.number, self.objective = storage, study_name, trial, objective
@@ -45,7 +47,14 @@ class ReportToStudy(Callback):
         value = metrics.get(self.objective)
         prune = False
         if self._trial is not None and value is not None:
-            self._trial.report(float(value), state.loop.epoch)  # a resumed epoch reported again: Optuna keeps the first
-            prune = bool(self._trial.should_prune())
+            try:
+                self._trial.report(float(value), state.loop.epoch)  # a resumed epoch again: Optuna keeps the first
+                prune = bool(self._trial.should_prune())
+            except Exception as e:  # Optuna's own wrapper hides the cause (a full disk reads "invalid data")
+                from ddplab.study.storage import StorageLost, failed
+
+                if not failed(e):
+                    raise
+                raise StorageLost(self.url, e) from None
         if collectives.broadcast_object(prune, state.dist):
             state.request_stop(f"{PRUNED} at epoch {state.loop.epoch} ({self.objective}={value:.6g})")

@@ -12,6 +12,7 @@ Hydra's own override parser reads the expressions, so they mean what they mean i
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -37,7 +38,14 @@ def parse(params: Any, cfg: DictConfig) -> dict[str, Any]:
         except Exception as e:  # Hydra's grammar error: its first line says where
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"study.params.{key}={expr!r}: not a search expression ({why}). Fix: {GRAMMAR}") from None
-        space[key] = _distribution(key, expr, override)
+        try:
+            space[key] = _distribution(key, expr, override)
+        except ConfigError:
+            raise
+        except Exception as e:  # what Hydra or Optuna still refuses (range(1, 5, 0)): before any trial, not in one
+            why = " ".join(str(e).split())[:200]
+            raise ConfigError(f"study.params.{key}={expr!r}: not a usable search expression ({type(e).__name__}: "
+                              f"{why}). Fix: {GRAMMAR}") from None
     if not space:
         raise ConfigError("study.params is empty: a study needs something to search. Fix: e.g. "
                           "'+study.params={optimizer.lr: \"tag(log, interval(0.001, 0.5))\"}' or hparams_search=study")
@@ -52,7 +60,12 @@ def _distribution(key: str, expr: Any, override: Any) -> Any:
     if isinstance(value, ChoiceSweep):
         return d.CategoricalDistribution([_plain(v) for v in value.list])
     if isinstance(value, RangeSweep):
-        return d.CategoricalDistribution(list(override.sweep_iterator()))
+        values = list(override.sweep_iterator())
+        if not values:
+            lo, hi = sorted((value.start, value.stop))
+            raise ConfigError(f"study.params.{key}={expr!r}: it yields no value. Fix: a start below the stop for a "
+                              f"positive step, above it for a negative one, e.g. range({lo:g}, {hi:g}, {abs(value.step):g})")
+        return d.CategoricalDistribution(values)
     if isinstance(value, IntervalSweep):
         unknown = set(value.tags) - {"log", "int"}
         if unknown:
@@ -62,11 +75,25 @@ def _distribution(key: str, expr: Any, override: Any) -> Any:
         if log and value.start <= 0:
             raise ConfigError(f"study.params.{key}={expr!r}: a log scale needs a start > 0. Fix: e.g. "
                               f"tag(log, interval(1e-6, {value.end}))")
+        _check_bounds(key, expr, value, log)
         if "int" in value.tags:
-            return d.IntDistribution(int(value.start), int(value.end), log=log)
+            return d.IntDistribution(math.ceil(value.start), math.floor(value.end), log=log)
         return d.FloatDistribution(float(value.start), float(value.end), log=log)
     raise ConfigError(f"study.params.{key}={expr!r}: a fixed value, not a search expression. Fix: set it as a "
                       f"plain override ({key}={expr}), or search it with {GRAMMAR}")
+
+
+def _check_bounds(key: str, expr: Any, value: Any, log: bool) -> None:
+    """Refused here, named, rather than by Optuna in a traceback or, for an int, by a trial asked with 0."""
+    lo, hi = value.start, value.end
+    tagged = (lambda a, b: f"tag({', '.join(sorted(value.tags))}, interval({a:g}, {b:g}))" if value.tags
+              else f"interval({a:g}, {b:g})")
+    if lo > hi:
+        raise ConfigError(f"study.params.{key}={expr!r}: its low {lo:g} is above its high {hi:g}. Fix: {tagged(hi, lo)}")
+    if "int" in value.tags and math.ceil(lo) > math.floor(hi):
+        raise ConfigError(f"study.params.{key}={expr!r}: no integer lies in [{lo:g}, {hi:g}]. Fix: bounds around an "
+                          f"integer, e.g. {tagged(max(math.floor(lo), int(log)), math.ceil(hi))}, or drop the int "
+                          "tag for a float")
 
 
 def _plain(v: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from ddplab.config.errors import ConfigError
@@ -19,10 +20,16 @@ log = logging.getLogger("ddplab")
 
 SPACE_ATTR = "ddplab:space"  # the study's search space (space.signature), set by the worker that created it
 DIRECTION_ATTR = "ddplab:objective"
+TRAINING_ATTR = "ddplab:training"  # the config that trains its trials, outside the space (config.drift's keys)
+STORAGE_EXIT = 3  # a worker whose storage failed under it: not a config error (2), not a preemption (128 + signal)
 
 
 def default_url(study_dir: Path) -> str:
-    return f"sqlite:///{study_dir.absolute() / 'study.db'}"
+    """``<study_dir>/study.db`` as an SQLAlchemy URL, escaped: a ``?`` or ``#`` in a path would start the URL's
+    query or fragment, and the database would silently go elsewhere."""
+    from sqlalchemy.engine import URL
+
+    return URL.create("sqlite", database=str(study_dir.absolute() / "study.db")).render_as_string(hide_password=False)
 
 
 def open_storage(url: str, timeout_s: float) -> Any:
@@ -60,12 +67,34 @@ def _engine_kwargs(url: str, timeout_s: float) -> dict[str, Any]:
     return {}
 
 
-def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str, objective: str) -> Any:
-    """Create the study, or load it if another worker did; refuse one made with another space or objective."""
+def training(cfg: Any, searched: dict[str, Any]) -> dict[str, Any]:
+    """What decides how this worker's trials train, besides their params: config.drift's trajectory keys
+    (the ones a resume must not change) outside the searched keys, as plain JSON values."""
+    import json
+
+    from ddplab.config.drift import trajectory
+
+    def searched_key(k: str) -> bool:
+        return any(k == s or k.startswith(f"{s}.") for s in searched)
+
+    return json.loads(json.dumps({k: v for k, v in trajectory(cfg).items() if not searched_key(k)}, default=str))
+
+
+def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str, objective: str,
+               trains: dict[str, Any]) -> Any:
+    """Create the study, or load it if another worker did; refuse one made with another space or objective,
+    or whose trials train with another config."""
     import optuna
 
     study = optuna.create_study(storage=storage, study_name=name, direction=direction, load_if_exists=True)
     attrs = study.user_attrs
+    if TRAINING_ATTR not in attrs:  # we created it (or it predates this record): ours is the study's
+        study.set_user_attr(TRAINING_ATTR, trains)
+    elif attrs[TRAINING_ATTR] != trains:
+        raise ConfigError(f"study.name={name} in {url} trains its trials with another config: "
+                          f"{_trained_apart(attrs[TRAINING_ATTR], trains)}. Fix: give this worker the same overrides "
+                          "as the study's other workers (study.* and launch/logging keys may differ), or a new "
+                          "study.name")
     if SPACE_ATTR not in attrs:  # we created it (or a worker died before noting it): note ours
         study.set_user_attr(SPACE_ATTR, space_sig)
         study.set_user_attr(DIRECTION_ATTR, f"{objective} {direction}")
@@ -79,3 +108,73 @@ def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str
         raise ConfigError(f"study.name={name} in {url} optimizes {attrs.get(DIRECTION_ATTR)}, not {objective} "
                           f"{direction}. Fix: a new study.name, or objective={str(attrs.get(DIRECTION_ATTR)).split()[0]}")
     return study
+
+
+def _trained_apart(study: dict[str, Any], here: dict[str, Any], shown: int = 8) -> str:
+    from ddplab.config.drift import ABSENT
+
+    keys = sorted(k for k in set(study) | set(here) if study.get(k, ABSENT) != here.get(k, ABSENT))
+    said = "; ".join(f"{k}: {study.get(k, ABSENT)!r} in the study, {here.get(k, ABSENT)!r} here" for k in keys[:shown])
+    return said + (f"; and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+class StorageLost(Exception):
+    """The study's storage failed under a running worker (a full disk, a file made read-only or deleted, a
+    database gone): one line naming the storage, the innermost cause, and what became of the trial in hand."""
+
+    def __init__(self, url: str, error: BaseException, trial: str = ""):
+        self.url, self.cause = url, innermost(error)
+        super().__init__(f"study.storage={url}: it failed under this worker ({self.cause}){'; ' + trial if trial else ''}"
+                         ". Fix: free space on it, make it writable or restore it, then start the workers again")
+
+
+def failed(e: BaseException) -> bool:
+    """Did ``e`` come from the study's storage? Optuna wraps a database error in its own ("invalid data ...
+    exceeding max length", whatever the cause); the journal file raises plain OSErrors from its own code."""
+    import optuna
+    import sqlalchemy.exc
+
+    for x in _chain(e):
+        if isinstance(x, (StorageLost, optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)):
+            return True
+        if isinstance(x, OSError) and any(_module(tb).startswith("optuna.storages") for tb in _frames(x.__traceback__)):
+            return True
+    return False
+
+
+def innermost(e: BaseException) -> str:
+    """The real cause, as one short phrase: the first error in the chain that is the database driver's or the
+    OS's own, not a wrapper of Optuna's or SQLAlchemy's (an error while handling another chains to that one)."""
+    chain = list(_chain(e))
+    for x in chain:
+        if isinstance(x, StorageLost):
+            return x.cause
+        if not type(x).__module__.startswith(("optuna", "sqlalchemy")):
+            return _phrase(x)
+    return _phrase(chain[-1])
+
+
+def _phrase(x: BaseException) -> str:
+    why = " ".join(str(x).split())[:200]
+    return f"{type(x).__name__}: {why}" if why else type(x).__name__
+
+
+def _chain(e: BaseException) -> Any:
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        yield x
+        orig = getattr(x, "orig", None)  # SQLAlchemy keeps the driver's error here
+        inner = x.__cause__ or (None if x.__suppress_context__ else x.__context__)
+        x = orig if isinstance(orig, BaseException) else inner
+
+
+def _frames(tb: TracebackType | None) -> Any:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _module(tb: TracebackType) -> str:
+    return str(tb.tb_frame.f_globals.get("__name__", ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from collections import Counter
 from typing import Any
 
@@ -31,7 +32,7 @@ def finish(w: Worker) -> dict[str, float]:
     for line in sweep.to_console(rows, objective, w.minimize):
         log.info("%s", line)
     log.info("table: %s (and summary.csv); dashboard: optuna-dashboard %s", shown(w.dir / "summary.md"),
-             w.url.removeprefix("journal:"))
+             shlex.quote(w.url.removeprefix("journal:")))  # pasted into a shell as is
     return best(w)
 
 
@@ -60,11 +61,10 @@ def write_hparams(cfg: DictConfig, tdir: Any, trial: Any, state: str) -> None:
 
 def _world(cfg: DictConfig) -> int:
     """The trial's ranks: the launcher's (torchrun, srun), or those the worker self-launched."""
+    from ddplab import strategy
     from ddplab.runtime import env
 
-    if env.is_launched():
-        return env.world_size()
-    return int(cfg.distributed.nproc_per_node) if str(cfg.distributed.strategy) != "none" else 1
+    return env.world_size() if env.is_launched() else strategy.ranks_started(cfg)
 
 
 def best(w: Worker) -> dict[str, float]:

@@ -1,13 +1,14 @@
-"""One worker of a study: claim a trial (a RUNNING one nobody holds, else a new one asked of the sampler),
-train it as a normal ddplab run in ``<study.dir>/<number>/``, tell its result once, repeat.
+"""One worker of a study: claim a trial (a RUNNING one whose worker let go or died, else a new one asked of
+the sampler), train it as a normal ddplab run in its run dir (``<study.dir>/<number>/`` of the worker that
+asked it, recorded in the study), tell its result once, repeat.
 
-Who holds a trial is a file lock (``flock`` on ``<trial dir>/.ddplab.trial.lock``) taken for as long as the
-worker works on it, tell included. The kernel drops it when the worker dies, however it dies, so a trial
-whose lock is free while the study still says RUNNING lost its worker: preempted (its run dir says so and
-holds the checkpoint) or killed. The next worker to look resumes it in place, from its last checkpoint
-(resume=auto), and tells it once. Optuna's own heartbeat is not used: it would fail a preempted trial
-that is about to resume, and the journal storage has none. Asking and claiming happen under one lock on
-``<study.dir>/.ask.lock``, so ``study.n_trials`` is exact however many workers start at once.
+Who holds a trial lives in the storage, not in a directory (ddplab.study.owner): workers given different
+``study.dir``s share nothing else. A trial is taken over only when its owner was preempted (the record says
+where; no death) or is provably gone (its process is dead on this machine, or its lease ran out), and then
+resumed in its own run dir from its last checkpoint (resume=auto), and told once. A takeover of a trial
+whose worker died counts a death; past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat
+is not used: it would fail a preempted trial that is about to resume. Asking and claiming happen under the
+storage's lock (owner.claim_lock), so ``study.n_trials`` is exact however many workers start at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,18 +29,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddplab import rundir
 from ddplab.config.errors import ConfigError
+from ddplab.study import owner
 
 log = logging.getLogger("ddplab")
 
 DEATHS = "ddplab:deaths"  # trial user attr: how often its worker died before recording anything
 TRIAL_FILE = "trial.json"  # in the trial's run dir: study, number, params (rundir.swept reads it)
-
-
-class TrialClaim(rundir.RunDirLock):
-    """The worker's hold on a trial, beside the job's own run-dir lock (which a job releases when it
-    ends, before its worker has told the result)."""
-
-    NAME = ".ddplab.trial.lock"
 
 
 @dataclass
@@ -50,11 +46,13 @@ class Worker:
     space: dict[str, Any]
     minimize: bool
     limit: int  # trials to ask for: study.n_trials, at most a GridSampler's grid
+    holds: dict[int, owner.Hold] = field(default_factory=dict)  # trials this worker holds, until told
+    unreachable: set[int] = field(default_factory=set)  # trials whose run dir it cannot see (said once)
 
 
 @contextlib.contextmanager
 def ask_lock(study_dir: Path) -> Iterator[None]:
-    """Workers take turns to open the study and to claim or ask (a dead holder's lock goes with it)."""
+    """Workers sharing ``study_dir`` take turns to write its summary (a dead holder's lock goes with it)."""
     fd = os.open(study_dir / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -63,28 +61,68 @@ def ask_lock(study_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def next_trial(w: Worker) -> tuple[Any, TrialClaim] | None:
-    """The trial this worker takes next (held by the returned claim), or None when the study needs no more."""
+def next_trial(w: Worker) -> tuple[Any, owner.Hold] | None:
+    """The trial this worker takes next (held until told), or None when the study needs no more."""
     from optuna.trial import TrialState
 
-    with ask_lock(w.dir):
+    from ddplab import compat
+
+    with owner.claim_lock(w.url, w.cfg.study.timeout_s, w.dir):
         trials = w.study.get_trials(deepcopy=False)
         for t in trials:
             if t.state == TrialState.RUNNING:
-                claim = _claim(w.dir / str(t.number))
-                if claim is not None and not _gave_up(w, t, claim):
-                    log.info("trial %d: resuming it (its worker stopped; %s)", t.number, _why_free(w.dir / str(t.number)))
-                    return t, claim
+                hold = _take_over(w, t)
+                if hold is not None:
+                    return t, hold
         if len(trials) >= w.limit:
             return None
         w.study.sampler = make_sampler(w.cfg, w.space, len(trials))
         trial = w.study.ask(w.space)
         tdir = w.dir / str(trial.number)
-        claim = _claim(tdir)
-        assert claim is not None, f"{tdir} is held by another worker, though its trial was just asked"
+        tdir.mkdir(parents=True, exist_ok=True)
+        trial.set_user_attr(owner.DIR, str(tdir))
+        w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
         (tdir / TRIAL_FILE).write_text(json.dumps({"study": w.study.study_name, "number": trial.number,
                                                   "params": trial.params}, indent=2))
-        return w.study.get_trials(deepcopy=False)[trial.number], claim
+        return w.study.get_trials(deepcopy=False)[trial.number], w.holds[trial.number]
+
+
+def trial_dir(w: Worker, trial: Any) -> Path:
+    """The trial's run dir, as recorded in the study when it was asked (whichever worker asked it)."""
+    return Path(trial.user_attrs.get(owner.DIR) or w.dir / str(trial.number))
+
+
+def _take_over(w: Worker, trial: Any) -> owner.Hold | None:
+    """Hold a RUNNING trial whose worker let go or is gone (counting a death, failing it past
+    ``study.max_retries``); None while its worker is alive, or where its run dir cannot be reached."""
+    from ddplab import compat
+
+    v = owner.verdict(trial.user_attrs.get(owner.OWNER), time.time())
+    if not v.free:
+        return None
+    tdir = trial_dir(w, trial)
+    if not owner.reachable(tdir, w.study.study_name, trial.number):
+        if trial.number not in w.unreachable:
+            w.unreachable.add(trial.number)
+            log.warning("trial %d: %s, but this worker cannot reach its run dir %s, so it leaves the trial to a "
+                        "worker that can. Fix: give every worker a study.dir on a file system they all see",
+                        trial.number, v.why, tdir)
+        return None
+    why = v.why
+    if v.death:
+        why += f" {owner.progress(tdir)}"
+        deaths = int(trial.user_attrs.get(DEATHS, 0)) + 1
+        compat.optuna_trial(w.study, trial.number).set_user_attr(DEATHS, deaths)
+        if deaths > w.cfg.study.max_retries:
+            error = (f"its worker died {deaths} times without recording a result (study.max_retries="
+                     f"{w.cfg.study.max_retries}); the last time: {why}")
+            log.error("trial %d: failed: %s", trial.number, error)
+            tell(w, trial, "FAIL", None, error)
+            return None
+        why += f"; death {deaths} of study.max_retries={w.cfg.study.max_retries}"
+    w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
+    log.info("trial %d: resuming it in %s (%s)", trial.number, tdir, why)
+    return w.holds[trial.number]
 
 
 def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
@@ -104,41 +142,19 @@ def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
     return instantiate(spec)
 
 
-def _claim(tdir: Path) -> TrialClaim | None:
-    tdir.mkdir(parents=True, exist_ok=True)
-    claim = TrialClaim(tdir)
-    return claim if claim.acquire() is None else None
-
-
-def _why_free(tdir: Path) -> str:
-    result = rundir.read_result(tdir) or {}
-    return f"preempted at step {result.get('step')}" if result.get("status") == "preempted" else "it died"
-
-
-def _gave_up(w: Worker, trial: Any, claim: TrialClaim) -> bool:
-    """Count a death (no preemption recorded); past ``study.max_retries`` deaths the trial fails."""
-    from ddplab import compat
-
-    tdir = w.dir / str(trial.number)
-    if (rundir.read_result(tdir) or {}).get("status") == "preempted":
-        return False
-    deaths = int(trial.user_attrs.get(DEATHS, 0)) + 1
-    compat.optuna_trial(w.study, trial.number).set_user_attr(DEATHS, deaths)
-    if deaths <= w.cfg.study.max_retries:
-        return False
-    why = f"its worker died {deaths} times without recording a result (study.max_retries={w.cfg.study.max_retries})"
-    log.error("trial %d: failed: %s", trial.number, why)
-    tell(w, trial, "FAIL", None, why)
-    claim.release()
-    return True
-
-
 def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = "") -> None:
     """Tell the study once, and record the trial's end in its run dir (result.json's ``trial``)."""
     from optuna.trial import TrialState
 
     from ddplab import compat
 
+    hold = w.holds.pop(trial.number, None)
+    if hold is not None:
+        hold.release()
+        if not hold.still_mine():  # its lease ran out while this worker was away: the new holder tells it
+            log.error("trial %d: another worker took it over while this one worked on it (this worker's hold "
+                      "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, state)
+            return
     if error:
         compat.optuna_trial(w.study, trial.number).set_user_attr("error", error[:1000])
     try:
@@ -149,7 +165,7 @@ def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = ""
     except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
         if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit below stops us instead
             raise
-    tdir = w.dir / str(trial.number)
+    tdir = trial_dir(w, trial)
     result = rundir.read_result(tdir) or {"status": "failed", "error": error}
     result["trial"] = {"study": w.study.study_name, "number": trial.number, "state": state, "value": value,
                        "params": trial.params}
@@ -164,11 +180,11 @@ def where(cfg: DictConfig) -> tuple[Path, str]:
     return study_dir, str(cfg.study.storage or default_url(study_dir))
 
 
-def trial_config(cfg: DictConfig, number: int, params: dict[str, Any]) -> DictConfig:
-    """The worker's config with trial ``number``'s params, as a normal run in the trial's dir that reports to
-    the study. Recomposed by Hydra where it runs (a param may pick a group option: model=mlp)."""
-    study_dir, url = where(cfg)
-    settings = {"mode": "train", "run_dir": str(study_dir / str(number)), "resume": "auto"}
+def trial_config(cfg: DictConfig, number: int, params: dict[str, Any], tdir: str) -> DictConfig:
+    """The worker's config with trial ``number``'s params, as a normal run in the trial's dir ``tdir`` that
+    reports to the study. Recomposed by Hydra where it runs (a param may pick a group option: model=mlp)."""
+    url = where(cfg)[1]
+    settings = {"mode": "train", "run_dir": str(tdir), "resume": "auto"}
     out = _compose(params, settings) or _updated(cfg, params, settings)
     with open_dict(out):
         out.callbacks = out.get("callbacks") or {}
@@ -188,15 +204,25 @@ def _compose(params: dict[str, Any], settings: dict[str, Any]) -> DictConfig | N
     from hydra import compose
 
     hc = HydraConfig.get()
-    ours = {**{k: _override_value(v) for k, v in params.items()}, **{k: str(v) for k, v in settings.items()}}
+    ours = {k: _override_value(v) for k, v in {**params, **settings}.items()}
     given = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ours]
     return compose(config_name=hc.job.config_name, overrides=given + [f"{k}={v}" for k, v in ours.items()])
 
 
 def _override_value(v: Any) -> str:
+    """``v`` in Hydra's override grammar, meaning exactly ``v``: a string is quoted (a space, ``#``, ``,`` or
+    ``=`` in a path is grammar otherwise) and its ``${`` escaped (OmegaConf would interpolate it)."""
+    from hydra.core.override_parser.types import Quote, QuotedString
+
+    if v is None:
+        return "null"
     if isinstance(v, bool):
         return str(v).lower()
-    return repr(v) if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return QuotedString(text=v.replace("${", "\\${"), quote=Quote.single).with_quotes()
+    return str(v)
 
 
 def _updated(cfg: DictConfig, params: dict[str, Any], settings: dict[str, Any]) -> DictConfig:
