@@ -1,17 +1,20 @@
-"""Randomized fault-injection soak of the preemption promises: nothing lost, bitwise resume, exact metrics,
-no run mixed up with another (issue 22, item 9). One trial at a time (2 ranks at most), its reference beside it.
+"""Fault-injection soak of the preemption promises: nothing lost, bitwise resume, exact metrics, no run mixed
+up with another (issue 22, item 9; issue 32). One trial at a time (2 ranks at most), its reference beside it.
 
-    python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn from seed 1
-    python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (the seed a failure prints)
-    python scripts/soak.py --trials 200 --seed 7 --plan   # the draws only, nothing runs
+    python scripts/soak.py --pairwise                     # CI's fixed plan: every pair of dimension values once
+    python scripts/soak.py --pairwise --plan              # ... its trials and pair coverage, nothing runs
+    python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn at random from seed 1
+    python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (a failure prints the command)
 
-A trial draws from its seed: the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
-``python train.py distributed.nproc_per_node=2``), the step time (log-uniform 1 ms - 4 s, few steps when long;
-``--long``: ~10x more training), log_every_n_steps (1-100), grad_accum_steps (1-3), checkpoint.every_n_steps,
-checkpoint.async_save, and one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase
-(data fetch, forward, backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself,
-the other rank, its launcher or every process of the job (tests/soak_toy.py, from inside the job, once). The job
-reruns with ``resume=auto`` until it completes, and the trial checks:
+A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
+``python train.py distributed.nproc_per_node=2``), the strategy (none for one process; ddp or fsdp for two), the
+data (the digits in memory, or a user IterableDataset through ddplab's stream path), checkpoint.async_save, the
+step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training),
+grad_accum_steps (1-3), and one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase
+(data fetch, forward, backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself, the
+other rank, its launcher or every process of the job (tests/soak_toy.py, from inside the job, once); from its seed
+log_every_n_steps (1-100), checkpoint.every_n_steps, epochs, r and k. ``--pairwise`` fixes the dimensions by the
+plan, the rest from each trial's seed. The job reruns with ``resume=auto`` until it completes, and the trial checks:
 
 1. final model/optimizer/scheduler/loop/rng/results bitwise equal to an uninterrupted run (cached per config
    and launcher; run without delays, which only sleep, beside the faulted one);
@@ -34,9 +37,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import math
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -48,88 +49,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from soak_toy import check_events, describe, kill, same, snapshot, trial_pids  # noqa: E402  (tests/: the in-job half)
+# tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
+from helpers.compare import load_whole  # noqa: E402
+from soak_plan import (DIMENSIONS, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
+                       plan_trials, trial_seeds)
+from soak_toy import check_events, describe, kill, same, snapshot, trial_pids  # noqa: E402
 
 TRAIN = REPO / "train.py"
-LAUNCHERS = ("single", "torchrun", "selflaunch")
-TARGETS = {"single": ("self",), "torchrun": ("self", "peer", "launcher", "all"),
-           "selflaunch": ("self", "peer", "launcher", "all")}
-SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
-PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
-TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 1438, 359, 32  # digits' fixed split; global batch 32
 GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
-PARTS = ["model=mlp", "model._target_=soak_toy.SoakMLP", "dataset._target_=soak_toy.soak_digits",
-         "+callbacks.soak._target_=soak_toy.SoakCallback", f"batch_size={BATCH}", "progress=log"]
 COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")
-
-
-@dataclasses.dataclass
-class Trial:
-    seed: int
-    launcher: str
-    step_s: float
-    epochs: int
-    steps_per_epoch: int
-    accum: int
-    log_every: int
-    every_n: int
-    signal: str
-    target: str
-    rank: int
-    phase: str
-    k: int
-    long: bool = False
-    async_save: bool = False  # checkpoint.async_save: the fault may meet a background write in flight
-
-    @property
-    def world(self) -> int:
-        return 1 if self.launcher == "single" else 2
-
-    @property
-    def eval_s(self) -> float:
-        return min(self.step_s, 2.0)
-
-    def overrides(self) -> list[str]:
-        return PARTS + [f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
-                        f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
-                        f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
-
-    def label(self) -> str:
-        return (f"{self.launcher:10s} {self.signal:7s}->{self.target}@{self.phase}#{self.k} rank {self.rank} "
-                f"step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} accum {self.accum} "
-                f"log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
-
-
-def calls(t: Trial) -> list[int]:
-    """The values of k at which rank t.rank makes that call in an uninterrupted run (per process)."""
-    steps = t.epochs * t.steps_per_epoch
-    micro = range(1, steps * t.accum + 1)
-    mid_saves = [s for s in range(1, steps + 1) if t.every_n and s % t.every_n == 0 and s % t.steps_per_epoch]
-    return {"data": [k for k in micro if (k - 1) % t.accum == 0], "between": [k for k in micro if (k - 1) % t.accum],
-            "forward": list(micro), "backward": list(micro), "optimizer": list(range(1, steps + 1)),
-            # eval batches of max(per-rank batch, 256) over this rank's shard
-            "evaluation": list(range(1, t.epochs * math.ceil(math.ceil(VAL_SAMPLES / t.world) / 256) + 1)),
-            "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
-
-
-def draw(seed: int, long: bool = False) -> Trial:
-    rng = random.Random(seed)
-    launcher = rng.choice(LAUNCHERS)
-    accum = rng.randint(1, 3)
-    step_s = math.exp(rng.uniform(math.log(1e-3), math.log(4.0)))
-    budget, cap = (60.0, 400) if long else (6.0, 60)
-    total = max(3, min(cap, round(budget / step_s)))
-    epochs = rng.randint(1, min(3, total))
-    spe = min(TRAIN_SAMPLES // (BATCH * accum), math.ceil(total / epochs))
-    log_every = round(math.exp(rng.uniform(0.0, math.log(100))))
-    every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
-    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, rng.choice(SIGNALS),
-              rng.choice(TARGETS[launcher]), 0, "", 0, long)
-    t.rank = rng.randrange(t.world)
-    t.phase = rng.choice([p for p in PHASES if p != "between" or accum > 1])
-    t.k = rng.choice(calls(t))
-    t.async_save = rng.random() < 0.5  # drawn last: every earlier draw of a seed is what it was
-    return t
 
 
 def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
@@ -269,7 +197,8 @@ def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
     res = read_result(run)
     if res.get("status") != "completed":
         return [f"never completed: result.json {json.dumps(res)[:300]}"]
-    mine, theirs = load(run / "checkpoints" / "last.pt"), load(ref / "checkpoints" / "last.pt")
+    # load_whole: an FSDP checkpoint's model and optimizer, read back from the shards its step file names
+    mine, theirs = load_whole(run / "checkpoints" / "last.pt"), load_whole(ref / "checkpoints" / "last.pt")
     problems = [f"final {k} differs from the uninterrupted run's at {d}" for k in COMPARED
                 if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))]
     mine["results"].pop("last_train"), theirs["results"].pop("last_train")  # its vitals/* are timings
@@ -332,18 +261,16 @@ def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[s
     return problems, notes, final_eval_resume
 
 
-def trial_seeds(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2**31) for _ in range(n)]
-
-
 def summary(done: list[tuple[Trial, bool, float]]) -> None:
-    table: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """Held and failed trials per value of each dimension, then the totals."""
+    table: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for t, held, _ in done:
-        table[(t.launcher, t.target, t.phase)][0 if held else 1] += 1
-    print(f"\n{'launcher':10s} {'target':8s} {'phase':10s} held failed")
-    for (launcher, target, phase), (held, failed) in sorted(table.items()):
-        print(f"{launcher:10s} {target:8s} {phase:10s} {held:4d} {failed:6d}")
+        for name, value in dimensions(t).items():
+            table[(name, str(value))][0 if held else 1] += 1
+    print(f"\n{'dimension':10s} {'value':10s} held failed")
+    for name, value in [(n, str(v)) for n, values in DIMENSIONS.items() for v in values]:
+        if (name, value) in table:
+            print(f"{name:10s} {value:10s} {table[name, value][0]:4d} {table[name, value][1]:6d}")
     walls = [w for _, _, w in done]
     held = sum(h for _, h, _ in done)
     print(f"{held}/{len(done)} trials held; wall per trial: median {statistics.median(walls):.0f}s, "
@@ -355,26 +282,36 @@ def report_failure(t: Trial, problems: list[str], root: Path) -> None:
     for p in problems:
         print(f"    - {p}")
     print(f"    files: {root / f'trial-{t.seed}'}")
-    print(f"    reproduce: python scripts/soak.py --only {t.seed}{' --long' if t.long else ''} --keep")
+    print(f"    reproduce: {t.rerun()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
-    ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
-    ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
-    ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
-    ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
-    args = ap.parse_args(argv)
-    trials = [draw(s, args.long) for s in ([args.only] if args.only is not None else trial_seeds(args.seed, args.trials))]
-    if args.plan:
-        print("\n".join(f"{t.seed:10d} {t.label()}" for t in trials))
-        return 0
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="ddplab-soak-"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
+def token_file(root: Path) -> Path:
+    """The data=tokens trials' token file, written once per soak run beside the trials (bytes of a generated
+    corpus: TOKEN_WINDOWS windows of TOKEN_BLOCK tokens)."""
+    from ddplab.data import write_tokens
+    from ddplab.data.tabular import generated_corpus
+
+    path = root / "tokens.bin"
+    if not path.exists():
+        text = generated_corpus(sentences=4000, seed=0).encode()[:TOKEN_WINDOWS * TOKEN_BLOCK + 1]
+        write_tokens(list(text), path, "uint16", 256)
+    return path
+
+
+def choose(args: argparse.Namespace) -> list[Trial]:
+    """The pairwise plan's trials (``--only``: the one with that seed) or trials drawn from seeds."""
+    if args.pairwise:
+        trials = plan_trials(args.seed, args.long)
+        picked = [t for t in trials if args.only in (None, t.seed)]
+        if not picked:
+            raise ValueError(f"--only {args.only}: no trial of the pairwise plan of --seed {args.seed} has that seed. Fix: "
+                             f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} --plan "
+                             "lists its trials), or drop --pairwise for a trial drawn at random")
+        return picked
+    return [draw(s, args.long) for s in ([args.only] if args.only is not None else trial_seeds(args.seed, args.trials))]
+
+
+def run_all(trials: list[Trial], root: Path, keep: bool) -> list[tuple[Trial, bool, float]]:
     cache, done = {}, []
     for i, t in enumerate(trials, 1):
         t0 = time.time()
@@ -388,13 +325,41 @@ def main(argv: list[str] | None = None) -> int:
               f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
         if problems:
             report_failure(t, problems, root)
-        elif not args.keep:
+        elif not keep:
             shutil.rmtree(root / f"trial-{t.seed}", ignore_errors=True)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairwise", action="store_true", help="the fixed plan covering every pair of dimension values")
+    ap.add_argument("--trials", type=int, default=10, help="how many trials to draw (not with --pairwise)")
+    ap.add_argument("--seed", type=int, default=0, help="the trials' seeds (--pairwise: their remaining details)")
+    ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
+    ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
+    ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
+    ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
+    ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
+    args = ap.parse_args(argv)
+    try:
+        trials = choose(args)
+    except ValueError as e:  # a seed the plan does not hold: said in one line, exit 2 like a config error
+        print(f"soak.py: {e}", file=sys.stderr)
+        return 2
+    if args.plan:
+        print("\n".join(f"{t.seed:10d} {t.label()}" for t in trials))
+        print(f"the {'pairwise plan' if args.pairwise else 'draws'} {coverage(trials)}")
+        return 0
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="ddplab-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
+    for t in trials:
+        t.token_file = str(token_file(root))
+    done = run_all(trials, root, args.keep)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(h for _, h, _ in done) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

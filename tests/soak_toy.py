@@ -5,6 +5,9 @@ A job names three parts in its config; they do nothing unless the soak's environ
 
     model._target_=soak_toy.SoakMLP  dataset._target_=soak_toy.soak_digits  +callbacks.soak._target_=soak_toy.SoakCallback
 
+(``dataset._target_=soak_toy.soak_stream``: the same digits as a user's IterableDataset, ddplab's stream path;
+``task=lm dataset=tokens dataset._target_=soak_toy.soak_tokens model._target_=soak_toy.SoakGPT``: a token file.)
+
 Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the same):
 
 * ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch;
@@ -34,8 +37,8 @@ from torch.utils.data import Dataset, default_collate
 
 from ddplab.callbacks import Callback
 from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
-from ddplab.data import Splits, digits
-from ddplab.models import MLP
+from ddplab.data import Splits, digits, tokens
+from ddplab.models import MLP, TinyGPT
 
 
 def _rank() -> int:
@@ -192,9 +195,9 @@ def _sleep_around(seconds: float, phase: str) -> None:
         time.sleep(seconds / 2)
 
 
-class SoakMLP(MLP):
-    """An MLP whose training forward sleeps ``SOAK_DELAY_S`` (an evaluation batch ``SOAK_EVAL_DELAY_S``), and
-    ticks the forward / backward / evaluation phases."""
+class _Soaked:
+    """A model whose training forward sleeps ``SOAK_DELAY_S`` (an evaluation batch ``SOAK_EVAL_DELAY_S``), and
+    ticks the forward / backward / evaluation phases: mixed into a ddplab model."""
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
@@ -212,6 +215,14 @@ class SoakMLP(MLP):
         if inj.wants("backward") and out.requires_grad:
             out.register_hook(lambda g: inj.tick("backward"))  # runs inside loss.backward()
         return out
+
+
+class SoakMLP(_Soaked, MLP):
+    """The digits' MLP, soaked."""
+
+
+class SoakGPT(_Soaked, TinyGPT):
+    """task=lm's TinyGPT, soaked."""
 
 
 class _Samples(Dataset):
@@ -237,6 +248,21 @@ def soak_digits(**kw: Any) -> Splits:
     """digits, its training split served per sample through a DataLoader (validation stays in memory)."""
     s = digits(**kw)
     return Splits(_Samples(s.train), s.val, s.num_classes, _collate)
+
+
+def soak_stream(**kw: Any) -> Splits:
+    """digits' training split as a user's IterableDataset (tests/toy.py's, with its position as state), read
+    through ddplab's stream path; each rank's slice of a micro-batch is collated (a fetch) through ``_collate``."""
+    from toy import StatefulDigitStream
+
+    s = digits(**kw)
+    return Splits(StatefulDigitStream(s.train.x, s.train.y, kw.get("split_seed", 0)), s.val, s.num_classes, _collate)
+
+
+def soak_tokens(**kw: Any) -> Splits:
+    """dataset=tokens (a token file read a window at a time), each micro-batch collated through ``_collate``."""
+    s = tokens(**kw)
+    return Splits(s.train, s.val, s.num_classes, _collate)
 
 
 class SoakCallback(Callback):

@@ -19,6 +19,21 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def load_whole(path: Path) -> dict[str, Any]:
+    """A checkpoint with every entry in it: an FSDP one's ``sharded`` entry replaced by the ``model`` and
+    ``optimizer`` its shards hold (read back whole, in one process), so it compares like a DDP one."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ck = load(path)
+    if "sharded" in ck:
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(Path(path).parent / ck.pop("sharded")["sidecar"]), Path(tmp) / "whole.pt")
+            ck.update(load(Path(tmp) / "whole.pt"))
+    return ck
+
+
 def assert_same_checkpoint(a: dict[str, Any] | Path, b: dict[str, Any] | Path,
                            entries: tuple[str, ...] = ("model", "optimizer", "scheduler", "loop")) -> None:
     """Checkpoints ``a`` and ``b`` (dicts or paths) hold bit-identical ``entries``."""

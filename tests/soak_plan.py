@@ -1,0 +1,218 @@
+"""What a soak trial is and how trials are chosen (scripts/soak.py runs them): drawn from a seed, or the fixed
+pairwise plan CI runs, in which every pair of values of two dimensions meets in at least one trial.
+
+The dimensions users combine: the launcher, the strategy, the data path, the checkpoint mode, the fault (signal,
+target, phase), the step time and gradient accumulation. A plan trial fixes those; everything else (the exact step
+time inside its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from the trial's seed,
+so ``--only SEED`` reruns it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from typing import Any
+
+LAUNCHERS = ("single", "torchrun", "selflaunch")
+STRATEGIES = ("none", "ddp", "fsdp")
+DATA = ("memory", "stream", "tokens")
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
+TARGETS = ("self", "peer", "launcher", "all")
+PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
+# The plan's phase dimension: where in the job the fault lands, the phase inside a group drawn from the seed (7
+# phases would make the plan 7 x 4 trials at least; the groups keep it inside CI's budget).
+PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "optimizer"),
+                "evaluation": ("evaluation",), "checkpoint": ("checkpoint",)}
+TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
+ANY_STEP = (1e-3, 4.0)
+DIMENSIONS: dict[str, tuple[Any, ...]] = {
+    "launcher": LAUNCHERS, "strategy": STRATEGIES, "data": DATA, "checkpoint": ("sync", "async"), "signal": SIGNALS,
+    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3)}
+TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
+VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160}
+TOKEN_BLOCK, TOKEN_WINDOWS = 16, 1600  # the token file: 1600 windows, the last 10% validation
+DIGITS = ["model=mlp", "model._target_=soak_toy.SoakMLP"]
+PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
+         "stream": DIGITS + ["dataset._target_=soak_toy.soak_stream"],
+         "tokens": ["task=lm", "dataset=tokens", "dataset._target_=soak_toy.soak_tokens",
+                    f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
+                    "model.n_embd=32"]}
+COMMON = ["+callbacks.soak._target_=soak_toy.SoakCallback", f"batch_size={BATCH}", "progress=log"]
+
+
+@dataclasses.dataclass
+class Trial:
+    seed: int
+    launcher: str
+    step_s: float
+    epochs: int
+    steps_per_epoch: int
+    accum: int
+    log_every: int
+    every_n: int
+    signal: str
+    target: str
+    rank: int
+    phase: str
+    k: int
+    long: bool = False
+    async_save: bool = False  # checkpoint.async_save: the fault may meet a background write in flight
+    strategy: str = "none"
+    data: str = "memory"
+    plan_seed: int | None = None  # a pairwise plan trial: the --seed its plan was run with
+    token_file: str = "tokens.bin"  # data=tokens: the file the driver wrote (scripts/soak.py: token_file)
+
+    @property
+    def world(self) -> int:
+        return 1 if self.launcher == "single" else 2
+
+    @property
+    def eval_s(self) -> float:
+        return min(self.step_s, 2.0)
+
+    def overrides(self) -> list[str]:
+        data = [f"dataset.path={self.token_file}"] if self.data == "tokens" else []
+        return PARTS[self.data] + data + COMMON + [
+            f"distributed={self.strategy}", f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
+            f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
+            f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
+
+    def label(self) -> str:
+        return (f"{self.launcher:10s} {self.strategy:4s} {self.data:6s} {self.signal:7s}->{self.target}@{self.phase}"
+                f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} "
+                f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
+
+    def rerun(self) -> str:
+        """The command that runs this trial again, exactly."""
+        plan = f" --pairwise --seed {self.plan_seed}" if self.plan_seed is not None else ""
+        return f"python scripts/soak.py{plan} --only {self.seed}{' --long' if self.long else ''} --keep"
+
+
+def calls(t: Trial) -> list[int]:
+    """The values of k at which rank t.rank makes that call in an uninterrupted run (per process)."""
+    steps = t.epochs * t.steps_per_epoch
+    micro = range(1, steps * t.accum + 1)
+    mid_saves = [s for s in range(1, steps + 1) if t.every_n and s % t.every_n == 0 and s % t.steps_per_epoch]
+    return {"data": [k for k in micro if (k - 1) % t.accum == 0], "between": [k for k in micro if (k - 1) % t.accum],
+            "forward": list(micro), "backward": list(micro), "optimizer": list(range(1, steps + 1)),
+            # eval batches of max(per-rank batch, 256) over this rank's shard
+            "evaluation": list(range(1, t.epochs * math.ceil(math.ceil(VAL_SAMPLES[t.data] / t.world) / 256) + 1)),
+            "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
+
+
+def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None) -> Trial:
+    """The trial of ``seed``; ``fixed``: a plan trial's dimension values, in place of their draws. Every draw is
+    made whatever is fixed, in the order it always had, so a seed's other details never move."""
+    rng, fixed = random.Random(seed), fixed or {}
+    launcher = fixed.get("launcher", rng.choice(LAUNCHERS))
+    accum = fixed.get("accum", rng.randint(1, 3))
+    lo, hi = TIMINGS[fixed["timing"]] if "timing" in fixed else ANY_STEP
+    step_s = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    budget, cap = (60.0, 400) if long else (6.0, 60)
+    total = max(3, min(cap, round(budget / step_s)))
+    epochs = rng.randint(1, min(3, total))
+    spe = min(TRAIN_SAMPLES // (BATCH * accum), math.ceil(total / epochs))
+    log_every = round(math.exp(rng.uniform(0.0, math.log(100))))
+    every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
+    signal = fixed.get("signal", rng.choice(SIGNALS))
+    target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
+    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, signal, target, 0, "", 0, long)
+    t.rank = rng.randrange(t.world)
+    t.data = fixed.get("data", t.data)
+    phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
+    t.phase = rng.choice([p for p in phases if p != "between" or accum > 1])
+    if fixed.get("phase") == "input":  # the plan pairs input with every accum: accum 1 the fetch, 2 and 3 the boundary
+        t.phase = "between" if accum > 1 else "data"
+    t.k = rng.choice(calls(t))
+    async_save = rng.random() < 0.5  # drawn after the rest: every earlier draw of a seed is what it was
+    t.async_save = fixed["checkpoint"] == "async" if "checkpoint" in fixed else async_save
+    strategy = rng.choice(("ddp", "fsdp"))
+    t.strategy = fixed.get("strategy", "none" if launcher == "single" else strategy)
+    t.data = fixed.get("data", rng.choice(DATA))
+    t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
+    return t
+
+
+def trial_seeds(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ the pairwise plan
+def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
+    """One pair's constraint. Stated pairwise and closed (strategy none also implies target self), so any set of
+    values whose every pair is allowed extends to a whole trial."""
+    v = {a: va, b: vb}
+    if {"launcher", "strategy"} == v.keys():
+        return (v["launcher"] == "single") == (v["strategy"] == "none")  # one process: no process group
+    if {"launcher", "target"} == v.keys() or {"strategy", "target"} == v.keys():
+        return v["target"] == "self" or v.get("launcher", "torchrun") != "single" and v.get("strategy") != "none"
+    return True
+
+
+def valid(trial: dict[str, Any]) -> bool:
+    """Every pair of the (possibly partial) trial's values allowed."""
+    return all(_allowed(a, trial[a], b, trial[b]) for a, b in itertools.combinations(trial, 2))
+
+
+def _pairs(trial: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
+    names = [n for n in DIMENSIONS if n in trial]
+    return {((a, trial[a]), (b, trial[b])) for a, b in itertools.combinations(names, 2)}
+
+
+def valid_pairs() -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
+    return {((a, va), (b, vb)) for a, b in itertools.combinations(DIMENSIONS, 2)
+            for va in DIMENSIONS[a] for vb in DIMENSIONS[b] if _allowed(a, va, b, vb)}
+
+
+def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any], int]) -> dict[str, Any]:
+    """``start`` filled one dimension at a time (largest first) with the allowed value that covers the most
+    uncovered pairs (ties: the value the plan has used least, then the first: the padding spreads too)."""
+    trial = dict(start)
+    for name in sorted(DIMENSIONS, key=lambda n: -len(DIMENSIONS[n])):
+        if name in trial:
+            continue
+        options = [v for v in DIMENSIONS[name] if valid({**trial, name: v})]
+        trial[name] = max(options, key=lambda v: (len(_pairs({**trial, name: v}) & uncovered), -used[name, v]))
+    return {n: trial[n] for n in DIMENSIONS}
+
+
+def pairwise_plan(candidates: int = 30) -> list[dict[str, Any]]:
+    """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered pairs
+    (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time."""
+    order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
+    uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
+    while uncovered:
+        firsts = sorted(uncovered, key=lambda p: (order[p[0]], order[p[1]]))[:candidates]
+        options = [_complete(dict(pair), uncovered, used) for pair in firsts]
+        best = max(options, key=lambda t: len(_pairs(t) & uncovered))
+        plan.append(best)
+        uncovered -= _pairs(best)
+        for key in best.items():
+            used[key] += 1
+    return plan
+
+
+def plan_trials(seed: int, long: bool = False) -> list[Trial]:
+    """The pairwise plan's trials, each with its remaining details from its own seed (drawn from ``seed``)."""
+    plan = pairwise_plan()
+    trials = [draw(s, long, fixed) for s, fixed in zip(trial_seeds(seed, len(plan)), plan)]
+    for t in trials:
+        t.plan_seed = seed
+    return trials
+
+
+def coverage(trials: list[Trial]) -> str:
+    """How many of the allowed pairs the trials cover, said as the plan prints it."""
+    every = valid_pairs()
+    seen = set().union(*(_pairs(dimensions(t)) for t in trials)) & every
+    return f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} trials"
+
+
+def dimensions(t: Trial) -> dict[str, Any]:
+    timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
+    return {"launcher": t.launcher, "strategy": t.strategy, "data": t.data,
+            "checkpoint": "async" if t.async_save else "sync", "signal": t.signal, "target": t.target,
+            "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum}
