@@ -298,13 +298,17 @@ def token_file(root: Path) -> Path:
     return path
 
 
+class NotInPlan(ValueError):
+    """``--only SEED --pairwise`` with a seed the plan does not hold."""
+
+
 def choose(args: argparse.Namespace) -> list[Trial]:
     """The pairwise plan's trials (``--only``: the one with that seed) or trials drawn from seeds."""
     if args.pairwise:
         trials = plan_trials(args.seed, args.long)
         picked = [t for t in trials if args.only in (None, t.seed)]
         if not picked:
-            raise ValueError(f"--only {args.only}: no trial of the pairwise plan of --seed {args.seed} has that seed. Fix: "
+            raise NotInPlan(f"--only {args.only}: no trial of the pairwise plan of --seed {args.seed} has that seed. Fix: "
                              f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} --plan "
                              "lists its trials), or drop --pairwise for a trial drawn at random")
         return picked
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         trials = choose(args)
-    except ValueError as e:  # a seed the plan does not hold: said in one line, exit 2 like a config error
+    except NotInPlan as e:  # a seed the plan does not hold: said in one line, exit 2 like a config error
         print(f"soak.py: {e}", file=sys.stderr)
         return 2
     if args.plan:
@@ -360,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep and all(h for _, h, _ in done):
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(h for _, h, _ in done) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -94,3 +94,13 @@ def test_optuna_trial_is_the_live_trial_of_that_number():
     trial.report(0.5, 3)
     assert trial.number == 1 and study.get_trials()[1].intermediate_values == {3: 0.5}
     assert study.get_trials()[0].intermediate_values == {}
+
+
+def test_frozen_trial_reads_what_another_handle_wrote_since():
+    import optuna
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    mine = study.ask()
+    compat.optuna_trial(study, 0).set_user_attr("ddplab:owner", {"pid": 7})  # another worker's handle
+    record = compat.frozen_trial(mine)
+    assert record.number == 0 and record.user_attrs == {"ddplab:owner": {"pid": 7}}

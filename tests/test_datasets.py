@@ -169,6 +169,7 @@ def test_a_crafted_cifar_batch_cannot_run_code(tmp_path):
     assert pickle.loads((d / "data_batch_1").read_bytes()) is not None and marker.exists()  # the payload is real
 
 
+@pytest.mark.slow  # starts a process
 def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_it():
     """The default dataset skips `import sklearn.datasets` (about 1 s per rank): the numbers are load_digits'."""
     import subprocess
@@ -181,10 +182,14 @@ def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_
     images, target = _digits_arrays()
     bunch = load_digits()
     assert images.shape == (1797, 8, 8) and (images == bunch.images).all() and (target == bunch.target).all()
-    probe = "import sys; from ddplab.data.datasets import digits; digits(); print('sklearn' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+    # ... and the data layer pulls in no Hydra (a DataLoader worker unpickling a dataset imports its module).
+    probe = ("import sys, ddplab.data; from ddplab.data.datasets import digits; digits(); "
+             "print('sklearn' in sys.modules, 'hydra' in sys.modules, 'omegaconf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "False False False", out.stdout + out.stderr
 
 
+@pytest.mark.slow  # starts a process
 def test_imagefolder_infers_its_classes_from_the_folders_and_says_a_missing_root_in_one_line(tmp_path):
     """Like torchvision's ImageFolder: the class folders give dataset.num_classes (and so model.num_classes); a
     given one that disagrees is one line; a missing root names dataset.root and the path, exit 2."""

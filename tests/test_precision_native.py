@@ -131,6 +131,7 @@ def test_an_avx2_cap_on_a_native_cpu_falls_back_to_fp32_with_the_avx2_figure(mon
 AVX2_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+@pytest.mark.slow  # runs train.py
 def test_train_py_amp_true_without_native_bf16_logs_fp32_and_one_warning(tmp_path):
     proc = python_train(["model=mlp", "num_epochs=1", "amp=true", "progress=log"], tmp_path, extra_env=AVX2_CAP)
     assert_ok(proc)
@@ -155,6 +156,7 @@ def test_two_ranks_say_it_once(tmp_path):
     assert "| amp bfloat16 |" in out
 
 
+@pytest.mark.slow  # runs train.py
 def test_train_py_amp_true_on_a_native_bf16_cpu_trains_bf16_quietly(tmp_path):
     """The other path, for real: without a cap, a CPU with avx512_bf16/amx_bf16 trains in bf16, no warning."""
     if not precision.hardware_features() & {"avx512_bf16", "amx_bf16"}:

@@ -103,6 +103,25 @@ def test_a_reordered_first_batch_is_named_a_shuffle_that_differs_between_ranks()
     assert sample_id((torch.ones(2), 1)) == sample_id((torch.ones(2), 1)) != sample_id((torch.ones(2), 2))
 
 
+def test_a_sample_id_is_the_same_for_the_same_data_in_another_object():
+    """Each rank's process makes its own objects: an id from an address (a PIL image's or a plain object's
+    repr) refused a stream that was the same on every rank; numpy's repr elides, so it missed differences."""
+    import numpy as np
+    from PIL import Image
+
+    class Record:  # a user's sample type with the default repr: '<Record object at 0x7f...>'
+        pass
+
+    a, b = np.zeros(5000), np.zeros(5000)
+    b[2500] = 1.0
+    assert repr(a) == repr(b) and sample_id(a) != sample_id(b) and sample_id(a) == sample_id(np.zeros(5000))
+    img = lambda v: Image.new("RGB", (4, 4), (v, 0, 0))  # noqa: E731
+    assert sample_id((img(1), 3)) == sample_id((img(1), 3)) != sample_id((img(2), 3))
+    one, two = Record(), Record()  # both alive: two addresses
+    assert sample_id(one) == sample_id(two) and sample_id("ab") != sample_id(b"ab ")
+    assert sample_id({"text": "hello", "n": 2}) == sample_id({"text": "hello", "n": 2}) != sample_id({"text": "hellp", "n": 2})
+
+
 ONE_RANK = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
 
 

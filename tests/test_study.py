@@ -524,3 +524,18 @@ def test_a_trial_is_taken_over_only_from_a_worker_provably_gone():
     assert seen == {"alive here": (False, False), "dead here": (True, True), "away, beating": (False, False),
                     "away, silent": (True, True), "preempted": (True, False)}, seen
     assert "silent for 65s > lease 60s) died" in verdict({**away, "beat": now - LEASE_S - 5}, now).why
+
+
+def test_a_claim_lock_that_cannot_be_opened_is_refused_not_skipped(tmp_path):
+    """Claiming without the storage's lock would let two workers take one trial: only a missing dir (which
+    opening the storage then says) goes on; any other failure to open the lock is one line naming it."""
+    from ddplab.config import ConfigError
+    from ddplab.study.owner import claim_lock
+
+    (tmp_path / "a_file").write_text("")
+    url = f"journal:{tmp_path / 'a_file' / 'journal.log'}"  # its 'dir' is a file: ENOTDIR, not ENOENT
+    with pytest.raises(ConfigError, match=rf"^study.storage={url}: cannot open its claim lock .*Fix: make "):
+        with claim_lock(url, 5.0, tmp_path):
+            pass
+    with claim_lock(f"journal:{tmp_path / 'nowhere' / 'journal.log'}", 5.0, tmp_path):
+        pass  # no such dir: left to opening the storage, which says it in one line

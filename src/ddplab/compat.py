@@ -96,3 +96,10 @@ def optuna_trial(study: Any, number: int) -> Any:
 
     storage = study._storage
     return optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(study._study_id, number))
+
+
+def frozen_trial(trial: Any) -> Any:
+    """A live ``optuna.Trial``'s current record (a FrozenTrial) as the storage has it now: what another worker
+    wrote since (its user attrs) included. Optuna's public API reads a trial's record only through the study's
+    trial lists."""
+    return trial.study._storage.get_trial(trial._trial_id)

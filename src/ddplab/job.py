@@ -96,7 +96,8 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
     except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
-        noted = (rundir.read_result(run_dir) or {}).get("error", "config error: a rank refused the config (see its log)")
+        noted = (rundir.read_result(run_dir, since=started) or {}).get(
+            "error", "config error: a rank refused the config (see its log)")  # not an earlier run's result.json
         if not noted.startswith("config error: "):  # an input file, said by the rank that met it
             raise InputError(noted) from None
         raise ConfigError(noted.removeprefix("config error: ")) from None

@@ -14,6 +14,7 @@ inside the ``with`` block is the trainer's business.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from pathlib import Path
 from types import TracebackType
@@ -124,7 +125,7 @@ class Session:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        said = None  # this rank's line, when it only lost its connection to a rank that failed first
+        said = report = None  # this rank's line, when it only lost its connection to a rank that failed first
         try:
             if isinstance(exc, Preempted):  # every rank stopped at the same step, after its checkpoint
                 log.warning("preempted: %s", exc)
@@ -154,4 +155,5 @@ class Session:
             self.stop.uninstall()
             group.teardown(clean=exc is None or isinstance(exc, Preempted))
         if said:  # the peer's error is the job's; this rank's lost connection needs no traceback
-            raise group.PeerFailed(said) from None
+            time.sleep(group.PEER_EXIT_GRACE_S)
+            raise group.PeerFailed(said, report) from None

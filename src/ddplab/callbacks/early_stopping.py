@@ -23,6 +23,8 @@ class EarlyStopping(Callback):
     values are the reduced ones, equal on every rank, so all ranks stop at the same step.
     """
 
+    training_only = True  # it decides when training stops: nothing to decide in mode=eval
+
     def __init__(self, monitor: str = "val/loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto",
                  divergence_threshold: float | None = None, check_finite: bool = True):
         if mode not in ("auto", "min", "max"):

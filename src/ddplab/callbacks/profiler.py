@@ -24,6 +24,8 @@ class Profiler(Callback):
     out-of-memory error. Steps outside the window cost one integer comparison.
     """
 
+    training_only = True  # it profiles optimizer steps: mode=eval takes none
+
     def __init__(self, steps: tuple[int, int] | list[int] = (10, 15), memory_snapshot: bool = True):
         first, last = int(steps[0]), int(steps[1])
         if not 1 <= first <= last:

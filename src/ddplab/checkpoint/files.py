@@ -30,6 +30,12 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def newest_step(ckpt_dir: Path) -> int | None:
+    """The step of the newest ``step-<N>.pt`` in ``ckpt_dir`` (None: none there)."""
+    steps = [int(p.stem[5:]) for p in ckpt_dir.glob("step-*.pt") if p.stem[5:].isdigit()]
+    return max(steps, default=None)
+
+
 def _link_atomic(src: Path, dst: Path) -> None:
     """Point ``dst`` at ``src``'s bytes atomically (hard link; a copy where links are unsupported)."""
     tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")

@@ -1,20 +1,6 @@
-"""The error every config check raises: it names the key, the value, why, and the fix."""
+"""The error every config check raises: it names the key, the value, why, and the fix. Defined in
+:mod:`ddplab.errors` (imported by the Hydra-free data layer too) and re-exported here."""
 
-from __future__ import annotations
+from ddplab.errors import ConfigError, InputError, require
 
-from typing import Any
-
-
-class ConfigError(ValueError):
-    """A config value that composes but cannot work; the message names key and fix."""
-
-
-class InputError(ValueError):
-    """Data the job reads (a token file, an image) that cannot work, met while it runs; the message names the
-    file, where in it, and the fix. It exits 2 in one line like a ConfigError, but it may show on one rank
-    only, so the rank that meets it says it (the Session), with the epoch and step."""
-
-
-def require(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")
+__all__ = ["ConfigError", "InputError", "require"]

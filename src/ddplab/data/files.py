@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ddplab.config.errors import InputError
+from ddplab.errors import InputError
 from ddplab.data.datasets import Splits, TensorData
 
 MNIST_URL = "https://yann.lecun.com/exdb/mnist/ (or any mirror; torchvision's MNIST(download=True) layout works)"

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, default_collate
 
-from ddplab.config.errors import ConfigError
+from ddplab.errors import ConfigError
 from ddplab.data.batches import move
 from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
 
@@ -72,8 +72,9 @@ class StreamLoader:
         self.sampler.set_epoch(epoch, skip)
 
     def describe(self) -> str:
+        checked = " (checked: the same stream on every rank)" if self.all_ranks_rows is not None else ""
         return (f"a stream ({type(self.data).__name__}, {self.num_workers} worker(s)), sharded by ddplab: every rank "
-                "reads the whole stream and keeps its slice of each global batch (checked: the same stream on every rank)")
+                f"reads the whole stream and keeps its slice of each global batch{checked}")
 
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
@@ -154,7 +155,9 @@ class StreamLoader:
 
 
 def sample_id(sample: Any) -> int:
-    """A 64-bit hash of a sample: every tensor's dtype, shape and bytes, and other leaves' repr."""
+    """A 64-bit hash of a sample that is the same in every process for the same data: tensors and arrays (numpy,
+    PIL images: anything with ``tobytes``) by type, shape and bytes; strings and bytes as they are; numbers by
+    repr; an object whose repr is only its address (``<Foo at 0x7f...>``, different in each process) by its type."""
     h = hashlib.blake2b(digest_size=8)
 
     def feed(x: Any) -> None:
@@ -169,8 +172,15 @@ def sample_id(sample: Any) -> int:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 feed(v)
+        elif isinstance(x, (str, bytes)):
+            h.update(x.encode() if isinstance(x, str) else x)
+        elif callable(getattr(x, "tobytes", None)):  # numpy arrays, PIL images: their repr elides or is an address
+            shape = getattr(x, "shape", None) or getattr(x, "size", None)
+            h.update(f"{type(x).__name__}{getattr(x, 'dtype', getattr(x, 'mode', ''))}{shape}".encode())
+            h.update(x.tobytes())
         else:
-            h.update(repr(x).encode())
+            text = repr(x)
+            h.update((type(x).__qualname__ if " at 0x" in text else text).encode())
 
     feed(sample)
     return int.from_bytes(h.digest(), "little", signed=True)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset
 
-from ddplab.config.errors import InputError
+from ddplab.errors import InputError
 from ddplab.data.datasets import Splits
 
 DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}

@@ -135,7 +135,17 @@ def _is_timeout(exc: BaseException) -> bool:
 
 class PeerFailed(RuntimeError):
     """This rank lost its connection to a rank that failed first: no error of its own. The Session has said so
-    in one line and recorded the peer's error; nothing more to show (no traceback)."""
+    in one line and recorded the peer's error (``report``, the job's first real error); nothing more to show
+    (no traceback)."""
+
+    def __init__(self, said: str, report: str):
+        super().__init__(said)
+        self.report = report
+
+
+# A rank that only lost its peer leaves this much after it, so that its launcher (torchrun's agent, the
+# self-launch parent) sees the rank at fault exit first and names it, not this one.
+PEER_EXIT_GRACE_S = 3.0
 
 
 # How a collective ends on the ranks still in it when a peer's process goes away (gloo, NCCL).
@@ -180,8 +190,10 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
         try:
             store = compat.default_store()
             store.set(f"ddplab/{job_key}/failed/{state.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
+            if not lost:  # the first real failure to get here is the job's: one key, whatever the world size
+                store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": state.rank, "msg": msg}))
             if lost:
-                first.extend(_first_real_failure(store, job_key, state))
+                first.extend(_first_real_failure(store, job_key))
             elif _is_timeout(exc):
                 time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
                 found.append([r for r in range(state.world_size)
@@ -210,18 +222,16 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     return msg, msg
 
 
-def _first_real_failure(store: Any, job_key: str, state: DistState, wait_s: float = 2.0) -> list[tuple[int, str]]:
-    """[(rank, its report)] of the earliest failure another rank noted that is not a lost connection itself;
-    waited for up to ``wait_s`` (the peer notes before it leaves, but a rank may see the loss first)."""
-    until = time.monotonic() + wait_s
-    while True:
-        real = []
-        for r in range(state.world_size):
-            key = f"ddplab/{job_key}/failed/{r}"
-            if r != state.rank and store.check([key]):
-                note = json.loads(store.get(key))
-                if not note["lost"]:
-                    real.append((note["t"], r, note["msg"]))
-        if real or time.monotonic() > until:
-            return [(r, m) for _, r, m in sorted(real)[:1]]
-        time.sleep(0.1)
+def _first_real_failure(store: Any, job_key: str, wait_s: float = 2.0) -> list[tuple[int, str]]:
+    """[(rank, its report)] of the first failure another rank noted that is not a lost connection itself;
+    waited for up to ``wait_s`` (the peer notes before it leaves, but a rank may see the loss first). One
+    key and one blocking wait per rank, so a rank dying in a large job costs the store O(ranks) requests."""
+    import datetime
+
+    key = f"ddplab/{job_key}/first"
+    try:
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+    except Exception:  # nobody noted a real failure in time (or the store went): this rank's own line stands
+        return []
+    note = json.loads(store.get(key))
+    return [(int(note["rank"]), note["msg"])]

@@ -89,7 +89,8 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
             raise RankRefusedConfig(rank) from None
         others = ", ".join(f"rank {r} with {f.exitcode}" for r, f in sorted(e.failures.items()) if r != rank)
         # torch's record of a rank's exception: {"message": "Type: text", "extraInfo": {its call stack}}
-        said = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        # (a str where the rank left no error file: torch's boilerplate about enabling tracebacks, not the cause)
+        said = failure.message.get("message") if isinstance(failure.message, dict) else None
         raise RankFailed(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
             f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")

@@ -91,8 +91,11 @@ class ShardedState:
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
         if "sharded" not in ck:
+            from ddplab.config.drift import flatten
+
+            saved = flatten(ck["meta"]["config"]).get("distributed.strategy", "ddp") if "meta" in ck else "ddp"
             raise ConfigError(f"resume={path}: was saved without distributed=fsdp (full weights). Fix: resume it "
-                              "with the strategy it was saved with (distributed=ddp), or resume=null")
+                              f"with the strategy it was saved with (distributed={saved}), or resume=null")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Read this rank's shards back (any world size: DCP reshards on load); collective."""

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from ddplab import rundir
 from ddplab.config import ConfigError, validate
-from ddplab.runtime import env, signals
+from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage
 from ddplab.study.report import PRUNED
@@ -86,14 +86,14 @@ def _work(cfg: DictConfig) -> dict[str, float]:
 
             run(trial_config(cfg, *picked), search_earlier_runs=False)
             continue
-        trial, claim = taken
+        trial, hold = taken
         try:
             run_trial(w, trial)  # type: ignore[arg-type]
         except Preempted as e:
-            claim.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+            hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
             raise
         finally:
-            claim.release()
+            hold.release()
     from ddplab.study.summary import finish
 
     return finish(w) if w is not None else {}
@@ -197,7 +197,9 @@ def run_trial(w: Worker, trial: Any) -> None:
         raise
     except Exception as e:
         lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
-        _tell_held(w, trial, "FAIL", None, storage.innermost(e) if lost else f"{type(e).__name__}: {e}")
+        # A rank that only lost its peer carries the peer's error: the trial's cause, not the lost connection.
+        cause = e.report if isinstance(e, group.PeerFailed) else f"{type(e).__name__}: {e}"
+        _tell_held(w, trial, "FAIL", None, storage.innermost(e) if lost else cause)
         if lost:
             raise storage.StorageLost(w.url, e, f"trial {trial.number} told FAIL") from None
         if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays

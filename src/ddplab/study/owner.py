@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from ddplab.config.errors import ConfigError
+
 log = logging.getLogger("ddplab")
 
 OWNER = "ddplab:owner"  # trial user attr: the worker holding it, or how the last one let go
@@ -102,8 +104,10 @@ def verdict(record: dict[str, Any] | None, now: float) -> Verdict:
 
 def progress(tdir: Path) -> str:
     """How far a dead worker's trial is known to have got: its newest checkpoint."""
-    steps = [int(p.stem.split("-")[1]) for p in (tdir / "checkpoints").glob("step-*.pt") if p.stem[5:].isdigit()]
-    return f"after step {max(steps)}, its last checkpoint" if steps else "before its first checkpoint"
+    from ddplab.checkpoint.files import newest_step
+
+    step = newest_step(tdir / "checkpoints")
+    return f"after step {step}, its last checkpoint" if step is not None else "before its first checkpoint"
 
 
 def reachable(tdir: Path, study: str, number: int) -> bool:
@@ -154,7 +158,9 @@ class Hold:
             self.trial.set_user_attr(OWNER, {**self.record, "left": "preempted", "step": step, "signal": signal_name})
 
     def still_mine(self) -> bool:
-        record = self.trial.study._storage.get_trial(self.trial._trial_id).user_attrs.get(OWNER) or {}
+        from ddplab import compat
+
+        record = compat.frozen_trial(self.trial).user_attrs.get(OWNER) or {}
         return all(record.get(k) == self.record[k] for k in ("machine", "pid", "started"))
 
 
@@ -164,15 +170,19 @@ def claim_lock(url: str, timeout_s: float, fallback: Path) -> Iterator[None]:
     (SQLite, the journal), a database's own advisory lock, else one in ``fallback`` (the study dir). A dead
     holder's lock goes with it."""
     path = _lock_file(url)
-    if url.startswith(("postgresql", "mysql")):
+    if url.startswith(("postgresql", "mysql", "mariadb")):
         with _db_lock(url, timeout_s):
             yield
         return
+    lock = path or fallback / ".ask.lock"
     try:
-        fd = os.open(path or fallback / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # no such dir: opening the storage says so, in one line
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # no such dir: opening the storage says so, in one line
         yield
         return
+    except OSError as e:  # claiming without the lock would let two workers take one trial: refuse instead
+        raise ConfigError(f"study.storage={url}: cannot open its claim lock {lock} ({e.strerror}). Fix: make "
+                          f"{lock.parent} writable for every worker of the study") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -199,9 +209,11 @@ def _db_lock(url: str, timeout_s: float) -> Iterator[None]:
 
     pg = url.startswith("postgresql")
     engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": max(1, int(timeout_s))})
+    from sqlalchemy.exc import OperationalError
+
     try:
         conn = engine.connect()
-    except Exception:  # unreachable: opening the storage says so, in one line
+    except OperationalError:  # unreachable: opening the storage says so, in one line
         engine.dispose()
         yield
         return

@@ -80,10 +80,12 @@ def next_trial(w: Worker) -> tuple[Any, owner.Hold] | None:
         trial = w.study.ask(w.space)
         tdir = w.dir / str(trial.number)
         tdir.mkdir(parents=True, exist_ok=True)
-        trial.set_user_attr(owner.DIR, str(tdir))
-        w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
+        # trial.json first: a dir recorded in the storage must be one a resumer can recognise (owner.reachable),
+        # even if this worker dies right after recording it.
         (tdir / TRIAL_FILE).write_text(json.dumps({"study": w.study.study_name, "number": trial.number,
                                                   "params": trial.params}, indent=2))
+        trial.set_user_attr(owner.DIR, str(tdir))
+        w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
         return w.study.get_trials(deepcopy=False)[trial.number], w.holds[trial.number]
 
 

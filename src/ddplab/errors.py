@@ -1,0 +1,23 @@
+"""The errors a user's input raises: a config value (:class:`ConfigError`) or a file the job reads
+(:class:`InputError`), each said in one line naming the key or file, why, and the fix, with exit code 2.
+Dependency-free, so that ddplab.data (and a DataLoader worker unpickling a dataset) imports neither Hydra nor
+OmegaConf to raise them; ``ddplab.config`` re-exports them for the config checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot work; the message names key and fix."""
+
+
+class InputError(ValueError):
+    """Data the job reads (a token file, an image) that cannot work, met while it runs; the message names the
+    file, where in it, and the fix. It exits 2 in one line like a ConfigError, but it may show on one rank
+    only, so the rank that meets it says it (the Session), with the epoch and step."""
+
+
+def require(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")
