@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,88 +51,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
-from helpers.compare import load_whole  # noqa: E402
+from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
+from _soak_flows import command, job_env, study_flow, train_flow, verify_flow  # noqa: E402
 from soak_plan import (DIMENSIONS, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
-from soak_toy import check_events, describe, kill, same, snapshot, trial_pids  # noqa: E402
+from soak_toy import snapshot  # noqa: E402
 
-TRAIN = REPO / "train.py"
-GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
-COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")
-
-
-def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
-    args = t.overrides() + [f"hydra.run.dir={run}"] + (["resume=auto"] if resume else [])
-    if t.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN), *args]
-    return [sys.executable, str(TRAIN), *args] + (["distributed.nproc_per_node=2"] if t.launcher == "selflaunch" else [])
-
-
-def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
-    """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tdir / "tmp"), SOAK_TRIAL_ID=trial_id,
-               SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
-    if fault:
-        env.update(SOAK_DELAY_S=repr(t.step_s / t.accum), SOAK_EVAL_DELAY_S=repr(t.eval_s),
-                   SOAK_FAULT=json.dumps({"phase": "fetch" if t.phase in ("data", "between") else t.phase, "k": t.k,
-                                          "rank": t.rank, "target": t.target, "signal": t.signal, "dir": str(tdir)}))
-    return env
-
-
-@dataclasses.dataclass
-class Attempt:
-    rc: int | None
-    ended: float  # the launched process
-    gone: float | None  # every process of the trial (None: some outlived it by 30 s)
-    left: list[str]
-    timed_out: bool
-
-
-def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Attempt:
-    """Run to the end; then wait up to 30 s for the rest of the trial's processes, killing (by pid) any left."""
-    trial_id = env["SOAK_TRIAL_ID"]
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    timed_out = False
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill(trial_pids(trial_id))
-        proc.wait()
-    except BaseException:
-        kill(trial_pids(trial_id))
-        raise
-    ended = time.time()
-    while time.time() - ended < GRACE_S:
-        left = trial_pids(trial_id)
-        if not left:
-            return Attempt(proc.returncode, ended, time.time(), [], timed_out)
-        time.sleep(0.1)
-    left = [describe(p) for p in trial_pids(trial_id)]
-    kill(trial_pids(trial_id))
-    return Attempt(proc.returncode, ended, None, left, timed_out)
-
-
-def read_result(run: Path) -> dict:
-    try:
-        return json.loads((run / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def load(path: Path) -> dict:
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=False)
+DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
 
 
 def reference(t: Trial, root: Path, cache: dict) -> Path:
-    """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run."""
+    """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run: a study's
+    whole study; for verify_resume, the plain training run its uninterrupted leg must equal."""
+    if t.mode == "verify_resume":
+        t = dataclasses.replace(t, mode="train")
     key = (t.launcher, tuple(t.overrides()))
     if key not in cache:
         n = len(list(root.glob("ref-*")))  # not len(cache): a failed reference keeps its dir (for its log)
@@ -141,86 +74,31 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
         run = rdir / "cwd" / "run"
         a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
                         rdir / "cwd", rdir / "run.log", 600)
-        if a.rc != 0 or read_result(run).get("status") != "completed":
+        done = [run / str(i) for i in range(2)] if t.mode == "study" else [run]
+        if a.rc != 0 or any(read_result(d).get("status") != "completed" for d in done):
             raise RuntimeError(f"the reference run failed (exit {a.rc}): see {rdir / 'run.log'}")
         cache[key] = run
     return cache[key]
 
 
-def check_preempted(run: Path, what: str) -> list[str]:
-    """A run that says preempted: its checkpoint exists and holds the step it names."""
-    res = read_result(run)
-    if res.get("status") != "preempted":
-        return []
-    ck = res.get("checkpoint")
-    if not ck or not Path(ck).is_file():
-        return [f"{what}: result.json says preempted at step {res.get('step')} with checkpoint {ck!r}, no such file"]
-    step = load(Path(ck))["loop"]["step"]
-    return [] if step == res.get("step") else [f"{what}: result.json step {res.get('step')} but {ck} holds step {step}"]
-
-
-def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -> list[str]:
-    """The attempt the fault fired in: invariants 3 and 6 for a graceful signal."""
-    if not (tdir / "fired").exists():
-        return ["the fault never fired (k beyond the calls the job made?)"]
-    fired = json.loads((tdir / "fired").read_text())
-    notes.append(f"fired at step {fired['step']}")
-    res = read_result(run)
-    if t.signal == "SIGKILL":
-        notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
-        return []
-    problems = []
-    if a.gone is not None:
-        took = a.gone - fired["time"]
-        notes.append(f"gone {took:.1f}s after the signal")
-        if took >= GRACE_S:
-            problems.append(f"{t.signal}: the job took {took:.1f}s to exit, beyond the {GRACE_S:.0f}s grace")
-    status = res.get("status")
-    if status == "completed" and a.rc == 0:
-        notes.append("completed: the signal came after the last stop check")
-    elif status == "completed" and t.launcher == "torchrun" and t.target in ("launcher", "all"):
-        # torchrun's agent, signalled, exits 1 (its SignalException) whatever its ranks did: its code, not ours.
-        notes.append(f"completed: the signal came after the last stop check (torchrun's agent exit {a.rc})")
-    elif status == "preempted" and a.rc != 0:
-        notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
-        if res["step"] < fired["step"]:
-            problems.append(f"stopped at step {res['step']}, before step {fired['step']} where the signal came: lost")
-    else:
-        problems.append(f"after {t.signal}: exit {a.rc} with result.json status {status!r} ({res.get('error', '')[:300]})")
-    return problems
-
-
-def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
-    """Invariants 1 and 3 (the end): completed, and the final state bitwise the uninterrupted run's. ``skip_rng``:
-    the streams were not restored (RNGStreams restores only mid-epoch: each epoch reseeds them), so the last
-    checkpoint's ``rng`` entry is the fresh process's, not the reference's."""
-    res = read_result(run)
-    if res.get("status") != "completed":
-        return [f"never completed: result.json {json.dumps(res)[:300]}"]
-    # load_whole: an FSDP checkpoint's model and optimizer, read back from the shards its step file names
-    mine, theirs = load_whole(run / "checkpoints" / "last.pt"), load_whole(ref / "checkpoints" / "last.pt")
-    problems = [f"final {k} differs from the uninterrupted run's at {d}" for k in COMPARED
-                if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))]
-    mine["results"].pop("last_train"), theirs["results"].pop("last_train")  # its vitals/* are timings
-    problems += [f"final results differ at {d}"] if (d := same(mine["results"], theirs["results"], "results")) else []
-    if res.get("metrics", {}).get("step") != mine["loop"]["step"]:
-        problems.append(f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}")
-    return problems + check_events(run, ref)
-
-
-def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str]) -> list[str]:
-    """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR."""
-    after = snapshot(cwd)
-    outside = sorted(p for p in set(before) | set(after) if p != "run" and not p.startswith("run/")
-                     and before.get(p) != after.get(p))
-    problems = [f"written outside the run dir: {outside[:10]}"] if outside else []
-    ours = [p.name for p in tmp.glob("ddplab-rank*")] + [f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")]
-    if ours:
-        problems.append(f"ddplab scratch left in TMPDIR: {ours}")
-    others = sorted({p.name.split("_")[0] for p in tmp.iterdir() if not p.name.startswith("ddplab-")})
-    if others:
-        notes.append(f"TMPDIR also holds {others} (not ddplab's)")
-    return problems
+@contextlib.contextmanager
+def run_disk(t: Trial, run: Path):
+    """disk_full: the run dir on a tmpfs of its own (the fault fills it), unmounted after; else nothing."""
+    if t.fault != "disk_full":
+        yield
+        return
+    run.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", DISK, "tmpfs", str(run)], capture_output=True).returncode:
+        raise RuntimeError(f"cannot mount a tmpfs at {run} for disk_full (needs root)")
+    try:
+        yield
+    finally:
+        # the run is copied off the tmpfs before it goes: a failed trial's files stay to be read
+        keep = run.parent / "run-on-disk"
+        shutil.copytree(run, keep, symlinks=True, ignore=shutil.ignore_patterns("soak-filler"))
+        subprocess.run(["umount", "-l", str(run)], capture_output=True)
+        shutil.rmtree(run, ignore_errors=True)
+        keep.rename(run)
 
 
 def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
@@ -232,33 +110,11 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
     run, before = cwd / "run", snapshot(cwd)
     # The uninterrupted reference runs beside the faulted attempts (its own dirs, trial id and session; faults
     # fire by call count, not by time): on 2 cores a trial takes less, and the faulted job meets load.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, run_disk(t, run):
         ref_job = pool.submit(reference, t, root, cache)
-        problems, notes, final_eval_resume = fault_and_resume(t, tdir, cwd, run)
-        ref = ref_job.result()
-    return problems + check_final(run, ref, final_eval_resume) + check_files(cwd, before, tmp, notes), notes
-
-
-def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[str], list[str], bool]:
-    """The faulted run, then resumes until it completes (at most 3): problems, notes, resumed at the last epoch's end."""
-    log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
-    timeout = 180 + 3 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
-    attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
-    problems = check_fault(t, attempts[0], run, tdir, notes) + check_preempted(run, "the faulted run")
-    final_eval_resume = False
-    while read_result(run).get("status") != "completed" and len(attempts) < 4:
-        loop = load(run / "checkpoints" / "last.pt")["loop"] if (run / "checkpoints" / "last.pt").exists() else {}
-        final_eval_resume = loop.get("epoch") == t.epochs and not loop.get("batches_in_epoch")
-        attempts.append(run_attempt(command(t, run, resume=True), env, cwd, log, timeout))
-        if attempts[-1].rc != 0:
-            problems.append(f"resume {len(attempts) - 1} exited {attempts[-1].rc}")
-        problems += check_preempted(run, f"resume {len(attempts) - 1}")
-    for i, a in enumerate(attempts):
-        problems += [f"attempt {i} timed out after {timeout:.0f}s"] if a.timed_out else []
-        problems += [f"attempt {i}: processes alive {GRACE_S:.0f}s after it ended: {a.left}"] if a.left else []
-    last_eval = ["rng not compared: resumed at the last epoch's end"] if final_eval_resume else []
-    notes += [f"{len(attempts)} run(s)"] + last_eval
-    return problems, notes, final_eval_resume
+        flow = {"train": train_flow, "study": study_flow, "verify_resume": verify_flow}[t.mode]
+        problems, notes = flow(t, tdir, cwd, run, ref_job.result)
+    return problems + check_files(cwd, before, tmp, notes), notes
 
 
 def summary(done: list[tuple[Trial, bool, float]]) -> None:
@@ -296,6 +152,23 @@ def token_file(root: Path) -> Path:
         text = generated_corpus(sentences=4000, seed=0).encode()[:TOKEN_WINDOWS * TOKEN_BLOCK + 1]
         write_tokens(list(text), path, "uint16", 256)
     return path
+
+
+def shard_dir(root: Path) -> Path:
+    """The data=shards trials' folder: the same corpus as the token file, its first 90% as 4 token files under
+    train/ (streamed shard by shard), the rest as val.bin."""
+    from ddplab.data import write_tokens
+    from ddplab.data.tabular import generated_corpus
+
+    folder = root / "shards"
+    if not folder.exists():
+        text = list(generated_corpus(sentences=4000, seed=0).encode()[:TOKEN_WINDOWS * TOKEN_BLOCK + 1])
+        (folder / "train").mkdir(parents=True)
+        cut, n = TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK, 4
+        for i in range(n):
+            write_tokens(text[i * cut // n:(i + 1) * cut // n + 1], folder / "train" / f"shard-{i:04d}.bin", "uint16", 256)
+        write_tokens(text[cut:], folder / "val.bin", "uint16", 256)
+    return folder
 
 
 class NotInPlan(ValueError):
@@ -358,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
-        t.token_file = str(token_file(root))
+        t.token_file, t.shard_dir = str(token_file(root)), str(shard_dir(root))
     done = run_all(trials, root, args.keep)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):

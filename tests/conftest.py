@@ -1,4 +1,4 @@
-"""Fixtures and pytest hooks. The shared helpers are the ``helpers`` package (jobs, counting, compare)."""
+"""Fixtures and pytest hooks. The shared helpers are the ``helpers`` package (jobs, counting, compare, study)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """What a soak trial is and how trials are chosen (scripts/soak.py runs them): drawn from a seed, or the fixed
 pairwise plan CI runs, in which every pair of values of two dimensions meets in at least one trial.
 
-The dimensions users combine: the launcher, the strategy, the data path, the checkpoint mode, the fault (signal,
-target, phase), the step time and gradient accumulation. A plan trial fixes those; everything else (the exact step
+The dimensions users combine: the launcher, the strategy, the data path, the checkpoint mode, the run mode (a
+training run, a study worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's
+storage lost; its target and phase), the step time and gradient accumulation. A plan trial fixes those; everything else (the exact step
 time inside its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from the trial's seed,
 so ``--only SEED`` reruns it exactly.
 """
@@ -17,8 +18,14 @@ from typing import Any
 
 LAUNCHERS = ("single", "torchrun", "selflaunch")
 STRATEGIES = ("none", "ddp", "fsdp")
-DATA = ("memory", "stream", "tokens")
+DATA = ("memory", "stream", "tokens", "shards")
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
+# Faults that are not a signal, made by rank r at its k-th call of the phase: ``disk_full`` fills the file system
+# of the run dir (a tmpfs; freed before the resume), ``bad_file`` kills the job and the driver truncates its newest
+# checkpoint before the resume (bit rot, a half-copied file), ``storage_loss`` deletes a study's SQLite storage.
+OTHER_FAULTS = ("disk_full", "bad_file", "storage_loss")
+FAULTS = SIGNALS + OTHER_FAULTS
+MODES = ("train", "study", "verify_resume")
 TARGETS = ("self", "peer", "launcher", "all")
 PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
 # The plan's phase dimension: where in the job the fault lands, the phase inside a group drawn from the seed (7
@@ -28,17 +35,23 @@ PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "o
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "launcher": LAUNCHERS, "strategy": STRATEGIES, "data": DATA, "checkpoint": ("sync", "async"), "signal": SIGNALS,
-    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3)}
+    "launcher": LAUNCHERS, "strategy": STRATEGIES, "data": DATA, "checkpoint": ("sync", "async"), "fault": FAULTS,
+    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES}
 TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
-VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160}
+VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160}
 TOKEN_BLOCK, TOKEN_WINDOWS = 16, 1600  # the token file: 1600 windows, the last 10% validation
 DIGITS = ["model=mlp", "model._target_=soak_toy.SoakMLP"]
 PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
          "stream": DIGITS + ["dataset._target_=soak_toy.soak_stream"],
          "tokens": ["task=lm", "dataset=tokens", "dataset._target_=soak_toy.soak_tokens",
                     f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
+                    "model.n_embd=32"],
+         "shards": ["task=lm", "dataset=token_shards", "dataset._target_=soak_toy.soak_shards",
+                    f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
                     "model.n_embd=32"]}
+# mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number), no
+# pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py: command).
+STUDY = ["hparams_search=study", "study.n_trials=2", "study.pruner=null", "objective=val/loss"]
 COMMON = ["+callbacks.soak._target_=soak_toy.SoakCallback", f"batch_size={BATCH}", "progress=log"]
 
 
@@ -52,7 +65,7 @@ class Trial:
     accum: int
     log_every: int
     every_n: int
-    signal: str
+    fault: str  # a signal's name or one of OTHER_FAULTS
     target: str
     rank: int
     phase: str
@@ -63,6 +76,14 @@ class Trial:
     data: str = "memory"
     plan_seed: int | None = None  # a pairwise plan trial: the --seed its plan was run with
     token_file: str = "tokens.bin"  # data=tokens: the file the driver wrote (scripts/soak.py: token_file)
+    shard_dir: str = "shards"  # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
+    mode: str = "train"
+
+    @property
+    def signal(self) -> str:
+        """The signal the fault sends in the job: a signal fault's own; SIGKILL for bad_file (the job dies, then
+        its newest checkpoint is spoilt); none for disk_full and storage_loss (the job meets them itself)."""
+        return self.fault if self.fault in SIGNALS else "SIGKILL" if self.fault == "bad_file" else ""
 
     @property
     def world(self) -> int:
@@ -73,14 +94,17 @@ class Trial:
         return min(self.step_s, 2.0)
 
     def overrides(self) -> list[str]:
-        data = [f"dataset.path={self.token_file}"] if self.data == "tokens" else []
-        return PARTS[self.data] + data + COMMON + [
+        data = {"tokens": [f"dataset.path={self.token_file}"],
+                "shards": [f"dataset.path={self.shard_dir}/train", f"dataset.val_path={self.shard_dir}/val.bin"]}
+        return PARTS[self.data] + data.get(self.data, []) + COMMON + [f"mode={self.mode}"] * (self.mode != "train") + [
+            *(STUDY if self.mode == "study" else []),
             f"distributed={self.strategy}", f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
             f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
             f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
 
     def label(self) -> str:
-        return (f"{self.launcher:10s} {self.strategy:4s} {self.data:6s} {self.signal:7s}->{self.target}@{self.phase}"
+        return (f"{self.launcher:10s} {self.strategy:4s} {self.data:6s} {self.mode:13s} "
+                f"{self.fault:>12s}->{self.target}@{self.phase}"
                 f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} "
                 f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
 
@@ -116,9 +140,9 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None) -> 
     spe = min(TRAIN_SAMPLES // (BATCH * accum), math.ceil(total / epochs))
     log_every = round(math.exp(rng.uniform(0.0, math.log(100))))
     every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
-    signal = fixed.get("signal", rng.choice(SIGNALS))
+    fault = fixed.get("fault", rng.choice(SIGNALS))
     target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
-    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, signal, target, 0, "", 0, long)
+    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, fault, target, 0, "", 0, long)
     t.rank = rng.randrange(t.world)
     t.data = fixed.get("data", t.data)
     phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
@@ -132,7 +156,20 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None) -> 
     t.strategy = fixed.get("strategy", "none" if launcher == "single" else strategy)
     t.data = fixed.get("data", rng.choice(DATA))
     t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
+    _draw_mode_and_fault(t, rng, fixed)
     return t
+
+
+def _draw_mode_and_fault(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
+    """The run mode, and for a quarter of drawn trials a fault other than a signal: drawn last (a seed's earlier
+    details stay what they were), each from the values the trial's other dimensions allow."""
+    mode_u, other_u, which_u = rng.random(), rng.random(), rng.random()
+    now = dimensions(t)
+    modes = [m for m in MODES if valid({**now, "mode": m})]
+    t.mode = fixed.get("mode", modes[int(mode_u * len(modes))])
+    if "fault" not in fixed and other_u < 0.25:
+        others = [f for f in OTHER_FAULTS if valid({**dimensions(t), "target": "self", "fault": f})]
+        t.fault, t.target, t.rank = others[int(which_u * len(others))], "self", t.rank
 
 
 def trial_seeds(seed: int, n: int) -> list[int]:
@@ -149,6 +186,14 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
         return (v["launcher"] == "single") == (v["strategy"] == "none")  # one process: no process group
     if {"launcher", "target"} == v.keys() or {"strategy", "target"} == v.keys():
         return v["target"] == "self" or v.get("launcher", "torchrun") != "single" and v.get("strategy") != "none"
+    if {"fault", "target"} == v.keys():  # a fault not a signal is made by the rank that meets it
+        return v["fault"] in SIGNALS or v["target"] == "self"
+    if {"fault", "mode"} == v.keys() and v["fault"] == "storage_loss":
+        return v["mode"] == "study"  # only a study has a storage
+    if "mode" in v and v["mode"] == "verify_resume":
+        # verify_resume starts its own processes (not under torchrun), compares one-file checkpoints (not FSDP's
+        # shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
+        return v.get("launcher") != "torchrun" and v.get("strategy") != "fsdp" and v.get("fault") != "bad_file"
     return True
 
 
@@ -214,5 +259,6 @@ def coverage(trials: list[Trial]) -> str:
 def dimensions(t: Trial) -> dict[str, Any]:
     timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
     return {"launcher": t.launcher, "strategy": t.strategy, "data": t.data,
-            "checkpoint": "async" if t.async_save else "sync", "signal": t.signal, "target": t.target,
-            "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum}
+            "checkpoint": "async" if t.async_save else "sync", "fault": t.fault, "target": t.target,
+            "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum,
+            "mode": t.mode}

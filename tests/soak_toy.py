@@ -37,7 +37,7 @@ from torch.utils.data import Dataset, default_collate
 
 from ddplab.callbacks import Callback
 from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
-from ddplab.data import Splits, digits, tokens
+from ddplab.data import Splits, digits, token_shards, tokens
 from ddplab.models import MLP, TinyGPT
 
 
@@ -95,7 +95,7 @@ def check_events(run: Path, ref: Path) -> list[str]:
     """Invariant 2, on TensorBoard's own reading of the events (purged steps dropped, as the dashboard does)."""
     from ddplab.events import read_scalars
 
-    mine, theirs = read_scalars(run / "tb"), read_scalars(ref / "tb")
+    mine, theirs = read_scalars(_events(run)), read_scalars(_events(ref))
     dups = {tag: sorted({s for s, _ in pts if [x for x, _ in pts].count(s) > 1}) for tag, pts in mine.items()}
     dups = {tag: steps for tag, steps in dups.items() if steps}
     problems = [f"steps logged more than once, in {len(dups)} tags: {dict(list(dups.items())[:3])}"] if dups else []
@@ -104,6 +104,12 @@ def check_events(run: Path, ref: Path) -> list[str]:
     for tag in ("train/loss", "train/acc"):
         problems += check_intervals(tag, dict(mine.get(tag, [])), dict(theirs.get(tag, [])))
     return problems
+
+
+def _events(run: Path) -> Path:
+    """The run's events dir: ``tb/``, or a study trial's, named after its params."""
+    found = sorted({p.parent for p in run.glob("*/events.out.tfevents.*")})
+    return found[0] if found else run / "tb"
 
 
 def check_intervals(tag: str, mine: dict[int, float], ref: dict[int, float]) -> list[str]:
@@ -154,12 +160,20 @@ class _Injector:
             fd = os.open(Path(spec["dir"]) / "fired", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return
-        sig = getattr(signal, spec["signal"])
-        targets = self._targets(spec["target"])
+        targets = self._targets(spec["target"]) if spec["signal"] else []
         step = self.state.loop.step if self.state is not None else -1
-        record = {"time": time.time(), "step": step, "pid": os.getpid(), "targets": targets, "phase": spec["phase"]}
+        run_dir = str(self.state.run_dir) if self.state is not None else None
+        record = {"time": time.time(), "step": step, "pid": os.getpid(), "targets": targets, "phase": spec["phase"],
+                  "run_dir": run_dir}
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
+        if spec.get("fault") == "disk_full":  # the run dir's file system fills up (the driver frees it after)
+            _fill(Path(spec["disk"]) / "soak-filler")
+        elif spec.get("fault") == "storage_loss":  # the study's database is gone from under its workers
+            Path(spec["storage"]).unlink()
+        if not spec["signal"]:
+            return
+        sig = getattr(signal, spec["signal"])
         for pid in sorted(targets, key=lambda p: p == os.getpid()):  # itself last: SIGKILL ends it here
             try:
                 os.kill(pid, sig)
@@ -174,6 +188,17 @@ class _Injector:
         if target == "peer":
             return [int((Path(self.spec["dir"]) / f"pid.{1 - _rank()}").read_text())]
         return trial_pids(os.environ["SOAK_TRIAL_ID"])  # "all"
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
 
 
 _INJ: _Injector | None = None
@@ -262,6 +287,12 @@ def soak_stream(**kw: Any) -> Splits:
 def soak_tokens(**kw: Any) -> Splits:
     """dataset=tokens (a token file read a window at a time), each micro-batch collated through ``_collate``."""
     s = tokens(**kw)
+    return Splits(s.train, s.val, s.num_classes, _collate)
+
+
+def soak_shards(**kw: Any) -> Splits:
+    """dataset=token_shards (a folder of token files streamed shard by shard), collated through ``_collate``."""
+    s = token_shards(**kw)
     return Splits(s.train, s.val, s.num_classes, _collate)
 
 

@@ -23,13 +23,17 @@ NAMES = {module_name(p): p for p in MODULES}
 
 def test_the_rules_look_at_every_module():
     assert len(MODULES) >= 30 and "ddplab.trainer" in NAMES and "ddplab.strategy.base" in NAMES
+    sized = {str(p.relative_to(ROOT)) for p in SCRIPTS + TESTS}  # the size rules' scripts and test modules
+    assert {"train.py", "scripts/soak.py", "tests/toy.py", "tests/conftest.py", "tests/helpers/jobs.py",
+            "tests/workers/count_worker.py", "tests/test_architecture.py"} <= sized, sorted(sized)
 
 
 ROOT = SRC.parents[1]
 SCRIPTS = [ROOT / "train.py", *sorted((ROOT / "scripts").glob("*.py"))]  # the house rules hold there too
+TESTS = sorted((ROOT / "tests").rglob("*.py"))  # and in the tests: helpers/, workers/, the toys
 
 
-@pytest.mark.parametrize("path", MODULES + SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", MODULES + SCRIPTS + TESTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_and_function_sizes(path):
     text = path.read_text()
     assert len(text.splitlines()) <= 400, f"{path.name}: over 400 lines"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import socket
 import sys
@@ -278,3 +279,22 @@ def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path)
     assert proc.returncode == 2 and f"run dir {run} is in use by pid {os.getpid()} on " in proc.stderr
     assert (run / ".hydra" / "overrides.yaml").read_text() == "- the holder's overrides\n"
     assert sorted(p.name for p in run.iterdir()) == [".hydra"]  # no train.log, no config.yaml of ours
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_leaves_no_scratch(tmp_path, ranks):
+    """A full disk is the machine's fault, said completely by the error's one line (where, how much is free, the
+    fix): it was followed by a traceback (one process: Hydra's of the CheckpointWriteError, async or not), and a
+    failed self-launch left its rank 0's restart memo in TMPDIR (``ddplab-<uid>/run-<id>-<pid>``) for good."""
+    (tmp_path / "tmp").mkdir()
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:  # room for logs and events, not the first checkpoint
+        run = disk / "run"
+        proc = python_train(["model=mlp", "num_epochs=1", "progress=none", "checkpoint.async_save=true",
+                             f"distributed.nproc_per_node={ranks}", f"hydra.run.dir={run}"], tmp_path, timeout=180,
+                            extra_env={"TMPDIR": str(tmp_path / "tmp")})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    said = [ln for ln in out.splitlines() if "CheckpointWriteError: could not write checkpoint" in ln]
+    assert said and all("No space left on device" in ln and "MiB free on its file system" in ln for ln in said), out
+    assert [ln for ln in out.splitlines() if "Traceback" in ln] == [], out[-4000:]
+    assert list((tmp_path / "tmp").glob(f"ddplab-{os.getuid()}/run-*")) == []

@@ -18,6 +18,12 @@ class InputError(ValueError):
     only, so the rank that meets it says it (the Session), with the epoch and step."""
 
 
+class ResourceError(OSError):
+    """The machine refused what the job needs (a full disk, a file system that will not take a write): the
+    message says where, how much is left and the fix, so it is said in one line like an input error, but it
+    exits 1: the config and the data are fine, and the same command works once the resource is back."""
+
+
 def require(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")

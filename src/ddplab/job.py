@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
+from ddplab.errors import ResourceError
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
 from ddplab.runtime import env, group
@@ -123,7 +124,7 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
     """One self-launched rank: the resolved config as a plain dict → ``run``."""
-    from ddplab.runtime.launch import CONFIG_EXIT, let_rank_zero_report
+    from ddplab.runtime.launch import CONFIG_EXIT, SAID_EXIT, let_rank_zero_report
 
     cfg = OmegaConf.create(job["config"])
     OmegaConf.set_struct(cfg, True)
@@ -132,5 +133,6 @@ def run_rank(job: dict[str, Any]) -> dict[str, float]:
     except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None
-    except (InputError, group.PeerFailed) as e:  # said by this rank's Session in one line; exit 2: the input's fault
-        raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else 1) from None
+    except (InputError, ResourceError, group.PeerFailed) as e:  # said by this rank's Session in one line
+        raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else SAID_EXIT if isinstance(e, ResourceError)
+                         else 1) from None  # 2: the input's fault

@@ -6,10 +6,14 @@ every rank and never asks which rank it is.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from ddplab.errors import ResourceError
 from ddplab.runtime.group import DistState
 
 
@@ -49,6 +53,21 @@ class TensorBoardWriter(NullWriter):
         self._w: Any = None
         self._queued: list[tuple[str, tuple]] = []
 
+    @contextlib.contextmanager
+    def _said_in_one_line(self) -> Iterator[None]:
+        """A write that fails (a full disk) is the machine's fault: said with the dir, the space left and the
+        fix, like a checkpoint's, and without the traceback TensorBoard's writer thread prints of its own."""
+        try:
+            yield
+        except OSError as e:
+            try:
+                free = f"{shutil.disk_usage(self.log_dir).free / 2**20:.1f} MiB free on its file system"
+            except OSError:
+                free = "its file system unreadable"
+            raise ResourceError(f"could not write TensorBoard events to {self.log_dir}: {type(e).__name__}: {e} "
+                                f"({free}). Fix: free space (or point run_dir elsewhere), then run the same command "
+                                "with resume=auto") from None
+
     def _writer(self) -> Any:
         if self._w is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -56,7 +75,9 @@ class TensorBoardWriter(NullWriter):
             # purge_step drops events a crashed run logged past its last checkpoint,
             # so a resumed run's curves have each step once.
             _after_earlier_event_files(self.log_dir)
-            self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
+            _quiet_event_thread()
+            with self._said_in_one_line():
+                self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
             for method, args in self._queued:
                 getattr(self, method)(*args)
             self._queued.clear()
@@ -64,8 +85,9 @@ class TensorBoardWriter(NullWriter):
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         w = self._writer()
-        for k, v in values.items():
-            w.add_scalar(k, v, step)
+        with self._said_in_one_line():
+            for k, v in values.items():
+                w.add_scalar(k, v, step)
 
     def text(self, tag: str, value: str) -> None:
         if self._w is None:
@@ -112,10 +134,30 @@ class TensorBoardWriter(NullWriter):
         self._w.file_writer.add_summary(summary)
 
     def image(self, tag: str, image: Any, step: int) -> None:
-        self._writer().add_image(tag, image, step)
+        w = self._writer()
+        with self._said_in_one_line():
+            w.add_image(tag, image, step)
 
     def close(self) -> None:
-        self._writer().close()
+        w = self._writer()
+        with self._said_in_one_line():
+            w.close()
+
+
+def _quiet_event_thread() -> None:
+    """TensorBoard's writer thread, failing a write, prints its traceback through ``threading.excepthook``
+    and keeps the error for the next write on the main thread, where ddplab says it in one line
+    (``_said_in_one_line``): the thread's own report is left out, every other thread's kept."""
+    previous = threading.excepthook
+    if getattr(previous, "ddplab_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.ddplab_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _after_earlier_event_files(log_dir: str) -> None:

@@ -3,5 +3,6 @@
 * ``helpers.jobs``     — compose the real ``conf/``, launch real processes (torchrun, ``python train.py``),
   a run crashed after step N, read TensorBoard back;
 * ``helpers.counting`` — per-step collective/sync counts of a job, and the budget they must keep;
-* ``helpers.compare``  — one bitwise comparison of checkpoints (and any nesting of tensors).
+* ``helpers.compare``  — one bitwise comparison of checkpoints (and any nesting of tensors);
+* ``helpers.study``    — a small study's overrides, its workers as real processes, what trials record.
 """

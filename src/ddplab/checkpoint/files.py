@@ -18,6 +18,7 @@ import torch
 
 from ddplab import rundir
 from ddplab.config import drift
+from ddplab.errors import InputError, ResourceError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,13 @@ def _link_atomic(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(ResourceError):
     """A checkpoint could not be written (full disk, quota, permissions); the message says where and why."""
+
+
+class CheckpointReadError(InputError, RuntimeError):
+    """A checkpoint to resume from cannot be read (truncated, corrupt): a file the job reads, said in one line
+    with exit 2 (a RuntimeError too, as it was before it had a class)."""
 
 
 def free_space(path: Path) -> str:
@@ -150,7 +156,7 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
     except FileNotFoundError:
         raise FileNotFoundError(f"resume: checkpoint {path} does not exist. Fix: pass resume=auto or a valid path.")
     except Exception as e:
-        raise RuntimeError(f"resume: cannot read checkpoint {path} (truncated or corrupt?): "
+        raise CheckpointReadError(f"resume: cannot read checkpoint {path} (truncated or corrupt?): "
                            f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
@@ -159,7 +165,7 @@ def load_first_good(candidates: list[Path], device: torch.device) -> tuple[Path,
     for p in candidates:
         try:
             return p, load(p, device)
-        except (RuntimeError, FileNotFoundError) as e:
+        except (CheckpointReadError, FileNotFoundError) as e:
             log.warning("%s; trying the previous checkpoint", e)
     return None
 

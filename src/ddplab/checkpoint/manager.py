@@ -228,7 +228,7 @@ class CheckpointManager:
         else:
             got = files.load_first_good(paths, self.state.device)
             if got is None:
-                raise RuntimeError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
+                raise files.CheckpointReadError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
             path, ck = got
         self._source = path

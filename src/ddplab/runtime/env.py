@@ -241,6 +241,12 @@ def run_dir_memo() -> Path | None:
     return private_dir() / f"run-{run_id}-{os.getppid()}"
 
 
+def forget_memo(run_id: str) -> None:
+    """The self-launching parent (the ranks' agent), its job over however it ended: no restart will read the
+    memo its rank 0 left (a failed job keeps it for torchrun's restarts, which self-launch has no more of)."""
+    (private_dir() / f"run-{run_id}-{os.getpid()}").unlink(missing_ok=True)
+
+
 def write_memo(memo: Path, text: str) -> None:
     """Create-new (never through a symlink), then rename over the memo."""
     tmp = memo.with_name(f".{memo.name}.{os.getpid()}")

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import signal
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -31,6 +32,9 @@ log = logging.getLogger("ddplab")
 Entry = Callable[[dict[str, Any]], dict[str, float]]
 
 CONFIG_EXIT = 2  # a rank's exit code for a config error (the entry's to use; rank 0 recorded it in result.json)
+# a rank's exit code for an error it said whole in one line (errors.ResourceError: a full disk); its process
+# exits without a traceback, and the agent's own about the exit is noise too
+SAID_EXIT = 4
 CONFIG_REPORT_GRACE_S = 3.0
 # A rank that returned its result leaves this long after, if the agent has not let it go (see _rank_main).
 RETURNED_EXIT_S = 3.0
@@ -50,7 +54,12 @@ class RankRefusedConfig(RuntimeError):
 
 class RankFailed(RuntimeError):
     """A rank failed and has said why itself (its error line, its traceback in torch's log, result.json): the
-    parent's one line names it, with no traceback of the parent's own."""
+    parent's one line names it, with no traceback of the parent's own. ``killed_by``: the signal's name where
+    the rank did not fail but was killed (SIGKILL: the OOM killer, a user), and so said nothing."""
+
+    def __init__(self, message: str, killed_by: str | None = None):
+        super().__init__(message)
+        self.killed_by = killed_by
 
 
 def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path) -> dict[str, float]:
@@ -58,9 +67,7 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
 
     ``entry`` must be importable by name (a module-level function): the ranks are spawned.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     env.prepare_self_launch(nproc)
     # The agent also hands SIGUSR1 (SLURM's warning before the time limit) on to the ranks.
@@ -71,10 +78,23 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         # the ranks spawned below cannot resolve; they only need plain spawn.
         multiprocessing.set_start_method("spawn", force=True)
     log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
+    run_id = uuid.uuid4().hex
+    try:
+        return _launch(entry, job, nproc, max_restarts, run_dir, run_id, extra)
+    finally:
+        env.forget_memo(run_id)
+
+
+def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path, run_id: str,
+            extra: dict[str, Any]) -> dict[str, float]:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     try:
         with _loopback_stores() as port, _quiet_about_known_exits():
             config = LaunchConfig(
-                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
                 max_restarts=max_restarts, monitor_interval=0.2, **extra,
             )
@@ -94,8 +114,16 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         raise RankFailed(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
             f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")
-            + (f" (then: {others})" if others else "")) from None
+            + (f" (then: {others})" if others else ""),
+            killed_by=_signal_name(-failure.exitcode) if failure.exitcode < 0 else None) from None
     return results[0]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:
@@ -146,7 +174,7 @@ def _quiet_about_known_exits() -> Iterator[None]:
     module raises names it)."""
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
                                                "torch.multiprocessing.spawn")]
-    said = [f"(exitcode: {code})" for code in (CONFIG_EXIT, *(128 + int(s) for s in SIGNALS))]
+    said = [f"(exitcode: {code})" for code in (CONFIG_EXIT, SAID_EXIT, *(128 + int(s) for s in SIGNALS))]
 
     def keep(record: logging.LogRecord) -> bool:
         text = record.getMessage()

@@ -27,7 +27,7 @@ from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage
 from ddplab.study.report import PRUNED
-from ddplab.study.worker import Worker, next_trial, objective_value, tell, trial_config, trial_dir, where
+from ddplab.study.worker import Worker, count_death, next_trial, objective_value, tell, trial_config, trial_dir, where
 
 log = logging.getLogger("ddplab")
 
@@ -180,7 +180,6 @@ def _check_objective(cfg: DictConfig) -> bool:
 
 def run_trial(w: Worker, trial: Any) -> None:
     """Train ``trial`` and tell it once. A preemption leaves it RUNNING for a resume (the worker exits)."""
-    from ddplab.job import run
 
     tdir = trial_dir(w, trial)
     name = rundir.label({k: str(v) for k, v in trial.params.items()})
@@ -188,7 +187,7 @@ def run_trial(w: Worker, trial: Any) -> None:
     handler = _log_to(tdir)
     try:
         cfg = trial_config(w.cfg, trial.number, trial.params, str(tdir))  # inside: a trial that cannot be composed is told
-        metrics = run(cfg, search_earlier_runs=False)
+        metrics = _run_through_rank_deaths(w, trial.number, cfg)
     except Preempted:
         log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again", trial.number)
         raise
@@ -220,6 +219,26 @@ def run_trial(w: Worker, trial: Any) -> None:
 
     write_hparams(cfg, tdir, trial, state)
     log.info("trial %d: %s %s=%s", trial.number, state, cfg.objective, "" if value is None else f"{value:.6g}")
+
+
+def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[str, float]:
+    """The trial's job; a rank of it killed (the OOM killer, a SIGKILL) is a death of the trial as its worker's
+    would be — counted in the storage, and the trial resumed from its checkpoint, here, up to
+    ``study.max_retries`` times — not a failure of the trial's params."""
+    from ddplab.job import run
+    from ddplab.runtime.launch import RankFailed
+
+    while True:
+        try:
+            return run(cfg, search_earlier_runs=False)
+        except RankFailed as e:
+            if e.killed_by is None:
+                raise
+            deaths = count_death(w, number)
+            if deaths > w.cfg.study.max_retries:
+                raise RankFailed(f"{e} (death {deaths}, past study.max_retries={w.cfg.study.max_retries})") from None
+            log.warning("trial %d: a rank was killed by %s: death %d of study.max_retries=%d, resuming it from its "
+                        "checkpoint", number, e.killed_by, deaths, w.cfg.study.max_retries)
 
 
 def _tell_held(w: Worker, trial: Any, state: str, value: float | None, error: str = "") -> None:

@@ -94,6 +94,17 @@ def trial_dir(w: Worker, trial: Any) -> Path:
     return Path(trial.user_attrs.get(owner.DIR) or w.dir / str(trial.number))
 
 
+def count_death(w: Worker, number: int) -> int:
+    """One more death of trial ``number`` (its worker, or a rank of its job, killed before it recorded a
+    result), read and written in the storage, where every worker counts them; the count now."""
+    from ddplab import compat
+
+    live = compat.optuna_trial(w.study, number)
+    deaths = int(compat.frozen_trial(live).user_attrs.get(DEATHS, 0)) + 1
+    live.set_user_attr(DEATHS, deaths)
+    return deaths
+
+
 def _take_over(w: Worker, trial: Any) -> owner.Hold | None:
     """Hold a RUNNING trial whose worker let go or is gone (counting a death, failing it past
     ``study.max_retries``); None while its worker is alive, or where its run dir cannot be reached."""
@@ -113,8 +124,7 @@ def _take_over(w: Worker, trial: Any) -> owner.Hold | None:
     why = v.why
     if v.death:
         why += f" {owner.progress(tdir)}"
-        deaths = int(trial.user_attrs.get(DEATHS, 0)) + 1
-        compat.optuna_trial(w.study, trial.number).set_user_attr(DEATHS, deaths)
+        deaths = count_death(w, trial.number)
         if deaths > w.cfg.study.max_retries:
             error = (f"its worker died {deaths} times without recording a result (study.max_retries="
                      f"{w.cfg.study.max_retries}); the last time: {why}")

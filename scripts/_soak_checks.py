@@ -1,0 +1,192 @@
+"""The soak's checks of one trial (scripts/soak.py): run an attempt to its end and find every process of the
+trial gone, then the invariants its docstring numbers — the fault's effect (3, 6), the final state (1, 2, 3), the
+files (4, 5) — and the one-line errors a fault that is not a signal must end in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from helpers.compare import load_whole
+from soak_plan import SIGNALS, Trial
+from soak_toy import check_events, describe, kill, same, snapshot, trial_pids
+
+GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
+COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")
+
+
+@dataclasses.dataclass
+class Attempt:
+    rc: int | None
+    ended: float  # the launched process
+    gone: float | None  # every process of the trial (None: some outlived it by 30 s)
+    left: list[str]
+    timed_out: bool
+    out: str = ""  # what this attempt printed (stdout and stderr)
+
+
+def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Attempt:
+    """Run to the end; then wait up to 30 s for the rest of the trial's processes, killing (by pid) any left."""
+    trial_id = env["SOAK_TRIAL_ID"]
+    start = log.stat().st_size if log.exists() else 0
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    timed_out = False
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill(trial_pids(trial_id))
+        proc.wait()
+    except BaseException:
+        kill(trial_pids(trial_id))
+        raise
+    ended = time.time()
+    while time.time() - ended < GRACE_S:
+        left = trial_pids(trial_id)
+        if not left:
+            return Attempt(proc.returncode, ended, time.time(), [], timed_out, _since(log, start))
+        time.sleep(0.1)
+    left = [describe(p) for p in trial_pids(trial_id)]
+    kill(trial_pids(trial_id))
+    return Attempt(proc.returncode, ended, None, left, timed_out, _since(log, start))
+
+
+def _since(log: Path, start: int) -> str:
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        return f.read()
+
+
+def read_result(run: Path) -> dict:
+    try:
+        return json.loads((run / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def check_preempted(run: Path, what: str) -> list[str]:
+    """A run that says preempted: its checkpoint exists and holds the step it names."""
+    res = read_result(run)
+    if res.get("status") != "preempted":
+        return []
+    ck = res.get("checkpoint")
+    if not ck or not Path(ck).is_file():
+        return [f"{what}: result.json says preempted at step {res.get('step')} with checkpoint {ck!r}, no such file"]
+    step = load(Path(ck))["loop"]["step"]
+    return [] if step == res.get("step") else [f"{what}: result.json step {res.get('step')} but {ck} holds step {step}"]
+
+
+def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -> list[str]:
+    """The attempt the fault fired in: invariants 3 and 6 for a graceful signal."""
+    if not (tdir / "fired").exists():
+        return ["the fault never fired (k beyond the calls the job made?)"]
+    fired = json.loads((tdir / "fired").read_text())
+    notes.append(f"fired at step {fired['step']}")
+    if t.fault not in SIGNALS and t.fault != "bad_file":
+        return check_one_line(t, a, notes)
+    res = read_result(run)
+    if t.signal == "SIGKILL":
+        notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
+        return []
+    problems = []
+    if a.gone is not None:
+        took = a.gone - fired["time"]
+        notes.append(f"gone {took:.1f}s after the signal")
+        if took >= GRACE_S:
+            problems.append(f"{t.signal}: the job took {took:.1f}s to exit, beyond the {GRACE_S:.0f}s grace")
+    status = res.get("status")
+    if status == "completed" and (a.rc == 0 or t.mode == "study"):  # a worker signalled ends after telling it
+        notes.append(f"completed: the signal came after the last stop check (exit {a.rc})")
+    elif status == "completed" and t.launcher == "torchrun" and t.target in ("launcher", "all"):
+        # torchrun's agent, signalled, exits 1 (its SignalException) whatever its ranks did: its code, not ours.
+        notes.append(f"completed: the signal came after the last stop check (torchrun's agent exit {a.rc})")
+    elif status == "preempted" and a.rc != 0:
+        notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
+        if res["step"] < fired["step"]:
+            problems.append(f"stopped at step {res['step']}, before step {fired['step']} where the signal came: lost")
+    else:
+        problems.append(f"after {t.signal}: exit {a.rc} with result.json status {status!r} ({res.get('error', '')[:300]})")
+    return problems
+
+
+def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
+    """Invariants 1 and 3 (the end): completed, and the final state bitwise the uninterrupted run's. ``skip_rng``:
+    the streams were not restored (RNGStreams restores only mid-epoch: each epoch reseeds them), so the last
+    checkpoint's ``rng`` entry is the fresh process's, not the reference's."""
+    res = read_result(run)
+    if res.get("status") != "completed":
+        return [f"never completed: result.json {json.dumps(res)[:300]}"]
+    # load_whole: an FSDP checkpoint's model and optimizer, read back from the shards its step file names
+    mine, theirs = load_whole(run / "checkpoints" / "last.pt"), load_whole(ref / "checkpoints" / "last.pt")
+    problems = [f"final {k} differs from the uninterrupted run's at {d}" for k in COMPARED
+                if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))]
+    mine["results"].pop("last_train"), theirs["results"].pop("last_train")  # its vitals/* are timings
+    problems += [f"final results differ at {d}"] if (d := same(mine["results"], theirs["results"], "results")) else []
+    if res.get("metrics", {}).get("step") != mine["loop"]["step"]:
+        problems.append(f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}")
+    return problems + check_events(run, ref)
+
+
+def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str]) -> list[str]:
+    """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR."""
+    after = snapshot(cwd)
+    outside = sorted(p for p in set(before) | set(after) if p.split("/")[0] not in ("run", "run-again")
+                     and before.get(p) != after.get(p))
+    problems = [f"written outside the run dir: {outside[:10]}"] if outside else []
+    ours = [p.name for p in tmp.glob("ddplab-rank*")] + [f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")]
+    if ours:
+        problems.append(f"ddplab scratch left in TMPDIR: {ours}")
+    others = sorted({p.name.split("_")[0] for p in tmp.iterdir() if not p.name.startswith("ddplab-")})
+    if others:
+        notes.append(f"TMPDIR also holds {others} (not ddplab's)")
+    return problems
+
+
+
+
+# What each fault that is not a signal must be said with (the job's one line): the cause, as the OS or SQLite said it.
+CAUSES = {"disk_full": ("No space left on device", "free on its file system"),
+          "storage_loss": ("attempt to write a readonly database", "no such table", "unable to open database file")}
+
+
+def check_one_line(t: Trial, a: Attempt, notes: list[str]) -> list[str]:
+    """disk_full, storage_loss: the job fails (non-zero exit), naming the cause, without a traceback."""
+    errors = [line for line in a.out.splitlines() if "ERROR" in line or "error:" in line]
+    notes.append(f"exit {a.rc}: {errors[-1][-160:] if errors else 'no error line'}")
+    problems = [f"{t.fault}: the job exited 0"] if a.rc == 0 else []
+    ours = tracebacks(a.out)
+    if ours:
+        problems.append(f"{t.fault}: {len(ours)} traceback(s): {ours[0][:600]!r}")
+    if not any(cause in a.out for cause in CAUSES[t.fault]):
+        problems.append(f"{t.fault}: no line names the cause ({' / '.join(CAUSES[t.fault])}): {a.out[-800:]!r}")
+    return problems
+
+
+def tracebacks(out: str) -> list[str]:
+    """The tracebacks in ``out``, less torchrun's own report of a failed rank (its agent's, printed for any
+    failure, not a ddplab process's)."""
+    blocks = ["Traceback" + b for b in out.split("Traceback")[1:]]
+    return [b for b in blocks if "torch/distributed/run.py" not in b[:800]]
+
+
+def spoil_newest(ckpt_dir: Path, notes: list[str], keep_one: bool = False) -> None:
+    """bad_file: the newest step file truncated in place (last.pt links to it: both names see it), as a file
+    half copied or rotted on disk is. ``keep_one``: only if an older one is left to fall back to."""
+    steps = sorted(ckpt_dir.glob("step-*.pt"))
+    if len(steps) < 1 + keep_one:
+        notes.append(f"{len(steps)} checkpoint(s): none spoilt")
+        return
+    steps[-1].write_bytes(steps[-1].read_bytes()[:100])
+    notes.append(f"spoilt {steps[-1].name}")

@@ -1,0 +1,205 @@
+"""mode=study, who owns a trial: ownership lives in the storage (workers with different study.dirs on one
+storage, a trial taken over only from a worker provably gone, deaths counted across preemptions and workers),
+the training config a study records (a worker that would train differently is refused), the claim lock, and a
+storage lost under a running worker. The study's basic behaviour: tests/test_study.py."""
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from helpers.jobs import assert_ok, compose_cfg, python_train, tmpfs
+from helpers.study import finish, start, study_args, trials_run
+from ddplab.rundir import read_result
+from ddplab.study.storage import STORAGE_EXIT
+
+pytestmark = pytest.mark.dist
+
+
+@contextlib.contextmanager
+def storage_dir(tmp_path: Path, how: str):
+    """Where the study's SQLite file lives: a 600 KiB tmpfs to fill, or a dir made immutable (undone after)."""
+    if how == "full":
+        with tmpfs(tmp_path / "disk", "size=600k") as disk:
+            yield disk
+        return
+    (tmp_path / "db").mkdir()
+    try:
+        yield tmp_path / "db"
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, [tmp_path / "db", *(tmp_path / "db").iterdir()])], capture_output=True)
+
+
+@pytest.mark.parametrize("how,cause", [("full", "database or disk is full"),
+                                       ("readonly", "unable to open database file"),
+                                       ("deleted", "attempt to write a readonly database")])
+def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(tmp_path, how, cause):
+    d = tmp_path / "s"
+    with storage_dir(tmp_path, how) as where:
+        db = where / "study.db"
+        url = f"sqlite:///{db}"
+        args = study_args(d, 2, f"study.storage={url}", "+callbacks.brk._target_=study_toy.BreakStorage",
+                          "+callbacks.brk.step=2", f"+callbacks.brk.how={how}", f"+callbacks.brk.db={db}")
+        proc = python_train(args, tmp_path)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == STORAGE_EXIT, said[-3000:]
+        assert "Traceback" not in said and "exceeding max length" not in said, said[-3000:]
+        errors = [line for line in said.splitlines() if "ERROR: study.storage=" in line]  # the worker's line
+        assert len(errors) == 1, said[-3000:]
+        assert f"study.storage={url}: it failed under this worker (OperationalError: " in errors[0], errors
+        assert cause in errors[0] and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0]
+        assert trials_run(proc) == [0]  # no trial asked after the storage failed
+        if how == "full":  # space again: the study is as the line says, and a worker finishes it
+            (where / "filler").unlink()
+            assert states(url) == ["RUNNING"]
+            again = python_train(study_args(d, 2, f"study.storage={url}"), tmp_path)
+            assert_ok(again)
+            assert states(url) == ["COMPLETE"] * 2
+
+
+def states(url: str) -> list[str]:
+    """The trials' states, the database closed after (a tmpfs holding it can then be unmounted)."""
+    store = optuna.storages.RDBStorage(url)
+    try:
+        return [t.state.name for t in optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()]
+    finally:
+        store.engine.dispose()
+
+
+def open_url(url: str) -> optuna.Study:
+    from ddplab.study.storage import open_storage
+
+    return optuna.load_study(study_name="digits_lr_wd", storage=open_storage(url, 20))
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def tallied(tally: Path) -> dict[str, int]:
+    """Optimizer steps trained per trial number (study_toy.TallySteps), over every worker."""
+    from collections import Counter
+
+    return dict(Counter(line.split()[0] for line in tally.read_text().splitlines()))
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_workers_with_different_dirs_on_one_storage_train_each_trial_once(tmp_path, kind):
+    """Ownership lives in the storage: worker B, given another study.dir, sees worker A's trial alive and asks
+    a new one instead of taking it over; each trial is trained once and told once."""
+    url = f"journal:{tmp_path / 'study.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
+    held, go, tally = tmp_path / "held", tmp_path / "go", tmp_path / "tally"
+    common = [f"study.storage={url}", "+callbacks.tally._target_=study_toy.TallySteps", f"+callbacks.tally.file={tally}"]
+    a = start(study_args(tmp_path / "a", 2, *common, "+callbacks.hold._target_=study_toy.HoldAt",
+                         "+callbacks.hold.step=2", f"+callbacks.hold.held={held}", f"+callbacks.hold.go={go}"), tmp_path)
+    wait_for(held, a)  # A is inside trial 0, alive
+    b = python_train(study_args(tmp_path / "b", 2, *common), tmp_path)
+    go.write_text("")
+    a = finish(a)
+    assert tallied(tally) == {"0": 8, "1": 8}, (tallied(tally), b.stdout[-3000:])  # 2 epochs x 4 steps, once
+    assert trials_run(a) == [0] and trials_run(b) == [1], (trials_run(a), trials_run(b))
+    assert_ok(a)
+    assert_ok(b)
+    assert [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
+    assert read_result(tmp_path / "a" / "0")["trial"]["state"] == "COMPLETE" and not (tmp_path / "b" / "0").exists()
+    assert read_result(tmp_path / "b" / "1")["trial"]["state"] == "COMPLETE" and not (tmp_path / "a" / "1").exists()
+
+
+@pytest.mark.parametrize("resumer", ["a", "b"])
+def test_a_death_after_a_preemption_is_counted_and_the_trial_resumes_in_its_own_dir(tmp_path, resumer):
+    """SIGTERM (a preemption: no death), then the resuming worker (given the same study.dir, or another) is
+    SIGKILLed twice: with study.max_retries=1 the second death fails the trial, and each resume says what
+    happened last, in the trial's own dir."""
+    url, a, b = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "a", tmp_path / resumer
+    faults = ["num_epochs=3", "checkpoint.every_n_steps=1", "study.max_retries=1", f"study.storage={url}"]
+    for name, step, sig in (("term", 5, "SIGTERM"), ("k1", 7, "SIGKILL"), ("k2", 9, "SIGKILL")):
+        faults += [f"+callbacks.{name}._target_=study_toy.SignalOnce", f"+callbacks.{name}.step={step}",
+                   f"+callbacks.{name}.sig={sig}", f"+callbacks.{name}.marker={tmp_path / name}"]
+    first = python_train(study_args(a, 1, *faults), tmp_path)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-2000:]
+    stopped = read_result(a / "0")["step"]
+    runs = [python_train(study_args(b, 1, *faults), tmp_path) for _ in range(3)]
+    said = [p.stdout + p.stderr for p in runs]
+    killed = json.loads((tmp_path / "k1").read_text())["pid"]
+    assert [p.returncode for p in runs] == [-signal.SIGKILL, -signal.SIGKILL, 0], said[-1][-3000:]
+    (t,) = open_url(url).get_trials()
+    assert t.state.name == "FAIL" and t.user_attrs["ddplab:deaths"] == 2, (t.state, t.user_attrs)
+    assert f"trial 0: resuming it in {a / '0'} (preempted at step {stopped}" in said[0], said[0][-3000:]
+    assert f"trial 0: resuming it in {a / '0'} (its worker (pid {killed}" in said[1], said[1][-3000:]
+    assert "died after step 6, its last checkpoint; death 1 of study.max_retries=1)" in said[1], said[1][-3000:]
+    assert "preempted" not in said[1] and "resuming it" not in said[2], said[2][-3000:]
+    assert "died 2 times" in t.user_attrs["error"] and "died after step 8" in t.user_attrs["error"]
+    assert read_result(a / "0")["trial"]["state"] == "FAIL" and (b == a or not (b / "0").exists())
+
+
+def test_a_worker_that_would_train_trials_differently_is_refused(tmp_path):
+    """The study records the training config outside its space (config.drift's trajectory keys): a worker
+    whose trials would train differently is refused before it asks; harmless keys may differ."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    assert_ok(python_train(study_args(tmp_path / "a", 1, f"study.storage={url}", "num_epochs=1"), tmp_path))
+    other = python_train(study_args(tmp_path / "b", 2, f"study.storage={url}", "num_epochs=4", "model.hidden=[32]"),
+                         tmp_path)
+    said = other.stdout + other.stderr
+    errors = [line for line in said.splitlines() if "error" in line.lower()]
+    assert other.returncode == 2 and len(errors) == 1 and "Traceback" not in said, said[-3000:]
+    assert f"study.name=digits_lr_wd in {url} trains its trials with another config:" in errors[0], errors
+    assert "model.hidden: [256, 256] in the study, [32] here; num_epochs: 1 in the study, 4 here" in errors[0], errors
+    assert len(open_url(url).get_trials()) == 1 and not (tmp_path / "b" / "0").exists()
+    same = python_train(study_args(tmp_path / "c", 2, f"study.storage={url}", "num_epochs=1", "log_every_n_steps=3"),
+                        tmp_path)
+    assert_ok(same)
+    assert trials_run(same) == [1] and [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
+
+
+def test_the_training_record_keeps_keys_that_only_start_like_a_harmless_one():
+    """`model.*` starts like the harmless `mode`: it still decides how a trial trains (and a resume's drift)."""
+    from ddplab.config.drift import trajectory
+    from ddplab.study.storage import training
+
+    cfg = compose_cfg(["hparams_search=study", "model=mlp", "model.hidden=[32]"])
+    assert trajectory(cfg)["model.hidden"] == [32] and "mode" not in trajectory(cfg)
+    trains = training(cfg, {"optimizer.lr": None, "model": None})
+    assert "optimizer.lr" not in trains and not any(k.startswith("model") for k in trains) and "num_epochs" in trains
+
+
+def test_a_trial_is_taken_over_only_from_a_worker_provably_gone():
+    """The takeover verdict on an owner record: alive here (this process), dead here (a pid that has exited),
+    elsewhere within its lease or past it, and a preemption (free, no death)."""
+    from ddplab.study.owner import LEASE_S, me, verdict
+
+    now = time.time()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here, dead = me(), {**me(), "pid": int(gone.stdout), "started": "1"}
+    away = {**me(), "machine": "node9 boot x pidns 1", "host": "node9", "pid": 4121}
+    seen = {name: (v.free, v.death) for name, v in [
+        ("alive here", verdict(here, now)), ("dead here", verdict(dead, now)),
+        ("away, beating", verdict({**away, "beat": now - LEASE_S / 2}, now)),
+        ("away, silent", verdict({**away, "beat": now - LEASE_S - 5}, now)),
+        ("preempted", verdict({**here, "left": "preempted", "step": 24, "signal": "SIGTERM"}, now))]}
+    assert seen == {"alive here": (False, False), "dead here": (True, True), "away, beating": (False, False),
+                    "away, silent": (True, True), "preempted": (True, False)}, seen
+    assert "silent for 65s > lease 60s) died" in verdict({**away, "beat": now - LEASE_S - 5}, now).why
+
+
+def test_a_claim_lock_that_cannot_be_opened_is_refused_not_skipped(tmp_path):
+    """Claiming without the storage's lock would let two workers take one trial: only a missing dir (which
+    opening the storage then says) goes on; any other failure to open the lock is one line naming it."""
+    from ddplab.config import ConfigError
+    from ddplab.study.owner import claim_lock
+
+    (tmp_path / "a_file").write_text("")
+    url = f"journal:{tmp_path / 'a_file' / 'journal.log'}"  # its 'dir' is a file: ENOTDIR, not ENOENT
+    with pytest.raises(ConfigError, match=rf"^study.storage={url}: cannot open its claim lock .*Fix: make "):
+        with claim_lock(url, 5.0, tmp_path):
+            pass
+    with claim_lock(f"journal:{tmp_path / 'nowhere' / 'journal.log'}", 5.0, tmp_path):
+        pass  # no such dir: left to opening the storage, which says it in one line

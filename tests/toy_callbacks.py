@@ -1,0 +1,195 @@
+"""tests/toy.py's callbacks: a user's callbacks that record hooks and checkpoint stalls, signal or kill the
+job at chosen points, slow the disk under the checkpoints, load each save, fail on one rank, or die mid-write.
+Named by `_target_=toy.X` (toy.py re-exports them)."""
+
+import os
+import signal
+import time
+
+import torch
+
+from toy_models import _rank
+
+
+RECORDED: list[tuple[str, int]] = []  # (hook, loop step) per Recorder call, in order (in-process runs)
+
+
+class Recorder:
+    """A user's callback (not a ddplab.callbacks.Callback subclass: duck typing is enough) that records
+    every hook it receives."""
+
+    def _note(self, hook, state):
+        RECORDED.append((hook, state.loop.step))
+
+    def setup(self, state): self._note("setup", state)
+    def on_fit_start(self, state): self._note("on_fit_start", state)
+    def on_step_end(self, state, step): self._note("on_step_end", state)
+    def on_log(self, state, values, step): self._note("on_log", state)
+    def on_eval_end(self, state, metrics): self._note("on_eval_end", state)
+    def on_save(self, state, path): self._note("on_save", state)
+    def on_load(self, state, path): self._note("on_load", state)
+    def on_exception(self, state, exc): self._note("on_exception", state)
+    def on_fit_end(self, state, metrics): self._note("on_fit_end", state)
+
+
+class TrainingOnlyRecorder(Recorder):
+    """A Recorder that serves training only (like a study trial's reporter): mode=eval leaves it out."""
+
+    training_only = True
+
+    def _note(self, hook, state):
+        RECORDED.append((f"training_only.{hook}", state.loop.step))
+
+
+class SignalJobAtLastSave:
+    """Rank 0 sends SIGINT to every process of the job (a Ctrl-C in the terminal) right after the last
+    checkpoint of the run, noting the time in ``stamp``: too late to stop anything, the job completes."""
+
+    def __init__(self, last: int, stamp: str):
+        self.last, self.stamp = last, stamp
+
+    def on_save(self, state, path):
+        if _rank() == 0 and state.loop.step == self.last and not os.path.exists(self.stamp):
+            with open(self.stamp, "w") as f:
+                f.write(repr(time.time()))
+            os.killpg(os.getpgid(0), signal.SIGINT)
+
+
+class KillLauncherAtFitEnd:
+    """Rank 0 SIGKILLs its launcher (torchrun's agent) once training is over, and waits to be re-parented:
+    the job then completes with no launcher (as when the agent dies during the last steps)."""
+
+    def on_fit_end(self, state, metrics):
+        if _rank() == 0:
+            parent = os.getppid()
+            os.kill(parent, signal.SIGKILL)
+            t0 = time.monotonic()
+            while os.getppid() == parent and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+
+
+STALLS: list[tuple[int, float]] = []  # (step, seconds the loop paused) per checkpoint, in-process runs
+
+
+class StallRecorder:
+    """Records how long each checkpoint held the loop (the manager's ``last_stall_s``)."""
+
+    def on_save(self, state, path):
+        STALLS.append((state.loop.step, state.checkpoints.last_stall_s))
+
+
+class SlowDisk:
+    """A slow file system under the checkpoints: every step file takes ``delay_s`` longer to write.
+    ``signal_at``: rank 0 sends ``signal`` as that step's file starts being written (the write is then in
+    flight, in the background with checkpoint.async_save): to its whole process group (``to="group"``, what
+    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent)."""
+
+    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group"):
+        self.delay_s, self.signal_at, self.signal, self.to = delay_s, signal_at, signal, to
+        self._real = None
+
+    def setup(self, state):
+        from ddplab.checkpoint import files
+
+        real = self._real = files.save_atomic
+
+        def slow(obj, path):
+            if self.signal_at and path.name == f"step-{self.signal_at:08d}.pt":
+                sig = getattr(signal, self.signal)
+                os.kill(os.getppid(), sig) if self.to == "launcher" else os.killpg(os.getpgid(0), sig)
+            time.sleep(self.delay_s)
+            real(obj, path)
+
+        files.save_atomic = slow  # files.save looks it up at each call
+
+    def _restore(self):  # an in-process run leaves the next one a normal disk
+        from ddplab.checkpoint import files
+
+        if self._real is not None:
+            files.save_atomic, self._real = self._real, None
+
+    def on_fit_end(self, state, metrics):
+        self._restore()
+
+    def on_exception(self, state, exc):
+        self._restore()
+
+
+class LoadsEachSave:
+    """A user's on_save that uploads each checkpoint: it opens ``path`` with torch.load and appends
+    "<loop step now> <the file's loop step>" (or the error's type) to ``<record>-rank<r>.txt``."""
+
+    def __init__(self, record: str):
+        self.record = record
+
+    def on_save(self, state, path):
+        try:
+            got = str(torch.load(path, map_location="cpu", weights_only=True)["loop"]["step"])
+        except Exception as e:
+            got = type(e).__name__
+        with open(f"{self.record}-rank{_rank()}.txt", "a") as f:
+            f.write(f"{state.loop.step} {got}\n")
+
+
+def saves_seen(record: str, rank: int = 0) -> list[tuple[int, str]]:
+    """LoadsEachSave's record of one rank: (loop step when on_save fired, the file's step or the error)."""
+    with open(f"{record}-rank{rank}.txt") as f:
+        return [(int(a), b) for a, b in (line.split() for line in f)]
+
+
+class FailsOnRank:
+    """A user's callback with a bug that shows on one rank only: ``rank`` raises after optimizer step ``step``."""
+
+    def __init__(self, rank: int = 1, step: int = 3):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state, step):
+        if step == self.step and state.dist.rank == self.rank:
+            raise RuntimeError(f"FailsOnRank: a callback's own bug on rank {self.rank} at step {step}")
+
+
+class _DyingFile:
+    """What torch.save writes through, for DiesMidWrite: after ``after_bytes`` the bytes so far are flushed,
+    noted, and the process is SIGKILLed — from inside torch.save, on whatever thread writes."""
+
+    def __init__(self, f, after_bytes: int, note: str):
+        self.f, self.after, self.note, self.written = f, after_bytes, note, 0
+
+    def write(self, data):
+        n = self.f.write(data)
+        self.written += len(data)
+        if self.written >= self.after:
+            self.f.flush()
+            inner = self.f
+            while not hasattr(inner, "fileno"):  # ddplab's own wrapper around the open file
+                inner = inner.f
+            inner.flush()
+            os.fsync(inner.fileno())
+            import threading
+
+            with open(self.note, "w") as out:
+                out.write(f"{threading.current_thread().name} {inner.name} {os.path.getsize(inner.name)}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    def flush(self):
+        self.f.flush()
+
+
+class DiesMidWrite:
+    """The process dies by SIGKILL inside the real checkpoint writer's torch.save, once ``after_bytes`` of step
+    ``at``'s checkpoint are on disk. ``note`` gets "<thread> <file being written> <its size>" just before."""
+
+    def __init__(self, at: int, note: str, after_bytes: int = 65536):
+        self.at, self.note, self.after = at, note, after_bytes
+
+    def setup(self, state):
+        real = torch.save
+
+        def save(obj, f, *a, **k):
+            loop = obj.get("loop") if isinstance(obj, dict) else None
+            if isinstance(loop, dict) and loop.get("step") == self.at:
+                f = _DyingFile(f, self.after, self.note)
+            return real(obj, f, *a, **k)
+
+        torch.save = save
