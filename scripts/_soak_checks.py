@@ -139,21 +139,24 @@ def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
     return problems + check_events(run, ref)
 
 
-def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str]) -> list[str]:
-    """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR."""
+def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_under_torchrun: bool = False) -> list[str]:
+    """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR.
+    ``failed_under_torchrun``: the job's last run failed for good under torchrun, whose restarts need rank 0's
+    memo of the run dir: it stays (the next ddplab start removes it once the agent is gone), noted."""
     after = snapshot(cwd)
     outside = sorted(p for p in set(before) | set(after) if p.split("/")[0] not in ("run", "run-again")
                      and before.get(p) != after.get(p))
     problems = [f"written outside the run dir: {outside[:10]}"] if outside else []
     ours = [p.name for p in tmp.glob("ddplab-rank*")] + [f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")]
+    memos = [o for o in ours if failed_under_torchrun and o.startswith("ddplab-") and "/run-" in o]
+    notes += [f"torchrun's restart memo of the failed job kept: {memos}"] if memos else []
+    ours = [o for o in ours if o not in memos]
     if ours:
         problems.append(f"ddplab scratch left in TMPDIR: {ours}")
     others = sorted({p.name.split("_")[0] for p in tmp.iterdir() if not p.name.startswith("ddplab-")})
     if others:
         notes.append(f"TMPDIR also holds {others} (not ddplab's)")
     return problems
-
-
 
 
 # What each fault that is not a signal must be said with (the job's one line): the cause, as the OS or SQLite said it.
@@ -166,6 +169,8 @@ def check_one_line(t: Trial, a: Attempt, notes: list[str]) -> list[str]:
     errors = [line for line in a.out.splitlines() if "ERROR" in line or "error:" in line]
     notes.append(f"exit {a.rc}: {errors[-1][-160:] if errors else 'no error line'}")
     problems = [f"{t.fault}: the job exited 0"] if a.rc == 0 else []
+    if t.fault == "storage_loss" and t.launcher != "torchrun" and a.rc != 3:  # torchrun's agent exits 1 for any
+        problems.append(f"storage_loss: the worker exited {a.rc}, not 3 (a lost storage)")
     ours = tracebacks(a.out)
     if ours:
         problems.append(f"{t.fault}: {len(ours)} traceback(s): {ours[0][:600]!r}")

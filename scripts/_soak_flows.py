@@ -55,6 +55,9 @@ def after_fault(t: Trial, tdir: Path, run: Path, notes: list[str]) -> None:
     (run / "soak-filler").unlink(missing_ok=True)
     if t.fault == "bad_file" and (tdir / "fired").exists():
         hit = json.loads((tdir / "fired").read_text()).get("run_dir") or str(run)
+        if t.mode == "study" and read_result(Path(hit)).get("status") == "completed":
+            notes.append("its worker resumed the trial itself (a killed rank is a death) and completed it")
+            return
         # a study's worker resumes its trials by itself (no resume=null to follow): one good checkpoint stays
         spoil_newest(Path(hit) / "checkpoints", notes, keep_one=t.mode == "study")
 
@@ -160,8 +163,10 @@ def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pa
     a, problems, passed = attempts[0], [], run
     if not (tdir / "fired").exists():
         problems.append("the fault never fired (k beyond the calls the job made?)")
-    errors = [line for line in a.out.splitlines() if "ERROR" in line]
-    notes.append(f"exit {a.rc}: {(errors or ['PASS' if PASS in a.out else 'no error line'])[-1][-200:]}")
+    errors = [line for line in a.out.splitlines() if "verify_resume: " in line and ("ERROR" in line or "WARNING" in line)]
+    notes.append(f"exit {a.rc}: {(errors or ['PASS' if PASS in a.out else 'no line'])[-1][-200:]}")
+    if a.rc != 0 and not errors:
+        problems.append(f"verify_resume exited {a.rc} without a line saying why: {a.out[-600:]!r}")
     if a.rc == 0 and PASS not in a.out:
         problems.append("verify_resume exited 0 without saying PASS")
     if VERDICT in a.out or "Traceback" in a.out:

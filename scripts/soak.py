@@ -8,13 +8,18 @@ up with another (issue 22, item 9; issue 32). One trial at a time (2 ranks at mo
 
 A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
 ``python train.py distributed.nproc_per_node=2``), the strategy (none for one process; ddp or fsdp for two), the
-data (the digits in memory, or a user IterableDataset through ddplab's stream path), checkpoint.async_save, the
+data (the digits in memory, a user IterableDataset through ddplab's stream path, a token file, a folder of token
+shards), checkpoint.async_save, the run mode (a training run, a study worker of 2 trials, verify_resume), the
 step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training),
-grad_accum_steps (1-3), and one fault: SIGTERM/SIGINT/SIGUSR1/SIGKILL sent by rank r on its k-th call of a phase
-(data fetch, forward, backward, between micro-batches, optimizer step, evaluation, checkpoint write) to itself, the
-other rank, its launcher or every process of the job (tests/soak_toy.py, from inside the job, once); from its seed
-log_every_n_steps (1-100), checkpoint.every_n_steps, epochs, r and k. ``--pairwise`` fixes the dimensions by the
-plan, the rest from each trial's seed. The job reruns with ``resume=auto`` until it completes, and the trial checks:
+grad_accum_steps (1-3), and one fault made by rank r on its k-th call of a phase (data fetch, forward, backward,
+between micro-batches, optimizer step, evaluation, checkpoint write): SIGTERM/SIGINT/SIGUSR1/SIGKILL to itself,
+the other rank, its launcher or every process of the job; or, by the rank itself, a full disk (the run dir is a
+tmpfs it fills), a spoilt checkpoint (SIGKILL, then the newest checkpoint truncated), the study's storage deleted
+(tests/soak_toy.py, from inside the job, once); from its seed log_every_n_steps (1-100),
+checkpoint.every_n_steps, epochs, r and k. ``--pairwise`` fixes the dimensions by the plan, the rest from each
+trial's seed. What a user does next depends on the mode (scripts/_soak_flows.py): a run reruns with
+``resume=auto`` until it completes, a study's worker is started again until its trials are done, verify_resume
+runs again. The trial checks (scripts/_soak_checks.py):
 
 1. final model/optimizer/scheduler/loop/rng/results bitwise equal to an uninterrupted run (cached per config
    and launcher; run without delays, which only sleep, beside the faulted one);
@@ -27,7 +32,10 @@ plan, the rest from each trial's seed. The job reruns with ``resume=auto`` until
 4. no process of the trial (its SOAK_TRIAL_ID environment entry) alive 30 s after the launched one ended;
 5. nothing changed in the trial's working dir outside the run dir; none of ddplab's scratch (``ddplab-rank*``,
    ``ddplab-<uid>/*``) left in the trial's TMPDIR (others, torch's, are noted);
-6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace).
+6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace);
+7. a full disk or a lost storage: the job fails in one line naming the cause, no traceback of ddplab's; a study:
+   told exactly what its uninterrupted twin was told, each trial's checkpoint bitwise its twin's; verify_resume:
+   PASS, or a failure without a verdict on the job, then PASS when run again.
 Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
 """
 
@@ -114,7 +122,8 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
         ref_job = pool.submit(reference, t, root, cache)
         flow = {"train": train_flow, "study": study_flow, "verify_resume": verify_flow}[t.mode]
         problems, notes = flow(t, tdir, cwd, run, ref_job.result)
-    return problems + check_files(cwd, before, tmp, notes), notes
+    failed = t.fault == "storage_loss" and t.launcher == "torchrun"  # no attempt after it: its last run failed
+    return problems + check_files(cwd, before, tmp, notes, failed), notes
 
 
 def summary(done: list[tuple[Trial, bool, float]]) -> None:

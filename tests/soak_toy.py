@@ -11,8 +11,9 @@ A job names three parts in its config; they do nothing unless the soak's environ
 Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the same):
 
 * ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch;
-* ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir"}``: on its ``k``-th call of ``phase`` rank
-  ``rank`` sends ``signal`` to ``target`` — ``self``, ``peer`` (the other rank), ``launcher`` (its parent: torchrun's
+* ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir", "fault", "disk", "storage"}``: on its
+  ``k``-th call of ``phase`` rank ``rank`` fills the file system of ``disk`` (fault ``disk_full``) or deletes the
+  study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``, ``peer`` (the other rank), ``launcher`` (its parent: torchrun's
   agent or the self-launching parent) or ``all`` (every process of the trial) — once per trial: ``dir/fired``
   is created first (exclusively), so a resumed run never faults again. It records when and at which step.
 * ``SOAK_TRIAL_ID``: every process of the trial carries it (how ``all`` and the driver find them).

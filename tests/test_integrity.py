@@ -298,3 +298,21 @@ def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_le
     assert said and all("No space left on device" in ln and "MiB free on its file system" in ln for ln in said), out
     assert [ln for ln in out.splitlines() if "Traceback" in ln] == [], out[-4000:]
     assert list((tmp_path / "tmp").glob(f"ddplab-{os.getuid()}/run-*")) == []
+
+
+def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path):
+    """Every checkpoint of the run spoilt (the soak's bad_file): ``resume=auto`` said so with the right fix, but as
+    a RuntimeError with exit 1 and a traceback; a file the job reads is an input error (exit 2, one line)."""
+    run = tmp_path / "run"
+    assert_ok(python_train(["model=mlp", "num_epochs=1", "limit_train_steps=4", "progress=none",
+                            f"hydra.run.dir={run}"], tmp_path))
+    [step] = (run / "checkpoints").glob("step-*.pt")
+    step.write_bytes(step.read_bytes()[:100])  # last.pt is the same file under another name
+    proc = python_train(["model=mlp", "num_epochs=1", "limit_train_steps=4", "progress=none", "resume=auto",
+                         f"hydra.run.dir={run}"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    [said] = [ln for ln in out.splitlines() if "could be read" in ln]
+    assert said.endswith(f"resume=auto: none of {[str(run / 'checkpoints' / 'last.pt'), str(step)]} could be read. "
+                         "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."), said

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from ddplab import rundir, verify
 from ddplab.config import ConfigError, InputError
-from ddplab.errors import ResourceError
+from ddplab.errors import ResourceError, was_said
 from ddplab.job import run
 from ddplab.runtime import env, group, launch, requeue, watch
 from ddplab.runtime.signals import Preempted
@@ -169,7 +169,9 @@ def main(cfg: DictConfig) -> float | None:
         return float("nan")
     except Exception as e:
         if not rundir.is_multirun():
-            if isinstance(e, (InputError, ResourceError, group.PeerFailed)):  # the Session said it in one line
+            if isinstance(e, (InputError, ResourceError, group.PeerFailed)):  # one line, no traceback
+                if not (was_said(e) or isinstance(e, group.PeerFailed)):  # met outside a Session (mode=eval's load)
+                    log.error("error: %s", e)
                 raise SystemExit(launch.CONFIG_EXIT if isinstance(e, InputError) else 1) from None
             if isinstance(e, launch.RankFailed):  # the rank said it, traceback and all; the parent names it once
                 log.error("%s", e)

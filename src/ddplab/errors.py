@@ -24,6 +24,17 @@ class ResourceError(OSError):
     exits 1: the config and the data are fine, and the same command works once the resource is back."""
 
 
+def mark_said(e: BaseException) -> BaseException:
+    """``e`` has been said to the user in its one line (by the Session of the rank that met it): the entry
+    point exits with its code and says nothing more."""
+    e.ddplab_said = True  # type: ignore[attr-defined]
+    return e
+
+
+def was_said(e: BaseException) -> bool:
+    return bool(getattr(e, "ddplab_said", False))
+
+
 def require(ok: bool, key: str, value: Any, why: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}. Fix: {fix}")

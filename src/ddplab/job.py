@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
-from ddplab.errors import ResourceError
+from ddplab.errors import ResourceError, mark_said
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
 from ddplab.runtime import env, group
@@ -91,7 +91,7 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
            "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided here, where Hydra's config is
            "log_tag": job_tag()}
     job["config"]["run_dir"] = str(run_dir)
-    from ddplab.runtime.launch import RankRefusedConfig
+    from ddplab.runtime.launch import RankRefusedConfig, RankSaid
 
     started = time.time()
     try:
@@ -100,8 +100,11 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
         noted = (rundir.read_result(run_dir, since=started) or {}).get(
             "error", "config error: a rank refused the config (see its log)")  # not an earlier run's result.json
         if not noted.startswith("config error: "):  # an input file, said by the rank that met it
-            raise InputError(noted) from None
+            raise mark_said(InputError(noted)) from None
         raise ConfigError(noted.removeprefix("config error: ")) from None
+    except RankSaid:  # a full disk, said by the rank that met it: the caller gets it to decide (a study)
+        noted = (rundir.read_result(run_dir, since=started) or {}).get("error", "a rank failed (see its log)")
+        raise mark_said(ResourceError(noted)) from None
     except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
         noted = rundir.read_result(run_dir) or {}
         done = rundir.read_result(run_dir, since=started) or {}
@@ -134,5 +137,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, float]:
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None
     except (InputError, ResourceError, group.PeerFailed) as e:  # said by this rank's Session in one line
+        if isinstance(e, InputError):  # found alike on every rank (a checkpoint): rank 0's record comes first
+            let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else SAID_EXIT if isinstance(e, ResourceError)
                          else 1) from None  # 2: the input's fault

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddplab import provenance, rundir
 from ddplab.config.errors import ConfigError
+from ddplab.errors import mark_said
 from ddplab.runtime import collectives, env, group
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
@@ -140,6 +141,7 @@ class Session:
                 report, says = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
                                                       self.cfg.distributed.timeout_s, self.hosts)
                 log.error(says)
+                mark_said(exc)
                 said = says if says != report else None
                 if self._lock is not None:  # never into a run dir another job holds
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})

@@ -38,6 +38,7 @@ from ddplab.checkpoint.compare import first_difference
 from ddplab.config import ConfigError, validate
 from ddplab.runtime import env
 from ddplab.runtime.launch import CONFIG_EXIT
+from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
 
@@ -66,6 +67,18 @@ WALL_CLOCK = ("vitals/",)  # metric names that measure time, not the trajectory
 
 class VerifyFailed(RuntimeError):
     """The resumed run ended somewhere else than the uninterrupted one (the message says where and why)."""
+
+
+class Stopped(Preempted):
+    """A run verify_resume did not mean to stop was stopped from outside (the cluster preempting the verify
+    job): nothing was compared, and neither verdict is said; the job exits as preempted (a SLURM job is
+    requeued) and verify_resume, run again, starts both runs from scratch."""
+
+    def __init__(self, what: str, signal_name: str, step: int):
+        super().__init__(signal_name, step, None)
+        self.args = (f"{what} was stopped by {signal_name} from outside at step {step}: nothing was compared. "
+                     "Fix: run the same command again (verify_resume starts both of its runs from scratch)",)
+        log.warning("verify_resume: %s", self)
 
 
 class PreemptAt(Callback):
@@ -107,7 +120,8 @@ def verify_resume(cfg: DictConfig) -> dict[str, float]:
     if not 1 <= stop_at < total:
         raise ConfigError(f"verify.stop_at={stop_at}: the job has {total} steps. Fix: pass verify.stop_at="
                           f"{max(1, total // 2)} (or a longer job)")
-    first = _run_child(_with_stop(base, stop_at), vdir / "resumed", f"the run to preempt at step {stop_at}")
+    first = _run_child(_with_stop(base, stop_at), vdir / "resumed", f"the run to preempt at step {stop_at}",
+                       stop_expected=True)
     if first.get("status") != "preempted":
         raise VerifyFailed(f"the run meant to stop at step {stop_at} ended {first.get('status')}: the stop came "
                            "too late. Fix: a smaller verify.stop_at, or a longer job")
@@ -207,8 +221,9 @@ def _with_stop(job: dict[str, Any], step: int) -> dict[str, Any]:
     return _with(job, {"callbacks": callbacks})
 
 
-def _run_child(job: dict[str, Any], run_dir: Path, what: str) -> dict[str, Any]:
-    """``python -m ddplab.verify`` on ``job`` in ``run_dir``; its result.json. Output in ``run_dir``/../*.log."""
+def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: bool = False) -> dict[str, Any]:
+    """``python -m ddplab.verify`` on ``job`` in ``run_dir``; its result.json. Output in ``run_dir``/../*.log.
+    A run stopped from outside (a signal, its launcher's death) that was not meant to stop: :class:`Stopped`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job = _with(job, {"run_dir": str(run_dir)})
     spec = run_dir.parent / f"{run_dir.name}.json"
@@ -225,6 +240,8 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str) -> dict[str, Any]:
     refused = refusal.read_text() if refusal.is_file() else str(result.get("error", ""))
     if refused.startswith("config error: "):  # the job cannot run as it is (e.g. a stream that differs by rank)
         raise ConfigError(f"{what}: {refused.removeprefix('config error: ')}")
+    if result.get("status") == "preempted" and not stop_expected:
+        raise Stopped(what, str(result.get("signal", "SIGTERM")), int(result.get("step", -1)))
     if result.get("status") not in ("completed", "preempted"):
         raise VerifyFailed(f"{what} failed (exit {code}, {result.get('error', 'no result.json')}): see "
                            f"{run_dir.parent / (run_dir.name + '.log')}")
@@ -234,7 +251,6 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str) -> dict[str, Any]:
 def _child_main(spec: str) -> int:
     """A verify_resume run in this fresh process (self-launching its ranks when there are several)."""
     from ddplab.job import run
-    from ddplab.runtime.signals import Preempted
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cfg = OmegaConf.create(json.loads(Path(spec).read_text()))

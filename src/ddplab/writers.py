@@ -78,7 +78,7 @@ class TensorBoardWriter(NullWriter):
             _quiet_event_thread()
             with self._said_in_one_line():
                 self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
-            for method, args in self._queued:
+            for method, args in self._queued:  # each write said in one line if it fails (its own guard)
                 getattr(self, method)(*args)
             self._queued.clear()
         return self._w
@@ -94,7 +94,8 @@ class TensorBoardWriter(NullWriter):
             self._queued.append(("text", (tag, value)))
             return
         # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
-        self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
+        with self._said_in_one_line():
+            self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
 
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         """This run's HParams session, in its own event file (add_hparams would make a second run
@@ -110,7 +111,8 @@ class TensorBoardWriter(NullWriter):
 
         # Typed choices are str-valued enums: plain str for the protobuf.
         clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
-        self._w.file_writer.add_summary(hparams_pb(clean, trial_id=trial))
+        with self._said_in_one_line():
+            self._w.file_writer.add_summary(hparams_pb(clean, trial_id=trial))
 
     def charts(self, categories: dict[str, dict[str, list[str]]]) -> None:
         """The Custom Scalars tab (TensorBoard calls it a layout): ``{category: {chart title: [tags drawn
@@ -131,7 +133,8 @@ class TensorBoardWriter(NullWriter):
         for category in proto.category[1:]:
             category.closed = True
         summary.value[0].tensor.string_val[0] = proto.SerializeToString()
-        self._w.file_writer.add_summary(summary)
+        with self._said_in_one_line():
+            self._w.file_writer.add_summary(summary)
 
     def image(self, tag: str, image: Any, step: int) -> None:
         w = self._writer()

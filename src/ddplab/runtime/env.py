@@ -136,15 +136,27 @@ def launcher() -> dict[str, str]:
     return {"kind": kind, **{k: e[k] for k in keys if k in e}}
 
 
+# This process's parent when it started: a process that runs several jobs (a study worker's trials, a sweep
+# under torchrun) asks for its launcher again at each job, after the launcher may have died; its parent by then
+# is whoever adopted the orphan, whose death means nothing.
+_PARENT_AT_START = os.getppid()
+
+
 def launcher_pid() -> int | None:
     """The process whose death orphans this rank: torchrun's agent, the self-launch parent, or
-    SLURM's step daemon under ``srun`` — this process's parent in each case. None for a process
-    nobody launched (``python train.py``: a closed shell is not a reason to stop), and under an
+    SLURM's step daemon under ``srun`` — this process's parent when it started, in each case. None for a
+    process nobody launched (``python train.py``: a closed shell is not a reason to stop), and under an
     ``sbatch`` script without ``srun`` (SLURM ends that whole process tree itself)."""
     e = os.environ
     if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "SLURM_STEP_ID" in e:
-        return os.getppid()
+        return _PARENT_AT_START
     return None
+
+
+def launcher_gone() -> int | None:
+    """The launcher's pid if it has died (this process was reparented), else None."""
+    pid = launcher_pid()
+    return pid if pid is not None and os.getppid() != pid else None
 
 
 # How long a launcher waits after forwarding its stop signal before it kills the ranks: torchrun's

@@ -15,11 +15,11 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
 import time
-import signal
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -46,6 +46,10 @@ def let_rank_zero_report() -> None:
     the one line and writes result.json first (the launcher then ends this rank, or the grace does)."""
     if env.rank() != 0:
         time.sleep(CONFIG_REPORT_GRACE_S)
+
+
+class RankSaid(RuntimeError):
+    """A rank ended with :data:`SAID_EXIT`: it said its error (a full disk) and recorded it in result.json."""
 
 
 class RankRefusedConfig(RuntimeError):
@@ -82,7 +86,8 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
     try:
         return _launch(entry, job, nproc, max_restarts, run_dir, run_id, extra)
     finally:
-        env.forget_memo(run_id)
+        with contextlib.suppress(OSError, RuntimeError):  # never in place of the job's own outcome
+            env.forget_memo(run_id)
 
 
 def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path, run_id: str,
@@ -107,6 +112,8 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
             raise Preempted(f"exit code {failure.exitcode} of rank {rank}", -1, None) from None
         if failure.exitcode == CONFIG_EXIT:  # said and recorded by the rank; the caller says it once
             raise RankRefusedConfig(rank) from None
+        if failure.exitcode == SAID_EXIT:
+            raise RankSaid(rank) from None
         others = ", ".join(f"rank {r} with {f.exitcode}" for r, f in sorted(e.failures.items()) if r != rank)
         # torch's record of a rank's exception: {"message": "Type: text", "extraInfo": {its call stack}}
         # (a str where the rank left no error file: torch's boilerplate about enabling tracebacks, not the cause)
@@ -115,15 +122,9 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
             f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")
             + (f" (then: {others})" if others else ""),
-            killed_by=_signal_name(-failure.exitcode) if failure.exitcode < 0 else None) from None
+            # SIGKILL only: the OOM killer's or a user's; SIGSEGV, SIGABRT are the process's own crash
+            killed_by="SIGKILL" if failure.exitcode == -signal.SIGKILL else None) from None
     return results[0]
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:

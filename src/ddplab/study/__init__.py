@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from ddplab import rundir
 from ddplab.config import ConfigError, validate
+from ddplab.errors import ResourceError
 from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage
@@ -62,6 +63,10 @@ def _work(cfg: DictConfig) -> dict[str, float]:
 
     agree(cfg, open_study)
     while True:
+        gone = env.launcher_gone()
+        if gone is not None:  # torchrun's agent died as the last trial ended: nobody would stop these ranks
+            log.warning("launcher died (pid %d): this worker takes no further trial (start it again to go on)", gone)
+            raise Preempted(f"launcher died (pid {gone})", -1, None)
         taken: tuple[Any, Any] | None = None
 
         def take() -> tuple[Any, ...] | None:
@@ -91,6 +96,9 @@ def _work(cfg: DictConfig) -> dict[str, float]:
             run_trial(w, trial)  # type: ignore[arg-type]
         except Preempted as e:
             hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+            raise
+        except ResourceError:
+            hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
             raise
         finally:
             hold.release()
@@ -194,6 +202,10 @@ def run_trial(w: Worker, trial: Any) -> None:
     except ConfigError as e:  # every trial would fail alike: fail this one and stop the worker
         _tell_held(w, trial, "FAIL", None, f"config error: {e}")
         raise
+    except ResourceError:  # a full disk: not the params' fault, and every next trial would meet it too
+        log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is room "
+                    "(this worker stops)", trial.number)
+        raise
     except Exception as e:
         lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
         # A rank that only lost its peer carries the peer's error: the trial's cause, not the lost connection.
@@ -232,7 +244,7 @@ def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[st
         try:
             return run(cfg, search_earlier_runs=False)
         except RankFailed as e:
-            if e.killed_by is None:
+            if e.killed_by is None or not w.holds[number].still_mine():  # a lapsed hold: another worker has it
                 raise
             deaths = count_death(w, number)
             if deaths > w.cfg.study.max_retries:
