@@ -203,3 +203,30 @@ def test_a_claim_lock_that_cannot_be_opened_is_refused_not_skipped(tmp_path):
             pass
     with claim_lock(f"journal:{tmp_path / 'nowhere' / 'journal.log'}", 5.0, tmp_path):
         pass  # no such dir: left to opening the storage, which says it in one line
+
+
+def test_a_full_disk_under_a_trial_leaves_it_running_and_a_later_worker_resumes_it_with_no_death(tmp_path):
+    """A full disk is the machine's fault: the trial was told FAIL (a traceback, exit 1) and the study went on
+    to meet the same disk with every next trial. Now: one line, the trial stays RUNNING (let go, like a
+    preempted one), the worker stops; with room again, the next worker resumes it and counts no death."""
+    (tmp_path / "db").mkdir()
+    url = f"sqlite:///{tmp_path / 'db' / 'study.db'}"
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:  # the trials' dirs: room for logs, not a checkpoint
+        d = disk / "s"
+        proc = python_train(study_args(d, 2, f"study.storage={url}"), tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+        assert "CheckpointWriteError: could not write checkpoint" in out and "No space left on device" in out
+        assert trials_run(proc) == [0]
+        store = optuna.storages.RDBStorage(url)
+        [t0] = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+        store.engine.dispose()
+        assert t0.state.name == "RUNNING" and t0.user_attrs["ddplab:owner"]["left"] == "preempted", t0.user_attrs
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # room again
+        again = python_train(study_args(d, 2, f"study.storage={url}"), tmp_path)
+        assert_ok(again)
+        store = optuna.storages.RDBStorage(url)
+        trials = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+        store.engine.dispose()
+        assert [t.state.name for t in trials] == ["COMPLETE"] * 2
+        assert trials[0].user_attrs.get("ddplab:deaths", 0) == 0 and trials_run(again) == [0, 1]
