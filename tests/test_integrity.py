@@ -316,3 +316,16 @@ def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path):
     [said] = [ln for ln in out.splitlines() if "could be read" in ln]
     assert said.endswith(f"resume=auto: none of {[str(run / 'checkpoints' / 'last.pt'), str(step)]} could be read. "
                          "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."), said
+
+
+def test_an_unreadable_checkpoint_for_mode_eval_is_one_line_with_exit_2(tmp_path):
+    """mode=eval loads its checkpoint outside a training Session: the error, an input error now, was said by
+    nobody (exit 2, no output at all)."""
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint" * 8)
+    proc = python_train(["model=mlp", "mode=eval", f"resume={bad}", "progress=none", f"hydra.run.dir={tmp_path / 'run'}"],
+                        tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    [said] = [ln for ln in out.splitlines() if "cannot read checkpoint" in ln]
+    assert f"error: resume: cannot read checkpoint {bad} (truncated or corrupt?)" in said, said
