@@ -111,3 +111,16 @@ class TallySteps:
         if state.dist.rank == 0:
             with open(self.file, "a") as f:
                 f.write(f"{state.run_dir.name} {step}\n")
+
+
+class KillRankOnce:
+    """Rank ``rank`` SIGKILLs its own process after optimizer step ``step``, once per test (``marker``): a rank
+    of a trial killed without a word (the OOM killer) while its peers and the worker live on."""
+
+    def __init__(self, rank: int, step: int, marker: str):
+        self.rank, self.step, self.marker = rank, step, Path(marker)
+
+    def on_step_end(self, state, step):
+        if state.dist.rank == self.rank and step == self.step and not self.marker.exists():
+            self.marker.write_text(json.dumps({"step": step, "pid": os.getpid()}))
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -230,3 +230,33 @@ def test_a_full_disk_under_a_trial_leaves_it_running_and_a_later_worker_resumes_
         store.engine.dispose()
         assert [t.state.name for t in trials] == ["COMPLETE"] * 2
         assert trials[0].user_attrs.get("ddplab:deaths", 0) == 0 and trials_run(again) == [0, 1]
+
+
+def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp_path):
+    """Rank 1 of a trial SIGKILLed under torchrun (the soak's seed 1126: trials 2011857053, 1546929989): rank 0,
+    which asks and tells, saw only a lost connection and told the trial FAIL with gloo's "Connection reset by
+    peer". It is the trial's death: rank 0 says so in one line, the trial stays RUNNING, and the next worker
+    resumes it from its checkpoint, counting one death."""
+    from helpers.jobs import torchrun
+
+    d, url = tmp_path / "s", f"sqlite:///{tmp_path / 's' / 'study.db'}"
+    kill = ["+callbacks.kill._target_=study_toy.KillRankOnce", "+callbacks.kill.rank=1", "+callbacks.kill.step=6",
+            f"+callbacks.kill.marker={tmp_path / 'killed'}", "checkpoint.every_n_steps=2"]
+    proc = torchrun(2, study_args(d, 2, *kill), tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), out[-3000:]
+    said = [ln for ln in out.splitlines() if "lost its connection to a rank that said nothing" in ln]
+    assert len(said) == 1 and "rank 0/2 stopped in epoch 2, step 7" in said[0], out[-3000:]
+    # no traceback but torchrun's own report of the failed job
+    assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-3000:]
+    store = optuna.storages.RDBStorage(url)
+    [t0] = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+    store.engine.dispose()
+    assert t0.state.name == "RUNNING", t0
+    again = torchrun(2, study_args(d, 2, "checkpoint.every_n_steps=2"), tmp_path)
+    assert_ok(again)
+    store = optuna.storages.RDBStorage(url)
+    trials = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+    store.engine.dispose()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 2 and trials[0].user_attrs["ddplab:deaths"] == 1
+    assert "trial 0: resuming it in" in again.stdout + again.stderr

@@ -127,6 +127,7 @@ class Session:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         said = report = None  # this rank's line, when it only lost its connection to a rank that failed first
+        silent_peer = False  # ... or to one that said nothing (killed)
         try:
             if isinstance(exc, Preempted):  # every rank stopped at the same step, after its checkpoint
                 log.warning("preempted: %s", exc)
@@ -138,11 +139,11 @@ class Session:
                 if self._lock is not None:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
             elif isinstance(exc, Exception):
-                report, says = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
-                                                      self.cfg.distributed.timeout_s, self.hosts)
+                report, says, silent_peer = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
+                                                                   self.cfg.distributed.timeout_s, self.hosts)
                 log.error(says)
                 mark_said(exc)
-                said = says if says != report else None
+                said = says if says != report or silent_peer else None
                 if self._lock is not None:  # never into a run dir another job holds
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})
         finally:
@@ -158,4 +159,4 @@ class Session:
             group.teardown(clean=exc is None or isinstance(exc, Preempted))
         if said:  # the peer's error is the job's; this rank's lost connection needs no traceback
             time.sleep(group.PEER_EXIT_GRACE_S)
-            raise group.PeerFailed(said, report) from None
+            raise (group.PeerLost if silent_peer else group.PeerFailed)(said, report) from None

@@ -143,6 +143,11 @@ class PeerFailed(RuntimeError):
         self.report = report
 
 
+class PeerLost(PeerFailed):
+    """This rank lost its connection to a rank that said nothing: that rank was killed (SIGKILL, the OOM
+    killer) or cut off. Said in one line like :class:`PeerFailed`; a study counts it as the trial's death."""
+
+
 # A rank that only lost its peer leaves this much after it, so that its launcher (torchrun's agent, the
 # self-launch parent) sees the rank at fault exit first and names it, not this one.
 PEER_EXIT_GRACE_S = 3.0
@@ -168,9 +173,10 @@ def plain_message(exc: BaseException) -> str:
 
 
 def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float,
-                     hosts: dict[int, str] | None = None) -> tuple[str, str]:
+                     hosts: dict[int, str] | None = None) -> tuple[str, str, bool]:
     """Why the job stopped, as seen from this rank: (the job's first real error, for result.json; what this
-    rank says). Usually the same one paragraph, naming the rank(s) at fault where possible.
+    rank says; whether it only lost a peer that said nothing). Usually the same one paragraph, naming the
+    rank(s) at fault where possible.
 
     Each failing rank leaves a note in the rendezvous store (no collective: the
     group may be broken). A rank whose collective timed out waits briefly for
@@ -181,7 +187,7 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     """
     msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {plain_message(exc)}"
     if not (state.is_distributed and dist.is_initialized()):
-        return msg, msg
+        return msg, msg, False
     lost = any(s in str(exc).lower() for s in _LOST_PEER)
     found: list[list[int]] = []
     first: list[tuple[int, str]] = []
@@ -209,7 +215,11 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     if first:
         peer, report = first[0]
         return report, (f"rank {state.rank}/{state.world_size} stopped {where}: lost its connection to rank {peer}, "
-                        "which failed first (its error is above, and in result.json)")
+                        "which failed first (its error is above, and in result.json)"), False
+    if lost and not worker.is_alive():  # the store answered, and no rank noted an error: one died without a word
+        said = (f"rank {state.rank}/{state.world_size} stopped {where}: lost its connection to a rank that said "
+                f"nothing: killed (SIGKILL, the OOM killer) or cut off ({plain_message(exc)[:200]})")
+        return said, said, True
     if found:
         silent = found[0]
         on = ", ".join(f"rank {r} on {hosts[r]}" for r in silent if hosts and r in hosts)
@@ -219,7 +229,7 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
                 "branch that skips a collective, a host whose link is down).")
     elif worker.is_alive():
         msg += "\n  The job's store (on rank 0's host) did not answer: is this host cut off from it?"
-    return msg, msg
+    return msg, msg, False
 
 
 def _first_real_failure(store: Any, job_key: str, wait_s: float = 2.0) -> list[tuple[int, str]]:

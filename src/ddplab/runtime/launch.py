@@ -123,7 +123,7 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
             f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")
             + (f" (then: {others})" if others else ""),
             # SIGKILL only: the OOM killer's or a user's; SIGSEGV, SIGABRT are the process's own crash
-            killed_by="SIGKILL" if failure.exitcode == -signal.SIGKILL else None) from None
+            killed_by="SIGKILL" if any(f.exitcode == -signal.SIGKILL for f in e.failures.values()) else None) from None
     return results[0]
 
 

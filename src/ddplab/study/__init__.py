@@ -202,6 +202,10 @@ def run_trial(w: Worker, trial: Any) -> None:
     except ConfigError as e:  # every trial would fail alike: fail this one and stop the worker
         _tell_held(w, trial, "FAIL", None, f"config error: {e}")
         raise
+    except group.PeerLost:  # a rank of the trial died without a word: its death, which the next worker counts
+        log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a death",
+                    trial.number)
+        raise
     except ResourceError:  # a full disk: not the params' fault, and every next trial would meet it too
         log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is room "
                     "(this worker stops)", trial.number)
