@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _soak_checks import (GRACE_S, Attempt, check_fault, check_final, check_preempted, load, read_result,
-                          run_attempt, spoil_newest)
+                          run_attempt, spoil_newest, tracebacks)
 from soak_plan import Trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,8 +89,9 @@ def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[s
 
 def unreadable(t: Trial, a: Attempt) -> bool:
     """bad_file spoilt the only checkpoint: resume=auto must say so in one line, exit 2, and name the fix."""
-    return t.fault == "bad_file" and a.rc == 2 and "Fix: resume=null to start fresh" in a.out and \
-        "Traceback" not in a.out
+    exit_2 = a.rc == 2 or t.launcher == "torchrun" and a.rc == 1 and "exitcode  : 2" in a.out  # torchrun's own is 1
+    said = [line for line in a.out.splitlines() if "Fix: resume=null to start fresh" in line]
+    return t.fault == "bad_file" and exit_2 and len(said) == 1 and not tracebacks(a.out)
 
 
 def at_last_epoch_end(t: Trial, run: Path) -> bool:

@@ -172,6 +172,8 @@ def main(cfg: DictConfig) -> float | None:
             if isinstance(e, (InputError, ResourceError, group.PeerFailed)):  # one line, no traceback
                 if not (was_said(e) or isinstance(e, group.PeerFailed)):  # met outside a Session (mode=eval's load)
                     log.error("error: %s", e)
+                if getattr(e, "alike_on_every_rank", False):  # rank 0 says it: the others let it, like a config error
+                    launch.let_rank_zero_report()
                 raise SystemExit(launch.CONFIG_EXIT if isinstance(e, InputError) else 1) from None
             if isinstance(e, launch.RankFailed):  # the rank said it, traceback and all; the parent names it once
                 log.error("%s", e)

@@ -138,6 +138,8 @@ class Session:
             elif isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
                 if self._lock is not None:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
+            elif isinstance(exc, Exception) and getattr(exc, "alike_on_every_rank", False) and not self.state.is_main:
+                mark_said(exc)  # the same file met by every rank (a checkpoint): rank 0 says it and records it
             elif isinstance(exc, Exception):
                 report, says, silent_peer = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
                                                                    self.cfg.distributed.timeout_s, self.hosts)
