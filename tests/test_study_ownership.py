@@ -36,16 +36,20 @@ def storage_dir(tmp_path: Path, how: str):
         subprocess.run(["chattr", "-i", *map(str, [tmp_path / "db", *(tmp_path / "db").iterdir()])], capture_output=True)
 
 
-@pytest.mark.parametrize("how,cause", [("full", "database or disk is full"),
-                                       ("readonly", "unable to open database file"),
-                                       ("deleted", "attempt to write a readonly database")])
-def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(tmp_path, how, cause):
+@pytest.mark.parametrize("how,cause,ranks", [("full", "database or disk is full", 1),
+                                             ("readonly", "unable to open database file", 1),
+                                             ("deleted", "attempt to write a readonly database", 1),
+                                             ("deleted", "attempt to write a readonly database", 2)])
+def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(tmp_path, how, cause, ranks):
+    """``ranks=2``: a self-launched trial whose rank meets the lost storage (the soak's seed 1126, trial
+    1455560038): torch's agent logged the rank's StorageLost traceback; the rank says it in one line now."""
     d = tmp_path / "s"
     with storage_dir(tmp_path, how) as where:
         db = where / "study.db"
         url = f"sqlite:///{db}"
         args = study_args(d, 2, f"study.storage={url}", "+callbacks.brk._target_=study_toy.BreakStorage",
-                          "+callbacks.brk.step=2", f"+callbacks.brk.how={how}", f"+callbacks.brk.db={db}")
+                          "+callbacks.brk.step=2", f"+callbacks.brk.how={how}", f"+callbacks.brk.db={db}",
+                          f"distributed.nproc_per_node={ranks}")
         proc = python_train(args, tmp_path)
         said = proc.stdout + proc.stderr
         assert proc.returncode == STORAGE_EXIT, said[-3000:]

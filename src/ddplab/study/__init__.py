@@ -97,8 +97,9 @@ def _work(cfg: DictConfig) -> dict[str, float]:
         except Preempted as e:
             hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
             raise
-        except ResourceError:
-            hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
+        except ResourceError as e:
+            if not storage.failed(e):
+                hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
             raise
         finally:
             hold.release()
@@ -206,12 +207,12 @@ def run_trial(w: Worker, trial: Any) -> None:
         log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a death",
                     trial.number)
         raise
-    except ResourceError:  # a full disk: not the params' fault, and every next trial would meet it too
-        log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is room "
-                    "(this worker stops)", trial.number)
-        raise
     except Exception as e:
         lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
+        if isinstance(e, ResourceError) and not lost:  # a full disk: not the params' fault; every next trial too
+            log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is room "
+                        "(this worker stops)", trial.number)
+            raise
         # A rank that only lost its peer carries the peer's error: the trial's cause, not the lost connection.
         cause = e.report if isinstance(e, group.PeerFailed) else f"{type(e).__name__}: {e}"
         _tell_held(w, trial, "FAIL", None, storage.innermost(e) if lost else cause)

@@ -10,11 +10,13 @@ A storage that does not answer fails within ``study.timeout_s`` with one line na
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from ddplab.config.errors import ConfigError
+from ddplab.errors import ResourceError
 
 log = logging.getLogger("ddplab")
 
@@ -118,9 +120,10 @@ def _trained_apart(study: dict[str, Any], here: dict[str, Any], shown: int = 8) 
     return said + (f"; and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
-class StorageLost(Exception):
+class StorageLost(ResourceError):
     """The study's storage failed under a running worker (a full disk, a file made read-only or deleted, a
-    database gone): one line naming the storage, the innermost cause, and what became of the trial in hand."""
+    database gone): one line naming the storage, the innermost cause, and what became of the trial in hand.
+    A resource the machine refused: a self-launched rank that meets it says it and exits like a full disk."""
 
     def __init__(self, url: str, error: BaseException, trial: str = ""):
         self.url, self.cause = url, innermost(error)
@@ -129,6 +132,11 @@ class StorageLost(Exception):
 
 
 def failed(e: BaseException) -> bool:
+    """Did ``e`` come from the study's storage (here, or in a rank of the trial)?"""
+    return _failed_here(e) or any("StorageLost: study.storage=" in str(x) for x in _chain(e))
+
+
+def _failed_here(e: BaseException) -> bool:
     """Did ``e`` come from the study's storage? Optuna wraps a database error in its own ("invalid data ...
     exceeding max length", whatever the cause); the journal file raises plain OSErrors from its own code."""
     import optuna
@@ -149,6 +157,9 @@ def innermost(e: BaseException) -> str:
     for x in chain:
         if isinstance(x, StorageLost):
             return x.cause
+        said = re.search(r"StorageLost: study\.storage=\S+: it failed under this worker \((.+?)\)(?:; |\. Fix)", str(x))
+        if said:  # a self-launched rank's line, handed to its worker as its text
+            return said.group(1)
         if not type(x).__module__.startswith(("optuna", "sqlalchemy")):
             return _phrase(x)
     return _phrase(chain[-1])
