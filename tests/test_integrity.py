@@ -333,3 +333,29 @@ def test_an_unreadable_checkpoint_for_mode_eval_is_one_line_with_exit_2(tmp_path
     assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
     [said] = [ln for ln in out.splitlines() if "cannot read checkpoint" in ln]
     assert f"error: resume: cannot read checkpoint {bad} (truncated or corrupt?)" in said, said
+
+
+def test_a_log_file_on_a_full_disk_is_given_up_in_one_line(capfd):
+    """The run dir's disk filled mid-run (the soak's seed 1126, trial 1592107938): the checkpoint's one line was
+    followed by logging's "--- Logging error ---" and a traceback for every record train.log could not take,
+    each chained to the error being reported (80 lines). The file is now given up once, in one line."""
+    import logging
+
+    from ddplab.runtime.console import quiet_log_files
+
+    full = logging.FileHandler("/dev/full")  # every write: ENOSPC
+    logging.getLogger().addHandler(full)
+    try:
+        quiet_log_files()
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:  # records logged while an error is being handled, as the Session's is
+            for i in range(3):
+                logging.getLogger("ddplab").error("line %d", i)
+    finally:
+        logging.getLogger().removeHandler(full)
+        full.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Logging error" not in err, err
+    assert err.count("ddplab: stopped writing /dev/full: [Errno 28] No space left on device (the console keeps "
+                     "the log)") == 1, err

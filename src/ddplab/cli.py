@@ -20,6 +20,7 @@ from ddplab.config import ConfigError, InputError
 from ddplab.errors import ResourceError, was_said
 from ddplab.job import run
 from ddplab.runtime import env, group, launch, requeue, watch
+from ddplab.runtime.console import quiet_log_files
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -149,6 +150,7 @@ def main(cfg: DictConfig) -> float | None:
     on different jobs; self-launched jobs (distributed.nproc_per_node) survive.
     """
     watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
+    quiet_log_files()  # Hydra's train.log on a full disk: one line, not a traceback per record
     try:
         metrics = _entry(str(cfg.get("mode")))(cfg)
     except verify.VerifyFailed as e:  # the comparison's verdict, not a crash: one line, no traceback

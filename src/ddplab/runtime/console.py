@@ -8,7 +8,10 @@ get one from the launcher. The log file keeps Hydra's full format.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+from typing import Callable
 
 
 def job_tag() -> str:
@@ -41,3 +44,25 @@ class ConsoleFormatter(logging.Formatter):
         record.tag = self.tag
         record.mark = f"{record.levelname}: " if record.levelno >= logging.WARNING else ""
         return super().format(record)
+
+
+def quiet_log_files() -> None:
+    """Every log file the root logger writes (Hydra's train.log, a rank's, a trial's): one that cannot be
+    written (a full disk) is said once on stderr and then left alone. logging's own report is a traceback
+    per record, chained to the error the record was reporting: a full disk's one line became 80."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and not getattr(handler, "ddplab_quiet", False):
+            handler.ddplab_quiet = True  # type: ignore[attr-defined]
+            handler.handleError = _said_once(handler)  # type: ignore[method-assign]
+
+
+def _said_once(handler: logging.FileHandler) -> Callable[[logging.LogRecord], None]:
+    def handle_error(record: logging.LogRecord) -> None:
+        handler.setLevel(logging.CRITICAL + 1)  # no further record tries the file
+        stream, handler.stream = handler.stream, None  # nor does closing it (its buffer cannot be written)
+        with contextlib.suppress(OSError):
+            stream.close()
+        sys.stderr.write(f"ddplab: stopped writing {handler.baseFilename}: {sys.exc_info()[1]} (the console keeps "
+                         "the log)\n")
+
+    return handle_error

@@ -129,7 +129,7 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
 
 def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:
     """Body of each spawned rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
-    from ddplab.runtime.console import ConsoleFormatter
+    from ddplab.runtime.console import ConsoleFormatter, quiet_log_files
 
     rank = env.rank()
     root = logging.getLogger()
@@ -140,6 +140,7 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
         file = logging.FileHandler(Path(run_dir) / "train.log")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(file)
+        quiet_log_files()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     watch.own_the_process()  # this spawned rank is ddplab's own
     try:

@@ -25,6 +25,7 @@ from ddplab import rundir
 from ddplab.config import ConfigError, validate
 from ddplab.errors import ResourceError
 from ddplab.runtime import env, group, signals
+from ddplab.runtime.console import quiet_log_files
 from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage
 from ddplab.study.report import PRUNED
@@ -275,4 +276,5 @@ def _log_to(tdir: Path) -> logging.Handler:
     handler = logging.FileHandler(tdir / "train.log")
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
+    quiet_log_files()
     return handler
