@@ -153,24 +153,27 @@ def test_a_stream_shuffled_per_rank_is_refused_in_one_line(tmp_path):
     assert "dataset._target_='toy.rank_dependent_stream': the training stream is not the same on every rank" in said[0]
 
 
-@pytest.mark.parametrize("leg,sig", [("uninterrupted", "SIGTERM"), ("resumed", "SIGUSR1")])
+@pytest.mark.parametrize("leg,sig", [("uninterrupted", "SIGTERM"), ("resumed", "SIGUSR1"), ("ctrl-c", "SIGINT")])
 def test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict(tmp_path, leg, sig):
     """The cluster preempting a verify_resume job stops the leg running: the uninterrupted leg's result
     (``preempted``, no metrics) raised a KeyError with a traceback; the resumed leg's would have been compared
     as if it had finished, and the job blamed. It is a preemption: one line, exit 128 + the signal, no verdict."""
     import signal
 
-    # the uninterrupted leg signals itself after step 2 (once: the marker); or the resumed leg, after step 11
-    marker, step = tmp_path / "fired", {"uninterrupted": 2, "resumed": 11}[leg]
-    args = (["+callbacks.sig._target_=study_toy.SignalOnce", f"+callbacks.sig.marker={marker}"] if leg == "uninterrupted"
-            else ["+callbacks.sig._target_=toy_callbacks.SignalWhenResumed"]) + \
+    # the uninterrupted leg signals itself after step 2 (once: the marker); or the resumed leg, after step 11;
+    # or Ctrl-C: the uninterrupted leg signals itself and verify_resume (the soak's seed 1126, trial 1468072945:
+    # a KeyboardInterrupt traceback)
+    marker, step = tmp_path / "fired", {"uninterrupted": 2, "resumed": 11, "ctrl-c": 2}[leg]
+    target = {"uninterrupted": "study_toy.SignalOnce", "resumed": "toy_callbacks.SignalWhenResumed",
+              "ctrl-c": "toy_callbacks.SignalParentToo"}[leg]
+    args = [f"+callbacks.sig._target_={target}"] + [f"+callbacks.sig.marker={marker}"] * (leg != "resumed") + \
         [f"+callbacks.sig.sig={sig}", f"+callbacks.sig.step={step}"]
     proc = python_train(["mode=verify_resume", *SHORT, *args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + getattr(signal, sig), out[-3000:]
     assert "Traceback" not in out and "PASS" not in out and "Likely cause" not in out, out[-3000:]
     [said] = [ln for ln in out.splitlines() if "stopped by" in ln]
-    what = "the uninterrupted run" if leg == "uninterrupted" else "the resumed run at 1 rank(s)"
+    what = "the resumed run at 1 rank(s)" if leg == "resumed" else "the uninterrupted run"
     assert said.endswith(f"verify_resume: {what} was stopped by {sig} from outside at step {step}: nothing "
                          "was compared. Fix: run the same command again (verify_resume starts both of its runs from "
                          "scratch)"), said

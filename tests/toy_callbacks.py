@@ -210,3 +210,22 @@ class SignalWhenResumed:
         self.first = step if self.first is None else self.first
         if state.dist.rank == 0 and step == self.step and self.first > 1:
             os.kill(os.getpid(), self.sig)
+
+
+class SignalParentToo:
+    """Rank 0 sends ``sig`` to its parent and to itself after step ``step``, once per test (``marker``):
+    Ctrl-C in a terminal, which reaches every process of the foreground job (verify_resume and its leg)."""
+
+    def __init__(self, sig: str, step: int, marker: str):
+        import signal
+        from pathlib import Path
+
+        self.sig, self.step, self.marker = getattr(signal, sig), step, Path(marker)
+
+    def on_step_end(self, state, step):
+        import os
+
+        if state.dist.rank == 0 and step == self.step and not self.marker.exists():
+            self.marker.write_text(str(step))
+            os.kill(os.getppid(), self.sig)
+            os.kill(os.getpid(), self.sig)

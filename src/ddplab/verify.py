@@ -233,7 +233,17 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     log.info("verify_resume: %s (%s)", what, run_dir)
     started = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
-        code = subprocess.call([sys.executable, "-m", __name__, str(spec)], stdout=out, stderr=subprocess.STDOUT)
+        child = subprocess.Popen([sys.executable, "-m", __name__, str(spec)], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = child.wait()
+        except KeyboardInterrupt:  # Ctrl-C reaches the leg too, which stops at a step boundary: wait for it
+            try:
+                child.wait(timeout=env.LAUNCHER_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            step = (rundir.read_result(run_dir, since=started) or {}).get("step", -1)
+            raise Stopped(what, "SIGINT", int(step)) from None
     # The resumed leg reuses the first leg's dir: the result.json left from that leg must not pass for this
     # one's (a leg refused before its Session starts writes none).
     result = rundir.read_result(run_dir, since=started) or {}
