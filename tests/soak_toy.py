@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from ddplab.callbacks import Callback
+from helpers.disk import fill
 from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
 from ddplab.data import Splits, digits, token_shards, tokens
 from ddplab.models import MLP, TinyGPT
@@ -169,7 +170,7 @@ class _Injector:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
         if spec.get("fault") == "disk_full":  # the run dir's file system fills up (the driver frees it after)
-            _fill(Path(spec["disk"]) / "soak-filler")
+            fill(Path(spec["disk"]) / "soak-filler")
         elif spec.get("fault") == "storage_loss":  # the study's database is gone from under its workers
             Path(spec["storage"]).unlink()
         if not spec["signal"]:
@@ -189,17 +190,6 @@ class _Injector:
         if target == "peer":
             return [int((Path(self.spec["dir"]) / f"pid.{1 - _rank()}").read_text())]
         return trial_pids(os.environ["SOAK_TRIAL_ID"])  # "all"
-
-
-def _fill(path: Path) -> None:
-    """Write zeros to ``path`` until its file system is full."""
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        except OSError:
-            pass
 
 
 _INJ: _Injector | None = None

@@ -71,13 +71,9 @@ class BreakStorage:
         if state.dist.rank != 0 or step != self.step:
             return
         if self.how == "full":
-            with open(self.db.parent / "filler", "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                        f.flush()
-                except OSError:
-                    pass
+            from helpers.disk import fill
+
+            fill(self.db.parent / "filler")
         elif self.how == "readonly":
             subprocess.run(["chattr", "+i", str(self.db), str(self.db.parent)], check=True)
         else:

@@ -196,6 +196,7 @@ def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs
 def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the_threads_traceback(tmp_path, capfd):
     """TensorBoard's writer thread met the full disk and printed its own traceback ("Exception in thread
     Thread-1: ... OSError: [Errno 28]"); the main thread then failed with a bare OSError at its next write."""
+    from helpers.disk import fill
     from helpers.jobs import tmpfs
     from ddplab.errors import ResourceError
     from ddplab.writers import TensorBoardWriter
@@ -203,13 +204,7 @@ def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the
     with tmpfs(tmp_path / "disk", "size=200k") as disk:
         w = TensorBoardWriter(str(disk / "tb"))
         w.scalars({"train/loss": 1.0}, 1)
-        with open(disk / "filler", "ab") as f:  # the rest of the disk
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        fill(disk / "filler")  # the rest of the disk
         with pytest.raises(ResourceError) as e:
             for step in range(2, 200):  # the writer thread writes on its own time: its failure shows at a later call
                 w.scalars({"train/loss": float(step)}, step)
