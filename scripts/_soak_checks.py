@@ -47,6 +47,9 @@ def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeo
         kill(trial_pids(trial_id))
         raise
     ended = time.time()
+    if "SLURM_JOB_NAME" in env and (proc.returncode or 0) < 0:  # srun killed: its job allocation outlives it
+        # (InactiveLimit=0, SLURM's default), holding the node's CPUs from every later srun: cancelled, as its user would
+        subprocess.run(["scancel", "--name", env["SLURM_JOB_NAME"]], capture_output=True, timeout=30)
     while time.time() - ended < GRACE_S:
         left = trial_pids(trial_id)
         if not left:
@@ -97,7 +100,8 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
     if t.fault not in SIGNALS and t.fault != "bad_file":
         return check_one_line(t, a, notes)
     res = read_result(run)
-    if t.signal == "SIGKILL":
+    if t.signal == "SIGKILL" or t.launcher == "slurm" and t.target in ("launcher", "all") and t.signal == "SIGTERM":
+        # srun, sent SIGTERM, cancels its step: SLURM kills the ranks at once, as SIGKILL does (SLURM's choice)
         notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
         return []
     problems = []

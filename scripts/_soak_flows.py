@@ -26,6 +26,8 @@ def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
     args = t.overrides() + where + (["resume=auto"] if resume and t.mode == "train" else [])
     if t.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN), *args]
+    if t.launcher == "slurm":  # a job step of 2 tasks, the ranks (ddplab reads SLURM_PROCID/NTASKS)
+        return ["srun", "--ntasks=2", "--cpus-per-task=1", sys.executable, str(TRAIN), *args]
     return [sys.executable, str(TRAIN), *args] + (["distributed.nproc_per_node=2"] if t.launcher == "selflaunch" else [])
 
 
@@ -33,6 +35,8 @@ def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
     """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
+    if t.launcher == "slurm":  # srun names its job so (the driver cancels an allocation srun's death left behind)
+        env["SLURM_JOB_NAME"] = trial_id
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tdir / "tmp"), SOAK_TRIAL_ID=trial_id,
                SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
     if fault:

@@ -7,7 +7,7 @@ up with another (issue 22, item 9; issue 32). One trial at a time (2 ranks at mo
     python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (a failure prints the command)
 
 A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
-``python train.py distributed.nproc_per_node=2``), the strategy (none for one process; ddp or fsdp for two), the
+``python train.py distributed.nproc_per_node=2``; with ``--slurm``, ``srun --ntasks=2`` too), the strategy (none for one process; ddp or fsdp for two), the
 data (the digits in memory, a user IterableDataset through ddplab's stream path, a token file, a folder of token
 shards), checkpoint.async_save, the run mode (a training run, a study worker of 2 trials, verify_resume), the
 step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training),
@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, study_flow, train_flow, verify_flow  # noqa: E402
-from soak_plan import (DIMENSIONS, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
+from soak_plan import (DIMENSIONS, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
 from soak_toy import snapshot  # noqa: E402
 
@@ -73,6 +73,8 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
     whole study; for verify_resume, the plain training run its uninterrupted leg must equal."""
     if t.mode == "verify_resume":
         t = dataclasses.replace(t, mode="train")
+    if t.launcher == "slurm":  # torchrun's run: a job's results do not depend on its launcher (checked so), and
+        t = dataclasses.replace(t, launcher="torchrun")  # a second srun would queue for the one node's 2 CPUs
     key = (t.launcher, tuple(t.overrides()))
     if key not in cache:
         n = len(list(root.glob("ref-*")))  # not len(cache): a failed reference keeps its dir (for its log)
@@ -133,7 +135,8 @@ def summary(done: list[tuple[Trial, bool, float]]) -> None:
         for name, value in dimensions(t).items():
             table[(name, str(value))][0 if held else 1] += 1
     print(f"\n{'dimension':10s} {'value':10s} held failed")
-    for name, value in [(n, str(v)) for n, values in DIMENSIONS.items() for v in values]:
+    extra = [("launcher", SLURM)] if ("launcher", SLURM) in table else []  # drawn with --slurm only
+    for name, value in [(n, str(v)) for n, values in DIMENSIONS.items() for v in values] + extra:
         if (name, value) in table:
             print(f"{name:10s} {value:10s} {table[name, value][0]:4d} {table[name, value][1]:6d}")
     walls = [w for _, _, w in done]
@@ -194,7 +197,8 @@ def choose(args: argparse.Namespace) -> list[Trial]:
                              f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} --plan "
                              "lists its trials), or drop --pairwise for a trial drawn at random")
         return picked
-    return [draw(s, args.long) for s in ([args.only] if args.only is not None else trial_seeds(args.seed, args.trials))]
+    seeds = [args.only] if args.only is not None else trial_seeds(args.seed, args.trials)
+    return [draw(s, args.long, slurm=args.slurm) for s in seeds]
 
 
 def run_all(trials: list[Trial], root: Path, keep: bool) -> list[tuple[Trial, bool, float]]:
@@ -223,10 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the trials' seeds (--pairwise: their remaining details)")
     ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
     ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
+    ap.add_argument("--slurm", action="store_true", help="draw srun on a SLURM cluster as a launcher too "
+                    "(scripts/slurm_local.sh up starts one; not with --pairwise)")
     ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
     ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
     ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
     args = ap.parse_args(argv)
+    if args.slurm and args.pairwise:
+        ap.error("--slurm draws srun among the launchers at random; the --pairwise plan is fixed: drop one of them")
+    if args.slurm and subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True,
+                                     text=True).stdout.strip() == "":
+        ap.error("--slurm: no SLURM node is up (sinfo lists none idle). Fix: scripts/slurm_local.sh up")
     try:
         trials = choose(args)
     except NotInPlan as e:  # a seed the plan does not hold: said in one line, exit 2 like a config error

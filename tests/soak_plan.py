@@ -17,6 +17,9 @@ import random
 from typing import Any
 
 LAUNCHERS = ("single", "torchrun", "selflaunch")
+# ``srun --ntasks=2`` on a SLURM cluster: drawn only where one is up (``scripts/soak.py --slurm``), so not in the
+# pairwise plan, which CI runs before its cluster phase.
+SLURM = "slurm"
 STRATEGIES = ("none", "ddp", "fsdp")
 DATA = ("memory", "stream", "tokens", "shards")
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
@@ -78,6 +81,7 @@ class Trial:
     token_file: str = "tokens.bin"  # data=tokens: the file the driver wrote (scripts/soak.py: token_file)
     shard_dir: str = "shards"  # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
     mode: str = "train"
+    slurm: bool = False  # drawn with SLURM among the launchers (--slurm): its seed's draws depend on it
 
     @property
     def signal(self) -> str:
@@ -111,7 +115,8 @@ class Trial:
     def rerun(self) -> str:
         """The command that runs this trial again, exactly."""
         plan = f" --pairwise --seed {self.plan_seed}" if self.plan_seed is not None else ""
-        return f"python scripts/soak.py{plan} --only {self.seed}{' --long' if self.long else ''} --keep"
+        flags = (" --long" if self.long else "") + (" --slurm" if self.slurm else "")
+        return f"python scripts/soak.py{plan} --only {self.seed}{flags} --keep"
 
 
 def calls(t: Trial) -> list[int]:
@@ -126,11 +131,12 @@ def calls(t: Trial) -> list[int]:
             "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
 
 
-def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None) -> Trial:
+def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slurm: bool = False) -> Trial:
     """The trial of ``seed``; ``fixed``: a plan trial's dimension values, in place of their draws. Every draw is
-    made whatever is fixed, in the order it always had, so a seed's other details never move."""
+    made whatever is fixed, in the order it always had, so a seed's other details never move. ``slurm``: srun
+    is a fourth launcher to draw from."""
     rng, fixed = random.Random(seed), fixed or {}
-    launcher = fixed.get("launcher", rng.choice(LAUNCHERS))
+    launcher = fixed.get("launcher", rng.choice(LAUNCHERS + ((SLURM,) if slurm else ())))
     accum = fixed.get("accum", rng.randint(1, 3))
     lo, hi = TIMINGS[fixed["timing"]] if "timing" in fixed else ANY_STEP
     step_s = math.exp(rng.uniform(math.log(lo), math.log(hi)))
@@ -142,7 +148,7 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None) -> 
     every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
     fault = fixed.get("fault", rng.choice(SIGNALS))
     target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
-    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, fault, target, 0, "", 0, long)
+    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, fault, target, 0, "", 0, long, slurm=slurm)
     t.rank = rng.randrange(t.world)
     t.data = fixed.get("data", t.data)
     phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
@@ -191,9 +197,9 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
     if {"fault", "mode"} == v.keys() and v["fault"] == "storage_loss":
         return v["mode"] == "study"  # only a study has a storage
     if "mode" in v and v["mode"] == "verify_resume":
-        # verify_resume starts its own processes (not under torchrun), compares one-file checkpoints (not FSDP's
+        # verify_resume starts its own processes (not under torchrun or srun), compares one-file checkpoints (not FSDP's
         # shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
-        return v.get("launcher") != "torchrun" and v.get("strategy") != "fsdp" and v.get("fault") != "bad_file"
+        return v.get("launcher") not in ("torchrun", SLURM) and v.get("strategy") != "fsdp" and v.get("fault") != "bad_file"
     return True
 
 

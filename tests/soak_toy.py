@@ -43,8 +43,8 @@ from ddplab.data import Splits, digits, token_shards, tokens
 from ddplab.models import MLP, TinyGPT
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def _rank() -> int:  # srun's tasks: SLURM_PROCID (ddplab reads it; RANK is torchrun's and the self-launch's)
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def trial_pids(trial_id: str) -> list[int]:
@@ -64,6 +64,13 @@ def trial_pids(trial_id: str) -> list[int]:
 
 
 # --------------------------------------------------------- the driver's helpers (scripts/soak.py)
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def kill(pids: list[int]) -> None:
     """SIGKILL these (the trial's own) processes, by pid."""
     for pid in pids:
@@ -185,7 +192,9 @@ class _Injector:
     def _targets(self, target: str) -> list[int]:
         if target == "self":
             return [os.getpid()]
-        if target == "launcher":
+        if target == "launcher":  # under srun: srun itself (the rank's parent is SLURM's slurmstepd, a daemon's)
+            if "SLURM_STEP_ID" in os.environ:
+                return [p for p in trial_pids(os.environ["SOAK_TRIAL_ID"]) if _comm(p) == "srun"]
             return [os.getppid()]
         if target == "peer":
             return [int((Path(self.spec["dir"]) / f"pid.{1 - _rank()}").read_text())]

@@ -296,3 +296,14 @@ def test_a_study_run_by_a_slurm_array_of_two_workers(tmp_path):
     ran = [int(n) for n in re.findall(r"trial (\d+) \(", "\n".join(
         p.read_text() for p in tmp_path.glob("outputs/slurm-*/train.log")))]
     assert sorted(ran) == [0, 1, 2, 3], ran  # each trial once, over the two array tasks
+
+
+def test_a_soak_trial_under_srun_resumes_bitwise(tmp_path):
+    """scripts/soak.py --slurm: srun launches the 2 ranks; SIGUSR1 to srun itself, which forwards it to them: the job
+    is preempted with its checkpoint, resumed under srun and bitwise its uninterrupted (torchrun) twin."""
+    proc = run_cmd([sys.executable, "scripts/soak.py", "--slurm", "--only", "106647342", "--workdir", str(tmp_path / "s")],
+                   Path(TRAIN).parent, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "slurm      ddp  stream train              SIGUSR1->launcher@backward" in proc.stdout
+    assert re.search(r"preempted at step \d+ \(SIGUSR1\), exit 138", proc.stdout), proc.stdout[-2000:]
+    assert "1/1 trials held" in proc.stdout

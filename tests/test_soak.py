@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from helpers.jobs import REPO, run_cmd
-from soak_plan import DIMENSIONS, pairwise_plan, plan_trials, valid
+from soak_plan import DIMENSIONS, SLURM, draw, pairwise_plan, plan_trials, trial_seeds, valid
 
 sys.path.insert(0, str(REPO / "scripts"))
 import soak  # noqa: E402  (scripts/soak.py, the driver)
@@ -45,6 +45,19 @@ def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     assert first.rerun() == f"python scripts/soak.py --pairwise --seed 0 --only {first.seed} --keep"
     assert soak.main(["--pairwise", "--only", str(first.seed), "--plan"]) == 0
     assert capsys.readouterr().out.startswith(f"{first.seed:10d} {first.label()}\n")
+
+
+def test_srun_is_drawn_as_a_launcher_only_with_slurm_and_never_for_what_it_cannot_run(capsys):
+    seeds = trial_seeds(1127, 200)
+    assert all(draw(s).launcher != SLURM for s in seeds)  # without --slurm the draws are what they always were
+    under = [t for t in (draw(s, slurm=True) for s in seeds) if t.launcher == SLURM]
+    assert 30 <= len(under) <= 70, len(under)  # one launcher of four
+    assert {t.mode for t in under} == {"train", "study"}  # verify_resume starts its own processes: not under srun
+    assert {t.strategy for t in under} == {"ddp", "fsdp"} and all(t.world == 2 for t in under)
+    assert under[0].rerun() == f"python scripts/soak.py --only {under[0].seed} --slurm --keep"
+    with pytest.raises(SystemExit) as e:  # the plan is fixed (CI runs it before its cluster is up): one line, exit 2
+        soak.main(["--pairwise", "--slurm"])
+    assert e.value.code == 2 and "the --pairwise plan is fixed: drop one of them" in capsys.readouterr().err
 
 
 def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
