@@ -235,6 +235,21 @@ def test_rank_that_never_arrives_times_out(tmp_path):
     assert waited <= 5 + 2, waited
 
 
+def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing_store(tmp_path):
+    """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn while
+    rank 0 is slow to close each one's store: every group forms (each used to race a peer into the closing one)."""
+    port, procs = free_port(), []
+    for r in (0, 1):
+        env = {**job_env(), "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
+               "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "regroup_worker.py")],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "RESULT ok" in out, out[-3000:]
+
+
 def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

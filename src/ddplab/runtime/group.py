@@ -8,6 +8,7 @@ other module gets the resulting :class:`DistState` and the named helpers of
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -91,8 +92,7 @@ def init(cfg: Any) -> DistState:
     what = f"rank {rank}/{world_size}: waiting for all {world_size} ranks to join at {where}"
     try:
         with deadline(what, cfg.timeout_s):
-            store, rank, world_size = next(dist.rendezvous(cfg.init_method, rank=rank, world_size=world_size,
-                                                           timeout=timeout))
+            store, rank, world_size = _rendezvous(cfg.init_method, rank, world_size, timeout)
         # A sweep under torchrun runs several jobs in one process, all on
         # torchrun's one store: a fresh key prefix per job keeps a new group
         # from reading the previous group's (dead) addresses and hanging.
@@ -106,6 +106,22 @@ def init(cfg: Any) -> DistState:
                            f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
                            f"{_join_hint(str(e), world_size, cfg.timeout_s)}") from e
     return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+_KEPT: dict[tuple[Any, ...], Any] = {}  # the rendezvous store this process made, by where it rendezvoused
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta) -> tuple[Any, int, int]:
+    """The rendezvous store, made once per process and kept for every later group (a study worker's, a sweep's).
+    Without torchrun's agent (srun, submitit, tcp://) rank 0 serves the store itself on a fixed port: made anew
+    for each group, a peer that is quicker to the next group than rank 0 connects to the server rank 0 is still
+    closing and fails ("Failed to recv, got 0 bytes"), leaving rank 0 waiting for it. Groups of one process are
+    told apart by the key prefix init gives each (``_generation``)."""
+    key = (init_method, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), rank, world_size)
+    if key not in _KEPT:
+        store, rank, world_size = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
+        _KEPT[key] = store
+    return _KEPT[key], rank, world_size
 
 
 def _join_hint(msg: str, world_size: int, timeout_s: float) -> str:
