@@ -197,13 +197,13 @@ def choose(args: argparse.Namespace) -> list[Trial]:
                              f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} --plan "
                              "lists its trials), or drop --pairwise for a trial drawn at random")
         return picked
-    seeds = [args.only] if args.only is not None else trial_seeds(args.seed, args.trials)
+    seeds = [args.only] if args.only is not None else trial_seeds(args.seed, args.trials)[args.first - 1:]
     return [draw(s, args.long, slurm=args.slurm) for s in seeds]
 
 
-def run_all(trials: list[Trial], root: Path, keep: bool) -> list[tuple[Trial, bool, float]]:
+def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1) -> list[tuple[Trial, bool, float]]:
     cache, done = {}, []
-    for i, t in enumerate(trials, 1):
+    for i, t in enumerate(trials, first):
         t0 = time.time()
         try:
             problems, notes = run_trial(t, root, cache)
@@ -211,7 +211,7 @@ def run_all(trials: list[Trial], root: Path, keep: bool) -> list[tuple[Trial, bo
             problems, notes = [f"harness error: {type(e).__name__}: {e}"], []
         wall = time.time() - t0
         done.append((t, not problems, wall))
-        print(f"[{i}/{len(trials)}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
+        print(f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
               f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
         if problems:
             report_failure(t, problems, root)
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairwise", action="store_true", help="the fixed plan covering every pair of dimension values")
     ap.add_argument("--trials", type=int, default=10, help="how many trials to draw (not with --pairwise)")
     ap.add_argument("--seed", type=int, default=0, help="the trials' seeds (--pairwise: their remaining details)")
+    ap.add_argument("--first", type=int, default=1, help="start at this one of the --trials drawn (a soak run in "
+                    "parts: --trials 300 --first 151 runs the last 150 of the same 300)")
     ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
     ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
     ap.add_argument("--slurm", action="store_true", help="draw srun on a SLURM cluster as a launcher too "
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
     ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
     args = ap.parse_args(argv)
+    if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
+        ap.error(f"--first {args.first}: one of the --trials drawn at random, counted from 1")
     if args.slurm and args.pairwise:
         ap.error("--slurm draws srun among the launchers at random; the --pairwise plan is fixed: drop one of them")
     if args.slurm and subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True,
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
         t.token_file, t.shard_dir = str(token_file(root)), str(shard_dir(root))
-    done = run_all(trials, root, args.keep)
+    done = run_all(trials, root, args.keep, args.first)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):
         shutil.rmtree(root, ignore_errors=True)
