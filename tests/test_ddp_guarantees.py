@@ -250,6 +250,30 @@ def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing
         assert p.returncode == 0 and "RESULT ok" in out, out[-3000:]
 
 
+def test_a_rank_waiting_for_a_group_that_never_forms_leaves_on_sigterm_at_once(tmp_path):
+    """Rank 0 takes no further part; rank 1 waits to join a group with it (torch's C++ wait, deaf to signals). SIGTERM — its
+    launcher tearing the job down — ends the wait within a second, exit 143, instead of after the launcher's
+    grace (30 s, then SIGKILL: no cleanup) or distributed.timeout_s."""
+    port, procs = free_port(), []
+    for r in (0, 1):
+        env = {**job_env(), "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
+               "SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "abandoned_join_worker.py")],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    assert procs[1].stdout.readline().strip() == "WAITING"
+    time.sleep(2)  # well inside the wait
+    signalled = time.monotonic()
+    procs[1].send_signal(15)
+    out = procs[1].communicate(timeout=90)[0]
+    took = time.monotonic() - signalled
+    procs[0].kill()
+    procs[0].wait()
+    assert procs[1].returncode == 143 and "LEFT after" in out and "SIGTERM" in out, out[-3000:]
+    assert took < 2, took  # JOIN_POLL_S (0.2 s) and the process's exit
+    assert "waiting for all 2 ranks to join" in out and "SIGTERM: leaving (nothing to checkpoint)" in out
+
+
 def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -8,20 +8,23 @@ other module gets the resulting :class:`DistState` and the named helpers of
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from ddplab import compat
-from ddplab.runtime import env
+from ddplab.runtime import env, signals
+from ddplab.runtime.signals import Preempted
 from ddplab.runtime.watch import deadline
+
+log = logging.getLogger("ddplab")
 
 _generation = 0  # process groups this process has created (the same count on every rank)
 
@@ -92,15 +95,19 @@ def init(cfg: Any) -> DistState:
     what = f"rank {rank}/{world_size}: waiting for all {world_size} ranks to join at {where}"
     try:
         with deadline(what, cfg.timeout_s):
-            store, rank, world_size = _rendezvous(cfg.init_method, rank, world_size, timeout)
+            store, rank, world_size = _interruptible(
+                lambda: _rendezvous(cfg.init_method, rank, world_size, timeout), what)
         # A sweep under torchrun runs several jobs in one process, all on
         # torchrun's one store: a fresh key prefix per job keeps a new group
         # from reading the previous group's (dead) addresses and hanging.
         # torchrun's store also outlives a restart (--max-restarts): the restart count joins the prefix.
         store = dist.PrefixStore(f"ddplab/{env.elastic_restart_count()}/{_generation}", store)
         with deadline(what, cfg.timeout_s):
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                    **({"device_id": device} if backend == "nccl" else {}))
+            _interruptible(lambda: dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                **({"device_id": device} if backend == "nccl" else {})), what)
+    except Preempted:
+        raise
     except Exception as e:  # name what was tried and what to change
         raise RuntimeError(f"rank {rank}/{world_size}: could not join the process group (backend={backend}, "
                            f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
@@ -108,6 +115,36 @@ def init(cfg: Any) -> DistState:
     return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
+def _interruptible(join: Callable[[], Any], what: str) -> Any:
+    """``join()`` — a wait for the other ranks inside torch's C++, which no signal interrupts — on a helper
+    thread, while this one waits in Python, where signal handlers run: a stop signal that arrives meanwhile
+    (the held ones: at start-up, between a study's trials) or a dead launcher ends the wait at once (nothing
+    trained since the last checkpoint: nothing to save). It used to wait on until the launcher's SIGKILL,
+    which skips every cleanup, or until distributed.timeout_s."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = join()
+        except BaseException as e:  # handed to the waiting thread as it is
+            box["error"] = e
+
+    earlier = signals.held()  # a signal of start-up: the job joins, then stops at its first step with a checkpoint
+    helper = threading.Thread(target=body, name="ddplab-join", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(JOIN_POLL_S)
+        gone, now = env.launcher_gone(), signals.held()
+        why = (now if now != earlier else None) or (f"launcher died (pid {gone})" if gone is not None else None)
+        if why and helper.is_alive():
+            log.warning("%s: %s: leaving (nothing to checkpoint)", what, why)
+            raise Preempted(why, -1, None)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+JOIN_POLL_S = 0.2  # how soon a stop signal ends a wait for the other ranks
 _KEPT: dict[tuple[Any, ...], Any] = {}  # the rendezvous store this process made, by where it rendezvoused
 
 
@@ -117,7 +154,7 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta
     for each group, a peer that is quicker to the next group than rank 0 connects to the server rank 0 is still
     closing and fails ("Failed to recv, got 0 bytes"), leaving rank 0 waiting for it. Groups of one process are
     told apart by the key prefix init gives each (``_generation``)."""
-    key = (init_method, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), rank, world_size)
+    key = (init_method, env.master_address(), rank, world_size)
     if key not in _KEPT:
         store, rank, world_size = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
         _KEPT[key] = store
