@@ -5,6 +5,8 @@ import os
 import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,21 +261,26 @@ def test_resume_on_a_different_world_size(tmp_path):
 
 def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
     """Killed ranks leave scratch Hydra dirs, failed torchrun jobs leave restart memos: the next start removes
-    those whose process is gone, and nothing of a live one."""
+    those whose process is gone (a zombie, not yet reaped, is gone), and nothing of a live one."""
     import tempfile
 
     from ddplab import cli
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is free now
+    # A zombie: dead, not yet reaped (a rank killed with its launcher, before init reaps it). Its pid is taken.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+        time.sleep(0.01)
     alive = os.getpid()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     private = tmp_path / f"ddplab-{os.getuid()}"
     private.mkdir(mode=0o700)
-    for pid in (dead.pid, alive):
+    for pid in (dead.pid, zombie.pid, alive):
         (private / f"run-abc123-{pid}").write_text("/some/run/dir")
         (tmp_path / f"ddplab-rank1-{pid}-xyz").mkdir()
     cli._remove_orphans()
+    zombie.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([private.name, f"ddplab-rank1-{alive}-xyz"])
     assert [p.name for p in private.iterdir()] == [f"run-abc123-{alive}"]
 

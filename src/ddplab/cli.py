@@ -129,14 +129,27 @@ def _remove_orphans() -> None:
     found += [(f, f.name.rsplit("-", 1)[-1]) for f in env.private_dir().glob("run-*-*")]
     for path, pid in found:
         try:
-            os.kill(int(pid), 0)  # raises if no such process
-        except ProcessLookupError:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError, OverflowError):
-            pass
+            if not _gone(int(pid)):
+                continue
+        except (ValueError, PermissionError, OverflowError):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie: a rank killed with its launcher is dead, but its pid stays taken
+    until init reaps it, which under load comes after the next start looks."""
+    try:
+        os.kill(pid, 0)  # raises if no such process
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def main(cfg: DictConfig) -> float | None:
