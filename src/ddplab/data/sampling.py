@@ -9,6 +9,10 @@ which also biases metrics). Samples that do not fill a whole optimizer step
 (``global_batch * grad_accum_steps``) are dropped for that epoch; the
 permutation changes each epoch, so every sample is still used.
 
+``order="bijection"`` (a token file's windows, ``TokenWindows.sample_order``): the same global batches, the
+epoch's order computed a micro-batch at a time by :class:`~ddplab.data.bijection.IndexBijection` instead of
+held as a permutation: constant memory per rank, however many samples.
+
 Validation: contiguous shards of sizes differing by at most one, no padding;
 metrics are reduced as sums, so every sample counts exactly once.
 """
@@ -17,9 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Sampler
+
+from ddplab.data.bijection import IndexBijection
+
+ORDERS = ("permutation", "bijection")
 
 
 class ShardedGlobalSampler(Sampler[int]):
@@ -34,7 +43,10 @@ class ShardedGlobalSampler(Sampler[int]):
         seed: int,
         grad_accum_steps: int = 1,
         shuffle: bool = True,
+        order: str = "permutation",
     ):
+        if order not in ORDERS:
+            raise ValueError(f"sample order {order!r}: one of {ORDERS}")
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         self.num_samples = num_samples
@@ -43,6 +55,7 @@ class ShardedGlobalSampler(Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order if shuffle else "permutation"
         self.per_rank_batch = global_batch // world_size
         self.steps_per_epoch = num_samples // (global_batch * grad_accum_steps)
         self.num_micro_batches = self.steps_per_epoch * grad_accum_steps
@@ -54,7 +67,12 @@ class ShardedGlobalSampler(Sampler[int]):
         self.epoch, self.skip = epoch, skip
 
     def batches(self) -> Tensor:
-        """(num_micro_batches, per_rank_batch) indices for this rank and epoch."""
+        """(num_micro_batches, per_rank_batch) indices for this rank and epoch (held whole: the indexed path's,
+        for data in memory)."""
+        if self.order == "bijection":
+            rows = np.arange(self.num_micro_batches)[:, None] * self.global_batch + self.rank * self.per_rank_batch
+            order = IndexBijection(self.num_samples, self.seed + self.epoch)
+            return torch.from_numpy(order((rows + np.arange(self.per_rank_batch)).ravel()).reshape(rows.shape[0], -1))
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             perm = torch.randperm(self.num_samples, generator=g)
@@ -64,6 +82,12 @@ class ShardedGlobalSampler(Sampler[int]):
         return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
 
     def __iter__(self) -> Iterator[int]:
+        if self.order == "bijection":  # each micro-batch's indices computed when it is reached: O(batch) memory
+            order = IndexBijection(self.num_samples, self.seed + self.epoch)
+            mine = np.arange(self.per_rank_batch) + self.rank * self.per_rank_batch
+            for mb in range(self.skip, self.num_micro_batches):
+                yield from order(mine + mb * self.global_batch).tolist()
+            return
         # A micro-batch at a time: a whole epoch as one Python list costs ~60 bytes per sample, which
         # grows with a token file far past the permutation's own 8 bytes per window. One host read of the
         # index tensor, here at the epoch's start (a zero-copy numpy view); none inside the steps.
