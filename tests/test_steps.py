@@ -20,7 +20,7 @@ from ddplab.data.tokens import tokens
 from ddplab.length import RunLength
 from ddplab.optim import cosine
 
-# A tiny LM on a generated token file; batch 48 x 16 tokens: ~234 steps an epoch, so 600 steps cross two epoch
+# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch, so 600 steps cross two epoch
 # ends (which a step cadence does not evaluate) and every evaluation but the last falls mid-epoch.
 LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
       "batch_size=48", "progress=log"]
@@ -61,23 +61,28 @@ def test_600_steps_evaluated_every_100_exactly_at_world_sizes_1_2_3_and_a_stop_i
         for (s1, v1), (sn, vn) in zip(val_points(runs[1]), val_points(runs[n])):
             assert vn == pytest.approx(v1, rel=1e-5), (n, s1)  # fp32: equal to the reduction order
     log = (runs[2] / "train.log").read_text()
-    assert "600 steps (max_steps; 234 steps/epoch, 2.56 epochs)" in log
-    assert "step 300/600  val/num_samples=" in log and "done: 600/600 steps (2.56 epochs)" in log
-    # SIGTERM reaches rank 0 at the first batch of the third evaluation (step 300, mid-epoch 2): every rank stops
-    # inside it, checkpoints with the evaluation pending, and the resumed job evaluates step 300 first.
+    spe = len(tokens(corpus[0].split("=", 1)[1], corpus[1].split("=", 1)[1], block_size=16).train) // 48
+    assert spe == 245  # so 600 steps are 2.45 epochs: two epoch ends pass without an evaluation
+    assert "600 steps (max_steps; 245 steps/epoch, 2.45 epochs)" in log
+    assert f"step 300/600  val/num_samples={n_val}" in log and "done: 600/600 steps (2.45 epochs)" in log
+    # SIGTERM reaches rank 0 at the first batch of the third evaluation (step 300, mid-epoch 2). Each evaluation
+    # batch takes 0.5 s (a sleep: no number changes), so the stop agreement's ~1 s check falls inside it: every
+    # rank stops there, checkpoints with the evaluation pending, and the resumed job evaluates step 300 first.
     per_rank = -(-(-(-n_val // 2)) // 256)  # rank 0's evaluation batches: ceil(ceil(n/2) / 256)
     fault = {"phase": "evaluation", "k": 2 * per_rank + 1, "rank": 0, "target": "self", "signal": "SIGTERM",
              "dir": str(tmp_path / "fault")}
     (tmp_path / "fault").mkdir()
     stopped = tmp_path / "stopped"
-    env = {"SOAK_FAULT": json.dumps(fault), "SOAK_TRIAL_ID": str(tmp_path), "SOAK_DIR": str(tmp_path / "fault")}
+    env = {"SOAK_FAULT": json.dumps(fault), "SOAK_TRIAL_ID": str(tmp_path), "SOAK_DIR": str(tmp_path / "fault"),
+           "SOAK_EVAL_DELAY_S": "0.5"}
     proc = torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={stopped}"], tmp_path, extra_env=env)
     result = json.loads((stopped / "result.json").read_text())
     assert proc.returncode != 0 and (result["status"], result["step"]) == ("preempted", 300), result
     assert last(stopped)["loop"]["eval_pending"] and [s for s, _ in val_points(stopped)] == [100, 200]
     assert_ok(torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={stopped}", "resume=auto"], tmp_path))
     ref = tmp_path / "ref"
-    assert_ok(torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={ref}"], tmp_path))
+    assert_ok(torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={ref}"], tmp_path,
+                       extra_env={"SOAK_EVAL_DELAY_S": "0.5"}))
     assert_same_checkpoint(last(ref), last(stopped))
     assert val_points(stopped) == val_points(ref)  # step 300's evaluation once, equal to the uninterrupted one
 
@@ -101,16 +106,16 @@ def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus
     caplog.set_level("INFO", logger="ddplab")
     both = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=1", "max_steps=1000", "log_every_n_steps=50"],
                                   tmp_path / "epochs_first"))
-    assert both["step"] == 234 and both["epoch"] == 1
+    assert both["step"] == 245 and both["epoch"] == 1
     log, _ = caplog.text, caplog.clear()
-    assert ("234 steps/epoch x 1 epochs = 234 steps (num_epochs ends before max_steps=1,000; num_epochs=null "
+    assert ("245 steps/epoch x 1 epochs = 245 steps (num_epochs ends before max_steps=1,000; num_epochs=null "
             "trains by steps alone)") in log
     first = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=3", "max_steps=250", "log_every_n_steps=50"],
                                    tmp_path / "steps_first"))
-    assert first["step"] == 250 and first["epoch"] == 1  # one whole epoch, then 16 steps of the second
+    assert first["step"] == 250 and first["epoch"] == 1  # one whole epoch, then 5 steps of the second
     log = caplog.text
-    assert "250 steps (max_steps ends first; num_epochs=3 would be 702; 234 steps/epoch)" in log
-    assert [s for s, _ in val_points(tmp_path / "steps_first")] == [234, 250]  # epoch 1's end, and the last step
+    assert "250 steps (max_steps ends first; num_epochs=3 would be 735; 245 steps/epoch)" in log
+    assert [s for s, _ in val_points(tmp_path / "steps_first")] == [245, 250]  # epoch 1's end, and the last step
     # The progress line: the task's own metrics only (no acc for a language model), tokens/s, an ETA.
     line = next(x for x in log.splitlines() if " step 50/250 " in x)
     assert re.search(r"epoch 1 step 50/250  loss=\S+ perplexity=\S+  lr=\S+  [\d,]+ tokens/s  step [\d.]+ ms "
