@@ -159,7 +159,7 @@ def test_a_run_by_steps_resumed_after_its_end_trains_nothing_and_says_so(tmp_pat
     caplog.set_level("INFO", logger="ddplab")
     again = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "r"))
     assert again["step"] == 30
-    assert "already finished: 30 of 30 steps (0 epochs) done, nothing to train" in caplog.text
+    assert "already finished: 30 of 30 steps done, nothing to train" in caplog.text
 
 
 def test_early_stopping_follows_step_evaluations(tmp_path, corpus, caplog):

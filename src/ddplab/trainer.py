@@ -138,8 +138,9 @@ class Trainer:
         s.callbacks(Hook.ON_FIT_START, self.state)
         last_train: dict[str, float] = {}
         if s.length.done(loop.epoch, loop.step) and not loop.eval_pending:
-            log.info("already finished: %d of %d steps (%d epochs) done, nothing to train", loop.step,
-                     s.length.total_steps, loop.epoch)
+            done = (f"{loop.epoch} of {cfg.num_epochs} epochs" if cfg.get("max_steps") is None else
+                    f"{loop.step} of {s.length.total_steps} steps")
+            log.info("already finished: %s done, nothing to train", done)
         t0 = time.perf_counter()
         stop = cfg.stop_after_epochs
         try:
