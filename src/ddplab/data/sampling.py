@@ -29,6 +29,7 @@ from torch.utils.data import Sampler
 from ddplab.data.bijection import IndexBijection
 
 ORDERS = ("permutation", "bijection")
+_BLOCK = 16384  # indices the bijection order computes at a time (a few hundred KB, whatever the dataset)
 
 
 class ShardedGlobalSampler(Sampler[int]):
@@ -82,11 +83,13 @@ class ShardedGlobalSampler(Sampler[int]):
         return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
 
     def __iter__(self) -> Iterator[int]:
-        if self.order == "bijection":  # each micro-batch's indices computed when it is reached: O(batch) memory
+        if self.order == "bijection":  # indices computed a block of micro-batches at a time: bounded memory
             order = IndexBijection(self.num_samples, self.seed + self.epoch)
             mine = np.arange(self.per_rank_batch) + self.rank * self.per_rank_batch
-            for mb in range(self.skip, self.num_micro_batches):
-                yield from order(mine + mb * self.global_batch).tolist()
+            block = max(1, _BLOCK // self.per_rank_batch)  # numpy's per-call cost spread over ~16k indices
+            for first in range(self.skip, self.num_micro_batches, block):
+                mbs = np.arange(first, min(first + block, self.num_micro_batches))[:, None]
+                yield from order((mbs * self.global_batch + mine).ravel()).tolist()
             return
         # A micro-batch at a time: a whole epoch as one Python list costs ~60 bytes per sample, which
         # grows with a token file far past the permutation's own 8 bytes per window. One host read of the
