@@ -102,8 +102,15 @@ class ShardedGlobalSampler(Sampler[int]):
         return self.num_micro_batches * self.per_rank_batch
 
 
-def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
-    """This rank's validation indices: contiguous, no padding, sizes differ by <= 1."""
-    q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut, without an index per sample first
+def eval_span(num_samples: int, world_size: int, rank: int) -> range:
+    """This rank's validation indices as a range: contiguous, no padding, sizes differ by <= 1. A range, not an
+    index per sample: a token file's validation windows run to millions."""
+    q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut
     start = rank * q + min(rank, r)
-    return torch.arange(start, start + q + (rank < r))
+    return range(start, start + q + (rank < r))
+
+
+def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
+    """:func:`eval_span` as an index tensor (in-memory data is indexed with it)."""
+    span = eval_span(num_samples, world_size, rank)
+    return torch.arange(span.start, span.stop)
