@@ -124,21 +124,21 @@ def interleaved_worker(a: argparse.Namespace, out: str) -> None:
 
     from ddplab.config import register_configs
     from ddplab.runtime import group
-    from ddplab.trainer import Trainer
-
+    from ddplab.train.assemble import build_state
+    from ddplab.train.loop import Trainer
     register_configs()
 
     clock = StepClock()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=ddplab_overrides(a) + [f"run_dir={a.workdir}/inproc"])
     state = group.init(cfg.distributed)
-    trainer = Trainer(cfg, state, Path(cfg.run_dir))
+    trainer = Trainer(build_state(cfg, state, Path(cfg.run_dir)))
     hand = HandLoop(a, init_process_group=False)
     try:
         for i in range(a.epochs):
             for side in ("hand", "ddplab") if i % 2 == 0 else ("ddplab", "hand"):
                 clock.side = side
-                trainer.run_epoch() if side == "ddplab" else hand.epoch()
+                trainer.train_epoch() if side == "ddplab" else hand.epoch()
         trainer.state.writer.close()
         hand.close()
     finally:

@@ -3,10 +3,15 @@ step), profiled, split into the phases a user waits through before the first ste
 
     python scripts/bench_startup.py                 # 5 plain launches + 1 profiled, one process
     python scripts/bench_startup.py --repeats 9 -- model=resnet18 dataset=synthetic
+    python scripts/bench_startup.py --vs-hand --nproc 1 2 --repeats 7   # whole processes against a hand loop
 
 The split comes from cProfile's cumulative times (the profiler adds its own overhead, so the phases sum to
-more than the plain wall time; read them as shares). ``scripts/bench_overhead.py`` compares the start-up of
-ddplab with a hand-written loop, launch by launch.
+more than the plain wall time; read them as shares).
+
+``--vs-hand``: ddplab's fixed cost as whole processes, launch to exit: ``train.py`` (the default job, one
+step) against ``scripts/_hand_default_job.py`` (the same job written by hand: the same digits reader, model,
+process group and TensorBoard writer opened before its first step, one evaluation, a checkpoint), launched
+alike (``python`` for one rank, ``torchrun --standalone`` for more), alternating, median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ PHASES = {
     "ddplab: optimizer, schedule": "ddplab/optim.py:*(make_optimizer)",
     "ddplab: checkpoints registered, resume looked for": "ddplab/resuming.py:*(resume)",
     "ddplab: first words (config, HParams, charts to TensorBoard)": "ddplab/reporting.py:*(announce)",
-    "ddplab: the first step (incl. its checks)": "ddplab/trainer.py:*(_first_step)",
-    "ddplab: all of Trainer.__init__": "ddplab/trainer.py:*(__init__)",
+    "ddplab: the first step (incl. its checks)": "ddplab/train/loop.py:*(_first_step)",
+    "ddplab: the whole State (build_state: parts, setup, resume)": "ddplab/train/assemble.py:*(build_state)",
     "hydra + ddplab: the whole job function": "hydra/core/utils.py:*(run_job)",
 }
 
@@ -57,12 +62,36 @@ def wall(cmd: list[str], cwd: Path) -> float:
     return time.perf_counter() - t0
 
 
+def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
+    """Launch → exit of ddplab's default job and the hand-written one, alternating; medians and the difference."""
+    print("| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side |\n|---|---|---|---|---|")
+    for n in nprocs:
+        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={n}"]
+        times: dict[str, list[float]] = {"hand": [], "ddplab": []}
+        for i in range(repeats):
+            for side in ("hand", "ddplab") if i % 2 == 0 else ("ddplab", "hand"):
+                out = work / f"{side}-{n}-{i}"
+                out.mkdir()
+                cmd = [*launch, str(REPO / "scripts" / "_hand_default_job.py"), "--steps", "1", "--out", str(out)] \
+                    if side == "hand" else [*launch, str(REPO / "train.py"), *JOB,
+                                            f"hydra.run.dir={out}"]
+                times[side].append(wall(cmd, work))
+        hand, ours = statistics.median(times["hand"]), statistics.median(times["ddplab"])
+        print(f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="plain launches timed (median)")
+    ap.add_argument("--vs-hand", action="store_true", help="whole processes against a hand-written loop")
+    ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="with --vs-hand: the world sizes")
     ap.add_argument("overrides", nargs="*", help="train.py overrides after --")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ddplab-startup-"))
+    if a.vs_hand:
+        vs_hand(a.nproc, a.repeats, work)
+        return
     args = [*JOB, *a.overrides]
     plain = [wall([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={work}/plain{i}"], work)
              for i in range(a.repeats)]

@@ -308,16 +308,16 @@ class SoakCallback(Callback):
             (Path(soak_dir) / f"pid.{_rank()}").write_text(str(os.getpid()))
         if inj.wants("optimizer"):
             state.optimizer.register_step_pre_hook(lambda *_: inj.tick("optimizer"))
-        run = state.evaluator.run
+        evaluate = state.evaluator.evaluate
 
         def evaluating(*args: Any, **kw: Any) -> Any:
             inj.in_eval = True
             try:
-                return run(*args, **kw)
+                return evaluate(*args, **kw)
             finally:
                 inj.in_eval = False
 
-        state.evaluator.run = evaluating
+        state.evaluator.evaluate = evaluating
 
     def state_dict(self) -> dict[str, Any]:
         injector().tick("checkpoint")

@@ -22,7 +22,7 @@ NAMES = {module_name(p): p for p in MODULES}
 
 
 def test_the_rules_look_at_every_module():
-    assert len(MODULES) >= 30 and "ddplab.trainer" in NAMES and "ddplab.strategy.base" in NAMES
+    assert len(MODULES) >= 30 and "ddplab.train.loop" in NAMES and "ddplab.strategy.base" in NAMES
     sized = {str(p.relative_to(ROOT)) for p in SCRIPTS + TESTS}  # the size rules' scripts and test modules
     assert {"train.py", "scripts/soak.py", "tests/toy.py", "tests/conftest.py", "tests/helpers/jobs.py",
             "tests/workers/count_worker.py", "tests/test_architecture.py"} <= sized, sorted(sized)
@@ -120,12 +120,12 @@ def test_the_readme_is_a_front_door_and_every_docs_page_is_in_the_site():
 
 
 def test_no_module_outside_the_trainer_reads_trainer_attributes():
-    """Callbacks, reporting and resuming see the job's State (ddplab.state), not the Trainer: only job.py makes
-    one, and it asks only run() and position(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
+    """Callbacks, reporting and resuming see the job's State (ddplab.train.state), not the Trainer: only job.py makes
+    one, and it asks only train() and evaluate(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
 as reporting and resuming did)."""
     named, takes = [], []
     for p in MODULES:
-        if p.name == "trainer.py":
+        if p == SRC / "train" / "loop.py":
             continue
         tree = ast.parse(p.read_text())
         named += [f"{p.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree)
@@ -138,4 +138,54 @@ as reporting and resuming did)."""
     job = ast.parse((SRC / "job.py").read_text())
     used = {n.attr for n in ast.walk(job) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "trainer"}
-    assert used == {"run", "position"}, used
+    assert used == {"train", "evaluate"}, used
+
+
+def test_a_state_is_complete_when_build_state_returns_it():
+    """Every field of the State is given to its constructor in build_state, and no module assigns one later
+    (the loop's own records, ``loop`` and ``results``, change inside; ``request_stop`` sets ``stop_reason``)."""
+    from dataclasses import fields
+
+    from ddplab.train.state import State
+
+    names = {f.name for f in fields(State)}
+    assemble = ast.parse((SRC / "train" / "assemble.py").read_text())
+    made = [n for n in ast.walk(assemble) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "State"]
+    assert len(made) == 1 and names - {"stop_reason"} == {k.arg for k in made[0].keywords}, names
+
+    def assigned(tree: ast.AST) -> list[str]:
+        return [f"{n.lineno} {ast.unparse(t)}" for n in ast.walk(tree)
+                if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute) and t.attr in names and ast.unparse(t.value) in ("s", "state", "self.state")]
+
+    assert assigned(ast.parse("s.writer = make_writer()\nself.state.checkpoints = m")) == ["1 s.writer", "2 self.state.checkpoints"]
+    later = {str(p.relative_to(SRC)): assigned(ast.parse(p.read_text())) for p in MODULES}
+    assert {k: v for k, v in later.items() if v} == {}
+
+
+def test_one_table_decides_the_mode():
+    """Only ddplab.modes reads ``cfg.mode`` (the schema checks its values): the CLI, ddplab.run and the
+    Trainer ask no one else."""
+    reads = re.compile(r"""cfg\.mode\b|\.get\(["']mode["']""")
+    hits = [f"{p.relative_to(SRC)}:{i}" for p in _outside("modes.py", "config/")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    assert hits == []
+    assert reads.search((SRC / "modes.py").read_text())  # the pattern does find them
+    from ddplab.config.schema import Mode
+    from ddplab.modes import MODES
+
+    assert set(MODES) == {m.name for m in Mode}
+
+
+def test_train_step_reads_in_one_screen():
+    """Trainer.train_step: at most 30 lines, and its body shows one optimizer step in order: autocast, backward
+    (no_sync while accumulating), unscale, clip, step, zero_grad, schedule."""
+    tree = ast.parse((SRC / "train" / "loop.py").read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    assert fn.end_lineno - fn.lineno + 1 <= 30, fn.end_lineno - fn.lineno + 1
+    body = ast.unparse(fn)
+    order = ["no_sync(", "autocast()", "backward(", "unscale(", "clip_grad_norm_(", "precision.step(",
+             "zero_grad(", "scheduler.step()"]
+    at = [body.find(w) for w in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at))

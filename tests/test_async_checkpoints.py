@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import ddplab
 import toy
 from ddplab.checkpoint import files
 from helpers.compare import assert_same_checkpoint, load
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, job_env, run_cmd, tmpfs, torchrun
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, run_cmd, tmpfs, torchrun
 from test_preemption import finish, ranks_of, result, start, wait_for
 
 pytestmark = pytest.mark.slow

@@ -130,6 +130,20 @@ def test_a_users_callback_receives_every_hook_in_order(tmp_path):
     assert toy.RECORDED[-1][0] == "on_exception" and "on_fit_end" not in dict(toy.RECORDED)
 
 
+def test_a_callbacks_setup_sees_the_whole_state_and_on_load_the_resumed_one(tmp_path):
+    """build_state hands the callbacks a State with every part in place (the writer, the checkpoint manager,
+    the events dir: nothing filled in later), and ON_LOAD the resumed position."""
+    import toy
+
+    rec = ["+callbacks.rec._target_=toy.Recorder", "checkpoint.every_n_steps=0"]
+    toy.UNSET_AT_SETUP.clear()
+    toy.RECORDED.clear()
+    ddplab.run(compose_cfg(BASE + ["num_epochs=2", "stop_after_epochs=1", *rec], tmp_path / "r"))
+    ddplab.run(compose_cfg(BASE + ["num_epochs=2", "resume=auto", *rec], tmp_path / "r"))
+    assert toy.UNSET_AT_SETUP == [["stop_reason"], ["stop_reason"]]  # a stop reason is set only by request_stop
+    assert [h for h in toy.RECORDED if h[0] in ("setup", "on_load")] == [("setup", 0), ("setup", 0), ("on_load", 22)]
+
+
 # ------------------------------------------------------------------------- early stopping
 def _early_stop(tmp_path: Path, *args: str, epochs: int = 4) -> dict:
     ddplab.run(compose_cfg(BASE + [f"num_epochs={epochs}", "callbacks=[early_stopping]",

@@ -78,7 +78,7 @@ def test_torchrun_max_restarts_sigkill_resumes_bitwise(tmp_path):
     out = proc.stdout + proc.stderr
     # The rank really died by SIGKILL at that call (torchrun's own log names whichever of the ranks it
     # stopped it saw first, -9 or the other rank's -15, so the injector notes it).
-    assert (tmp_path / "killed.txt").read_text().startswith(f"kill rank 1 pid ")
+    assert (tmp_path / "killed.txt").read_text().startswith("kill rank 1 pid ")
     assert (tmp_path / "killed.txt").read_text().endswith(f"call {kill_at}")
     assert "exitcode: -9" in out or "exitcode: -15" in out
     assert "torchrun restart 1: continuing from the last checkpoint" in out
@@ -319,7 +319,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     from omegaconf import OmegaConf
 
     from ddplab.checkpoint import CheckpointManager
-    from ddplab.runtime.group import DistState
+    from ddplab.runtime.group import Dist
 
     class Counter:  # any object with state_dict/load_state_dict
         def __init__(self, n):
@@ -338,7 +338,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     policy = OmegaConf.create({"every_n_steps": 0, "keep_last": 2, "save_best": True})
 
     def manager(ema, counter):
-        m = CheckpointManager(tmp_path / "checkpoints", policy, DistState(), {"config": "x"})
+        m = CheckpointManager(tmp_path / "checkpoints", policy, Dist(), {"config": "x"})
         m.register("ema", ema)  # a module is Stateful as it is
         m.register("counter", counter)
         return m

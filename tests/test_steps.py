@@ -17,7 +17,7 @@ from helpers.jobs import REPO, assert_ok, compose_cfg, ranks, read_scalars, run_
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import tokens
-from ddplab.length import RunLength
+from ddplab.train.length import RunLength
 from ddplab.optim import cosine
 
 # A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch, so 600 steps cross two epoch

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
 from ddplab.runtime.stopping import StopAgreement
 from test_preemption import children, finish, result, start
@@ -40,7 +40,7 @@ def wait_until(cond, proc, log: Path, timeout: float = 120) -> None:
 
 def test_cadence_spaces_checks_by_time_not_steps():
     """Unit: the next check is ~1 s of steps away, measured from the slowest rank; nothing in between."""
-    agreement = StopAgreement(StopSignal(), DistState(), period_s=1.0)
+    agreement = StopAgreement(StopSignal(), Dist(), period_s=1.0)
     agreement.alone = False  # exercise the multi-rank cadence (one process: the "collective" is the row itself)
     c = agreement._train
     c.since -= 0.25  # pretend: step 1 took 0.25 s (and a bit); its check comes at once: 3 such steps fit in 1 s

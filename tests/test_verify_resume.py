@@ -15,7 +15,7 @@ from helpers.jobs import compose_cfg, python_train
 from ddplab import verify
 from ddplab.checkpoint.compare import first_difference
 from ddplab.config.errors import ConfigError
-from ddplab.job import run
+from ddplab import run
 
 SHORT = ["model=mlp", "num_epochs=2", "limit_train_steps=6", "progress=none"]  # 12 steps, 6 an epoch
 

@@ -27,6 +27,7 @@ from toy_callbacks import (  # noqa: F401
     SlowDisk,
     StallRecorder,
     TrainingOnlyRecorder,
+    UNSET_AT_SETUP,
     _DyingFile,
     saves_seen,
 )

@@ -12,6 +12,7 @@ from toy_models import _rank
 
 
 RECORDED: list[tuple[str, int]] = []  # (hook, loop step) per Recorder call, in order (in-process runs)
+UNSET_AT_SETUP: list[list[str]] = []  # per Recorder setup: the State's fields that were None then
 
 
 class Recorder:
@@ -21,7 +22,12 @@ class Recorder:
     def _note(self, hook, state):
         RECORDED.append((hook, state.loop.step))
 
-    def setup(self, state): self._note("setup", state)
+    def setup(self, state):
+        from dataclasses import fields
+
+        UNSET_AT_SETUP.append([f.name for f in fields(state) if getattr(state, f.name) is None])
+        self._note("setup", state)
+
     def on_fit_start(self, state): self._note("on_fit_start", state)
     def on_step_end(self, state, step): self._note("on_step_end", state)
     def on_log(self, state, values, step): self._note("on_log", state)

@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: `from ddplab.models import ConvNet` (or a launcher importing one
     # module) should not pay for the trainer's imports.
     if name == "run":
-        from ddplab.job import run
+        from ddplab.modes import run
 
         return run
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

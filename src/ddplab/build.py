@@ -122,36 +122,36 @@ class TrainData(NamedTuple):
     steps_per_epoch: int
 
 
-def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> TrainData:
+def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> TrainData:
     """The dataset on its device (the fast path where it fits), this rank's sampler and loader,
     and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
     data, augment = dataset(cfg)
     per_step = global_batch * accum  # samples per optimizer step (ddplab.batch_size)
     if is_stream(data.train):
-        return _stream_data(cfg, state, data, augment, global_batch, accum)
+        return _stream_data(cfg, dist, data, augment, global_batch, accum)
     if cfg.get("overfit_batches"):
         keep = min(len(data.train), cfg.overfit_batches * per_step)
         data.train = _head(data.train, keep)
         data.val = data.train  # learning at all shows first on the very batches it trains on
-    indexed = on_device(data.train, state.device, cfg.perf.data_on_device)
+    indexed = on_device(data.train, dist.device, cfg.perf.data_on_device)
     if indexed:
-        data.train = to_device(data.train, state.device)
+        data.train = to_device(data.train, dist.device)
         if isinstance(data.val, TensorData):
-            data.val = to_device(data.val, state.device)
-    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum,
+            data.val = to_device(data.val, dist.device)
+    sampler = ShardedGlobalSampler(len(data.train), global_batch, dist.world_size, dist.rank, cfg.seed, accum,
                                    order=getattr(data.train, "sample_order", "permutation"))
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
-    loader = TrainLoader(data.train, sampler, state.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
+    loader = TrainLoader(data.train, sampler, dist.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
                          indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.get("prefetch_factor", 2),
                          worker_init_fn=signals.shield_worker)  # a preemption signal is the rank's, not theirs
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
 
-def _stream_data(cfg: DictConfig, state: Any, data: Splits, augment: Any, global_batch: int, accum: int) -> TrainData:
+def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_batch: int, accum: int) -> TrainData:
     """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do, refused."""
     name = f"dataset._target_={cfg.dataset.get('_target_')!r}"
     for part, ds in (("training", data.train), ("validation", data.val)):
@@ -165,13 +165,13 @@ def _stream_data(cfg: DictConfig, state: Any, data: Splits, augment: Any, global
         if on:
             raise ConfigError(f"{key}: not for an IterableDataset ({name}). Fix: drop {key}, or augment inside "
                               "the dataset")
-    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum)
+    sampler = ShardedGlobalSampler(len(data.train), global_batch, dist.world_size, dist.rank, cfg.seed, accum)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(f"batch_size={cfg.batch_size} x grad_accum_steps={accum}: one optimizer step needs "
                           f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
                           "batch_size or grad_accum_steps")
-    rows = functools.partial(collectives.all_ranks_rows, state=state) if state.world_size > 1 else None
-    loader = StreamLoader(data.train, sampler, state.device, cfg.perf.num_workers, cfg.perf.pin_memory,
+    rows = functools.partial(collectives.all_ranks_rows, dist=dist) if dist.world_size > 1 else None
+    loader = StreamLoader(data.train, sampler, dist.device, cfg.perf.num_workers, cfg.perf.pin_memory,
                           data.collate_fn, cfg.perf.get("prefetch_factor", 2), signals.shield_worker, rows, name)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)

@@ -10,15 +10,13 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ddplab import rundir, verify
+from ddplab import modes, rundir, verify
 from ddplab.config import ConfigError, InputError
 from ddplab.errors import ResourceError, was_said
-from ddplab.job import run
 from ddplab.runtime import env, group, launch, requeue, watch
 from ddplab.runtime.console import quiet_log_files
 from ddplab.runtime.signals import Preempted
@@ -165,7 +163,7 @@ def main(cfg: DictConfig) -> float | None:
     watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
     quiet_log_files()  # Hydra's train.log on a full disk: one line, not a traceback per record
     try:
-        metrics = _entry(str(cfg.get("mode")))(cfg)
+        metrics = modes.entry(cfg)(cfg)  # the mode's table: ddplab.modes
     except verify.VerifyFailed as e:  # the comparison's verdict, not a crash: one line, no traceback
         log.error("verify_resume: %s", e)
         raise SystemExit(1) from None
@@ -204,17 +202,6 @@ def main(cfg: DictConfig) -> float | None:
         _record_failure(cfg, f"{type(e).__name__}: {group.plain_message(e)}")
         return float("nan")
     return metrics.get(cfg.objective)
-
-
-def _entry(mode: str) -> Callable[[DictConfig], dict[str, float]]:
-    """What train.py runs: a job, its resume check, or a study's worker (its trials are jobs)."""
-    if mode == "verify_resume":
-        return verify.verify_resume
-    if mode == "study":
-        from ddplab.study import run_study
-
-        return run_study
-    return run
 
 
 def _record_failure(cfg: DictConfig, error: str) -> None:

@@ -14,7 +14,7 @@ from ddplab.data import Splits, eval_batches
 from ddplab.data.sampling import eval_span
 from ddplab.metrics import SumMeter
 from ddplab.precision import Precision
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.task import check_batch, check_output, name_of
 
 
@@ -28,10 +28,10 @@ def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float
 
 
 class Evaluator:
-    def __init__(self, task: Any, module: nn.Module, data: Splits, state: DistState, precision: Precision,
+    def __init__(self, task: Any, module: nn.Module, data: Splits, dist: Dist, precision: Precision,
                  strategy: Any, batch_size: int, to_memory_format: Callable[[Any], Any], max_batches: int | None = None):
         """``max_batches``: evaluate at most this many batches per rank (limit_val_batches; debugging)."""
-        self.task, self.module, self.data, self.state = task, module, data, state
+        self.task, self.module, self.data, self.dist = task, module, data, dist
         self.precision, self.strategy, self.batch_size, self.to_memory_format = precision, strategy, batch_size, to_memory_format
         self.max_batches = max_batches
         self.step = getattr(task, "evaluate", task)
@@ -39,19 +39,19 @@ class Evaluator:
         self._checked = False
 
     def _batches(self, world_size: int, rank: int, batch_size: int) -> Any:
-        return eval_batches(self.data.val, world_size, rank, batch_size, self.state.device, self.data.collate_fn)
+        return eval_batches(self.data.val, world_size, rank, batch_size, self.dist.device, self.data.collate_fn)
 
     def _common_batches(self) -> int:
         """The fewest batches any rank evaluates: only those may hold a collective every rank reaches."""
-        n, ws = len(self.data.val), self.state.world_size
+        n, ws = len(self.data.val), self.dist.world_size
         common = min(math.ceil(len(eval_span(n, ws, r)) / self.batch_size) for r in range(ws))
         return min(common, self.max_batches) if self.max_batches is not None else common
 
     @torch.no_grad()
-    def run(self, stopper: Any = None) -> dict[str, float] | None:
+    def evaluate(self, stopper: Any = None) -> dict[str, float] | None:
         """``stopper`` (a runtime.stopping.StopAgreement): None is returned on every rank when all
         agreed to stop part-way (a preemption signal during a long evaluation)."""
-        st, task = self.state, self.task
+        st, task = self.dist, self.task
         self.strategy.before_eval(self.module)
         self.module.eval()
         meter = SumMeter(st.device, getattr(task, "metric_names", ()))

@@ -1,6 +1,7 @@
-"""``ddplab.run(cfg)`` (defined here, in ddplab.job): one training job, callable from train.py, tests and sweepers.
+"""One job — ``mode=train`` (:func:`train`) or ``mode=eval`` (:func:`evaluate`) — callable from train.py, tests,
+sweepers, studies (``ddplab.modes`` decides which runs):
 
-    validate → strategy refusals → (self-launch N ranks) → Session → Trainer.fit → result.json
+    validate → strategy refusals → (self-launch N ranks) → Session → build_state → Trainer → result.json
 """
 
 from __future__ import annotations
@@ -23,21 +24,25 @@ from ddplab.session import Session
 log = logging.getLogger("ddplab")
 
 
-def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, float]:
-    """Train and evaluate as ``cfg`` says; return the final metrics (same dict on every rank).
+def train(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, float]:
+    """mode=train: train and evaluate as ``cfg`` says; the final metrics (the same dict on every rank).
 
-    Rank 0 also leaves ``result.json`` in the run dir — status, metrics or the
-    error — which sweep summaries and ``resume=auto`` read. ``search_earlier_runs``: whether
-    ``resume=auto`` may continue an earlier run of the same command (None: only when Hydra
-    made up this run's dir).
-    """
+    Rank 0 also leaves ``result.json`` in the run dir — status, metrics or the error — which sweep summaries
+    and ``resume=auto`` read. ``search_earlier_runs``: whether ``resume=auto`` may continue an earlier run
+    of the same command (None: only when Hydra made up this run's dir)."""
+    return _job(cfg, search_earlier_runs, evaluating=False)
+
+
+def evaluate(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, float]:
+    """mode=eval: the exact evaluation of the checkpoint ``resume`` names, with that checkpoint's own config
+    and this command's launch settings."""
+    validate(cfg)
+    return _job(eval_config(cfg), search_earlier_runs, evaluating=True)
+
+
+def _job(cfg: DictConfig, search_earlier_runs: bool | None, evaluating: bool) -> dict[str, float]:
+    """validate → strategy refusals → (self-launch N ranks) → Session → build_state → Trainer."""
     validate(cfg)  # bad values fail here, before any process group exists
-    if cfg.get("mode") in ("verify_resume", "study"):  # each runs jobs of its own, in processes of their own
-        runner = {"verify_resume": "ddplab.verify.verify_resume", "study": "ddplab.study.run_study"}[str(cfg.mode)]
-        raise ConfigError(f"mode={cfg.mode} is run by train.py (or {runner}(cfg)), not by ddplab.run. "
-                          f"Fix: python train.py mode={cfg.mode} ...")
-    if cfg.get("mode") == "eval":  # the checkpoint's own config, this command's launch settings
-        cfg = eval_config(cfg)
     strategy.check_launch(cfg, env.world_size())
     problem = group.refusal(cfg.distributed)  # nccl without CUDA: before any group forms, on every launcher
     if problem:
@@ -46,27 +51,32 @@ def run(cfg: DictConfig, search_earlier_runs: bool | None = None) -> dict[str, f
     if nproc > 1:
         if not env.is_launched():
             _check_room(cfg)
-            return _self_launch(cfg)
+            return _self_launch(cfg, evaluating)
         if not env.is_self_launched():
             log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
                         "launched job (torchrun/SLURM)", nproc)
     with Session(cfg, search_earlier_runs) as session:
-        metrics, note, objective = _train(session)
+        metrics, note, objective = _in_session(session, evaluating)
         session.complete(metrics, note, objective)
     return metrics
 
 
-def _train(session: Session) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
+def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
     """The metrics, how the run ended besides them (early stopping's note) and the objective with its
-    direction (for sweep summaries)."""
+    direction (for sweep summaries; none for an evaluation)."""
     # A function of its own: if it raises, its frame (holding the trainer and
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
-    from ddplab.trainer import Trainer  # after setup: a bad config costs no model build
+    from ddplab.train.assemble import build_state  # after setup: a bad config costs no model build
+    from ddplab.train.loop import Trainer
 
-    trainer = Trainer(session.cfg, session.state, session.run_dir, session.search_earlier_runs, session.stop,
-                      session.provenance)
-    session.report_failures_at(trainer.position)
-    return trainer.run()
+    state = build_state(session.cfg, session.dist, session.run_dir, evaluating=evaluating,
+                        search_earlier_runs=session.search_earlier_runs, stop=session.stop,
+                        provenance=session.provenance)
+    session.report_failures_at(state.position)
+    trainer = Trainer(state)
+    if evaluating:
+        return trainer.evaluate(), None, None
+    return trainer.train(), state.stop_reason, {"name": state.cfg.objective, "minimize": state.results.minimize}
 
 
 def _check_room(cfg: DictConfig) -> None:
@@ -81,7 +91,7 @@ def _check_room(cfg: DictConfig) -> None:
                           f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, SLURM)")
 
 
-def _self_launch(cfg: DictConfig) -> dict[str, float]:
+def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
     from ddplab.runtime.launch import launch
 
     run_dir = rundir.own_run_dir(cfg)
@@ -89,7 +99,7 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
     # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
     job = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
            "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided here, where Hydra's config is
-           "log_tag": job_tag()}
+           "log_tag": job_tag(), "evaluating": evaluating}
     job["config"]["run_dir"] = str(run_dir)
     from ddplab.runtime.launch import RankRefusedConfig, RankSaid
 
@@ -126,13 +136,13 @@ def _self_launch(cfg: DictConfig) -> dict[str, float]:
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
-    """One self-launched rank: the resolved config as a plain dict → ``run``."""
+    """One self-launched rank: the resolved config as a plain dict → the parent's job (train or evaluate)."""
     from ddplab.runtime.launch import CONFIG_EXIT, SAID_EXIT, let_rank_zero_report
 
     cfg = OmegaConf.create(job["config"])
     OmegaConf.set_struct(cfg, True)
     try:
-        return run(cfg, job["search_earlier_runs"])
+        return _job(cfg, job["search_earlier_runs"], job["evaluating"])
     except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ddplab.runtime.collectives import all_ranks_rows
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.task import TaskError, TaskOutput
 
 
@@ -83,9 +83,9 @@ class SumMeter:
                 self.sums[slots[f"{m}.sum"]] += s
                 self.sums[slots[f"{m}.count"]] += c
 
-    def reduce(self, state: DistState, where: str = "evaluation") -> dict[str, float]:
+    def reduce(self, dist: Dist, where: str = "evaluation") -> dict[str, float]:
         """Exact validation metrics from every rank's sums (one collective)."""
-        total = all_ranks_rows(self.sums, state).sum(0).tolist()  # the one host-device sync
+        total = all_ranks_rows(self.sums, dist).sum(0).tolist()  # the one host-device sync
         return {f"val/{k}": v for k, v in _means(total, self.slots, self.metric_names, where).items()}
 
 
@@ -106,24 +106,24 @@ class TrainMetrics:
     _FIXED = ["loss", "num_samples", "grad_norm", "grad_norm.count", "step_time", "data_time", "steps", "wall",
               "peak_mem", "stop", "nonfinite", "nonfinite_step"]
 
-    def __init__(self, state: DistState, metric_names: Iterable[str], nonfinite: str = "error", accum: int = 1,
+    def __init__(self, dist: Dist, metric_names: Iterable[str], nonfinite: str = "error", accum: int = 1,
                  capacity: int = 64):
-        self.state = state
+        self.dist = dist
         self.metric_names = tuple(metric_names)
         self.slots = Slots(self._FIXED + _metric_slots(self.metric_names))
         # Where each metric's sum and count go in the row: indices by name, for one scatter per interval.
         # Index tensors made once on the device: no host-to-device copy on the step path.
-        self._sum_idx = torch.tensor([self.slots[f"{m}.sum"] for m in self.metric_names], device=state.device)
-        self._count_idx = torch.tensor([self.slots[f"{m}.count"] for m in self.metric_names], device=state.device)
+        self._sum_idx = torch.tensor([self.slots[f"{m}.sum"] for m in self.metric_names], device=dist.device)
+        self._count_idx = torch.tensor([self.slots[f"{m}.count"] for m in self.metric_names], device=dist.device)
         self.accum = accum
-        self._cuda = state.device.type == "cuda"
+        self._cuda = dist.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
         self.skipped = 0  # steps skipped by nonfinite_loss=skip (host: that mode syncs anyway)
         self._alloc(capacity)
         self.reset()
 
     def _alloc(self, capacity: int) -> None:
-        dev, m = self.state.device, len(self.metric_names)
+        dev, m = self.dist.device, len(self.metric_names)
         self.losses = torch.zeros(capacity, device=dev)  # mean loss of each micro-batch
         self.sums = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # metric sums of each
         self.counts = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # tensor counts of each
@@ -179,7 +179,7 @@ class TrainMetrics:
         self.steps = 0
         self.t_start = time.perf_counter()
         if self._cuda:
-            torch.cuda.reset_peak_memory_stats(self.state.device)
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
 
     def add_step(self, step_time: float, data_time: float) -> None:
         self.step_time += step_time
@@ -188,7 +188,7 @@ class TrainMetrics:
 
     def _local_row(self, last_step: int, stop: bool) -> Tensor:
         """This rank's packed sums (device ops only; the caller's collective is the sync)."""
-        k, dev, lay = len(self.sizes), self.state.device, self.slots
+        k, dev, lay = len(self.sizes), self.dist.device, self.slots
         row = torch.zeros(len(lay), dtype=torch.float64, device=dev)
         losses = self.losses[:k].double()
         finite = torch.isfinite(losses)
@@ -222,7 +222,7 @@ class TrainMetrics:
         rank's flag from the same collective at the same step; the agreement itself is the StopAgreement's.
         """
         lay = self.slots
-        rows = all_ranks_rows(self._local_row(last_step, stop), self.state).cpu()
+        rows = all_ranks_rows(self._local_row(last_step, stop), self.dist).cpu()
         anyone_stops = bool(rows[:, lay["stop"]].sum() > 0)
         self._raise_if_nonfinite(rows, where)
         total = rows.sum(0).tolist()

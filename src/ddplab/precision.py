@@ -154,22 +154,20 @@ class Precision:
     def backward(self, loss: Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> Tensor | None:
-        """Unscale, clip, step, update; returns the pre-clip grad norm (a device tensor) if clipping."""
-        norm = None
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the gradients divided back by the loss scale, so clipping sees the real ones (else nothing)."""
         if self.scaler:
-            self.scaler.unscale_(optimizer)  # clip real gradients, not scaled ones
-        if grad_clip > 0:
-            # No .item(): the norm stays on the device until the next log step.
-            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        if self.scaler:
-            found = compat.found_inf(self.scaler, optimizer)  # set by unscale_; no sync to read
-            self.overflow_steps += sum(f.to(self.overflow_steps.device) for f in found).clamp(max=1)
-            self.scaler.step(optimizer)  # skips the step if grads hold inf/nan
-            self.scaler.update()
-        else:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step; fp16: skipped when a gradient is inf/nan (counted), and the scale updated."""
+        if not self.scaler:
             optimizer.step()
-        return norm
+            return
+        found = compat.found_inf(self.scaler, optimizer)  # set by unscale_; no sync to read
+        self.overflow_steps += sum(f.to(self.overflow_steps.device) for f in found).clamp(max=1)
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def loss_scale(self) -> float | None:
         """Current fp16 loss scale; a host-device sync, so call it on log steps only."""

@@ -10,8 +10,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir
-from ddplab.length import RunLength
-from ddplab.state import State
+from ddplab.train.length import RunLength
+from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")
 
@@ -71,7 +71,7 @@ def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
     """The Custom Scalars tab: train against val for each of the task's metrics (with a callback's
     variant, e.g. val_ema/acc, and the objective's best), then the vitals, folded."""
     from ddplab.task import logged_names
-    from ddplab.trainstate import best_name
+    from ddplab.train.state import best_name
 
     obj, extra = s.cfg.objective, s.callbacks.logged_names()
     learning: dict[str, list[str]] = {}
@@ -89,12 +89,10 @@ def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
 
 
 def announce(s: State) -> None:
-    """The job's first words: the config (and opted-in changes), HParams and the Custom Scalars
+    """The job's first words: the config, HParams and the Custom Scalars
     charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
     cfg, st = s.cfg, s.dist
     s.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-    if s.config_changes:
-        s.writer.text("config_changes", s.config_changes)
     if "study" not in (cfg.get("callbacks") or {}):  # a study's worker writes a trial's row with its end state
         s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))
@@ -118,7 +116,7 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
     the command that opens TensorBoard, and a hint when validation loss ended above where it began."""
     cfg, res, obj = s.cfg, s.results, s.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
-    samples = (steps - s.loop_start_step) * s.samples_per_step
+    samples = (steps - s.loop.start_step) * s.samples_per_step
     done = (f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps" if cfg.get("max_steps") is None else
             f"{steps}/{s.length.total_steps} steps ({steps / s.steps_per_epoch:.3g} epochs)")
     lines = [f"done: {done}, {secs:.1f} s this run"
@@ -131,7 +129,7 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
     lines.append(f"events: {shown(s.events_dir)}")
     lines.append(f"open: tensorboard --logdir {shown(s.run_dir)}")
     last = res.last_val.get("val/loss")
-    yardsticks = [("the first logged train/loss", s.first_train_loss)]
+    yardsticks = [("the first logged train/loss", s.results.first_train_loss)]
     if res.first_val != res.last_val:  # more than one evaluation
         yardsticks.insert(0, ("its first evaluation", res.first_val.get("val/loss")))
     above = [(what, v) for what, v in yardsticks if v is not None and last is not None and last > v]

@@ -1,5 +1,5 @@
 """The trainer's checkpoints and how a run resumes: which of its parts are checkpointed
-(:func:`checkpoints_of`), the checkpoint's config against the current one, and — when the
+(:func:`checkpoint_manager`, :func:`register_entries`), the checkpoint's config against the current one, and — when the
 user opted in with ``resume_apply_changes=true`` — new values really applied and recorded
 (:func:`resume`). ``mode=eval`` takes its config from the checkpoint (:func:`eval_config`).
 
@@ -22,7 +22,8 @@ from ddplab.callbacks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
-from ddplab.state import State
+from ddplab.runtime.group import Dist
+from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")
 
@@ -92,14 +93,19 @@ def _plain(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
 
-def checkpoints_of(s: State, stop: Callable[[str], None] | None = None) -> tuple[CheckpointManager, ResumeGuard]:
-    """The CheckpointManager with every stateful part of the job registered, and its drift guard.
-    ``stop(reason)``: how a failed background write stops the loop (the trainer's StopSignal.request). The
-    callbacks' on_save hears of each checkpoint once it is on disk (with async_save: after the write)."""
-    meta = {"config": OmegaConf.to_yaml(s.cfg, resolve=True), "world_size": s.dist.world_size}
-    guard = ResumeGuard(s.cfg, s.dist.world_size)  # a checkpoint of another config is refused
-    manager = CheckpointManager(s.run_dir / "checkpoints", s.cfg.checkpoint, s.dist, meta, check_meta=guard.check,
-                                stop=stop, saved=lambda path: s.callbacks(Hook.ON_SAVE, s, path))
+def checkpoint_manager(cfg: DictConfig, dist: Dist, run_dir: Path, guard: ResumeGuard,
+                       stop: Callable[[str], None], saved: Callable[[str], None]) -> CheckpointManager:
+    """The job's CheckpointManager, before any entry is registered (:func:`register_entries`). ``guard``
+    refuses a checkpoint of another config; ``stop(reason)``: how a failed background write stops the loop
+    (the StopSignal's request); ``saved(path)``: each checkpoint once it is on disk (the callbacks' on_save)."""
+    meta = {"config": OmegaConf.to_yaml(cfg, resolve=True), "world_size": dist.world_size}
+    return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, dist, meta, check_meta=guard.check,
+                             stop=stop, saved=saved)
+
+
+def register_entries(s: State) -> None:
+    """Every stateful part of the job into its CheckpointManager; the callbacks' too (after their setup)."""
+    manager = s.checkpoints
     entries = {**s.strategy.checkpoint_entries(s.module, s.optimizer, manager), "scheduler": s.scheduler,
                "scaler": s.precision, "loop": s.loop,
                "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
@@ -110,7 +116,6 @@ def checkpoints_of(s: State, stop: Callable[[str], None] | None = None) -> tuple
         manager.register(key, component)
     for key, component in s.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh
         manager.register(key, component, optional=True)
-    return manager, guard
 
 
 def resume(s: State, guard: ResumeGuard) -> str | None:

@@ -6,7 +6,7 @@ rank 0 (and the torchrun-restart memo) → on exit, ``result.json`` and the
 teardown. It must not touch models, data or checkpoints' contents: what runs
 inside the ``with`` block is the trainer's business.
 
-    with Session(cfg) as s:          # s.cfg, s.state, s.run_dir
+    with Session(cfg) as s:          # s.cfg, s.dist, s.run_dir
         metrics = train(s)
         s.complete(metrics)
 """
@@ -26,7 +26,7 @@ from ddplab import provenance, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.errors import mark_said
 from ddplab.runtime import collectives, env, group
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import Preempted, StopSignal
 
 log = logging.getLogger("ddplab")
@@ -35,7 +35,7 @@ log = logging.getLogger("ddplab")
 class Session:
     def __init__(self, cfg: DictConfig, search_earlier_runs: bool | None = None):
         self.cfg = cfg
-        self.state: DistState = DistState()
+        self.dist: Dist = Dist()
         self.run_dir: Path = Path()
         self._lock: rundir.RunDirLock | None = None  # set once rank 0 holds the run dir
         self.hosts: dict[int, str] = {}  # rank -> host, from the start-up rank table (failures name hosts)
@@ -52,7 +52,7 @@ class Session:
 
     def __enter__(self) -> Session:
         self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
-        self.state = group.init(self.cfg.distributed)
+        self.dist = group.init(self.cfg.distributed)
         try:
             self._agree()
         except BaseException as e:
@@ -61,7 +61,7 @@ class Session:
         return self
 
     def _agree(self) -> None:
-        st = self.state
+        st = self.dist
         if not st.is_main:
             logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something is wrong
         self.cfg = collectives.sync_config(self.cfg, st)  # a sweeper may have sampled per rank
@@ -117,7 +117,7 @@ class Session:
                  objective: dict[str, Any] | None = None) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
         objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
-        if self.state.is_main:
+        if self.dist.is_main:
             rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics,
                                                **({"note": note} if note else {}),
                                                **({"objective": objective} if objective else {})})
@@ -138,10 +138,10 @@ class Session:
             elif isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
                 if self._lock is not None:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
-            elif isinstance(exc, Exception) and getattr(exc, "alike_on_every_rank", False) and not self.state.is_main:
+            elif isinstance(exc, Exception) and getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main:
                 mark_said(exc)  # the same file met by every rank (a checkpoint): rank 0 says it and records it
             elif isinstance(exc, Exception):
-                report, says, silent_peer = group.describe_failure(self.state, exc, self._where(), str(self.run_dir),
+                report, says, silent_peer = group.describe_failure(self.dist, exc, self._where(), str(self.run_dir),
                                                                    self.cfg.distributed.timeout_s, self.hosts)
                 log.error(says)
                 mark_said(exc)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from ddplab.reporting import shown
 from ddplab.rundir import label, read_overrides, read_result, swept
-from ddplab.trainstate import best_name
+from ddplab.train.state import best_name
 
 COLUMNS = ["job", "status", "swept", "objective", "best", "val/loss", "train/loss", "overrides", "error"]
 log = logging.getLogger("ddplab")

@@ -260,13 +260,13 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
 
 def _child_main(spec: str) -> int:
     """A verify_resume run in this fresh process (self-launching its ranks when there are several)."""
-    from ddplab.job import run
+    from ddplab.job import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cfg = OmegaConf.create(json.loads(Path(spec).read_text()))
     OmegaConf.set_struct(cfg, True)
     try:
-        run(cfg, search_earlier_runs=False)
+        train(cfg, search_earlier_runs=False)
     except Preempted as e:
         return e.exit_code
     except ConfigError as e:  # refused, perhaps before its Session could record it: the parent says it once

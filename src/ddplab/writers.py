@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ddplab.errors import ResourceError
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 
 
 class NullWriter:
@@ -35,6 +35,9 @@ class NullWriter:
     def image(self, tag: str, image: Any, step: int) -> None:
         """``image``: a (C, H, W) tensor with values in [0, 1] (C = 1 or 3)."""
 
+    def purge_after(self, step: int) -> None:
+        """A resumed run (or one restarted where an attempt left events): drop what was logged after ``step``."""
+
     def close(self) -> None:
         pass
 
@@ -48,8 +51,9 @@ class TensorBoardWriter(NullWriter):
     are queued and land first in the file.
     """
 
-    def __init__(self, log_dir: str, purge_step: int | None = None):
-        self.log_dir, self.purge_step = log_dir, purge_step
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self.purge_step: int | None = None
         self._w: Any = None
         self._queued: list[tuple[str, tuple]] = []
 
@@ -67,6 +71,10 @@ class TensorBoardWriter(NullWriter):
             raise ResourceError(f"could not write TensorBoard events to {self.log_dir}: {type(e).__name__}: {e} "
                                 f"({free}). Fix: free space (or point run_dir elsewhere), then run the same command "
                                 "with resume=auto") from None
+
+    def purge_after(self, step: int) -> None:
+        assert self._w is None, "purge_after comes before the first write (the event file is opened lazily)"
+        self.purge_step = step + 1
 
     def _writer(self) -> Any:
         if self._w is None:
@@ -176,5 +184,5 @@ def _after_earlier_event_files(log_dir: str) -> None:
         time.sleep(0.05)
 
 
-def make_writer(state: DistState, log_dir: str, purge_step: int | None = None) -> Any:
-    return TensorBoardWriter(log_dir, purge_step) if state.is_main else NullWriter()
+def make_writer(dist: Dist, log_dir: str) -> Any:
+    return TensorBoardWriter(log_dir) if dist.is_main else NullWriter()

@@ -20,7 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddplab.runtime import group
 from ddplab.config import register_configs
 from ddplab.data import ShardedGlobalSampler
-from ddplab.trainer import Trainer
+from ddplab.train.assemble import build_state
+from ddplab.train.loop import Trainer
 
 register_configs()
 conf = Path(__file__).resolve().parents[2] / "conf"
@@ -41,7 +42,7 @@ def recording_batches(self):
 
 ShardedGlobalSampler.batches = recording_batches
 state = group.init(cfg.distributed)
-trainer = Trainer(cfg, state, Path(sys.argv[1]))
+trainer = Trainer(build_state(cfg, state, Path(sys.argv[1])))
 calls = {"n": 0}
 
 
@@ -59,7 +60,7 @@ def count_forward(module, args):
 
 
 trainer.state.module.register_forward_pre_hook(count_forward)
-out = trainer.fit()
+out = trainer.train()
 everyone = [None] * state.world_size
 dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
 if state.is_main:

@@ -15,7 +15,8 @@ from omegaconf import open_dict
 
 from ddplab.config import register_configs
 from ddplab.runtime import group
-from ddplab.trainer import Trainer
+from ddplab.train.assemble import build_state
+from ddplab.train.loop import Trainer
 
 register_configs()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
@@ -23,7 +24,7 @@ with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / 
 with open_dict(cfg):
     cfg.run_dir = sys.argv[1]
 state = group.init(cfg.distributed)
-trainer = Trainer(cfg, state, Path(sys.argv[1]))
+trainer = Trainer(build_state(cfg, state, Path(sys.argv[1])))
 ddp = trainer.state.model
 data = ddp._get_ddp_logging_data()
 inner = ddp.module
@@ -36,7 +37,7 @@ report = {
     "bucket_cap_bytes": int(data.get("bucket_cap_bytes", -1)),
     "comm_hook": data.get("comm_hook", ""),
 }
-out = trainer.fit()
+out = trainer.train()
 report["val_acc"] = out["val/acc"]
 report["losses"] = [out["train/loss"]]
 if state.is_main:

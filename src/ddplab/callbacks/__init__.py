@@ -5,7 +5,7 @@
 Each entry of ``cfg.callbacks`` is a ``_target_`` (ddplab's or a user's own class, named
 from a yaml in their own config dir) made once per job. Every hook is optional; the
 trainer calls only the hooks a callback overrides (:class:`Hook` shows where each fires).
-Hooks get the job's :class:`ddplab.state.State` (``state.module``, ``.optimizer``, ``.loop``,
+Hooks get the job's :class:`ddplab.train.state.State` (``state.module``, ``.optimizer``, ``.loop``,
 ``.results``, ``.dist``, ``.run_dir``, ``.evaluator``, ``.strategy``, ``.writer``), never the Trainer:
 
 * ``setup(state)`` — the parts exist, nothing resumed yet;
@@ -30,11 +30,11 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddplab.state import State
+    from ddplab.train.state import State
 
 
 class Hook(str, enum.Enum):
-    """Where a callback's hooks fire, as the loop runs (``trainer.py``); each value is the method name.
+    """Where a callback's hooks fire, as the loop runs (``ddplab.train.loop``); each value is the method name.
 
     .. code-block:: text
 

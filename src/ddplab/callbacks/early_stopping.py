@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from ddplab.callbacks import Callback
-from ddplab.state import State
+from ddplab.train.state import State
 from ddplab.config.errors import ConfigError
 
 log = logging.getLogger("ddplab")

@@ -9,7 +9,7 @@ import torch
 
 from ddplab import compat
 from ddplab.callbacks import Callback
-from ddplab.state import State
+from ddplab.train.state import State
 
 
 class EMA(Callback):
@@ -56,7 +56,7 @@ class EMA(Callback):
         backup = [t.clone() for t in self.live]
         _copy(self.live, self.shadow)
         try:
-            ema = state.evaluator.run()
+            ema = state.evaluator.evaluate()
         finally:
             _copy(self.live, backup)
         return {"val_ema/" + k[len("val/"):]: v for k, v in ema.items() if k.startswith("val/")}

@@ -11,7 +11,7 @@ import torch
 
 from ddplab import compat
 from ddplab.callbacks import Callback
-from ddplab.state import State
+from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")
 

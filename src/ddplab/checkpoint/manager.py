@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the type only: importing torch.distributed.checkpoint costs
 from ddplab.checkpoint import background, files
 from ddplab.config import drift
 from ddplab.runtime.collectives import broadcast_object, side_group
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 
 log = logging.getLogger("ddplab")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("ddplab")
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_dir: Path, policy: Any, state: DistState, meta: dict[str, Any],
+    def __init__(self, ckpt_dir: Path, policy: Any, dist: Dist, meta: dict[str, Any],
                  check_meta: Callable[[dict[str, Any], Path], None] | None = None,
                  stop: Callable[[str], None] | None = None, saved: Callable[[str], None] | None = None):
         """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best, async_save); ``meta``:
@@ -42,7 +42,7 @@ class CheckpointManager:
         any load); ``stop(reason)``: asks the loop for a stop (a background write failed: the stop's save
         then raises its error on every rank); ``saved(path)``: called on every rank, on the loop's thread,
         for each checkpoint once it is on disk (the callbacks' on_save)."""
-        self.dir, self.policy, self.state, self.meta = ckpt_dir, policy, state, meta
+        self.dir, self.policy, self.dist, self.meta = ckpt_dir, policy, dist, meta
         self.check_meta, self._stop, self._saved = check_meta, stop, saved
         self._every = int(policy.every_n_steps)  # read once: save(mid_epoch=...) runs every step
         self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
@@ -119,21 +119,21 @@ class CheckpointManager:
         self._step = step
         if self._writer is not None:
             # Every rank: the write in flight is done, and how it went (rank 0's word) before anything new.
-            self._settled(broadcast_object(self._settle(t0), self.state))
+            self._settled(broadcast_object(self._settle(t0), self.dist))
             if not now:
                 return self._save_in_background(step, is_best, t0)
         entries = {key: c.state_dict() for key, c in self.components.items()}  # same order on every rank
         outcome: tuple[str, str] = ("", "")
-        if self.state.is_main:
+        if self.dist.is_main:
             try:
                 outcome = (str(self._write(entries, step, is_best)), "")
             except OSError as e:
                 outcome = ("", str(e))
-        path, error = broadcast_object(outcome, self.state)  # nobody races ahead of (or reads) a half-written file
+        path, error = broadcast_object(outcome, self.dist)  # nobody races ahead of (or reads) a half-written file
         if error:
             raise files.CheckpointWriteError(error)
         self.last_save_s = self.last_stall_s = time.perf_counter() - t0
-        if path and self.state.is_main:
+        if path and self.dist.is_main:
             _note_save_time(self.dir, Path(path).name, self.last_save_s)
         if path and self._saved is not None:
             self._saved(path)
@@ -162,7 +162,7 @@ class CheckpointManager:
         """checkpoint.async_save: copy every component's state (the loop waits for this only), then write
         in the background. A sharded component (FSDP) stages its own shards through DCP's async_save."""
         if self._group is None and any(hasattr(c, "stage") for c in self.components.values()):
-            self._group = side_group(self.state) or False
+            self._group = side_group(self.dist) or False
         entries: dict[str, Any] = {}
         pending: list[Callable[[], None]] = []  # sharded writes in flight: done before the step file names them
         for key, c in self.components.items():
@@ -176,7 +176,7 @@ class CheckpointManager:
         def write() -> None:
             for finish in pending:
                 finish()
-            if self.state.is_main:
+            if self.dist.is_main:
                 path = files.save({**entries, "meta": meta}, self.dir, step, self.policy.keep_last,
                                   is_best and self.policy.save_best)
                 _note_save_time(self.dir, path.name, time.perf_counter() - t0)
@@ -202,7 +202,7 @@ class CheckpointManager:
         """Collective, at the end of a run: the last background write is done; its failure fails every rank."""
         if self._writer is None:
             return
-        self._settled(broadcast_object(self._settle(time.perf_counter()), self.state))
+        self._settled(broadcast_object(self._settle(time.perf_counter()), self.dist))
 
     def drain(self) -> None:
         """Local, on the way out of a failed run: let the write in hand finish (it is a complete
@@ -219,14 +219,14 @@ class CheckpointManager:
         """
         digest = drift.trajectory_digest(self.meta["config"]) if "config" in self.meta else None
         found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)] \
-            if self.state.is_main else []
-        paths = [Path(p) for p in broadcast_object(found, self.state)]
+            if self.dist.is_main else []
+        paths = [Path(p) for p in broadcast_object(found, self.dist)]
         if not paths:
             return None
         if resume != "auto":  # the user named it: a bad file is an error, not a fallback
-            path, ck = paths[0], files.load(paths[0], self.state.device)
+            path, ck = paths[0], files.load(paths[0], self.dist.device)
         else:
-            got = files.load_first_good(paths, self.state.device)
+            got = files.load_first_good(paths, self.dist.device)
             if got is None:
                 raise files.CheckpointReadError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ddplab.runtime.collectives import gather_object
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 
 log = logging.getLogger("ddplab")
 
@@ -61,18 +61,18 @@ class RNGStreams:
     :meth:`restore` applies it when the loop resumes mid-epoch.
     """
 
-    def __init__(self, state: DistState):
-        self.state = state
+    def __init__(self, dist: Dist):
+        self.dist = dist
         self._staged: dict[str, Any] | None = None
         self.saved_world_size: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ranks": gather_object(rng_state(), self.state)}  # one entry per rank
+        return {"ranks": gather_object(rng_state(), self.dist)}  # one entry per rank
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         ranks = sd.get("ranks") or []
         self.saved_world_size = len(ranks)
-        self._staged = ranks[self.state.rank] if len(ranks) == self.state.world_size else None
+        self._staged = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else None
 
     def restore(self) -> bool:
         """Continue the saved streams exactly; False if there are none for this world size."""

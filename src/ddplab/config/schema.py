@@ -184,7 +184,7 @@ class TrainConfig:
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
     # The run's length (and the lr schedule's): epochs, optimizer steps, or both (whichever ends first, said at
-    # start-up); num_epochs=null max_steps=N trains by steps alone (ddplab.length).
+    # start-up); num_epochs=null max_steps=N trains by steps alone (ddplab.train.length).
     num_epochs: Optional[int] = 20
     max_steps: Optional[int] = None
     # Samples per optimizer micro-step summed over all ranks. Kept global so a

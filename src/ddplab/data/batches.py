@@ -46,3 +46,12 @@ def tensors(batch: Any, path: str = "batch") -> list[tuple[str, Tensor]]:
 def first_tensor(batch: Any) -> Tensor | None:
     found = tensors(batch)
     return found[0][1] if found else None
+
+
+def in_memory_format(batch: Any, fmt: torch.memory_format | None) -> Any:
+    """Image batches (4-D float tensors) in the model's memory format (NHWC with perf.channels_last); None:
+    the batch as it is."""
+    if fmt is None:
+        return batch
+    return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
+                       else t)

@@ -1,6 +1,6 @@
 """Small named collectives over the job's process group; each is a no-op on one process.
 
-Called with the :class:`~ddplab.runtime.group.DistState` the Session built,
+Called with the :class:`~ddplab.runtime.group.Dist` the Session built,
 so a caller never asks ``torch.distributed`` whether a group exists.
 """
 
@@ -13,39 +13,39 @@ import socket
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 
 
-def broadcast_object(obj: Any, state: DistState) -> Any:
+def broadcast_object(obj: Any, dist: Dist) -> Any:
     """Rank 0's ``obj`` on every rank (small picklable things: paths, decisions)."""
-    if not state.is_distributed:
+    if not dist.is_distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def side_group(state: DistState) -> Any:
+def side_group(dist: Dist) -> Any:
     """A second gloo group over every rank, for collectives a background thread runs (an asynchronous
     sharded checkpoint) while the loop runs its own on the job's group: two threads sharing one group
     would interleave their collectives. Collective to create; None on one process."""
-    if not state.is_distributed:
+    if not dist.is_distributed:
         return None
-    return dist.new_group(backend="gloo")
+    return torch_dist.new_group(backend="gloo")
 
 
-def gather_object(obj: Any, state: DistState) -> list[Any]:
+def gather_object(obj: Any, dist: Dist) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (checkpoint-time only)."""
-    if not state.is_distributed:
+    if not dist.is_distributed:
         return [obj]
-    out: list[Any] = [None] * state.world_size
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.world_size
+    torch_dist.all_gather_object(out, obj)
     return out
 
 
-def all_ranks_rows(row: torch.Tensor, state: DistState) -> torch.Tensor:
+def all_ranks_rows(row: torch.Tensor, dist: Dist) -> torch.Tensor:
     """(world_size, K) matrix of every rank's ``row`` — ONE collective.
 
     Each rank writes its row into a zero matrix and the matrices are summed.
@@ -53,26 +53,26 @@ def all_ranks_rows(row: torch.Tensor, state: DistState) -> torch.Tensor:
     where separate SUM/MAX/MIN all_reduces would cost three round trips; for
     the handful of numbers logged per interval the extra bytes are free.
     """
-    if not state.is_distributed:
+    if not dist.is_distributed:
         return row.unsqueeze(0)
-    rows = torch.zeros(state.world_size, row.numel(), dtype=row.dtype, device=row.device)
-    rows[state.rank] = row
-    dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+    rows = torch.zeros(dist.world_size, row.numel(), dtype=row.dtype, device=row.device)
+    rows[dist.rank] = row
+    torch_dist.all_reduce(rows, op=torch_dist.ReduceOp.SUM)
     return rows
 
 
-def any_rank(flag: bool | torch.Tensor, state: DistState) -> bool:
+def any_rank(flag: bool | torch.Tensor, dist: Dist) -> bool:
     """True on every rank if ``flag`` is true on any rank (one tiny collective and a host read)."""
-    t = torch.as_tensor(flag, dtype=torch.float32, device=state.device).reshape(1)
-    return bool(all_ranks_rows(t, state).sum().item() > 0)
+    t = torch.as_tensor(flag, dtype=torch.float32, device=dist.device).reshape(1)
+    return bool(all_ranks_rows(t, dist).sum().item() > 0)
 
 
-def barrier(state: DistState) -> None:
-    if state.is_distributed:
-        dist.barrier()
+def barrier(dist: Dist) -> None:
+    if dist.is_distributed:
+        torch_dist.barrier()
 
 
-def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
+def broadcast_buffers(module: torch.nn.Module, dist: Dist) -> None:
     """Give every rank rank 0's floating-point buffers (BN running stats) in one broadcast.
 
     A module (or submodule) with a ``synced_state()`` method adds the tensors it
@@ -80,27 +80,27 @@ def broadcast_buffers(module: torch.nn.Module, state: DistState) -> None:
     """
     extra = [t for m in module.modules() if hasattr(m, "synced_state") for t in m.synced_state()]
     bufs = [b for b in [*module.buffers(), *extra] if b.is_floating_point()]
-    if not state.is_distributed or not bufs:
+    if not dist.is_distributed or not bufs:
         return
     flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])
-    dist.broadcast(flat, src=0)
+    torch_dist.broadcast(flat, src=0)
     with torch.no_grad():
         for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
             b.copy_(v.view_as(b))
 
 
-def rank_table(state: DistState, digest: str = "") -> tuple[str, list[dict[str, Any]]]:
+def rank_table(dist: Dist, digest: str = "") -> tuple[str, list[dict[str, Any]]]:
     """Every rank's host, device, local rank, pid and config digest — gathered once at start-up —
     as the "rank@host:device(local_rank) cfg=digest" line and as rows (for provenance)."""
-    me = {"rank": state.rank, "local_rank": state.local_rank, "host": socket.gethostname(),
-          "device": str(state.device), "pid": os.getpid(), "config_digest": digest}
-    rows = gather_object(me, state)
+    me = {"rank": dist.rank, "local_rank": dist.local_rank, "host": socket.gethostname(),
+          "device": str(dist.device), "pid": os.getpid(), "config_digest": digest}
+    rows = gather_object(me, dist)
     text = ", ".join(f"{r['rank']}@{r['host']}:{r['device']}(local {r['local_rank']})"
                      + (f" cfg={r['config_digest']}" if r["config_digest"] else "") for r in rows)
     return text, rows
 
 
-def sync_config(cfg: Any, state: DistState) -> Any:
+def sync_config(cfg: Any, dist: Dist) -> Any:
     """Every rank trains rank 0's config.
 
     A sweeper running in every rank (Optuna under torchrun) may sample
@@ -112,15 +112,15 @@ def sync_config(cfg: Any, state: DistState) -> Any:
     from ddplab.config import drift
 
     mine = OmegaConf.to_container(cfg, resolve=True)  # also fails early on a bad interpolation
-    if not state.is_distributed:
+    if not dist.is_distributed:
         return cfg
-    ref = broadcast_object(mine, state)
+    ref = broadcast_object(mine, dist)
     if ref != mine:
         a, b = drift.flatten(ref), drift.flatten(mine)
         diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         logging.getLogger("ddplab").warning(
             "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
-            state.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
+            dist.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
     out = OmegaConf.create(ref)
     OmegaConf.set_struct(out, True)
     return out

@@ -9,7 +9,7 @@ Launch forms it understands::
     srun / submitit                                      # SLURM_* / SUBMITIT_LOCAL_* task variables
     python train.py distributed.nproc_per_node=2         # ddplab.runtime.launch sets DDPLAB_SELF_LAUNCHED
 
-Everything else asks this module (or the DistState the Session builds from it).
+Everything else asks this module (or the Dist the Session builds from it).
 """
 
 from __future__ import annotations

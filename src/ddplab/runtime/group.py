@@ -1,7 +1,7 @@
 """The process group: join it from the launcher's environment, describe a failure, leave it.
 
 The Session is the only caller of :func:`init` and :func:`teardown`; every
-other module gets the resulting :class:`DistState` and the named helpers of
+other module gets the resulting :class:`Dist` and the named helpers of
 :mod:`ddplab.runtime.collectives`, never ``torch.distributed`` state directly.
 """
 
@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from ddplab import compat
 from ddplab.runtime import env, signals
@@ -30,7 +30,7 @@ _generation = 0  # process groups this process has created (the same count on ev
 
 
 @dataclass(frozen=True)
-class DistState:
+class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -72,7 +72,7 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(cfg: Any) -> DistState:
+def init(cfg: Any) -> Dist:
     """Join the process group described by the environment and ``cfg`` (conf/distributed)."""
     rank, world_size, local_rank = env.rank(), env.world_size(), env.local_rank()
     problem = refusal(cfg)  # ddplab.run asked first, as a config error; this is for direct callers
@@ -83,7 +83,7 @@ def init(cfg: Any) -> DistState:
         # Before any CUDA work: otherwise every rank creates a context on GPU 0.
         torch.cuda.set_device(device)
     if world_size == 1:
-        return DistState(device=device)
+        return Dist(device=device)
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -101,9 +101,9 @@ def init(cfg: Any) -> DistState:
         # torchrun's one store: a fresh key prefix per job keeps a new group
         # from reading the previous group's (dead) addresses and hanging.
         # torchrun's store also outlives a restart (--max-restarts): the restart count joins the prefix.
-        store = dist.PrefixStore(f"ddplab/{env.elastic_restart_count()}/{_generation}", store)
+        store = torch_dist.PrefixStore(f"ddplab/{env.elastic_restart_count()}/{_generation}", store)
         with deadline(what, cfg.timeout_s):
-            _interruptible(lambda: dist.init_process_group(
+            _interruptible(lambda: torch_dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                 **({"device_id": device} if backend == "nccl" else {})), what)
     except Preempted:
@@ -112,7 +112,7 @@ def init(cfg: Any) -> DistState:
         raise RuntimeError(f"rank {rank}/{world_size}: could not join the process group (backend={backend}, "
                            f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
                            f"{_join_hint(str(e), world_size, cfg.timeout_s)}") from e
-    return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
 def _interruptible(join: Callable[[], Any], what: str) -> Any:
@@ -156,7 +156,7 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta
     told apart by the key prefix init gives each (``_generation``)."""
     key = (init_method, env.master_address(), rank, world_size)
     if key not in _KEPT:
-        store, rank, world_size = next(dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
+        store, rank, world_size = next(torch_dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
         _KEPT[key] = store
     return _KEPT[key], rank, world_size
 
@@ -175,10 +175,10 @@ def teardown(clean: bool = True) -> None:
     """Leave the process group. ``clean``: every rank got here normally, so wait
     for all of them first — a rank that tears down while a peer is still in its
     last collective can abort the peer. After a failure, never wait (it would hang)."""
-    if dist.is_available() and dist.is_initialized():
+    if torch_dist.is_available() and torch_dist.is_initialized():
         if clean:
-            dist.barrier()
-        dist.destroy_process_group()
+            torch_dist.barrier()
+        torch_dist.destroy_process_group()
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -225,7 +225,7 @@ def plain_message(exc: BaseException) -> str:
     return f"{text[at + len(name) + 3:].rstrip()} (in DataLoader worker {worker.group(1)})"
 
 
-def describe_failure(state: DistState, exc: BaseException, where: str, job_key: str, timeout_s: float,
+def describe_failure(dist: Dist, exc: BaseException, where: str, job_key: str, timeout_s: float,
                      hosts: dict[int, str] | None = None) -> tuple[str, str, bool]:
     """Why the job stopped, as seen from this rank: (the job's first real error, for result.json; what this
     rank says; whether it only lost a peer that said nothing). Usually the same one paragraph, naming the
@@ -238,8 +238,8 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     the start-up rank table): across machines, a silent host is the first thing to look at. A rank that
     only lost its connection to a peer records the note of the rank that failed first, and says one line.
     """
-    msg = f"rank {state.rank}/{state.world_size} failed {where}: {type(exc).__name__}: {plain_message(exc)}"
-    if not (state.is_distributed and dist.is_initialized()):
+    msg = f"rank {dist.rank}/{dist.world_size} failed {where}: {type(exc).__name__}: {plain_message(exc)}"
+    if not (dist.is_distributed and torch_dist.is_initialized()):
         return msg, msg, False
     lost = any(s in str(exc).lower() for s in _LOST_PEER)
     found: list[list[int]] = []
@@ -248,14 +248,14 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     def notes() -> None:
         try:
             store = compat.default_store()
-            store.set(f"ddplab/{job_key}/failed/{state.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
+            store.set(f"ddplab/{job_key}/failed/{dist.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
             if not lost:  # the first real failure to get here is the job's: one key, whatever the world size
-                store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": state.rank, "msg": msg}))
+                store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": dist.rank, "msg": msg}))
             if lost:
                 first.extend(_first_real_failure(store, job_key))
             elif _is_timeout(exc):
                 time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
-                found.append([r for r in range(state.world_size)
+                found.append([r for r in range(dist.world_size)
                               if not store.check([f"ddplab/{job_key}/failed/{r}"])])
         except Exception:  # the store may be gone too; the plain message still stands
             pass
@@ -267,10 +267,10 @@ def describe_failure(state: DistState, exc: BaseException, where: str, job_key: 
     worker.join(min(3.0, timeout_s / 4) + 5.0)
     if first:
         peer, report = first[0]
-        return report, (f"rank {state.rank}/{state.world_size} stopped {where}: lost its connection to rank {peer}, "
+        return report, (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to rank {peer}, "
                         "which failed first (its error is above, and in result.json)"), False
     if lost and not worker.is_alive():  # the store answered, and no rank noted an error: one died without a word
-        said = (f"rank {state.rank}/{state.world_size} stopped {where}: lost its connection to a rank that said "
+        said = (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to a rank that said "
                 f"nothing: killed (SIGKILL, the OOM killer) or cut off ({plain_message(exc)[:200]})")
         return said, said, True
     if found:

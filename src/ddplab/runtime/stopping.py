@@ -25,7 +25,7 @@ import time
 import torch
 
 from ddplab.runtime.collectives import all_ranks_rows
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
 
 log = logging.getLogger("ddplab")
@@ -50,9 +50,9 @@ class _Cadence:
 class StopAgreement:
     """Owns "do all ranks stop here?": ``agreed`` turns true on every rank at the same step."""
 
-    def __init__(self, signal: StopSignal, state: DistState, period_s: float = PERIOD_S):
-        self.signal, self.state, self.period_s = signal, state, period_s
-        self.alone = not state.is_distributed
+    def __init__(self, signal: StopSignal, dist: Dist, period_s: float = PERIOD_S):
+        self.signal, self.dist, self.period_s = signal, dist, period_s
+        self.alone = not dist.is_distributed
         self.agreed = False
         self.checks = 0  # agreements held outside log steps (what the counting tests budget)
         self._train, self._eval = _Cadence(), _Cadence()
@@ -104,8 +104,8 @@ class StopAgreement:
 
     def _check(self, c: _Cadence) -> bool:
         now = time.perf_counter()
-        row = torch.tensor([float(self.signal.requested), now - c.since], dtype=torch.float64, device=self.state.device)
-        rows = all_ranks_rows(row, self.state).tolist()  # the one tiny collective (and host read) of a check
+        row = torch.tensor([float(self.signal.requested), now - c.since], dtype=torch.float64, device=self.dist.device)
+        rows = all_ranks_rows(row, self.dist).tolist()  # the one tiny collective (and host read) of a check
         self.checks += 1
         self.agreed = self.agreed or any(r[0] > 0 for r in rows)
         per_step = max(r[1] for r in rows) / max(c.steps, 1)  # the slowest rank sets everyone's pace

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.strategy.base import Strategy
 from ddplab.strategy.ddp import DDPStrategy
 from ddplab.strategy.fsdp import FSDPStrategy
@@ -39,10 +39,10 @@ def ranks_started(cfg: DictConfig) -> int:
     return 1 if _class(cfg).one_process else int(cfg.distributed.nproc_per_node)
 
 
-def make(cfg: DictConfig, state: DistState) -> Strategy:
+def make(cfg: DictConfig, dist: Dist) -> Strategy:
     """The strategy this job runs: the configured one, or ``none`` when a multi-process
     strategy finds itself on one process (nothing to reduce or shard)."""
     cls = _class(cfg)
-    if not state.is_distributed and not cls.one_process:
+    if not dist.is_distributed and not cls.one_process:
         cls = Local
-    return cls(cfg, state)
+    return cls(cfg, dist)

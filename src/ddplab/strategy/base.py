@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ddplab.config import ConfigError
 from ddplab.models.weights import state_dict_mismatch
 from ddplab.runtime import collectives
-from ddplab.runtime.group import DistState
+from ddplab.runtime.group import Dist
 from ddplab.syncbn import convert_sync_batchnorm
 
 if TYPE_CHECKING:  # the type only: torch.distributed.checkpoint costs ~0.6 s to import
@@ -70,8 +70,8 @@ class Strategy:
     counts_flops: ClassVar[bool] = True  # a FLOP-counting forward outside the step is safe
     one_file_checkpoints: ClassVar[bool] = True  # a checkpoint is one .pt (fsdp: a folder of DCP shards)
 
-    def __init__(self, cfg: DictConfig, state: DistState):
-        self.d, self.perf, self.state = cfg.distributed, cfg.perf, state
+    def __init__(self, cfg: DictConfig, dist: Dist):
+        self.d, self.perf, self.dist = cfg.distributed, cfg.perf, dist
 
     @classmethod
     def refuse(cls, cfg: DictConfig, world_size: int) -> None:
@@ -80,9 +80,9 @@ class Strategy:
     # ------------------------------------------------------------ the module
     def prepare(self, module: nn.Module) -> nn.Module:
         """The plain module on its device, as checkpoints and evaluation see it."""
-        if self.d.sync_batchnorm and self.state.is_distributed:
-            module = convert_sync_batchnorm(module, self.state.device)  # before any wrapper, as DDP requires
-        module = module.to(self.state.device)
+        if self.d.sync_batchnorm and self.dist.is_distributed:
+            module = convert_sync_batchnorm(module, self.dist.device)  # before any wrapper, as DDP requires
+        module = module.to(self.dist.device)
         if self.perf.channels_last:
             module = module.to(memory_format=torch.channels_last)  # 4-D weights only; the rest is untouched
         return module
@@ -121,10 +121,10 @@ class Strategy:
 
     # --------------------------------------------------------- evaluation
     def before_eval(self, module: nn.Module) -> None:
-        if self.state.is_distributed and self.d.broadcast_buffers:
+        if self.dist.is_distributed and self.d.broadcast_buffers:
             # Without SyncBN each rank's BN running stats drifted on its own
             # shard; evaluate every shard with rank 0's, the ones checkpointed.
-            collectives.broadcast_buffers(module, self.state)
+            collectives.broadcast_buffers(module, self.dist)
 
     def finish_eval(self, module: nn.Module, forwards_done: int, forwards_needed: int,
                     forward: Callable[[], Any]) -> None:

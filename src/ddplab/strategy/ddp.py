@@ -29,7 +29,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        d, st = self.d, self.state
+        d, st = self.d, self.dist
         ddp = DDP(
             self._compiled(module),
             device_ids=[st.device.index] if st.device.type == "cuda" else None,
@@ -63,7 +63,7 @@ class DDPStrategy(Strategy):
         if self.d.find_unused_parameters:
             return
         unused = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
-        if not collectives.any_rank(bool(unused), self.state):
+        if not collectives.any_rank(bool(unused), self.dist):
             return
         names = ", ".join(unused[:10]) + (f" (+{len(unused) - 10} more)" if len(unused) > 10 else "")
         raise RuntimeError(

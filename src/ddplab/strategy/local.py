@@ -38,7 +38,7 @@ class DataParallel(Local):
     name = "dp"
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        gpus = torch.cuda.device_count() if self.state.device.type == "cuda" else 0
+        gpus = torch.cuda.device_count() if self.dist.device.type == "cuda" else 0
         log.warning("distributed=dp: torch.nn.DataParallel, one process over %d GPU(s) — it scatters every batch "
                     "from and gathers outputs on GPU 0 in one Python thread. DistributedDataParallel is faster: "
                     "torchrun --nproc_per_node=%d train.py (scripts/bench_dp_vs_ddp.py measures the gap)",

@@ -88,9 +88,9 @@ def _work(cfg: DictConfig) -> dict[str, float]:
             raise Preempted(picked[1], -1, None)
         picked = picked[1:]
         if taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
-            from ddplab.job import run
+            from ddplab.job import train
 
-            run(trial_config(cfg, *picked), search_earlier_runs=False)
+            train(trial_config(cfg, *picked), search_earlier_runs=False)
             continue
         trial, hold = taken
         try:
@@ -243,12 +243,12 @@ def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[st
     """The trial's job; a rank of it killed (the OOM killer, a SIGKILL) is a death of the trial as its worker's
     would be — counted in the storage, and the trial resumed from its checkpoint, here, up to
     ``study.max_retries`` times — not a failure of the trial's params."""
-    from ddplab.job import run
+    from ddplab.job import train
     from ddplab.runtime.launch import RankFailed
 
     while True:
         try:
-            return run(cfg, search_earlier_runs=False)
+            return train(cfg, search_earlier_runs=False)
         except RankFailed as e:
             if e.killed_by is None or not w.holds[number].still_mine():  # a lapsed hold: another worker has it
                 raise

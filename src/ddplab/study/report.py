@@ -8,7 +8,7 @@ from typing import Any
 
 from ddplab.callbacks import Callback
 from ddplab.runtime import collectives
-from ddplab.state import State
+from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")
 

@@ -14,15 +14,15 @@ import time
 from typing import Any
 
 from ddplab.callbacks import Hook
+from ddplab.data.batches import first_tensor
 from ddplab.evaluation import derived
 from ddplab.metrics import TrainMetrics
-from ddplab.data.batches import first_tensor
 from ddplab.perf import FlopRate
 from ddplab.reporting import Progress
 from ddplab.runtime.stopping import StopAgreement
 from ddplab.runtime.watch import StallWatch, default_store
-from ddplab.state import State
 from ddplab.task import name_of
+from ddplab.train.state import State
 
 
 class LogInterval:
@@ -86,8 +86,8 @@ class LogInterval:
                                                    self.stopper.requested)
         self.stopper.heard_at_log_step(anyone_stops)
         values.update(derived(s.task, values, "train/"))
-        if s.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
-            s.first_train_loss = values.get("train/loss")
+        if s.results.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
+            s.results.first_train_loss = values.get("train/loss")
         s.callbacks(Hook.ON_LOG, s, values, step)
         values["vitals/lr"] = s.optimizer.param_groups[0]["lr"]
         values.update(self.flops.rates(values["vitals/samples_per_s"]))

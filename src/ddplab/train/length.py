@@ -51,3 +51,9 @@ class RunLength:
             return f"{self.max_steps:,} steps (max_steps ends first; num_epochs={self.num_epochs} would be {by_epochs:,}; {spe})"
         return (f"{spe} x {self.num_epochs} epochs = {by_epochs:,} steps (num_epochs ends before max_steps={self.max_steps:,}; "
                 "num_epochs=null trains by steps alone)")
+
+    def describe_done(self, epoch: int, step: int) -> str:
+        """How much of it is done, in the unit the config gave (epochs unless max_steps was given)."""
+        if self.max_steps is None:
+            return f"{epoch} of {self.num_epochs} epochs"
+        return f"{step} of {self.total_steps} steps"

@@ -1,0 +1,60 @@
+"""What ``mode`` runs: the one table that decides it. train.py (``ddplab.cli``) and ``ddplab.run(cfg)`` both
+look here; nothing below it asks for the mode again (a job is told whether it evaluates).
+
+    mode            runs                                   ddplab.run(cfg)
+    train           ddplab.job.train: ranks, Session,      yes
+                    build_state, Trainer.train
+    eval            ddplab.job.evaluate: the checkpoint's   yes
+                    config, Trainer.evaluate
+    verify_resume   ddplab.verify.verify_resume: two runs   no: train.py (fresh processes of its own)
+                    and their comparison
+    study           ddplab.study.run_study: a worker that   no: train.py (its trials are jobs)
+                    trains trials as jobs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from ddplab import job, verify
+from ddplab.config import ConfigError, validate
+
+
+def _study(cfg: DictConfig) -> dict[str, float]:
+    from ddplab.study import run_study  # Optuna's import only where a study runs
+
+    return run_study(cfg)
+
+
+@dataclass(frozen=True)
+class Mode:
+    entry: Callable[[DictConfig], dict[str, float]]  # what runs it; returns the metrics (the objective among them)
+    in_process: bool  # ddplab.run(cfg) runs it; False: only train.py does (it starts processes of its own)
+    runner: str  # where a user calls it from Python
+
+
+MODES: dict[str, Mode] = {
+    "train": Mode(job.train, True, "ddplab.run"),
+    "eval": Mode(job.evaluate, True, "ddplab.run"),
+    "verify_resume": Mode(verify.verify_resume, False, "ddplab.verify.verify_resume"),
+    "study": Mode(_study, False, "ddplab.study.run_study"),
+}
+
+
+def entry(cfg: DictConfig) -> Callable[[DictConfig], dict[str, float]]:
+    """What train.py runs for ``cfg.mode`` (the schema allows only the table's modes)."""
+    return MODES[str(cfg.get("mode") or "train")].entry
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """``ddplab.run(cfg)``: the job ``cfg`` describes (mode=train or eval); its final metrics, the same dict
+    on every rank. Rank 0 also leaves ``result.json`` in the run dir (status, metrics or the error)."""
+    validate(cfg)  # bad values fail here, before any process group exists
+    mode = str(cfg.get("mode") or "train")
+    if not MODES[mode].in_process:  # each runs jobs of its own, in processes of their own
+        raise ConfigError(f"mode={mode} is run by train.py (or {MODES[mode].runner}(cfg)), not by ddplab.run. "
+                          f"Fix: python train.py mode={mode} ...")
+    return MODES[mode].entry(cfg)

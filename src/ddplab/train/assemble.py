@@ -1,0 +1,106 @@
+"""How a job's :class:`State` comes to be: ``build_state(cfg, dist, run_dir) -> State``, complete and resumed.
+
+    seed → strategy, task, callbacks, data, model (prepared, wrapped), optimizer, length, schedule,
+    precision, evaluator, writer, checkpoint manager → State → callbacks' SETUP(state)
+    → checkpoint entries registered → resume (ON_LOAD) → TensorBoard told where the resumed run starts
+
+Every field of the State is set here, before the first hook sees it; nothing is filled in later. The loop
+(``ddplab.train.loop``) only runs over it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from ddplab import build, rundir, strategy
+from ddplab.batch_size import global_batch_size
+from ddplab.callbacks import Callbacks, Hook
+from ddplab.checkpoint.rng import RNGStreams, seed_everything
+from ddplab.data.batches import in_memory_format
+from ddplab.evaluation import Evaluator
+from ddplab.optim import make_optimizer
+from ddplab.precision import Precision
+from ddplab.resuming import ResumeGuard, checkpoint_manager, register_entries, resume
+from ddplab.runtime import env
+from ddplab.runtime.group import Dist
+from ddplab.runtime.signals import StopSignal
+from ddplab.runtime.stopping import slow_save_warning
+from ddplab.task import check_objective
+from ddplab.train.length import RunLength
+from ddplab.train.state import LoopState, Results, State
+from ddplab.writers import make_writer
+
+
+def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool = False,
+                search_earlier_runs: bool = False, stop: StopSignal | None = None,
+                provenance: str | None = None) -> State:
+    """The job's parts from ``cfg``, in an order that fixes the random draws (same seed on every rank here:
+    identical initial weights and data order), resumed as ``cfg.resume`` says.
+
+    ``evaluating``: mode=eval (the batch need not divide the data; training-only callbacks left out).
+    ``search_earlier_runs``: resume=auto may continue the newest earlier run of the same command (only for
+    run dirs Hydra made up). ``stop``: the Session's preemption flag (a fresh, never-set one when None).
+    ``provenance``: shown in TensorBoard's Text tab."""
+    global_batch = global_batch_size(cfg, dist.world_size, exact=not evaluating)
+    accum = cfg.grad_accum_steps
+    seed_everything(cfg.seed)
+    strat = strategy.make(cfg, dist)
+    task = build.task(cfg)
+    callbacks = Callbacks(build.callbacks(cfg, evaluating=evaluating))
+    data, sampler, loader, spe = build.train_data(cfg, dist, global_batch, accum)
+    # The unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
+    module = strat.prepare(build.model(cfg, data.num_classes))
+    model = strat.wrap(module)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), params,
+                               strat.fused_mode(cfg.perf.fused_optimizer))
+    length = RunLength(spe, cfg.num_epochs, cfg.get("max_steps"))
+    scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=length.total_steps,
+                                                            steps_per_epoch=spe)
+    precision = Precision(cfg.amp, cfg.amp_dtype, dist.device)
+    memory_format = functools.partial(in_memory_format, fmt=torch.channels_last if cfg.perf.channels_last else None)
+    evaluator = Evaluator(task, module, data, dist, precision, strat, max(sampler.per_rank_batch, 256),
+                          memory_format, cfg.get("limit_val_batches"))
+    events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
+    stop = stop or StopSignal()
+    guard = ResumeGuard(cfg, dist.world_size)  # a checkpoint of another config is refused
+    # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
+    results = Results(minimize=cfg.objective.split("/", 1)[-1] not in getattr(task, "maximize", ()))
+    s = State(cfg=cfg, dist=dist, run_dir=run_dir, task=task, strategy=strat, module=module,
+              model=model, params=params, optimizer=optimizer, scheduler=scheduler,
+              precision=precision, memory_format=memory_format, data=data, sampler=sampler, train_loader=loader,
+              steps_per_epoch=spe, length=length, global_batch=global_batch, accum=accum,
+              loop=LoopState(seed=cfg.seed, accum=accum), results=results, rng=RNGStreams(dist),
+              evaluator=evaluator, callbacks=callbacks, stop=stop, events_dir=events_dir,
+              writer=make_writer(dist, str(events_dir)),
+              # on_save hears of each checkpoint once it is on disk (with async_save: after the write).
+              checkpoints=checkpoint_manager(cfg, dist, run_dir, guard, stop.request,
+                                             saved=lambda path: callbacks(Hook.ON_SAVE, s, path)),
+              search_earlier_runs=search_earlier_runs)
+    callbacks(Hook.SETUP, s)
+    # The objective must be a metric the task logs: otherwise no best checkpoint is kept and sweepers get None.
+    check_objective(cfg.objective, task, callbacks.logged_names())
+    _resume(s, guard, provenance)
+    return s
+
+
+def _resume(s: State, guard: ResumeGuard, provenance: str | None) -> None:
+    """Load what ``resume`` names (callbacks' entries included: setup may have made them); tell TensorBoard
+    where this invocation starts."""
+    register_entries(s)
+    changes = resume(s, guard)  # opted-in config changes applied, as text (or None)
+    # The resumed run's last save: would a preemption's checkpoint be written within the launcher's grace?
+    slow_save_warning(s.checkpoints.resumed_save_s, env.launcher_grace_s(), "the last checkpoint of the resumed run")
+    # Steps after the checkpoint's were logged by an attempt that died: TensorBoard drops them. A run that
+    # starts fresh where an attempt left events (killed before its first checkpoint) purges from step 1.
+    if s.loop.step or any(s.events_dir.glob("events.out.tfevents.*")):
+        s.writer.purge_after(s.loop.step)
+    if changes:
+        s.writer.text("config_changes", changes)
+    if provenance:
+        s.writer.text("provenance", provenance)
