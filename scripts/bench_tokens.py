@@ -4,7 +4,10 @@ For each file size (default 40 MB and 400 MB, 10x apart) it writes a random uint
 measures, each in a fresh process:
 
 * **read, pread**: one epoch over every window in the sampler's shuffled order, through
-  ``ddplab.data.tokens`` (``os.pread``; what ``dataset=tokens`` uses);
+  ``ddplab.data.tokens`` (``os.pread``; what ``dataset=tokens`` uses), the order computed a batch at a time
+  (``ddplab.data.bijection``: no permutation in memory);
+* **read, pread-permutation**: the same reads in the order of a permutation tensor (8 bytes a window: ddplab's
+  order before), for the memory and the throughput the constant-memory order is measured against;
 * **read, np.memmap**: the same epoch through a memory map (what nanoGPT's ``get_batch`` does), for
   comparison: touched pages of a mapping count towards the process's resident set;
 * **train**: ``train.py task=lm dataset=tokens`` on the file, one process, ``--train-steps`` steps.
@@ -13,7 +16,7 @@ It prints the peak resident set size (``ru_maxrss``) of each process, its reside
 epoch started, and the time taken. Run::
 
     python scripts/bench_tokens.py                      # 40 and 400 MB (about 2 min on 2 CPU cores)
-    python scripts/bench_tokens.py --sizes-mb 100 1000  # larger files
+    python scripts/bench_tokens.py --sizes-mb 40 4000 --max-windows 2000000   # 40 MB to 4 GB, 2M windows read
 """
 
 from __future__ import annotations
@@ -68,18 +71,26 @@ class MemmapWindows:
         return w[:-1], w[1:]
 
 
-def read_epoch(path: str, mode: str, block: int) -> dict:
-    """Child process: one shuffled epoch over every window; figures as a dict."""
+MODES = {"pread": "bijection", "pread-permutation": "permutation", "memmap": "permutation"}  # mode -> sample order
+
+
+def read_epoch(path: str, mode: str, block: int, limit: int | None) -> dict:
+    """Child process: one shuffled epoch over every window (the first ``limit`` of its order); figures as a dict.
+    ``pread``: ddplab's reads in its constant-memory order; ``pread-permutation``: the same reads in the order of
+    a permutation tensor (ddplab before issue 33); ``memmap``: nanoGPT's reads."""
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.tokens import tokens
     train = tokens(path, val_path=path, block_size=block).train
-    data = train if mode == "pread" else MemmapWindows(path, block, len(train))
-    sampler = ShardedGlobalSampler(len(data), 64, 1, 0, seed=0)
+    data = MemmapWindows(path, block, len(train)) if mode == "memmap" else train
     before, t0, n = rss_mib(), time.perf_counter(), 0
-    for i in sampler:
+    sampler = ShardedGlobalSampler(len(data), 64, 1, 0, seed=0, order=MODES[mode])
+    for i in sampler:  # the epoch's order is made when it starts: its cost and memory are counted
         x, _ = data[i]
         n += 1
-    return {"windows": n, "rss_before_mib": round(before, 1), "seconds": round(time.perf_counter() - t0, 2)}
+        if n == limit:
+            break
+    secs = time.perf_counter() - t0
+    return {"windows": n, "rss_before_mib": round(before, 1), "seconds": round(secs, 2), "windows_per_s": n / secs}
 
 
 def peak_of(cmd: list[str]) -> tuple[dict, float, float]:
@@ -98,23 +109,24 @@ def peak_of(cmd: list[str]) -> tuple[dict, float, float]:
 
 
 def child(args: argparse.Namespace) -> None:
-    print(json.dumps(read_epoch(args.read, args.mode, args.block_size)))
+    print(json.dumps(read_epoch(args.read, args.mode, args.block_size, args.max_windows)))
 
 
 def rows_for(path: Path, args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     rows = []
-    for mode in ("pread", "memmap"):  # each in a fresh process: its own peak RSS, cold or warm cache alike
-        cmd = [sys.executable, __file__, "--read", str(path), "--mode", mode, "--block-size", str(args.block_size)]
+    for mode in args.modes:  # each in a fresh process: its own peak RSS, cold or warm cache alike
+        cmd = [sys.executable, __file__, "--read", str(path), "--mode", mode, "--block-size", str(args.block_size),
+               *(["--max-windows", str(args.max_windows)] if args.max_windows else [])]
         figs, peak, wall = peak_of(cmd)
         rows.append([f"read, {mode}", f"{figs['windows']:,}", f"{figs['rss_before_mib']:.0f}", f"{peak:.0f}",
-                     f"{figs['seconds']:.1f}"])
+                     f"{figs['seconds']:.1f}", f"{figs['windows_per_s']:,.0f}"])
     run_dir = tmp / f"run-{path.stem}"
     cmd = [sys.executable, str(REPO / "train.py"), "task=lm", "dataset=tokens", f"dataset.path={path}",
            f"dataset.val_path={path}", f"dataset.block_size={args.block_size}", "model.n_layer=1", "model.n_embd=64",
            "model.n_head=2", "batch_size=16", "num_epochs=1", f"limit_train_steps={args.train_steps}",
            "limit_val_batches=2", "progress=none", f"hydra.run.dir={run_dir}"]
     _, peak, wall = peak_of(cmd)
-    rows.append([f"train, {args.train_steps} steps", "", "", f"{peak:.0f}", f"{wall:.1f}"])
+    rows.append([f"train, {args.train_steps} steps", "", "", f"{peak:.0f}", f"{wall:.1f}", ""])
     return rows
 
 
@@ -123,12 +135,15 @@ def main() -> None:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[40, 400])
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--max-windows", type=int, help="read only the first N windows of each epoch's order")
     p.add_argument("--read", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="pread", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.read:
         return child(args)
-    print("| file | what | windows | RSS before the epoch, MiB | peak RSS, MiB | s |\n|---|---|---|---|---|---|")
+    print("| file | what | windows | RSS before the epoch, MiB | peak RSS, MiB | s | windows/s |\n"
+          "|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
         for mb in args.sizes_mb:
             path = Path(d) / f"tokens-{mb:g}mb.bin"

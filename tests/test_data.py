@@ -128,3 +128,55 @@ def test_batches_of_namedtuples_lists_and_dicts_keep_their_types_on_the_way_to_t
     assert torch.equal(doubled[1]["mask"], m * 2) and doubled[1]["name"] == "digits"  # non-tensors untouched
     assert [where for where, _ in tensors(batch)] == ["batch[0][0]", "batch[0][1]", "batch[1]['mask']", "batch[2][0]"]
     assert first_tensor(batch) is x and first_tensor([{"name": "none"}]) is None
+
+
+# ------------------------------------------------------------------ constant-memory order (token files)
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 4097, 65536, 65537])
+def test_an_index_bijection_is_a_seeded_permutation_of_range_n(n):
+    import numpy as np
+
+    from ddplab.data.bijection import IndexBijection
+
+    order = IndexBijection(n, seed=5)(np.arange(n))
+    assert sorted(order.tolist()) == list(range(n))
+    assert (IndexBijection(n, seed=5)(np.arange(n)) == order).all()  # the same order on every rank and machine
+    if n >= 1000:
+        other = IndexBijection(n, seed=6)(np.arange(n))
+        assert (other != order).mean() > 0.99 and abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.1
+
+
+def test_the_bijection_order_gives_the_same_global_batches_at_any_world_size_and_resumes_by_position():
+    n, gb, accum = 10_007, 12, 2
+    per_world = {}
+    for ws in (1, 2, 3):
+        ranks = [ShardedGlobalSampler(n, gb, ws, r, seed=3, grad_accum_steps=accum, order="bijection") for r in range(ws)]
+        for s in ranks:
+            s.set_epoch(4)
+        rows = [list(s) for s in ranks]  # each rank's indices, micro-batch after micro-batch
+        per_rank = gb // ws
+        per_world[ws] = [i for mb in range(ranks[0].num_micro_batches) for r in range(ws)
+                         for i in rows[r][mb * per_rank:(mb + 1) * per_rank]]
+    assert per_world[1] == per_world[2] == per_world[3]
+    epoch = per_world[1]
+    assert len(epoch) == len(set(epoch)) == (n // (gb * accum)) * gb * accum  # each window at most once, whole steps
+    s = ShardedGlobalSampler(n, gb, 2, 1, seed=3, grad_accum_steps=accum, order="bijection")
+    s.set_epoch(4, skip=7)  # a mid-epoch resume after 7 micro-batches
+    assert list(s) == [i for mb in range(7, s.num_micro_batches) for i in epoch[mb * gb + 6: mb * gb + 12]]
+    s.set_epoch(5)
+    assert list(s)[:6] != epoch[6:12]  # a new order each epoch
+    assert s.batches().tolist()[3] == list(s)[18:24]  # the indexed path holds the same order
+
+
+def test_the_bijection_order_holds_no_permutation_however_many_samples():
+    import tracemalloc
+
+    peaks = {}
+    for n in (10**6, 10**8):  # 800 MB of permutation at 10**8 samples
+        s = ShardedGlobalSampler(n, 64, 2, 0, seed=0, order="bijection")
+        tracemalloc.start()
+        for k, _ in enumerate(s):
+            if k == 32 * 2000:
+                break
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[10**8] < 4 * 2**20 and peaks[10**8] < 1.2 * peaks[10**6], peaks  # a block of indices, not n

@@ -224,7 +224,7 @@ def test_operator_requeue_resumes_bitwise(tmp_path, reference):
     job = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=0.1"]), ["--ntasks=2", "--cpus-per-task=1", "--requeue"])
     run = tmp_path / "outputs" / f"slurm-{job}"
     t0 = time.monotonic()
-    while "epoch 1 step 10 " not in (run / "train.log").read_text() if (run / "train.log").exists() else True:
+    while "epoch 1 step 10/" not in (run / "train.log").read_text() if (run / "train.log").exists() else True:
         assert time.monotonic() - t0 < 120, job_info(job)
         time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", job], check=True)
@@ -254,7 +254,7 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, refere
     try:
         log = sweep / "0" / "train.log"
         t0 = time.monotonic()
-        while not (log.exists() and "epoch 1 step 10 " in log.read_text()):
+        while not (log.exists() and "epoch 1 step 10/" in log.read_text()):
             assert time.monotonic() - t0 < 120 and proc.poll() is None, (tmp_path / "sweep.log").read_text()[-3000:]
             time.sleep(0.2)
         job = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()[0]

@@ -138,7 +138,8 @@ def train_data(cfg: DictConfig, state: Any, global_batch: int, accum: int) -> Tr
         data.train = to_device(data.train, state.device)
         if isinstance(data.val, TensorData):
             data.val = to_device(data.val, state.device)
-    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum)
+    sampler = ShardedGlobalSampler(len(data.train), global_batch, state.world_size, state.rank, cfg.seed, accum,
+                                   order=getattr(data.train, "sample_order", "permutation"))
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "

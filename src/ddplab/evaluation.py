@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ddplab.data import Splits, eval_batches, eval_shard
+from ddplab.data import Splits, eval_batches
+from ddplab.data.sampling import eval_span
 from ddplab.metrics import SumMeter
 from ddplab.precision import Precision
 from ddplab.runtime.group import DistState
@@ -43,7 +44,7 @@ class Evaluator:
     def _common_batches(self) -> int:
         """The fewest batches any rank evaluates: only those may hold a collective every rank reaches."""
         n, ws = len(self.data.val), self.state.world_size
-        common = min(math.ceil(len(eval_shard(n, ws, r)) / self.batch_size) for r in range(ws))
+        common = min(math.ceil(len(eval_span(n, ws, r)) / self.batch_size) for r in range(ws))
         return min(common, self.max_batches) if self.max_batches is not None else common
 
     @torch.no_grad()
@@ -81,7 +82,7 @@ class Evaluator:
             with self.precision.autocast():
                 self.step(self.module, self.sample)
 
-        needed = math.ceil(len(eval_shard(len(self.data.val), st.world_size, 0)) / self.batch_size)  # rank 0's
+        needed = math.ceil(len(eval_span(len(self.data.val), st.world_size, 0)) / self.batch_size)  # rank 0's
         needed = min(needed, self.max_batches) if self.max_batches is not None else needed
         self.strategy.finish_eval(self.module, done, needed, forward)
         values = meter.reduce(st, f"evaluation; task {name_of(task)}")

@@ -42,10 +42,15 @@ def _warmup(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps if step < warmup_steps else 1.0
 
 
+def warmup_of(total_steps: int, warmup_steps: int, warmup_fraction: float | None) -> int:
+    """The warmup in optimizer steps: ``warmup_fraction`` of the run's steps when given, else ``warmup_steps``."""
+    return round(warmup_fraction * total_steps) if warmup_fraction is not None else warmup_steps
+
+
 def cosine(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0,
-           min_lr_ratio: float = 0.0) -> LambdaLR:
+           min_lr_ratio: float = 0.0, warmup_fraction: float | None = None) -> LambdaLR:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
-    warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
+    warmup_steps = min(warmup_of(total_steps, warmup_steps, warmup_fraction), max(total_steps - 1, 0))
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -57,8 +62,9 @@ def cosine(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warm
 
 
 def step(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_epochs: int = 30,
-         gamma: float = 0.1, warmup_steps: int = 0) -> LambdaLR:
+         gamma: float = 0.1, warmup_steps: int = 0, warmup_fraction: float | None = None) -> LambdaLR:
     """Multiply the lr by ``gamma`` every ``step_epochs`` epochs (after warmup)."""
+    warmup_steps = warmup_of(total_steps, warmup_steps, warmup_fraction)
     if step_epochs <= 0:
         raise ValueError(f"scheduler.step_epochs={step_epochs}: must be > 0")
 
@@ -68,7 +74,9 @@ def step(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_e
     return LambdaLR(optimizer, factor)
 
 
-def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0) -> LambdaLR:
+def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0,
+             warmup_fraction: float | None = None) -> LambdaLR:
+    warmup_steps = warmup_of(total_steps, warmup_steps, warmup_fraction)
     return LambdaLR(optimizer, lambda s: _warmup(s, warmup_steps))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir
+from ddplab.length import RunLength
 from ddplab.state import State
 
 log = logging.getLogger("ddplab")
@@ -61,7 +61,7 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
         "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
         "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "amp": cfg.amp,
+        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "max_steps": cfg.get("max_steps"), "amp": cfg.amp,
         "seed": cfg.seed, "world_size": world_size,
     }
     return {k: v for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
@@ -101,7 +101,7 @@ def announce(s: State) -> None:
     per_step = s.samples_per_step
     lines = [f"run dir: {shown(s.run_dir)}",
              f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
-             f"{s.precision.describe()} | {s.steps_per_epoch} steps/epoch x {cfg.num_epochs} epochs",
+             f"{s.precision.describe()} | {s.length.describe()}",
              *wrap("batch:", [f"{per_step} samples per optimizer step = {st.world_size} rank(s) x "
                               f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"]),
              *wrap("data:", [s.train_loader.describe()]),
@@ -119,7 +119,9 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
     cfg, res, obj = s.cfg, s.results, s.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
     samples = (steps - s.loop_start_step) * s.samples_per_step
-    lines = [f"done: {int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps, {secs:.1f} s this run"
+    done = (f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps" if cfg.get("max_steps") is None else
+            f"{steps}/{s.length.total_steps} steps ({steps / s.steps_per_epoch:.3g} epochs)")
+    lines = [f"done: {done}, {secs:.1f} s this run"
              + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
     if res.best is not None:
         lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step})")
@@ -150,37 +152,52 @@ def _describe_model(s: State) -> list[str]:
 
 
 class Progress:
-    """tqdm bar on a terminal, periodic log lines otherwise, nothing on other ranks."""
+    """tqdm bar on a terminal, periodic log lines otherwise, nothing on other ranks. What it shows: the task's
+    own train/* metrics (no placeholder for one a task does not log), the lr, samples/s (tokens/s for a task
+    that counts tokens), the step time and an ETA of the training left (evaluations not counted)."""
 
-    def __init__(self, mode: str, total: int, epoch: int, num_epochs: int):
-        self.mode, self._bar = mode, None
-        self.num_epochs = num_epochs
+    def __init__(self, mode: str, total: int = 0, epoch: int = 0, length: RunLength | None = None):
+        self.mode, self._bar, self.length = mode, None, length
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{num_epochs}", leave=False, dynamic_ncols=True)
+            epochs = length.epochs if length is not None else "?"
+            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", leave=False, dynamic_ncols=True)
 
     @classmethod
-    def for_rank(cls, mode: str, is_main: bool, total: int, epoch: int, num_epochs: int) -> Progress:
+    def for_rank(cls, mode: str, is_main: bool, total: int, epoch: int, length: RunLength) -> Progress:
         """``progress=auto``: a bar on a terminal, log lines otherwise; other ranks draw nothing."""
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "log"
-        return cls(mode if is_main else "none", total, epoch, num_epochs)
+        return cls(mode if is_main else "none", total, epoch, length)
 
     def update(self, n: int) -> None:
         if self._bar is not None:
             self._bar.update(n)
 
     def show(self, epoch: int, step: int, values: dict[str, float]) -> None:
+        shown_metrics = {k[6:]: v for k, v in values.items() if k.startswith("train/") and k not in _NOT_SHOWN}
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{values.get('train/loss', math.nan):.4f}",
-                                  acc=f"{values.get('train/acc', math.nan):.3f}", refresh=False)
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown_metrics.items()}, refresh=False)
         elif self.mode == "log":
-            log.info("epoch %d step %d  loss=%.4f acc=%.3f lr=%.3g  %.0f samples/s  step %.1f ms (max %.1f)",
-                     epoch + 1, step, values.get("train/loss", math.nan), values.get("train/acc", math.nan),
-                     values["vitals/lr"], values["vitals/samples_per_s"], values["vitals/step_time_ms"],
-                     values["vitals/step_time_ms_max"])
+            rate = (f"{values['vitals/tokens_per_s']:,.0f} tokens/s" if "vitals/tokens_per_s" in values else
+                    f"{values['vitals/samples_per_s']:.0f} samples/s")
+            total = f"/{self.length.total_steps}" if self.length is not None else ""
+            log.info("epoch %d step %d%s  %s  lr=%.3g  %s  step %.1f ms (max %.1f)%s", epoch + 1, step, total,
+                     " ".join(f"{k}={v:.4g}" for k, v in shown_metrics.items()), values["vitals/lr"], rate,
+                     values["vitals/step_time_ms"], values["vitals/step_time_ms_max"], self._eta(step, values))
+
+    def _eta(self, step: int, values: dict[str, float]) -> str:
+        """The training left at the slowest rank's pace (the job's), as 1h02m / 3m05s / 12s."""
+        if self.length is None or step >= self.length.total_steps:
+            return ""
+        secs = round((self.length.total_steps - step) * values["vitals/step_time_ms_max"] / 1e3)
+        h, m, sec = secs // 3600, secs // 60 % 60, secs % 60
+        return "  ETA " + (f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s")
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+_NOT_SHOWN = ("train/grad_norm", "train/fp16_skipped_steps")  # vitals of the step, not the task's metrics

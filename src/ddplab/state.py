@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # types only: importing these here would make state.py import
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.streams import StreamLoader
     from ddplab.evaluation import Evaluator
+    from ddplab.length import RunLength
     from ddplab.precision import Precision
     from ddplab.runtime.group import DistState
     from ddplab.strategy.base import Strategy
@@ -56,6 +57,7 @@ class State:
     sampler: ShardedGlobalSampler        # this rank's share of each global micro-batch
     train_loader: TrainLoader | StreamLoader
     steps_per_epoch: int                 # optimizer steps per epoch
+    length: RunLength                    # how long the run trains: epochs, max_steps, or both
     global_batch: int                    # samples per micro-step, over all ranks
     accum: int                           # micro-batches per optimizer step (grad_accum_steps)
     loop: LoopState                      # epochs, steps and batch groups done: the position
@@ -70,7 +72,7 @@ class State:
     config_changes: str | None = None    # opted-in config changes applied at resume, as text
     loop_start_step: int = 0             # the step this invocation began at (throughput in the summary)
     first_train_loss: float | None = None  # the first logged train/loss: the summary's yardstick
-    stop_reason: str | None = None       # set by request_stop: the job stops after this epoch
+    stop_reason: str | None = None       # set by request_stop: the job stops after the current evaluation
 
     @property
     def samples_per_step(self) -> int:
@@ -78,8 +80,8 @@ class State:
         return self.global_batch * self.accum
 
     def request_stop(self, reason: str) -> None:
-        """Stop after the current epoch's evaluation and checkpoint. Callbacks: decide alike on every rank
-        (from reduced values), or ranks part ways."""
+        """Stop after the current evaluation (an epoch's, or a step's with eval_every_n_steps) and its checkpoint.
+        Callbacks: decide alike on every rank (from reduced values), or ranks part ways."""
         if self.stop_reason is None:
             self.stop_reason = reason
             log.info("%s", reason)

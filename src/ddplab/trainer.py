@@ -2,8 +2,10 @@
 
     step:  task(model, batch) under autocast → scaled backward (strategy.no_sync while accumulating)
            → unscale → clip → optimizer step → device-side metric sums
-    every log interval: one collective (TrainMetrics.reduce) → rank-0 writer
-    epoch: exact eval (one collective) → CheckpointManager.save
+    every log interval: one collective (LogInterval: TrainMetrics.reduce) → rank-0 writer
+    evaluation (epoch ends, or every eval_every_n_steps; the run's last step): exact (one collective)
+           → CheckpointManager.save
+    length: num_epochs, max_steps or the first of the two to end (RunLength)
 
 What differs between none/dp/ddp/fsdp is the Strategy's; what a batch means is
 the Task's; what is saved and when is the CheckpointManager's.
@@ -23,23 +25,22 @@ from omegaconf import DictConfig
 
 from ddplab import build, rundir, strategy
 from ddplab.batch_size import global_batch_size
-from ddplab.checkpoint.rng import RNGStreams, seed_everything
+from ddplab.checkpoint.rng import RNGStreams, seed_everything, streams_kept
 from ddplab.data.batches import map_tensors
-from ddplab.evaluation import Evaluator, derived
-from ddplab.metrics import TrainMetrics
+from ddplab.evaluation import Evaluator
+from ddplab.interval import LogInterval
+from ddplab.length import RunLength
 from ddplab.optim import make_optimizer
-from ddplab.perf import FlopRate
 from ddplab.precision import Precision
 from ddplab.callbacks import Callbacks, Hook
-from ddplab.reporting import Progress, announce, run_summary, wrap
+from ddplab.reporting import announce, run_summary, wrap
 from ddplab.resuming import checkpoints_of, resume
 from ddplab.runtime import collectives, env
 from ddplab.runtime.group import DistState
 from ddplab.runtime.signals import Preempted, StopSignal
 from ddplab.runtime.stopping import StopAgreement, slow_save_warning
-from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.state import State
-from ddplab.task import check_batch, check_objective, check_output, name_of
+from ddplab.task import check_batch, check_objective, check_output
 from ddplab.trainstate import LoopState, Results, best_name
 from ddplab.writers import make_writer
 
@@ -57,6 +58,7 @@ class Trainer:
         self.grace_s = env.launcher_grace_s()  # how long a launcher waits for a stopping rank (None: forever)
         self.eval_only = cfg.get("mode") == "eval"
         self.grad_clip = float(cfg.grad_clip)
+        self.eval_every_n_steps = int(cfg.get("eval_every_n_steps") or 0)
         self.memory_format = torch.channels_last if cfg.perf.channels_last else None
         self.state = s = self._build(cfg, dist, run_dir, search_earlier_runs)
         self._step_fn = s.task  # the first step swaps in a checking wrapper (_first_step)
@@ -74,14 +76,9 @@ class Trainer:
         s.writer = make_writer(dist, str(s.events_dir), purge_step=s.loop.step + 1 if earlier else None)
         if provenance:
             s.writer.text("provenance", provenance)
-        self.metrics = TrainMetrics(dist, getattr(s.task, "metric_names", ()), cfg.nonfinite_loss, s.accum,
-                                    cfg.log_every_n_steps * s.accum)
+        self.interval = LogInterval(s, self.stopper)  # metrics, stop agreement, stall watch, progress, FLOPs
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
         self._first_step_done = False
-        self._bar = Progress("none", 0, 0, cfg.num_epochs)  # each epoch draws its own
-        self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
-        self.flops = FlopRate(s.strategy.counts_flops, s.module, dist.device, s.precision.dtype,
-                              cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (_checked_step)
 
     def _build(self, cfg: DictConfig, dist: DistState, run_dir: Path, search_earlier_runs: bool) -> State:
         """The job's parts, in an order that fixes the random draws: same seed on every rank here, so
@@ -99,7 +96,8 @@ class Trainer:
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), params,
                                    strat.fused_mode(cfg.perf.fused_optimizer))
-        scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=spe * cfg.num_epochs,
+        length = RunLength(spe, cfg.num_epochs, cfg.get("max_steps"))
+        scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=length.total_steps,
                                                                 steps_per_epoch=spe)
         precision = Precision(cfg.amp, cfg.amp_dtype, dist.device)
         # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
@@ -109,7 +107,7 @@ class Trainer:
                               self._to_memory_format, cfg.get("limit_val_batches"))
         return State(cfg=cfg, dist=dist, run_dir=run_dir, task=task, strategy=strat, module=module, model=model,
                      params=params, optimizer=optimizer, scheduler=scheduler, precision=precision, data=data,
-                     sampler=sampler, train_loader=loader, steps_per_epoch=spe, global_batch=global_batch,
+                     sampler=sampler, train_loader=loader, steps_per_epoch=spe, length=length, global_batch=global_batch,
                      accum=accum, loop=LoopState(seed=cfg.seed, accum=accum), results=results,
                      rng=rng, evaluator=evaluator, callbacks=callbacks,
                      search_earlier_runs=search_earlier_runs)
@@ -139,14 +137,17 @@ class Trainer:
         announce(self.state)
         s.callbacks(Hook.ON_FIT_START, self.state)
         last_train: dict[str, float] = {}
-        if loop.epoch >= cfg.num_epochs:
-            log.info("already finished: %d of %d epochs done, nothing to train", loop.epoch, cfg.num_epochs)
+        if s.length.done(loop.epoch, loop.step) and not loop.eval_pending:
+            done = (f"{loop.epoch} of {cfg.num_epochs} epochs" if cfg.get("max_steps") is None else
+                    f"{loop.step} of {s.length.total_steps} steps")
+            log.info("already finished: %s done, nothing to train", done)
         t0 = time.perf_counter()
-        stop = cfg.stop_after_epochs or cfg.num_epochs
+        stop = cfg.stop_after_epochs
         try:
-            if loop.eval_pending:  # stopped before its epoch-end evaluation: that runs first
-                self._end_epoch()
-            while loop.epoch < min(cfg.num_epochs, stop) and s.stop_reason is None:
+            if loop.eval_pending:  # stopped before an evaluation (an epoch's end, or a step's): that runs first
+                self._evaluate_mid_epoch() if loop.batches_in_epoch else self._end_epoch()
+            while not s.length.done(loop.epoch, loop.step) and (stop is None or loop.epoch < stop) \
+                    and s.stop_reason is None:
                 last_train = self.run_epoch() or last_train
             s.checkpoints.finish()  # async_save: the last checkpoint is on disk before the run says done
         except BaseException as e:
@@ -154,7 +155,7 @@ class Trainer:
             s.callbacks(Hook.ON_EXCEPTION, self.state, e)
             raise
         finally:
-            self.watch.close()
+            self.interval.watch.close()
         best = s.results.best
         s.writer.close()
         # The checkpoint's record when this invocation trained nothing (resumed after the last step).
@@ -177,9 +178,12 @@ class Trainer:
         return {**val, "epoch": float(s.loop.epoch), "step": float(s.loop.step)}
 
     def run_epoch(self) -> dict[str, float]:
-        """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics."""
+        """One epoch: train, evaluate when due, checkpoint. Returns the last logged train metrics. An epoch
+        cut short (max_steps reached, or a stop requested at a step evaluation) ends at that evaluation."""
         loop = self.state.loop
         last_train = self._train_epoch()
+        if loop.batches_in_epoch < self.state.steps_per_epoch:
+            return last_train
         loop.epoch += 1
         loop.step_in_epoch = loop.batches_in_epoch = 0
         loop.eval_pending = True
@@ -190,37 +194,58 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
+        improved = self._evaluate_and_record() if self._eval_due(at_epoch_end=True) else False
+        self.state.loop.eval_pending = False
+        self._save(is_best=improved)
+
+    def _evaluate_mid_epoch(self) -> None:
+        """A step's evaluation (eval_every_n_steps, or the run's last step inside an epoch) and its checkpoint;
+        training then goes on with the epoch's next batch. A stop agreed during it saves with the evaluation
+        pending: the resumed run evaluates first, then trains on from the same batch."""
+        s = self.state
+        self.interval.close()
+        improved = self._evaluate_and_record()
+        s.loop.eval_pending = False
+        self._save(is_best=improved)
+        s.model.train()
+        self.interval.restart()
+
+    def _eval_due(self, at_epoch_end: bool) -> bool:
+        s = self.state
+        loop = s.loop
+        if s.length.done(loop.epoch, loop.step):  # the run's last step is always evaluated
+            return True
+        if self.eval_every_n_steps:  # a step cadence replaces the epochs'
+            return loop.step % self.eval_every_n_steps == 0
+        return at_epoch_end and loop.epoch % s.cfg.eval_every_n_epochs == 0
+
+    def _evaluate_and_record(self) -> bool:
+        """Evaluate (a stop agreed during it: checkpoint and leave), record, draw and say it; True if the
+        objective improved."""
         s = self.state
         cfg, loop = s.cfg, s.loop
-        improved = False
-        if loop.epoch % cfg.eval_every_n_epochs == 0 or loop.epoch == cfg.num_epochs:
-            val = self._evaluate_all(interruptible=True)
-            if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
-                self._preempt()
-            improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
-            best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
-            s.writer.scalars({**val, **best, "vitals/epoch": loop.epoch}, loop.step)  # the best so far: a curve
-            s.evaluator.visualize(s.writer, loop.step)
-            for line in wrap(f"epoch {loop.epoch}/{cfg.num_epochs} ", [f"{k}={v:.4g}" for k, v in val.items()]):
-                log.info("%s", line)
-        loop.eval_pending = False
-        self._save(is_best=improved)
+        val = self._evaluate_all(interruptible=True)
+        if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
+            self._preempt()
+        improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
+        best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
+        epoch = loop.epoch + loop.batches_in_epoch / s.steps_per_epoch  # a step evaluation: part-way through one
+        s.writer.scalars({**val, **best, "vitals/epoch": epoch}, loop.step)  # the best so far: a curve
+        s.evaluator.visualize(s.writer, loop.step)
+        head = (f"step {loop.step}/{s.length.total_steps} " if self.eval_every_n_steps or loop.batches_in_epoch
+                else f"epoch {loop.epoch}/{s.length.epochs} ")
+        for line in wrap(head, [f"{k}={v:.4g}" for k, v in val.items()]):
+            log.info("%s", line)
+        return improved
 
     def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False) -> str:
         """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or "".
         ``now``: on disk when this returns, even with checkpoint.async_save. The manager tells on_save."""
         s = self.state
-        path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self._close_log_interval, now=now)
+        path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self.interval.close, now=now)
         if path:
             slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
         return path
-
-    def _close_log_interval(self) -> None:
-        """Right before any checkpoint: the steps since the last log step are logged (none lost on
-        resume), and the stall watch stops timing (a save is not a step)."""
-        self.watch.pause()
-        if self.metrics.steps:
-            self._log()
 
     def _preempt(self) -> None:
         """Every rank agreed to stop here: checkpoint (written before leaving, async_save or not), then
@@ -228,48 +253,39 @@ class Trainer:
         raise Preempted(self.stopper.reason, self.state.loop.step, self._save(now=True))
 
     def _train_epoch(self) -> dict[str, float]:
-        s, stopper = self.state, self.stopper
-        cfg, loop = s.cfg, s.loop
-        # Plain values, read once: a config node's attribute access costs microseconds per step.
-        log_every, skip_nonfinite = cfg.log_every_n_steps, cfg.nonfinite_loss == "skip"
+        s, iv = self.state, self.interval
+        loop, spe, length = s.loop, s.steps_per_epoch, s.length
+        skip_nonfinite = s.cfg.nonfinite_loss == "skip"  # read once: a config node's access costs microseconds
         s.model.train()
-        spe = s.steps_per_epoch
         # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
         s.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * s.accum)
         self._seed_epoch()
-        self._bar = self._progress_bar()
+        iv.new_bar()
         batches = iter(s.train_loader)
-        t_step = time.perf_counter()
-        self.watch.mark(loop.step + 1, t_step)
+        iv.restart()
         try:
-            for _ in range(spe - loop.batches_in_epoch):
+            while loop.batches_in_epoch < spe and not length.done(loop.epoch, loop.step):
                 data_time = self._forward_backward(batches) if self._first_step_done else self._first_step(batches)
                 loop.batches_in_epoch += 1  # consumed, whether or not the step below is taken
                 if skip_nonfinite and self._skip_nonfinite_step():
                     continue
                 self._optimizer_step()
                 for hook in self._step_hooks:  # device-only work (EMA); none by default
-                    hook(self.state, loop.step)
-                now = time.perf_counter()
-                self.metrics.add_step(now - t_step, data_time)
-                t_step = now
-                self.watch.mark(loop.step + 1, now)
-                self._bar.update(1)
-                # The stop agreement rides in a log step's collective, or in a tiny one about once a second.
-                if loop.step % log_every == 0:
-                    self._log()
-                else:
-                    stopper.after_step()
-                if stopper.agreed and loop.batches_in_epoch < spe:  # at the epoch's end: run_epoch saves
+                    hook(s, loop.step)
+                agreed = iv.after_step(data_time)
+                at_end = loop.batches_in_epoch == spe  # the epoch's end: run_epoch evaluates, saves, stops
+                loop.eval_pending = not at_end and self._eval_due(at_epoch_end=False)  # saved with a stop
+                if agreed and not at_end:
                     self._preempt()
-                if self._save(mid_epoch=(loop.batches_in_epoch, spe)):
-                    t_step = time.perf_counter()
-                    self.watch.mark(loop.step + 1, t_step)
-            self.watch.pause()
-            if self.metrics.steps:  # the epoch's tail since the last log step
-                self._log()
+                if loop.eval_pending:
+                    self._evaluate_mid_epoch()
+                    if s.stop_reason is not None:  # early stopping decided at this evaluation
+                        break
+                elif self._save(mid_epoch=(loop.batches_in_epoch, spe)):
+                    iv.restart()
+            iv.close()  # the epoch's tail since the last log step
         finally:
-            self._bar.close()
+            iv.bar.close()
         return s.results.last_train
 
     def _seed_epoch(self) -> None:
@@ -285,7 +301,7 @@ class Trainer:
     def _forward_backward(self, batches: Iterator[Any]) -> float:
         """The micro-batches of one optimizer step; returns the time spent waiting for data."""
         s = self.state
-        data_time, watch = 0.0, self.watch  # watch.phase: where a stalled step is, should one stall
+        data_time, watch, metrics = 0.0, self.interval.watch, self.interval.metrics  # watch.phase: where a stall is
         for micro in range(s.accum):
             t = time.perf_counter()
             watch.phase = "data loading"
@@ -298,7 +314,7 @@ class Trainer:
                     out = self._step_fn(s.model, batch)
                 watch.phase = "backward"
                 s.precision.backward(out.loss / s.accum if s.accum > 1 else out.loss)
-            self.metrics.add_micro(out)
+            metrics.add_micro(out)
         return data_time
 
     def _first_step(self, batches: Iterator[Any]) -> float:
@@ -321,15 +337,15 @@ class Trainer:
         """The task's step with its batch and output checked (first step only: host metadata, no sync)."""
         s = self.state
         check_batch(s.task, batch)
-        self.flops.keep(batch)  # never the dataset: calling it would draw from the user's random streams
+        self.interval.keep(batch)  # never the dataset: calling it would draw from the user's random streams
         return check_output(s.task, s.task(model, batch))
 
     def _optimizer_step(self) -> None:
         s = self.state
-        self.watch.phase = "optimizer"
+        self.interval.watch.phase = "optimizer"
         norm = s.precision.step(s.optimizer, s.params, self.grad_clip)
         if norm is not None:
-            self.metrics.add_grad_norm(s.strategy.grad_norm(norm))
+            self.interval.metrics.add_grad_norm(s.strategy.grad_norm(norm))
         s.optimizer.zero_grad(set_to_none=True)
         s.scheduler.step()
         s.loop.step += 1
@@ -338,36 +354,13 @@ class Trainer:
     def _skip_nonfinite_step(self) -> bool:
         """nonfinite_loss=skip: drop this step on every rank if any rank's loss (any micro-batch) is NaN/Inf."""
         s = self.state
-        bad = (~torch.isfinite(self.metrics.last_step_losses())).any()
+        bad = (~torch.isfinite(self.interval.metrics.last_step_losses())).any()
         if not collectives.any_rank(bad, s.dist):  # sync + collective: skip mode's cost
             return False
         s.optimizer.zero_grad(set_to_none=True)
-        self.metrics.skipped += 1
+        self.interval.metrics.skipped += 1
         log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", s.loop.step + 1)
         return True
-
-    def _log(self) -> dict[str, float]:
-        s = self.state
-        step = s.loop.step
-        self.watch.phase = "log collective"
-        # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values, anyone_stops = self.metrics.reduce(f"{self.position()}; task {name_of(s.task)}", step,
-                                                   self.stopper.requested)
-        self.stopper.heard_at_log_step(anyone_stops)
-        values.update(derived(s.task, values, "train/"))
-        if s.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
-            s.first_train_loss = values.get("train/loss")
-        s.callbacks(Hook.ON_LOG, self.state, values, step)
-        values["vitals/lr"] = s.optimizer.param_groups[0]["lr"]
-        values.update(self.flops.rates(values["vitals/samples_per_s"]))
-        scale = s.precision.loss_scale()
-        if scale is not None:
-            values["vitals/loss_scale"] = scale
-            values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()  # not errors: the scaler's job
-        s.writer.scalars(values, step)
-        self._bar.show(s.loop.epoch, step, values)
-        s.results.last_train = values
-        return values
 
     def _to_memory_format(self, batch: Any) -> Any:
         """Image batches (4-D float tensors) in the model's memory format (NHWC with perf.channels_last)."""
@@ -380,14 +373,10 @@ class Trainer:
     def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
         """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when
         every rank agreed to stop during it (a preemption signal)."""
-        val = self.state.evaluator.run(self.stopper if interruptible else None)
-        if val is None:
-            return None
-        for extra in self.state.callbacks(Hook.ON_EVAL_END, self.state, val):
-            val.update(extra or {})
+        with streams_kept():  # evaluating never moves training's random streams
+            val = self.state.evaluator.run(self.stopper if interruptible else None)
+            if val is None:
+                return None
+            for extra in self.state.callbacks(Hook.ON_EVAL_END, self.state, val):
+                val.update(extra or {})
         return val
-
-    def _progress_bar(self) -> Progress:
-        s = self.state
-        return Progress.for_rank(str(s.cfg.progress), s.dist.is_main, s.steps_per_epoch, s.loop.epoch,
-                                 s.cfg.num_epochs)

@@ -18,8 +18,8 @@ class EarlyStopping(Callback):
     crosses ``divergence_threshold`` (or stops being finite).
 
     ``monitor`` is any logged tag: ``val/*`` and ``val_ema/*`` are checked after each evaluation,
-    ``train/*`` at each log step; training stops after the current epoch's evaluation and
-    checkpoint. ``mode``: ``min``, ``max`` or ``auto`` (the task's ``maximize`` decides). The
+    ``train/*`` at each log step; training stops after the current evaluation (an epoch's, or with
+    eval_every_n_steps a step's) and its checkpoint. ``mode``: ``min``, ``max`` or ``auto`` (the task's ``maximize`` decides). The
     values are the reduced ones, equal on every rank, so all ranks stop at the same step.
     """
 
@@ -55,19 +55,20 @@ class EarlyStopping(Callback):
             self._check(state, metrics[self.monitor])
 
     def _check(self, state: State, value: float) -> None:
-        epoch = state.loop.epoch
+        epoch = state.loop.epoch  # where the check is, said by the run's evaluation cadence
+        at = f"step {state.loop.step}" if state.cfg.get("eval_every_n_steps") else f"epoch {epoch}"
         sign = 1.0 if self.mode == "min" else -1.0
         if self.check_finite and not math.isfinite(value):
-            return state.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value} is not finite")
+            return state.request_stop(f"stopped early at {at}: {self.monitor}={value} is not finite")
         if self.divergence_threshold is not None and sign * (value - self.divergence_threshold) > 0:
-            return state.request_stop(f"stopped early at epoch {epoch}: {self.monitor}={value:.6g} crossed "
+            return state.request_stop(f"stopped early at {at}: {self.monitor}={value:.6g} crossed "
                                         f"divergence_threshold={self.divergence_threshold}")
         if self.best is None or sign * (self.best - value) > self.min_delta:
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return None
         self.wait += 1
         if self.wait >= self.patience:
-            state.request_stop(f"stopped early at epoch {epoch}: {self.monitor} did not improve by more than "
+            state.request_stop(f"stopped early at {at}: {self.monitor} did not improve by more than "
                                  f"{self.min_delta} for {self.patience} checks (best {self.best:.6g} at epoch "
                                  f"{self.best_epoch})")
         return None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -33,6 +34,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+
+
+@contextlib.contextmanager
+def streams_kept() -> Iterator[None]:
+    """Whatever runs inside draws from the streams, then they are back where they were: an evaluation (a task's
+    visualize may sample) never moves training's randomness, so how often a run evaluates changes no weight."""
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
 
 
 def seed_everything(seed: int) -> None:

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from ddplab.config.choices import Stats
 from ddplab.config.errors import require
+from ddplab.config.optimization import AdamWConfig, ConstantConfig, CosineConfig, SGDConfig, StepConfig
 from ddplab.config.task_and_callbacks import (ClassificationTaskConfig, EarlyStoppingConfig, EMAConfig,
                                                 LanguageModelTaskConfig, ProfilerConfig, RegressionTaskConfig,
                                                 VAETaskConfig)
@@ -36,7 +37,7 @@ class ModelConfig:
 
     _target_: str = MISSING
     num_classes: Optional[int] = MISSING  # null: the dataset's own count (dataset=imagefolder: its class folders)
-    in_channels: int = 1
+    in_channels: int = 1  # image channels (the dataset's, by interpolation)
     weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the wrap
 
 
@@ -56,26 +57,23 @@ class VAEConfig:
     """A small fully connected VAE over flattened images (task=vae)."""
 
     _target_: str = "ddplab.models.VAE"
-    in_channels: int = 1
-    image_size: int = 8
-    hidden: int = 128
-    latent: int = 8
-    weights: Optional[str] = None
-
-
+    in_channels: int = 1  # image channels
+    image_size: int = 8  # input width and height (flattened)
+    hidden: int = 128  # width of the encoder's and decoder's hidden layer
+    latent: int = 8  # size of the latent code
+    weights: Optional[str] = None  # local state_dict file, loaded before the wrap
 @dataclass
 class GPTConfig:
     """A small causal transformer over bytes (task=lm), nanoGPT-style."""
 
     _target_: str = "ddplab.models.TinyGPT"
-    vocab_size: int = 256
-    block_size: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    weights: Optional[str] = None
-
+    vocab_size: int = 256  # token ids (the dataset's, by interpolation)
+    block_size: int = 64  # the longest context, in tokens
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 4  # attention heads (divide n_embd)
+    n_embd: int = 64  # embedding width
+    dropout: float = 0.0  # on attention, residual and embedding outputs
+    weights: Optional[str] = None  # local state_dict file, loaded before the wrap
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.n_embd % c.n_head == 0, f"{key}.n_embd", c.n_embd, f"must be a multiple of {key}.n_head={c.n_head}",
@@ -88,10 +86,9 @@ class ConvNetConfig(ModelConfig):
     """The BatchNorm + dropout convnet of the Keras multi-GPU guide, in torch."""
 
     _target_: str = "ddplab.models.ConvNet"
-    channels: list[int] = field(default_factory=lambda: [12, 24, 32])
-    hidden: int = 256
-    dropout: float = 0.5
-
+    channels: list[int] = field(default_factory=lambda: [12, 24, 32])  # output channels of each conv block
+    hidden: int = 256  # width of the dense layer
+    dropout: float = 0.5  # before the dense and the last layer
     check = staticmethod(_check_dropout)
 
 
@@ -101,7 +98,7 @@ class MLPConfig(ModelConfig):
 
     _target_: str = "ddplab.models.MLP"
     hidden: list[int] = field(default_factory=lambda: [256, 256])  # widths of the hidden layers
-    dropout: float = 0.1
+    dropout: float = 0.1  # after each hidden layer
     image_size: int = 8  # with in_channels: the input width, in_channels * image_size**2
 
     check = staticmethod(_check_dropout)
@@ -112,9 +109,8 @@ class KerasConvNetConfig(ModelConfig):
     """The Keras multi-GPU guide's convnet in Keras 3 (torch backend); needs `pip install keras`."""
 
     _target_: str = "ddplab.models.keras_convnet.keras_convnet"
-    image_size: int = 8
-    dropout: float = 0.5
-
+    image_size: int = 8  # input width and height
+    dropout: float = 0.5  # the Keras guide's dropout
     check = staticmethod(_check_dropout)
 
 
@@ -124,15 +120,14 @@ class ViTConfig(ModelConfig):
 
     _target_: str = "ddplab.models.VisionTransformer"
     in_channels: int = 3
-    image_size: int = 32
+    image_size: int = 32  # input width and height
     patch_size: int = 4  # must divide image_size
-    num_layers: int = 4
-    num_heads: int = 4
-    hidden_dim: int = 128
-    mlp_dim: int = 256
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-
+    num_layers: int = 4  # encoder blocks
+    num_heads: int = 4  # attention heads (divide hidden_dim)
+    hidden_dim: int = 128  # token width
+    mlp_dim: int = 256  # width of each block's MLP
+    dropout: float = 0.0  # on the MLP and embedding outputs
+    attention_dropout: float = 0.0  # on the attention weights
     check = staticmethod(_check_dropout)
 
 
@@ -155,7 +150,7 @@ class DigitsConfig:
     """scikit-learn's 1,797 8x8 handwritten digits, split once with a fixed seed."""
 
     _target_: str = "ddplab.data.digits"
-    val_fraction: float = 0.2
+    val_fraction: float = 0.2  # held out for validation, once, by split_seed
     split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
     # Read by the model configs through interpolation; fixed by the data.
     num_classes: int = 10
@@ -169,13 +164,13 @@ class SyntheticConfig:
     """Random class-conditional images: learnable, any shape, any size."""
 
     _target_: str = "ddplab.data.synthetic"
-    num_train: int = 1024
-    num_val: int = 256
-    num_classes: int = 10
-    in_channels: int = 3
-    image_size: int = 32
+    num_train: int = 1024  # training images
+    num_val: int = 256  # validation images
+    num_classes: int = 10  # classes (one prototype image each)
+    in_channels: int = 3  # image channels
+    image_size: int = 32  # width and height
     noise: float = 1.0  # std of the noise around each class's prototype image
-    seed: int = 0
+    seed: int = 0  # the images' own seed (not the run's)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
     @staticmethod
@@ -190,10 +185,10 @@ class FilesConfig:
     """Datasets read from local files under `root` (nothing is downloaded)."""
 
     _target_: str = MISSING
-    root: Optional[str] = None
-    num_classes: int = 10
-    in_channels: int = 1
-    image_size: int = 28
+    root: Optional[str] = None  # the folder holding the files; required
+    num_classes: int = 10  # the dataset's classes
+    in_channels: int = 1  # image channels
+    image_size: int = 28  # width and height
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -222,8 +217,8 @@ class ImageFolderConfig(FilesConfig):
     num_classes: Optional[int] = None  # null: the number of class folders; a value is checked against them
     in_channels: int = 3
     image_size: int = 224  # short side resized to this, centre crop to square
-    train_dir: str = "train"
-    val_dir: str = "val"
+    train_dir: str = "train"  # under root: one folder per class
+    val_dir: str = "val"  # under root: the same class folders
     stats: Stats = Stats.imagenet  # per-channel normalisation of this dataset
     augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=0, hflip=True))
 
@@ -233,8 +228,8 @@ class DiabetesConfig:
     """scikit-learn's diabetes regression data: 442 patients, 10 standardised features (task=regression)."""
 
     _target_: str = "ddplab.data.diabetes"
-    val_fraction: float = 0.2
-    split_seed: int = 0
+    val_fraction: float = 0.2  # held out for validation, once, by split_seed
+    split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
     # Read by the model configs through interpolation: 10 features = a 1x1 "image" of 10 channels.
     num_classes: int = 1
     in_channels: int = 10
@@ -246,12 +241,11 @@ class TextConfig:
     """A local text file as bytes, in windows of block_size (task=lm); null path: a generated corpus."""
 
     _target_: str = "ddplab.data.text"
-    path: Optional[str] = None
-    block_size: int = 64
-    val_fraction: float = 0.1
+    path: Optional[str] = None  # a local text file; null: a generated corpus
+    block_size: int = 64  # tokens (bytes) per sample
+    val_fraction: float = 0.1  # the file's last part, held out for validation
     vocab_size: int = 256  # bytes
-    split_seed: int = 0
-
+    split_seed: int = 0  # fixed, independent of `seed`
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.path is None or os.path.isfile(os.path.expanduser(c.path)), f"{key}.path", c.path,
@@ -278,10 +272,9 @@ class TokensConfig:
     path: Optional[str] = None  # required: scripts/make_tokens.py writes one
     val_path: Optional[str] = None  # null: the last val_fraction of path's windows
     dtype: str = "uint16"  # uint16 | uint32, as the file was written
-    block_size: int = 64
+    block_size: int = 64  # tokens per sample: window i is tokens [i*B, i*B + B]
     vocab_size: int = 256  # bytes; your tokenizer's vocabulary otherwise
-    val_fraction: float = 0.1
-
+    val_fraction: float = 0.1  # with val_path null: the last part of path's windows, never trained on
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.path is not None, f"{key}.path", c.path, "is not set", f"pass {key}.path=train.bin (scripts/make_tokens.py "
@@ -302,9 +295,9 @@ class TokenShardsConfig:
     _target_: str = "ddplab.data.token_shards"
     path: Optional[str] = None  # a folder of *.bin token files: scripts/make_tokens.py --shards N writes one
     val_path: Optional[str] = None  # a token file, or a folder of them
-    dtype: str = "uint16"
-    block_size: int = 64
-    vocab_size: int = 256
+    dtype: str = "uint16"  # uint16 | uint32, as the files were written
+    block_size: int = 64  # tokens per sample
+    vocab_size: int = 256  # bytes; your tokenizer's vocabulary otherwise
     seed: int = 0  # conf/dataset/token_shards.yaml: ${seed}
 
     @staticmethod
@@ -314,71 +307,6 @@ class TokenShardsConfig:
             require(v is not None and os.path.exists(os.path.expanduser(v)), f"{key}.{name}", v, "no such file or "
                     "folder", f"point {key}.{name} at {what} (scripts/make_tokens.py --shards N writes both)")
         _check_token_values(c, key)
-
-
-# ------------------------------------------------------------ optim / sched
-def _check_warmup(c: Any, key: str) -> None:
-    require(c.warmup_steps >= 0, f"{key}.warmup_steps", c.warmup_steps, "must be >= 0", f"pass {key}.warmup_steps=0")
-
-
-@dataclass
-class SGDConfig:
-    _target_: str = "torch.optim.SGD"
-    _partial_: bool = True  # bound to the model's parameters by the trainer
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    nesterov: bool = True
-
-
-@dataclass
-class AdamWConfig:
-    _target_: str = "torch.optim.AdamW"
-    _partial_: bool = True
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.01
-    eps: float = 1e-8
-
-
-@dataclass
-class CosineConfig:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr over all optimizer steps."""
-
-    _target_: str = "ddplab.optim.cosine"
-    _partial_: bool = True
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        _check_warmup(c, key)
-        require(0 <= c.min_lr_ratio <= 1, f"{key}.min_lr_ratio", c.min_lr_ratio,
-                "must be in [0, 1] (the final lr as a fraction of optimizer.lr)", f"pass {key}.min_lr_ratio=0.01")
-
-
-@dataclass
-class StepConfig:
-    _target_: str = "ddplab.optim.step"
-    _partial_: bool = True
-    step_epochs: int = 30  # multiply the lr by gamma every step_epochs epochs
-    gamma: float = 0.1
-    warmup_steps: int = 0
-
-    @staticmethod
-    def check(c: Any, key: str) -> None:
-        _check_warmup(c, key)
-        require(c.step_epochs > 0, f"{key}.step_epochs", c.step_epochs, "must be > 0", f"pass {key}.step_epochs=30")
-        require(c.gamma > 0, f"{key}.gamma", c.gamma, "must be > 0", f"pass {key}.gamma=0.1")
-
-
-@dataclass
-class ConstantConfig:
-    _target_: str = "ddplab.optim.constant"
-    _partial_: bool = True
-    warmup_steps: int = 0
-
-    check = staticmethod(_check_warmup)
 
 
 GROUPS = {

@@ -183,7 +183,10 @@ class TrainConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
-    num_epochs: int = 20  # length of the run and of the lr schedule
+    # The run's length (and the lr schedule's): epochs, optimizer steps, or both (whichever ends first, said at
+    # start-up); num_epochs=null max_steps=N trains by steps alone (ddplab.length).
+    num_epochs: Optional[int] = 20
+    max_steps: Optional[int] = None
     # Samples per optimizer micro-step summed over all ranks. Kept global so a
     # run means the same thing on 1 or 8 GPUs; each rank gets batch_size /
     # world_size. Set batch_size_scope=per_rank for the DDP-tutorial meaning.
@@ -195,6 +198,8 @@ class TrainConfig:
     amp_dtype: AmpDtype = AmpDtype.auto  # or bfloat16 | float16 (bf16 | fp16)
     log_every_n_steps: int = 10  # one collective per interval (and one at each epoch's end)
     eval_every_n_epochs: int = 1  # the last epoch is always evaluated
+    # >0: evaluate every N optimizer steps (mid-epoch too) and at the run's last step, instead of at epoch ends
+    eval_every_n_steps: int = 0
     # null: start fresh; auto: continue from last.pt of this run dir (or, when
     # Hydra made up the dir, of the newest earlier run with the same overrides);
     # or a path to a checkpoint.
@@ -223,9 +228,15 @@ class TrainConfig:
 
     @staticmethod
     def check(c: Any, key: str = "") -> None:
-        for k, lo, example in (("num_epochs", 1, 10), ("batch_size", 1, 64), ("grad_accum_steps", 1, 1),
-                               ("log_every_n_steps", 1, 10), ("eval_every_n_epochs", 1, 1)):
+        for k, lo, example in (("batch_size", 1, 64), ("grad_accum_steps", 1, 1), ("log_every_n_steps", 1, 10),
+                               ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
+        for k, example in (("num_epochs", 10), ("max_steps", 1000)):
+            require(c.get(k) is None or c[k] >= 1, k, c.get(k), "must be > 0 or null", f"pass {k}={example}")
+        require(c.get("num_epochs") is not None or c.get("max_steps") is not None, "num_epochs", None,
+                "with max_steps=null too, the run would never end", "pass num_epochs=10 or max_steps=1000")
+        require(c.get("eval_every_n_steps", 0) >= 0, "eval_every_n_steps", c.get("eval_every_n_steps"),
+                "must be >= 0 (0: at epoch ends)", "pass eval_every_n_steps=500")
         # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
         require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
         require(c.objective.split("/", 1)[0].startswith("val") and "/" in c.objective, "objective", c.objective,

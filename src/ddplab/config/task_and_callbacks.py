@@ -50,7 +50,7 @@ class VAETaskConfig:
 @dataclass
 class EMAConfig:
     _target_: str = "ddplab.callbacks.ema.EMA"
-    decay: float = 0.999
+    decay: float = 0.999  # weight of the average's past: ema = decay * ema + (1 - decay) * w, each step
     warmup: bool = True  # the decay ramps up as (1 + n) / (10 + n) over the first updates
     evaluate: bool = True  # evaluated as val_ema/* (the objective may name it)
 
@@ -62,13 +62,12 @@ class EMAConfig:
 @dataclass
 class EarlyStoppingConfig:
     _target_: str = "ddplab.callbacks.early_stopping.EarlyStopping"
-    monitor: str = "val/loss"
-    patience: int = 3
-    min_delta: float = 0.0
+    monitor: str = "val/loss"  # any logged tag: val/*, val_ema/* after each evaluation, train/* at log steps
+    patience: int = 3  # checks without improvement before the job stops
+    min_delta: float = 0.0  # the least change that counts as an improvement
     mode: str = "auto"  # min | max | auto (the task says which metrics are better higher)
-    divergence_threshold: Optional[float] = None
-    check_finite: bool = True
-
+    divergence_threshold: Optional[float] = None  # stop at once past this value (null: never)
+    check_finite: bool = True  # stop at once when the monitored value is NaN/Inf
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.mode in ("auto", "min", "max"), f"{key}.mode", c.mode, "not a mode", f"pass {key}.mode=auto (or min, max)")

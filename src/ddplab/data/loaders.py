@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ddplab.data.augment import BatchAugment, PerSampleAugment
 from ddplab.data.batches import move
 from ddplab.data.datasets import TensorData
-from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
+from ddplab.data.sampling import ShardedGlobalSampler, eval_shard, eval_span
 from ddplab.data.streams import is_stream, stream_eval_batches
 
 
@@ -99,16 +99,14 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, dev
     if is_stream(data):
         yield from stream_eval_batches(data, world_size, rank, batch_size, device, collate_fn)
         return
-    shard = eval_shard(len(data), world_size, rank)
     nb = device.type == "cuda"
     if isinstance(data, TensorData):
-        for idx in shard.to(data.x.device).split(batch_size):
+        for idx in eval_shard(len(data), world_size, rank).to(data.x.device).split(batch_size):
             if not len(idx):  # an empty shard splits into one empty chunk: no batch at all
                 continue
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
     # The shard is contiguous: a range, not a list of every index (a token file's windows run to millions).
-    first = int(shard[0]) if len(shard) else 0
-    for batch in DataLoader(Subset(data, range(first, first + len(shard))), batch_size=batch_size, pin_memory=nb,
-                            collate_fn=collate_fn):
+    for batch in DataLoader(Subset(data, eval_span(len(data), world_size, rank)), batch_size=batch_size,
+                            pin_memory=nb, collate_fn=collate_fn):
         yield move(batch, device, nb)

@@ -9,6 +9,10 @@ which also biases metrics). Samples that do not fill a whole optimizer step
 (``global_batch * grad_accum_steps``) are dropped for that epoch; the
 permutation changes each epoch, so every sample is still used.
 
+``order="bijection"`` (a token file's windows, ``TokenWindows.sample_order``): the same global batches, the
+epoch's order computed a micro-batch at a time by :class:`~ddplab.data.bijection.IndexBijection` instead of
+held as a permutation: constant memory per rank, however many samples.
+
 Validation: contiguous shards of sizes differing by at most one, no padding;
 metrics are reduced as sums, so every sample counts exactly once.
 """
@@ -17,9 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Sampler
+
+from ddplab.data.bijection import IndexBijection
+
+ORDERS = ("permutation", "bijection")
+_BLOCK = 16384  # indices the bijection order computes at a time (a few hundred KB, whatever the dataset)
 
 
 class ShardedGlobalSampler(Sampler[int]):
@@ -34,7 +44,10 @@ class ShardedGlobalSampler(Sampler[int]):
         seed: int,
         grad_accum_steps: int = 1,
         shuffle: bool = True,
+        order: str = "permutation",
     ):
+        if order not in ORDERS:
+            raise ValueError(f"sample order {order!r}: one of {ORDERS}")
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
         self.num_samples = num_samples
@@ -43,6 +56,7 @@ class ShardedGlobalSampler(Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order if shuffle else "permutation"
         self.per_rank_batch = global_batch // world_size
         self.steps_per_epoch = num_samples // (global_batch * grad_accum_steps)
         self.num_micro_batches = self.steps_per_epoch * grad_accum_steps
@@ -54,7 +68,12 @@ class ShardedGlobalSampler(Sampler[int]):
         self.epoch, self.skip = epoch, skip
 
     def batches(self) -> Tensor:
-        """(num_micro_batches, per_rank_batch) indices for this rank and epoch."""
+        """(num_micro_batches, per_rank_batch) indices for this rank and epoch (held whole: the indexed path's,
+        for data in memory)."""
+        if self.order == "bijection":
+            rows = np.arange(self.num_micro_batches)[:, None] * self.global_batch + self.rank * self.per_rank_batch
+            order = IndexBijection(self.num_samples, self.seed + self.epoch)
+            return torch.from_numpy(order((rows + np.arange(self.per_rank_batch)).ravel()).reshape(rows.shape[0], -1))
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             perm = torch.randperm(self.num_samples, generator=g)
@@ -64,6 +83,14 @@ class ShardedGlobalSampler(Sampler[int]):
         return used.view(self.num_micro_batches, self.world_size, self.per_rank_batch)[:, self.rank]
 
     def __iter__(self) -> Iterator[int]:
+        if self.order == "bijection":  # indices computed a block of micro-batches at a time: bounded memory
+            order = IndexBijection(self.num_samples, self.seed + self.epoch)
+            mine = np.arange(self.per_rank_batch) + self.rank * self.per_rank_batch
+            block = max(1, _BLOCK // self.per_rank_batch)  # numpy's per-call cost spread over ~16k indices
+            for first in range(self.skip, self.num_micro_batches, block):
+                mbs = np.arange(first, min(first + block, self.num_micro_batches))[:, None]
+                yield from order((mbs * self.global_batch + mine).ravel()).tolist()
+            return
         # A micro-batch at a time: a whole epoch as one Python list costs ~60 bytes per sample, which
         # grows with a token file far past the permutation's own 8 bytes per window. One host read of the
         # index tensor, here at the epoch's start (a zero-copy numpy view); none inside the steps.
@@ -75,8 +102,15 @@ class ShardedGlobalSampler(Sampler[int]):
         return self.num_micro_batches * self.per_rank_batch
 
 
-def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
-    """This rank's validation indices: contiguous, no padding, sizes differ by <= 1."""
-    q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut, without an index per sample first
+def eval_span(num_samples: int, world_size: int, rank: int) -> range:
+    """This rank's validation indices as a range: contiguous, no padding, sizes differ by <= 1. A range, not an
+    index per sample: a token file's validation windows run to millions."""
+    q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut
     start = rank * q + min(rank, r)
-    return torch.arange(start, start + q + (rank < r))
+    return range(start, start + q + (rank < r))
+
+
+def eval_shard(num_samples: int, world_size: int, rank: int) -> Tensor:
+    """:func:`eval_span` as an index tensor (in-memory data is indexed with it)."""
+    span = eval_span(num_samples, world_size, rank)
+    return torch.arange(span.start, span.stop)

@@ -38,7 +38,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from ddplab.errors import ConfigError
 from ddplab.data.batches import move
-from ddplab.data.sampling import ShardedGlobalSampler, eval_shard
+from ddplab.data.sampling import ShardedGlobalSampler, eval_span
 
 
 class StreamEnded(RuntimeError):
@@ -211,8 +211,8 @@ def stream_eval_batches(data: IterableDataset, world_size: int, rank: int, batch
     """This rank's validation shard of a stream: the same contiguous cut as map-style data (by position in
     the stream, which ``__len__`` sizes), every sample on exactly one rank."""
     collate = collate_fn or default_collate
-    shard = eval_shard(len(data), world_size, rank)
-    start, stop = (int(shard[0]), int(shard[-1]) + 1) if len(shard) else (0, 0)
+    span = eval_span(len(data), world_size, rank)
+    start, stop = span.start, span.stop
     nb, buf = device.type == "cuda", []
     for i, sample in enumerate(data):
         if i >= stop:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset
 
+from ddplab.data.bijection import IndexBijection
 from ddplab.errors import InputError
 from ddplab.data.datasets import Splits
 
@@ -60,6 +61,10 @@ def write_sidecar(path: str | Path, dtype: str, tokens: int, vocab_size: int) ->
 
 class TokenWindows(Dataset):
     """Windows ``first .. first+count-1`` of one token file (train and val may share a file)."""
+
+    # The sampler shuffles a token file's windows without a permutation in memory (ddplab.data.bijection):
+    # its memory stays flat however big the file.
+    sample_order = "bijection"
 
     def __init__(self, path: str | Path, dtype: str, block_size: int, vocab_size: int, first: int = 0,
                  count: int | None = None):
@@ -140,9 +145,12 @@ def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "u
     return Splits(train, val, vocab_size)
 
 
+_CHUNK = 1024  # window indices computed at a time (a few KB)
+
+
 class TokenShards(IterableDataset):
     """A folder of token files streamed shard by shard (``dataset=token_shards``): each epoch a new shard
-    order, within a shard a new window order, so only one shard's permutation is ever in memory. With
+    order, within a shard a new window order, each computed as it is read (no permutation in memory). With
     DataLoader workers each takes every ``num_workers``-th shard of the epoch's order. Its position
     (epoch, shard, window) is its ``state_dict``: torchdata's StatefulDataLoader saves it per worker."""
 
@@ -156,20 +164,21 @@ class TokenShards(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.shard, self.window = epoch, 0, 0
 
-    def _order(self, n: int, salt: int) -> torch.Tensor:
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 7919 + salt))
+    def _order(self, n: int, salt: int) -> IndexBijection:
+        return IndexBijection(n, self.seed * 1_000_003 + self.epoch * 7919 + salt)
 
     def __iter__(self) -> Any:
         info = torch.utils.data.get_worker_info()
         w, nw = (info.id, info.num_workers) if info else (0, 1)
-        mine = self._order(len(self.shards), 0)[w::nw].tolist()
+        mine = self._order(len(self.shards), 0)(np.arange(len(self.shards)))[w::nw].tolist()
         while self.shard < len(mine):
             shard = self.shards[mine[self.shard]]
-            windows = self._order(len(shard), 1 + mine[self.shard])
+            order = self._order(len(shard), 1 + mine[self.shard])  # the shard's window order: no permutation held
             while self.window < len(shard):
-                i = int(windows[self.window])
-                self.window += 1
-                yield shard[i]
+                chunk = order(np.arange(self.window, min(self.window + _CHUNK, len(shard)))).tolist()
+                for i in chunk:
+                    self.window += 1
+                    yield shard[i]
             self.shard, self.window = self.shard + 1, 0
 
     def state_dict(self) -> dict[str, int]:

@@ -48,7 +48,10 @@ class ReportToStudy(Callback):
         prune = False
         if self._trial is not None and value is not None:
             try:
-                self._trial.report(float(value), state.loop.epoch)  # a resumed epoch again: Optuna keeps the first
+                # Optuna's step: the epoch (the pruner's warmup counts epochs), or with eval_every_n_steps the
+                # optimizer step (several evaluations an epoch). A resumed one again: Optuna keeps the first.
+                at = state.loop.step if state.cfg.get("eval_every_n_steps") else state.loop.epoch
+                self._trial.report(float(value), at)
                 prune = bool(self._trial.should_prune())
             except Exception as e:  # Optuna's own wrapper hides the cause (a full disk reads "invalid data")
                 from ddplab.study.storage import StorageLost, failed
@@ -57,4 +60,5 @@ class ReportToStudy(Callback):
                     raise
                 raise StorageLost(self.url, e) from None
         if collectives.broadcast_object(prune, state.dist):
-            state.request_stop(f"{PRUNED} at epoch {state.loop.epoch} ({self.objective}={value:.6g})")
+            where = f"step {state.loop.step}" if state.cfg.get("eval_every_n_steps") else f"epoch {state.loop.epoch}"
+            state.request_stop(f"{PRUNED} at {where} ({self.objective}={value:.6g})")

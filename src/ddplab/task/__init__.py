@@ -20,6 +20,8 @@ the same attributes) and name it from a yaml: ``task: {_target_: mypkg.MyTask}``
   the writer draws only on rank 0 (``writer.image``, ``writer.scalars``, ``writer.text``).
 * ``maximize``: metric names where higher is better (``objective`` and the best
   checkpoint follow it); every other metric, and the loss, is minimised.
+* ``counts_tokens``: samples are sequences (the first tensor of a batch is (B, T)):
+  ``vitals/tokens_per_s`` and the progress line count tokens, T per sample.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Task:
     metric_names: tuple[str, ...] = ()
     derived_names: tuple[str, ...] = ()  # what derive() returns
     maximize: tuple[str, ...] = ()
+    counts_tokens: bool = False
 
     def __call__(self, model: nn.Module, batch: Any) -> TaskOutput:
         raise NotImplementedError

@@ -15,6 +15,7 @@ class LanguageModelTask(Task):
     """(tokens, next tokens) of shape (B, T) → cross-entropy over every position."""
 
     derived_names = ("perplexity",)
+    counts_tokens = True  # the progress line and vitals/tokens_per_s: samples/s x T
 
     def __call__(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> TaskOutput:
         x, y = batch

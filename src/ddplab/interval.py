@@ -1,0 +1,103 @@
+"""The log interval: what the loop does between two log steps, owned by one object.
+
+After each optimizer step the loop calls :meth:`LogInterval.after_step`, which times the step, marks the
+stall watch, advances the progress bar and then either holds the log step's one collective (the metrics
+reduced with every rank's stop flag in the same row, the callbacks' ``on_log``, TensorBoard, the progress
+line) or counts down to the stop agreement's next check. It returns whether every rank agreed to stop at
+this step. :meth:`close` logs the steps since the last log step (before a checkpoint, an evaluation or an
+epoch's end: none is lost on resume); :meth:`restart` starts timing again after such a pause.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ddplab.callbacks import Hook
+from ddplab.evaluation import derived
+from ddplab.metrics import TrainMetrics
+from ddplab.data.batches import first_tensor
+from ddplab.perf import FlopRate
+from ddplab.reporting import Progress
+from ddplab.runtime.stopping import StopAgreement
+from ddplab.runtime.watch import StallWatch, default_store
+from ddplab.state import State
+from ddplab.task import name_of
+
+
+class LogInterval:
+    def __init__(self, s: State, stopper: StopAgreement):
+        cfg, dist = s.cfg, s.dist
+        self.state, self.stopper = s, stopper
+        self.every = int(cfg.log_every_n_steps)  # a plain int: read every step
+        self.metrics = TrainMetrics(dist, getattr(s.task, "metric_names", ()), cfg.nonfinite_loss, s.accum,
+                                    cfg.log_every_n_steps * s.accum)
+        self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
+        self.flops = FlopRate(s.strategy.counts_flops, s.module, dist.device, s.precision.dtype,
+                              cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (keep)
+        self.tokens_per_sample = 0  # a task that counts tokens: the first batch's sequence length
+        self.bar = Progress("none")  # each epoch draws its own (new_bar)
+        self._t = time.perf_counter()
+
+    def keep(self, batch: Any) -> None:
+        """The first batch (the checked step's): a sample for the FLOP count, the tokens per sample."""
+        self.flops.keep(batch)
+        x = first_tensor(batch) if getattr(self.state.task, "counts_tokens", False) else None
+        if x is not None and x.dim() >= 2:
+            self.tokens_per_sample = int(x.shape[1])
+
+    def new_bar(self) -> None:
+        s = self.state
+        self.bar = Progress.for_rank(str(s.cfg.progress), s.dist.is_main, s.steps_per_epoch, s.loop.epoch, s.length)
+
+    def restart(self) -> None:
+        """Timing starts (again): at an epoch's first step, after a checkpoint or an evaluation."""
+        self._t = time.perf_counter()
+        self.watch.mark(self.state.loop.step + 1, self._t)
+
+    def after_step(self, data_time: float) -> bool:
+        """After optimizer step ``state.loop.step``: True when every rank agreed to stop here."""
+        now = time.perf_counter()
+        self.metrics.add_step(now - self._t, data_time)
+        self._t = now
+        step = self.state.loop.step
+        self.watch.mark(step + 1, now)
+        self.bar.update(1)
+        # The stop agreement rides in a log step's collective, or in a tiny one about once a second.
+        if step % self.every == 0:
+            self.log()
+        else:
+            self.stopper.after_step()
+        return self.stopper.agreed
+
+    def close(self) -> None:
+        """The steps since the last log step are logged (none lost on resume); the stall watch stops timing
+        (a save or an evaluation is not a step)."""
+        self.watch.pause()
+        if self.metrics.steps:
+            self.log()
+
+    def log(self) -> dict[str, float]:
+        s = self.state
+        step = s.loop.step
+        self.watch.phase = "log collective"
+        # The one collective (and host sync) of this interval; it also carries this rank's stop request.
+        values, anyone_stops = self.metrics.reduce(f"{s.position()}; task {name_of(s.task)}", step,
+                                                   self.stopper.requested)
+        self.stopper.heard_at_log_step(anyone_stops)
+        values.update(derived(s.task, values, "train/"))
+        if s.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick
+            s.first_train_loss = values.get("train/loss")
+        s.callbacks(Hook.ON_LOG, s, values, step)
+        values["vitals/lr"] = s.optimizer.param_groups[0]["lr"]
+        values.update(self.flops.rates(values["vitals/samples_per_s"]))
+        if self.tokens_per_sample:
+            values["vitals/tokens_per_s"] = values["vitals/samples_per_s"] * self.tokens_per_sample
+        scale = s.precision.loss_scale()
+        if scale is not None:
+            values["vitals/loss_scale"] = scale
+            values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()  # not errors: the scaler's job
+        s.writer.scalars(values, step)
+        self.bar.show(s.loop.epoch, step, values)
+        s.results.last_train = values
+        return values

@@ -1,0 +1,172 @@
+"""Training by steps (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps`` (exact evaluations
+mid-epoch, resumable), schedules over the run's steps with a warmup fraction, and what the console says."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddplab
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import REPO, assert_ok, compose_cfg, ranks, read_scalars, run_cmd, torchrun
+from ddplab.config.errors import ConfigError
+from ddplab.config.validate import validate
+from ddplab.data.tokens import tokens
+from ddplab.length import RunLength
+from ddplab.optim import cosine
+
+# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch, so 600 steps cross two epoch
+# ends (which a step cadence does not evaluate) and every evaluation but the last falls mid-epoch.
+LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
+      "batch_size=48", "progress=log"]
+STEPS = ["num_epochs=null", "max_steps=600", "eval_every_n_steps=100", "log_every_n_steps=50"]
+SOAKED = ["model._target_=soak_toy.SoakGPT", "+callbacks.soak._target_=soak_toy.SoakCallback"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    out = tmp_path_factory.mktemp("corpus")
+    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", "0.2", "--out",
+                       str(out)], out))
+    return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
+
+
+def val_points(run: Path) -> list[tuple[int, float]]:
+    return read_scalars(run)["val/loss"]
+
+
+def last(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.dist
+def test_600_steps_evaluated_every_100_exactly_at_world_sizes_1_2_3_and_a_stop_in_the_third_evaluation_resumes_bitwise(
+        tmp_path, corpus):
+    n_val = len(tokens(corpus[0].split("=", 1)[1], corpus[1].split("=", 1)[1], block_size=16).val)
+    runs = {}
+    for n in (1, 2, 3):
+        run = tmp_path / str(n)
+        assert_ok(ranks(n, LM + STEPS + corpus + [f"hydra.run.dir={run}"], tmp_path, timeout=300))
+        runs[n] = run
+        points = val_points(run)
+        assert [s for s, _ in points] == [100, 200, 300, 400, 500, 600], (n, points)
+        assert {v for _, v in read_scalars(run)["val/num_samples"]} == {n_val}  # the whole set, each sample once
+        assert json.loads((run / "result.json").read_text())["metrics"]["step"] == 600
+    for n in (2, 3):
+        for (s1, v1), (sn, vn) in zip(val_points(runs[1]), val_points(runs[n])):
+            assert vn == pytest.approx(v1, rel=1e-5), (n, s1)  # fp32: equal to the reduction order
+    log = (runs[2] / "train.log").read_text()
+    spe = len(tokens(corpus[0].split("=", 1)[1], corpus[1].split("=", 1)[1], block_size=16).train) // 48
+    assert spe == 245  # so 600 steps are 2.45 epochs: two epoch ends pass without an evaluation
+    assert "600 steps (max_steps; 245 steps/epoch, 2.45 epochs)" in log
+    assert f"step 300/600  val/num_samples={n_val}" in log and "done: 600/600 steps (2.45 epochs)" in log
+    # SIGTERM reaches rank 0 at the first batch of the third evaluation (step 300, mid-epoch 2). Each evaluation
+    # batch takes 0.5 s (a sleep: no number changes), so the stop agreement's ~1 s check falls inside it: every
+    # rank stops there, checkpoints with the evaluation pending, and the resumed job evaluates step 300 first.
+    per_rank = -(-(-(-n_val // 2)) // 256)  # rank 0's evaluation batches: ceil(ceil(n/2) / 256)
+    fault = {"phase": "evaluation", "k": 2 * per_rank + 1, "rank": 0, "target": "self", "signal": "SIGTERM",
+             "dir": str(tmp_path / "fault")}
+    (tmp_path / "fault").mkdir()
+    stopped = tmp_path / "stopped"
+    env = {"SOAK_FAULT": json.dumps(fault), "SOAK_TRIAL_ID": str(tmp_path), "SOAK_DIR": str(tmp_path / "fault"),
+           "SOAK_EVAL_DELAY_S": "0.5"}
+    proc = torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={stopped}"], tmp_path, extra_env=env)
+    result = json.loads((stopped / "result.json").read_text())
+    assert proc.returncode != 0 and (result["status"], result["step"]) == ("preempted", 300), result
+    assert last(stopped)["loop"]["eval_pending"] and [s for s, _ in val_points(stopped)] == [100, 200]
+    assert_ok(torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={stopped}", "resume=auto"], tmp_path))
+    ref = tmp_path / "ref"
+    assert_ok(torchrun(2, LM + STEPS + corpus + SOAKED + [f"hydra.run.dir={ref}"], tmp_path,
+                       extra_env={"SOAK_EVAL_DELAY_S": "0.5"}))
+    assert_same_checkpoint(last(ref), last(stopped))
+    assert val_points(stopped) == val_points(ref)  # step 300's evaluation once, equal to the uninterrupted one
+
+
+def test_how_often_a_run_evaluates_changes_no_weight_and_best_pt_follows_step_evaluations(tmp_path, corpus):
+    """Evaluations keep training's random streams where they were (dropout here): weights are bitwise the same
+    whatever eval_every_n_steps; best.pt is the best step evaluation's."""
+    args = LM + corpus + ["model.dropout=0.2", "num_epochs=null", "max_steps=60", "log_every_n_steps=7"]
+    out = {n: ddplab.run(compose_cfg(args + [f"eval_every_n_steps={n}"], tmp_path / str(n))) for n in (0, 7, 20)}
+    for n in (7, 20):
+        assert_same_checkpoint(last(tmp_path / "0"), last(tmp_path / str(n)))
+    assert [s for s, _ in val_points(tmp_path / "0")] == [60]  # no cadence: the run's last step only
+    points = val_points(tmp_path / "20")
+    assert [s for s, _ in points] == [20, 40, 60]
+    best_step, best = min(points, key=lambda p: p[1])
+    saved = torch.load(tmp_path / "20" / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    assert saved["loop"]["step"] == best_step and out[20]["val/loss_best"] == pytest.approx(best, rel=1e-6)
+
+
+def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus, caplog):
+    caplog.set_level("INFO", logger="ddplab")
+    both = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=1", "max_steps=1000", "log_every_n_steps=50"],
+                                  tmp_path / "epochs_first"))
+    assert both["step"] == 245 and both["epoch"] == 1
+    log, _ = caplog.text, caplog.clear()
+    assert ("245 steps/epoch x 1 epochs = 245 steps (num_epochs ends before max_steps=1,000; num_epochs=null "
+            "trains by steps alone)") in log
+    first = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=3", "max_steps=250", "log_every_n_steps=50"],
+                                   tmp_path / "steps_first"))
+    assert first["step"] == 250 and first["epoch"] == 1  # one whole epoch, then 5 steps of the second
+    log = caplog.text
+    assert "250 steps (max_steps ends first; num_epochs=3 would be 735; 245 steps/epoch)" in log
+    assert [s for s, _ in val_points(tmp_path / "steps_first")] == [245, 250]  # epoch 1's end, and the last step
+    # The progress line: the task's own metrics only (no acc for a language model), tokens/s, an ETA.
+    line = next(x for x in log.splitlines() if " step 50/250 " in x)
+    assert re.search(r"epoch 1 step 50/250  loss=\S+ perplexity=\S+  lr=\S+  [\d,]+ tokens/s  step [\d.]+ ms "
+                     r"\(max [\d.]+\)  ETA \d+s", line), line
+    assert "acc=" not in log
+
+
+def test_a_schedule_spans_the_runs_steps_and_a_warmup_fraction_is_the_same_steps_at_any_world_size():
+    assert RunLength(100, 20, None).total_steps == 2000 and RunLength(100, None, 350).total_steps == 350
+    assert RunLength(100, 2, 350).total_steps == 200 and RunLength(100, 5, 350).epochs == 4
+    p = torch.nn.Parameter(torch.zeros(1))
+    lrs = []
+    sched = cosine(torch.optim.SGD([p], lr=1.0), total_steps=600, steps_per_epoch=234, warmup_fraction=0.05)
+    for _ in range(600):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    assert lrs[29] == 1.0 and lrs[28] < 1.0 and lrs[0] == pytest.approx(1 / 30)  # 30 warmup steps = 5% of 600
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-4)  # the decay ends at the run's last step, not an epoch's
+    # The steps a schedule sees do not depend on the world size: the composed config alone fixes them.
+    cfg = compose_cfg(["max_steps=600", "num_epochs=null", "scheduler.warmup_fraction=0.05"])
+    assert cfg.scheduler.warmup_fraction == 0.05
+
+
+@pytest.mark.parametrize("override,match", [
+    (["num_epochs=null"], r"num_epochs=None: with max_steps=null too, the run would never end\. Fix: pass "
+                          r"num_epochs=10 or max_steps=1000"),
+    (["max_steps=0"], r"max_steps=0: must be > 0 or null\. Fix: pass max_steps=1000"),
+    (["num_epochs=0"], r"num_epochs=0: must be > 0 or null\. Fix: pass num_epochs=10"),
+    (["eval_every_n_steps=-5"], r"eval_every_n_steps=-5: must be >= 0 \(0: at epoch ends\)"),
+    (["scheduler.warmup_fraction=1.5"], r"scheduler.warmup_fraction=1.5: must be in \[0, 1\)"),
+])
+def test_length_config_errors_name_the_key_the_value_and_the_fix(override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(override))
+
+
+def test_a_run_by_steps_resumed_after_its_end_trains_nothing_and_says_so(tmp_path, corpus, caplog):
+    args = LM + corpus + ["num_epochs=null", "max_steps=30"]
+    ddplab.run(compose_cfg(args, tmp_path / "r"))
+    caplog.set_level("INFO", logger="ddplab")
+    again = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "r"))
+    assert again["step"] == 30
+    assert "already finished: 30 of 30 steps done, nothing to train" in caplog.text
+
+
+def test_early_stopping_follows_step_evaluations(tmp_path, corpus, caplog):
+    caplog.set_level("INFO", logger="ddplab")
+    out = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=null", "max_steps=600", "eval_every_n_steps=20",
+                                                "callbacks=[early_stopping]", "callbacks.early_stopping.patience=1",
+                                                "callbacks.early_stopping.min_delta=100"], tmp_path / "r"))
+    assert out["step"] == 40  # the second evaluation did not improve by 100: stopped there, mid-epoch
+    assert "stopped early at step 40: val/loss did not improve by more than 100.0 for 1 checks" in caplog.text
+    assert last(tmp_path / "r")["loop"]["step"] == 40 and [s for s, _ in val_points(tmp_path / "r")] == [20, 40]
