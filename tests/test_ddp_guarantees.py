@@ -235,16 +235,23 @@ def test_rank_that_never_arrives_times_out(tmp_path):
     assert waited <= 5 + 2, waited
 
 
-def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing_store(tmp_path):
-    """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn while
-    rank 0 is slow to close each one's store: every group forms (each used to race a peer into the closing one)."""
+def srun_tasks(worker: str, cwd) -> list[subprocess.Popen]:
+    """tests/workers/<worker> as the 2 tasks of an srun step (SLURM's task variables, no launcher's store: rank 0
+    serves the rendezvous store), on a free port; stdout and stderr together, as text."""
     port, procs = free_port(), []
     for r in (0, 1):
         env = {**job_env(), "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
                "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "regroup_worker.py")],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / worker)], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing_store(tmp_path):
+    """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn while
+    rank 0 is slow to close each one's store: every group forms (each used to race a peer into the closing one)."""
+    procs = srun_tasks("regroup_worker.py", tmp_path)
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "RESULT ok" in out, out[-3000:]
@@ -254,13 +261,7 @@ def test_a_rank_waiting_for_a_group_that_never_forms_leaves_on_sigterm_at_once(t
     """Rank 0 takes no further part; rank 1 waits to join a group with it (torch's C++ wait, deaf to signals). SIGTERM — its
     launcher tearing the job down — ends the wait within a second, exit 143, instead of after the launcher's
     grace (30 s, then SIGKILL: no cleanup) or distributed.timeout_s."""
-    port, procs = free_port(), []
-    for r in (0, 1):
-        env = {**job_env(), "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
-               "SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "abandoned_join_worker.py")],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = srun_tasks("abandoned_join_worker.py", tmp_path)
     assert procs[1].stdout.readline().strip() == "WAITING"
     time.sleep(2)  # well inside the wait
     signalled = time.monotonic()
