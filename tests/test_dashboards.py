@@ -187,7 +187,8 @@ def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs
     # The crashed run's file, named as another process's of this second would be ("9" > "1..").
     (old,) = tmp_path.glob("events.out.tfevents.*")
     os.rename(old, tmp_path / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.9")
-    resumed = TensorBoardWriter(str(tmp_path), purge_step=1)  # drops every step of the crashed run
+    resumed = TensorBoardWriter(str(tmp_path))
+    resumed.purge_after(0)  # a run that starts fresh where an attempt left events: drops every step of it
     resumed.scalars({"train/loss": 2.0}, 5)
     resumed.close()
     assert read_scalars(tmp_path)["train/loss"] == [(5, 2.0)]

@@ -196,18 +196,29 @@ class Trainer:
         seed_everything(s.cfg.seed + 1_000_003 * (s.loop.epoch + 1) + s.dist.rank)
 
     def _first_step(self, batches: Iterator[Any]) -> float | None:
-        """The first step, its batch and the task's output checked: a model that cannot take the data's
-        shapes fails here, said plainly. Later steps call the task itself."""
+        """The first step that updates: its batch and the task's output checked, and, just before the update,
+        the strategy's look at which parameters got a gradient (DDP: all must). A model that cannot take the
+        data's shapes fails here, said plainly. A step that was dropped (nonfinite_loss=skip, fp16's scaler:
+        alike on every rank) leaves the checks to the next one."""
         s = self.state
+        updating: list[bool] = []
+
+        def before_update(*_: Any) -> None:  # the optimizer's step pre-hook: gradients are all in
+            updating.append(True)
+            s.strategy.after_first_backward(s.module)
+
+        hook = s.optimizer.register_step_pre_hook(before_update)
         try:
             data_time = self.train_step(batches)
         except RuntimeError as e:
-            refusal = build.shape_mismatch(s.cfg, e)  # a model that cannot take the data: the config's fault
-            if refusal is None:
+            refusal = None if updating else build.shape_mismatch(s.cfg, e)  # the config's fault: a model the data
+            if refusal is None:                                             # cannot go through
                 raise
             raise refusal from e
-        self.step_fn = s.task
-        s.strategy.after_first_backward(s.module)
+        finally:
+            hook.remove()
+        if updating:
+            self.step_fn = s.task  # later steps call the task itself
         return data_time
 
     def _checked_step(self, model: Any, batch: Any) -> Any:
