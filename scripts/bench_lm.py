@@ -105,6 +105,7 @@ def nanogpt_rank(train_bin: str, steps: int, out_dir: str) -> None:
                 writer.add_scalar("train/loss", reduced.item() / world, it + 1)
     if writer is not None:
         writer.close()
+    torch_dist.barrier()  # gloo aborts a rank that tears down while its peer still talks to it
     torch_dist.destroy_process_group()
 
 
