@@ -4,6 +4,7 @@ names every key, group option and default with a meaning, so the documentation c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 
@@ -15,9 +16,11 @@ import config_reference  # noqa: E402  (scripts/config_reference.py)
 from ddplab.config import schema  # noqa: E402
 from ddplab.config.groups import GROUPS  # noqa: E402
 
+rendered = functools.cache(config_reference.render)  # composes every option of conf/ (seconds): once a session
+
 
 def test_the_reference_page_is_what_the_schema_and_conf_say_today():
-    text = config_reference.render()
+    text = rendered()
     assert (REPO / "docs" / "reference.md").read_text() == text, "Fix: python scripts/config_reference.py"
     keys = set(re.findall(r"^\| `([\w.]+)` \|", text, re.M))
     for f in dataclasses.fields(schema.TrainConfig):  # every top-level key and every key of a sub-config
@@ -40,5 +43,6 @@ def test_the_check_mode_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
     stale.write_text("# stale\n")
     monkeypatch.setattr(config_reference, "OUT", stale)
     monkeypatch.setattr(config_reference, "REPO", tmp_path)
+    monkeypatch.setattr(config_reference, "render", rendered)
     assert config_reference.main(["--check"]) == 1
     assert "reference.md is out of date. Fix: python scripts/config_reference.py" in capsys.readouterr().err

@@ -281,6 +281,7 @@ def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path)
     assert sorted(p.name for p in run.iterdir()) == [".hydra"]  # no train.log, no config.yaml of ours
 
 
+@pytest.mark.slow  # real processes on a tmpfs
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_leaves_no_scratch(tmp_path, ranks):
     """A full disk is the machine's fault, said completely by the error's one line (where, how much is free, the
@@ -300,6 +301,7 @@ def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_le
     assert list((tmp_path / "tmp").glob(f"ddplab-{os.getuid()}/run-*")) == []
 
 
+@pytest.mark.slow  # real processes: a run, then its resume
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
 def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path, launch):
     """Every checkpoint of the run spoilt (the soak's bad_file): ``resume=auto`` said so with the right fix, but as

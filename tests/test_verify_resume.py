@@ -153,6 +153,7 @@ def test_a_stream_shuffled_per_rank_is_refused_in_one_line(tmp_path):
     assert "dataset._target_='toy.rank_dependent_stream': the training stream is not the same on every rank" in said[0]
 
 
+@pytest.mark.slow  # real processes: both legs and a signal
 @pytest.mark.parametrize("leg,sig", [("uninterrupted", "SIGTERM"), ("resumed", "SIGUSR1"), ("ctrl-c", "SIGINT")])
 def test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict(tmp_path, leg, sig):
     """The cluster preempting a verify_resume job stops the leg running: the uninterrupted leg's result
