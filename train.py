@@ -8,6 +8,7 @@
 """
 
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":  # first, before the seconds of imports below: a preemption signal then is not fatal
     from ddplab.runtime import signals
@@ -30,5 +31,6 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     register_configs()  # the typed schemas conf/'s defaults lists name
+    cli.skip_needless_mode_lookup(Path(__file__).resolve().parent / "conf")  # one compose, not two, where it can
     sys.argv = cli.prepare_argv(sys.argv)
     main()

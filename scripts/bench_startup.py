@@ -39,6 +39,7 @@ PHASES = {
     "ddplab: first words (config, HParams, charts to TensorBoard)": "ddplab/reporting.py:*(announce)",
     "ddplab: the first step (incl. its checks)": "ddplab/train/loop.py:*(_first_step)",
     "ddplab: the whole State (build_state: parts, setup, resume)": "ddplab/train/assemble.py:*(build_state)",
+    "ddplab: the Session's end (result.json, process group torn down)": "ddplab/session.py:*(__exit__)",
     "hydra + ddplab: the whole job function": "hydra/core/utils.py:*(run_job)",
 }
 

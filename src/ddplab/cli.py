@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -210,3 +211,83 @@ def _record_failure(cfg: DictConfig, error: str) -> None:
     run_dir = rundir.own_run_dir(cfg)
     if env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
         rundir.write_result(run_dir, {"status": "failed", "error": error})
+
+
+# ---------------------------------------------------------------- Hydra's mode look-up, where it cannot matter
+_CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
+
+
+def skip_needless_mode_lookup(conf: Path) -> None:
+    """Before the job's own compose, ``@hydra.main`` composes the whole config once more only to read
+    ``hydra.mode`` (run or multirun): about 0.15 s of every start, on every rank. Where nothing the command
+    line selects can set it — no ``hydra...`` override, no option file of ``conf`` that sets it (or pulls in
+    one that does), no other config dir — Hydra's look-up can only find it unset; it is answered so without
+    composing (``tests/test_cli.py`` checks the answer against Hydra's for every option in ``conf``)."""
+    from hydra._internal.hydra import Hydra
+
+    lookup = Hydra.get_mode
+    if getattr(lookup, "ddplab_fast", False):
+        return
+
+    def get_mode(self: Any, config_name: str | None, overrides: list[str]) -> Any:
+        if mode_may_be_set(conf, overrides, sys.argv):
+            return lookup(self, config_name, overrides)
+        return None
+
+    get_mode.ddplab_fast = True  # type: ignore[attr-defined]
+    Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+def mode_may_be_set(conf: Path, overrides: list[str], argv: list[str]) -> bool:
+    """Whether ``hydra.mode`` may come out set: conservatively yes for another config source, any hydra
+    override, or an option of ``conf`` (selected, or the primary config's default) that sets it."""
+    if any(a.split("=", 1)[0] in _CONFIG_FLAGS for a in argv):
+        return True
+    setting = _mode_setting_options(conf)
+    if "train" in setting:
+        return True
+    for o in overrides:
+        key, _, value = o.lstrip("~+").partition("=")
+        # hydra.run.dir, hydra.job.*, ...: cannot set the mode; hydra.mode, another search path or a Hydra
+        # plugin's option (hydra/sweeper=...) might.
+        if key in ("hydra", "hydra.mode") or key.startswith(("hydra.searchpath", "hydra/")):
+            return True
+        group = key.removeprefix("/")
+        if any(f"{group}/{v.strip()}" in setting for v in value.strip("[]").split(",")):
+            return True
+    return False
+
+
+def _mode_setting_options(conf: Path) -> set[str]:
+    """``group/option`` of each file under ``conf`` that sets hydra.mode or whose defaults list pulls in one
+    that does (``train``: the primary config)."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML has it: ~10x faster
+    docs = {str(p.relative_to(conf).with_suffix("")): yaml.load(p.read_text(), Loader=loader) or {}
+            for p in conf.rglob("*.yaml")}
+    setting = {n for n, d in docs.items() if isinstance(d, dict) and isinstance(d.get("hydra"), dict)
+               and "mode" in d["hydra"]}
+    pulls = {n: _defaults_of(n, d) for n, d in docs.items() if isinstance(d, dict)}
+    while True:  # to a fixpoint: a file that pulls in a setting file sets it too
+        more = {n for n, picked in pulls.items() if n not in setting and picked & setting}
+        if not more:
+            return setting
+        setting |= more
+
+
+def _defaults_of(name: str, doc: dict[str, Any]) -> set[str]:
+    """The ``group/option`` files a config's defaults list selects (``override``/``optional`` entries too;
+    a group relative to the file's own, or absolute with a leading ``/``)."""
+    here = name.rsplit("/", 1)[0] if "/" in name else ""
+    out = set()
+    for entry in doc.get("defaults") or []:
+        if not isinstance(entry, dict):
+            continue
+        for key, value in entry.items():
+            group = key.split()[-1].split("@")[0]
+            group = group[1:] if group.startswith("/") else f"{here}/{group}".strip("/")
+            for option in value if isinstance(value, list) else [value]:
+                if option is not None:
+                    out.add(f"{group}/{option}")
+    return out

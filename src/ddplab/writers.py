@@ -73,8 +73,11 @@ class TensorBoardWriter(NullWriter):
                                 "with resume=auto") from None
 
     def purge_after(self, step: int) -> None:
-        assert self._w is None, "purge_after comes before the first write (the event file is opened lazily)"
         self.purge_step = step + 1
+        if self._w is not None:  # a callback wrote a scalar in its setup: the next write opens a purging file
+            with self._said_in_one_line():
+                self._w.close()
+            self._w = None
 
     def _writer(self) -> Any:
         if self._w is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import ConcatDataset, Dataset, IterableDataset
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset, default_collate
 
 from ddplab.data.bijection import IndexBijection
 from ddplab.errors import InputError
@@ -80,25 +80,50 @@ class TokenWindows(Dataset):
         return self.count
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.from_numpy(self._checked(np.frombuffer(self._read(i), dtype=self.dtype), [i]))
+        return w[:-1], w[1:]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch, as the DataLoader fetches one: every window read, then converted and checked once
+        (not per window); contiguous ``(inputs, targets)``, which :func:`collate_windows` passes on."""
+        rows = np.frombuffer(b"".join(self._read(i) for i in indices), dtype=self.dtype).reshape(len(indices), -1)
+        w = torch.from_numpy(self._checked(rows, indices))
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def _read(self, i: int) -> bytes:
+        """Window ``i``'s ``block_size + 1`` tokens, as bytes."""
         if not 0 <= i < self.count:
             raise IndexError(f"window {i} of {self.count}")
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        item = self.dtype.itemsize
-        offset, nbytes = (self.first + i) * self.block * item, (self.block + 1) * item
+        offset, nbytes = self._offset(i), (self.block + 1) * self.dtype.itemsize
         buf = os.pread(self._fd, nbytes, offset)
         if len(buf) != nbytes:
             raise TokenFileError(f"{self.path}: truncated: {len(buf)} of {nbytes} bytes at offset {offset}; the file "
                                  f"is {os.path.getsize(self.path)} bytes now. Fix: do not rewrite a token file a run "
                                  "is reading; write it again and restart")
-        t = np.frombuffer(buf, dtype=self.dtype).astype(np.int64)
+        return buf
+
+    def _offset(self, i: int) -> int:
+        return (self.first + i) * self.block * self.dtype.itemsize
+
+    def _checked(self, tokens: np.ndarray, indices: list[int]) -> np.ndarray:
+        """``tokens`` (one row per window of ``indices``) as int64, every id below the vocabulary size."""
+        t = tokens.astype(np.int64)
         top = int(t.argmax())
-        if t[top] >= self.vocab_size:
-            raise TokenFileError(f"{self.path}: token {int(t[top])} at offset {offset + top * item} is >= "
+        row, col = divmod(top, t.shape[-1])
+        if t.flat[top] >= self.vocab_size:
+            at = self._offset(indices[row]) + col * self.dtype.itemsize
+            raise TokenFileError(f"{self.path}: token {int(t.flat[top])} at offset {at} is >= "
                                  f"dataset.vocab_size={self.vocab_size}. Fix: dataset.vocab_size=<your tokenizer's "
                                  "vocabulary>, or dataset.dtype=<the dtype the file was written with>")
-        w = torch.from_numpy(t)
-        return w[:-1], w[1:]
+        return t
+
+
+def collate_windows(batch: Any) -> Any:
+    """A batch :meth:`TokenWindows.__getitems__` made is already one: passed on; a list of single windows (a
+    wrapper without ``__getitems__``) is stacked as usual."""
+    return batch if isinstance(batch, tuple) else default_collate(batch)
 
 
 def windows_in(path: str, dtype: str, block_size: int, vocab_size: int) -> int:
@@ -142,7 +167,7 @@ def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "u
         if len(part) < 1:
             raise ValueError(f"{file}: no {name} window of dataset.block_size={block_size} tokens. Fix: a longer "
                              "file or a smaller block_size")
-    return Splits(train, val, vocab_size)
+    return Splits(train, val, vocab_size, collate_windows)
 
 
 _CHUNK = 1024  # window indices computed at a time (a few KB)

@@ -229,14 +229,14 @@ def run_trial(w: Worker, trial: Any) -> None:
     note = str((rundir.read_result(tdir) or {}).get("note") or "")
     value = objective_value(metrics, str(cfg.objective))
     if note.startswith(PRUNED):
-        state = "PRUNED"
+        outcome = "PRUNED"
     else:
-        state = "COMPLETE" if value is not None else "FAIL"
-    _tell_held(w, trial, state, value, "" if state != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
+        outcome = "COMPLETE" if value is not None else "FAIL"
+    _tell_held(w, trial, outcome, value, "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
     from ddplab.study.summary import write_hparams
 
-    write_hparams(cfg, tdir, trial, state)
-    log.info("trial %d: %s %s=%s", trial.number, state, cfg.objective, "" if value is None else f"{value:.6g}")
+    write_hparams(cfg, tdir, trial, outcome)
+    log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
 
 
 def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[str, float]:
@@ -259,11 +259,11 @@ def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[st
                         "checkpoint", number, e.killed_by, deaths, w.cfg.study.max_retries)
 
 
-def _tell_held(w: Worker, trial: Any, state: str, value: float | None, error: str = "") -> None:
+def _tell_held(w: Worker, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
     """``tell``; where the storage cannot take it, the trial stays RUNNING and the line says so (the next
     worker, on a mended storage, resumes it as one whose worker died)."""
     try:
-        tell(w, trial, state, value, error)
+        tell(w, trial, outcome, value, error)
     except Exception as e:
         if not storage.failed(e):
             raise

@@ -47,13 +47,13 @@ def headline(w: Worker, trials: list[Any], counts: Counter) -> str:
     return f"{head}; best: trial {top.number}, {w.cfg.objective}={top.value:.6g} ({params})"
 
 
-def write_hparams(cfg: DictConfig, tdir: Any, trial: Any, state: str) -> None:
-    """The trial's one HParams row, written when its state is known (the job writes none in a study:
+def write_hparams(cfg: DictConfig, tdir: Any, trial: Any, outcome: str) -> None:
+    """The trial's one HParams row, written when its outcome is known (the job writes none in a study:
     TensorBoard keeps a run's first row)."""
     from ddplab.writers import TensorBoardWriter
 
     events = rundir.events_dir(tdir)
-    hp = {"trial": trial.number, "trial_state": state, **hparams_of(cfg, tdir, _world(cfg))}
+    hp = {"trial": trial.number, "trial_state": outcome, **hparams_of(cfg, tdir, _world(cfg))}
     writer = TensorBoardWriter(str(events))
     writer.hparams(hp, f"{tdir.name}/{events.name}")
     writer.close()

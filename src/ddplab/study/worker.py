@@ -154,8 +154,9 @@ def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
     return instantiate(spec)
 
 
-def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = "") -> None:
-    """Tell the study once, and record the trial's end in its run dir (result.json's ``trial``)."""
+def tell(w: Worker, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
+    """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in its run
+    dir (result.json's ``trial``)."""
     from optuna.trial import TrialState
 
     from ddplab import compat
@@ -165,21 +166,21 @@ def tell(w: Worker, trial: Any, state: str, value: float | None, error: str = ""
         hold.release()
         if not hold.still_mine():  # its lease ran out while this worker was away: the new holder tells it
             log.error("trial %d: another worker took it over while this one worked on it (this worker's hold "
-                      "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, state)
+                      "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, outcome)
             return
     if error:
         compat.optuna_trial(w.study, trial.number).set_user_attr("error", error[:1000])
     try:
-        if state == "COMPLETE":
+        if outcome == "COMPLETE":
             w.study.tell(trial.number, value)
         else:
-            w.study.tell(trial.number, state=TrialState[state])
+            w.study.tell(trial.number, state=TrialState[outcome])
     except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
         if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit below stops us instead
             raise
     tdir = trial_dir(w, trial)
     result = rundir.read_result(tdir) or {"status": "failed", "error": error}
-    result["trial"] = {"study": w.study.study_name, "number": trial.number, "state": state, "value": value,
+    result["trial"] = {"study": w.study.study_name, "number": trial.number, "state": outcome, "value": value,
                        "params": trial.params}
     rundir.write_result(tdir, result)
 
