@@ -194,6 +194,25 @@ def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs
     assert read_scalars(tmp_path)["train/loss"] == [(5, 2.0)]
 
 
+def test_a_purge_after_the_event_file_opened_still_drops_the_steps_after_the_checkpoint(tmp_path):
+    """A callback wrote a scalar in its setup (the file opened before the resume said where to purge from):
+    purge_after closes it, and the next write opens a file that drops the crashed attempt's later steps."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ddplab.writers import TensorBoardWriter
+
+    crashed = SummaryWriter(log_dir=str(tmp_path))
+    for step in range(1, 6):
+        crashed.add_scalar("train/loss", float(step), step)
+    crashed.close()
+    resumed = TensorBoardWriter(str(tmp_path))
+    resumed.scalars({"setup/note": 1.0}, 0)
+    resumed.purge_after(2)  # resumed from the checkpoint at step 2
+    resumed.scalars({"train/loss": 30.0}, 3)
+    resumed.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the_threads_traceback(tmp_path, capfd):
     """TensorBoard's writer thread met the full disk and printed its own traceback ("Exception in thread
     Thread-1: ... OSError: [Errno 28]"); the main thread then failed with a bare OSError at its next write."""
