@@ -48,3 +48,19 @@ def pytest_runtest_makereport(item, call):
         if not any(word in reason for word in CI_MAY_SKIP):
             rep.outcome = "failed"
             rep.longrepr = f"skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run provide what this test needs"
+
+
+# The variables that place a process in a job: ddplab reads them at every run, so one a test leaves behind
+# changes every later in-process run of the session (LOCAL_RANK=1 makes a GPU host ask for cuda:1; a CPU
+# host would not notice).
+_JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture(autouse=True)
+def _job_env_left_as_found():
+    before = {k: os.environ.get(k) for k in _JOB_ENV}
+    yield
+    after = {k: os.environ.get(k) for k in _JOB_ENV}
+    changed = {k: (before[k], after[k]) for k in _JOB_ENV if before[k] != after[k]}
+    assert not changed, f"the test left the job's environment changed (before, after): {changed}"

@@ -79,7 +79,10 @@ def test_synthetic_is_seeded_and_shaped():
     (["train.py", "--local_rank", "3", "x=1"], ["train.py", "x=1"], "3"),
 ])
 def test_legacy_launcher_local_rank_is_consumed(monkeypatch, argv, kept, local):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # setenv first: a bare delenv of an absent key records nothing, and the LOCAL_RANK written below would
+    # outlive the test (on a GPU host every later in-process run would then ask for cuda:1)
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("LOCAL_RANK")
     assert consume_legacy_local_rank(argv) == kept
     assert os.environ["LOCAL_RANK"] == local
 

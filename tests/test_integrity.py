@@ -193,7 +193,7 @@ def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
     import os
 
     cores = len(os.sched_getaffinity(0))
-    proc = python_train([f"distributed.nproc_per_node={cores + 62}"], tmp_path, timeout=60)
+    proc = python_train([f"distributed.nproc_per_node={cores + 62}", "distributed.device=cpu"], tmp_path, timeout=60)
     assert proc.returncode == 2
     assert f"distributed.nproc_per_node={cores + 62}: this machine has {cores} CPU cores" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr

@@ -12,30 +12,60 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import torch
 from torch import nn
-from torch.optim import Optimizer
+from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddplab import compat
 
 
-def make_optimizer(factory: Callable[..., Optimizer], params: list[nn.Parameter], mode: Any) -> Optimizer:
+def make_optimizer(factory: Callable[..., Optimizer], params: list[nn.Parameter], mode: Any,
+                   scaled: bool = False) -> Optimizer:
     """``factory(params)`` with fused kernels per ``perf.fused_optimizer`` (auto | true | false).
 
     Fused: one kernel updates every parameter instead of a loop of small ops
     per tensor (about 3.6x faster for SGD with momentum on CPU, measured).
-    Same update rule; results may differ in the last bit.
+    Same update rule; results may differ in the last bit. ``scaled``: fp16's
+    GradScaler will skip steps (see :func:`_safe_under_scaler`).
     """
     mode = str(mode).lower()
     if mode == "false":
         return factory(params)
     try:
-        return factory(params, fused=True)
+        optimizer = factory(params, fused=True)
     except (TypeError, RuntimeError, ValueError) as e:  # no fused kernel for this optimizer/device/dtype
         if mode == "true":
             raise ValueError(f"perf.fused_optimizer=true, but this optimizer cannot run fused here ({e}). "
                              "Fix: perf.fused_optimizer=auto") from e
         return factory(params)
+    if not scaled or _safe_under_scaler(optimizer):
+        return optimizer
+    if mode == "true":
+        raise ValueError("perf.fused_optimizer=true with amp_dtype=float16: torch's fused SGD cannot skip a step "
+                         "with dampening != 0 (optimizer.dampening). Fix: perf.fused_optimizer=auto, "
+                         "optimizer.dampening=0 or amp_dtype=bfloat16")
+    return factory(params)
+
+
+def _safe_under_scaler(optimizer: Optimizer) -> bool:
+    """Whether fused ``optimizer`` survives the steps fp16's GradScaler skips, made so where it can be.
+
+    torch's fused SGD (2.11-2.13 checked) makes a new momentum buffer with ``empty_like`` and then lets the
+    kernel skip the step the scaler found inf in, so the buffer stays uninitialized memory and the next
+    step writes ~1e35 or NaN into the weights; the scaler's first steps usually overflow, so fp16 training
+    broke at step 3. A zero buffer gives the same first update (``0 * momentum + grad``) where dampening is
+    0, and a skipped step leaves it zero. Fused Adam/AdamW keep their state untouched on a skipped step.
+    """
+    if not isinstance(optimizer, SGD):
+        return True
+    groups = [g for g in optimizer.param_groups if g["momentum"]]
+    if any(g["dampening"] for g in groups):
+        return False  # its first step is not `0 * momentum + (1 - dampening) * grad`
+    for g in groups:
+        for p in g["params"]:
+            optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+    return True
 
 
 def _warmup(step: int, warmup_steps: int) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -138,6 +139,9 @@ class Precision:
             _warn_from_rank0(note)
         use_scaler = amp and self.dtype == torch.float16
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler) if use_scaler else None
+        if use_scaler:  # the schedule counts ddplab's steps, a skipped one too (the same at any world size and
+            # on resume); torch warns at the scheduler's first step after the scaler skipped the first update
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         # fp16 steps the scaler skipped (inf/nan gradients): counted on the device, read at log steps.
         self.overflow_steps = torch.zeros((), device=device)
 
