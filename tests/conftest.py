@@ -64,3 +64,15 @@ def _job_env_left_as_found():
     after = {k: os.environ.get(k) for k in _JOB_ENV}
     changed = {k: (before[k], after[k]) for k in _JOB_ENV if before[k] != after[k]}
     assert not changed, f"the test left the job's environment changed (before, after): {changed}"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_only_for_cuda_tests(request):
+    """Jobs a test starts see the host's GPUs only where the test is marked `cuda` (helpers.jobs.job_env).
+    Not monkeypatch: its undo would come after _job_env_left_as_found's check and hide the tests' leaks."""
+    cuda = request.node.get_closest_marker("cuda") is not None
+    if cuda:
+        os.environ[helpers.jobs.JOBS_ON_GPU] = "1"
+    yield
+    if cuda:
+        os.environ.pop(helpers.jobs.JOBS_ON_GPU, None)

@@ -41,7 +41,7 @@ def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- shipped examples
-@pytest.mark.slow
+@pytest.mark.dist
 def test_vae_logs_both_losses_and_a_reconstruction_grid_at_one_and_two_ranks(tmp_path):
     out = ddplab.run(compose_cfg(["task=vae", "num_epochs=3", "progress=none"], tmp_path / "one"))
     s = read_scalars(tmp_path / "one" / "tb")

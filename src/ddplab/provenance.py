@@ -51,6 +51,8 @@ def _versions() -> dict[str, str]:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    # The module that ran, with its build label (2.11.0+cu130): a wheel's metadata may say only 2.11.0.
+    out["torch"] = torch.__version__
     out["cuda"] = str(torch.version.cuda)
     if torch.cuda.is_available():
         out["cudnn"] = str(torch.backends.cudnn.version())

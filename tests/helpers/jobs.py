@@ -33,6 +33,10 @@ def compose_cfg(overrides: list[str] | None = None, run_dir: Path | None = None)
     return cfg
 
 
+# Set (by conftest) while a test marked `cuda` runs: only those tests' jobs see the host's GPUs.
+JOBS_ON_GPU = "DDPLAB_TEST_JOBS_ON_GPU"
+
+
 def job_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
@@ -40,6 +44,8 @@ def job_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     # tests/toy.py models and datasets are importable as `toy.X` in every rank.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
+    if os.environ.get(JOBS_ON_GPU) != "1":  # the jobs are gloo-on-CPU jobs (2-3 ranks) on a GPU host too
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
