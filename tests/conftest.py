@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import helpers.jobs  # noqa: F401  (registers ddplab's configs, as train.py does, before any test composes)
+import helpers.jobs  # registers ddplab's configs (as train.py does) before any test composes; JOBS_ON_GPU
 
 # Markers (pyproject.toml registers them; --strict-markers refuses others):
 #   slow  — seconds or more: whole training runs, real processes. `pytest -m "not slow"` is the inner loop.
