@@ -65,3 +65,43 @@ def test_profiler_records_a_cuda_memory_snapshot_of_its_steps(tmp_path):
     assert snap["segments"] and any(trace for trace in snap["device_traces"])  # memory held, allocations recorded
     assert any(e["action"] == "alloc" for trace in snap["device_traces"] for e in trace)
     assert (tmp_path / "profile" / "trace-rank0.json").stat().st_size > 0
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dataparallel_replicas_compute_in_the_callers_autocast_dtype():
+    """torch runs each DataParallel replica in its own thread under autocast with the default dtype (fp16 on
+    CUDA); distributed=dp's wrapper carries the caller's (bf16 here) into them."""
+    from ddplab.strategy.local import _DataParallel
+
+    seen: list[torch.dtype] = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(torch.get_autocast_dtype("cuda"))
+            return super().forward(x)
+
+    dp = _DataParallel(Probe(8, 8).cuda())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = dp(torch.randn(16, 8, device="cuda"))
+    assert len(seen) == torch.cuda.device_count() and set(seen) == {torch.bfloat16} and out.dtype == torch.bfloat16
+
+
+@cuda
+def test_a_resume_on_cuda_leaves_adams_step_counts_on_the_host_and_restores_the_devices_generator(tmp_path):
+    """The checkpoint loads onto the CPU: the moments go to the GPU with their parameters, Adam's step counts
+    stay on the host as torch keeps them (on the GPU, the per-tensor kernels would sync to read each one every
+    step), and the CUDA generator saved is this rank's device's alone; the resumed run equals the straight one."""
+    import toy
+
+    from helpers.compare import load
+
+    args = ["model=mlp", "optimizer=adamw", "perf.fused_optimizer=false", "progress=none"]  # mlp: dropout 0.1
+    straight = ddplab.run(compose_cfg([*args, "num_epochs=2"], run_dir=tmp_path / "straight"))
+    ddplab.run(compose_cfg([*args, "num_epochs=2", "stop_after_epochs=1"], run_dir=tmp_path / "r"))
+    toy.LOADED.clear()
+    resumed = ddplab.run(compose_cfg([*args, "num_epochs=2", "resume=auto",
+                                      "+callbacks.probe._target_=toy.OptimizerStateOnLoad"], run_dir=tmp_path / "r"))
+    assert toy.LOADED == [{"step": {"cpu"}, "exp_avg": {"cuda:0"}}]
+    assert isinstance(load(tmp_path / "r" / "checkpoints" / "last.pt")["rng"]["ranks"][0]["cuda"], torch.Tensor)
+    assert resumed["val/loss"] == straight["val/loss"]

@@ -5,6 +5,8 @@ they were, whichever optimizer and kernel (fused or not) take it: here one such 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 # mlp on digits, 22 steps: step 1's gradient made inf. On CPU, fp16 autocast is emulated (slow), but an MLP
 # of 85k parameters still takes about a second.
-BASE = ["model=mlp", "num_epochs=1", "amp=true", "amp_dtype=float16", "log_every_n_steps=1", "progress=none",
+BASE = ["model=mlp", "num_epochs=1", "amp=true", "amp_dtype=float16", "log_every_n_steps=1", "grad_clip=1.0",
+        "progress=none",
         "+callbacks.inf._target_=toy.InfGradAtStep", "+callbacks.inf.step=1"]
 
 
@@ -33,6 +36,9 @@ def test_a_step_the_scaler_skips_changes_nothing_fused_or_not(tmp_path, optimize
         skipped = [v for _, v in s["train/fp16_skipped_steps"]]
         assert skipped[0] == 1 and sum(skipped) == 1  # step 1 skipped, and only it
         assert s["vitals/loss_scale"][0][1] == 2.0**15  # halved once
+        # The pre-clip norm averages the steps that updated: the skipped one's inf is left out, not logged.
+        norms = s["train/grad_norm"]
+        assert [st for st, _ in norms] == list(range(2, 23)) and all(math.isfinite(v) and v > 0 for _, v in norms)
     # The same training but for the kernels' rounding (fused and per-tensor kernels may differ in the last
     # bit; measured, SGD/AdamW: identical/rel 3.5e-6 on an EPYC CPU, rel 4.1e-5 for AdamW on an H100): at
     # most one of the 359 validation digits flips. Before the fix, fused SGD's loss was NaN by step 3.

@@ -167,3 +167,17 @@ def test_flop_counting_never_draws_from_the_users_random_streams(tmp_path):
     a, b = final_weights(tmp_path / "1"), final_weights(tmp_path / "5")
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     assert read_scalars(tmp_path / "5" / "tb")["vitals/tflops"][-1][1] > 0  # counted, on the batch in hand
+
+
+@pytest.mark.parametrize("name, bf16", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.4),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.1), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
+    ("NVIDIA A10", 125.0), ("NVIDIA A10G", None), ("Tesla V100-SXM2-16GB", 125.0), ("Tesla T4", 65.0),
+])
+def test_a_gpus_peak_is_its_own_not_a_namesakes(monkeypatch, name, bf16):
+    """vitals/mfu divides by the device's peak: the name matches whole words, so an L40 is not an L4 (1.5x off),
+    an A10G not an A10, a PCIe H100 not the SXM one; an unlisted part has none (perf.peak_tflops sets it)."""
+    from ddplab.perf import peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda"), torch.bfloat16, None) == bf16

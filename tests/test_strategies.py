@@ -74,6 +74,8 @@ def test_single_process_strategies_refuse_torchrun(tmp_path):
     (["distributed=fsdp", "distributed.sync_batchnorm=true"],
      "distributed.sync_batchnorm=True: not supported with distributed=fsdp. Fix: distributed.sync_batchnorm=false"),
     (["distributed=fsdp", "perf.compile=true"], "perf.compile=True: not wired for distributed=fsdp yet. Fix:"),
+    (["distributed=fsdp", "model=convnet", "perf.channels_last=true"],
+     "perf.channels_last=True: FSDP shards only contiguous parameters. Fix: perf.channels_last=false"),
 ])
 def test_strategy_refusals_name_the_key_and_the_fix_before_any_process_starts(tmp_path, args, says):
     from ddplab.config import ConfigError

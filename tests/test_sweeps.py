@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.jobs import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
 from ddplab.events import events_in, read_hparams
@@ -203,6 +204,25 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 20000)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node-a[7-8],gpu1")
     assert env._first_host() == "node-a7"
+
+
+def test_an_srun_task_bound_to_its_own_gpu_trains_on_it_and_a_launcher_that_overbooks_one_is_refused(monkeypatch):
+    """srun --gpus-per-task=1 gives each task one visible GPU, cuda:0, whatever its SLURM_LOCALID; torchrun with
+    more processes than GPUs is still refused, naming the count."""
+    from ddplab.runtime import group
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k in ("SLURM_STEP_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 but only 1 CUDA device\(s\) are visible"):
+        group._pick_device("auto", 3)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert group._pick_device("auto", 3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # two visible of four tasks: not a per-task binding
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but only 2 CUDA device"):
+        group._pick_device("cuda", 3)
 
 
 def test_a_slurm_batch_job_is_named_for_its_run_dir_and_requeue(monkeypatch):

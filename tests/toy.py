@@ -12,7 +12,7 @@ are the very lists the toys append to:
 * ``toy_data``      — datasets and streams: slow_synthetic, ragged_digits, noisy_digits, torch_noisy_digits,
   DigitStream, StatefulDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
 * ``toy_callbacks`` — a user's callbacks: Recorder, TrainingOnlyRecorder, SignalJobAtLastSave,
-  KillLauncherAtFitEnd, StallRecorder, SlowDisk, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep.
+  KillLauncherAtFitEnd, StallRecorder, SlowDisk, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad.
 """
 
 from toy_callbacks import (  # noqa: F401
@@ -22,7 +22,9 @@ from toy_callbacks import (  # noqa: F401
     FailsOnRank,
     InfGradAtStep,
     KillLauncherAtFitEnd,
+    LOADED,
     LoadsEachSave,
+    OptimizerStateOnLoad,
     Recorder,
     SignalJobAtLastSave,
     SlowDisk,

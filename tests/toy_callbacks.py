@@ -250,3 +250,14 @@ class InfGradAtStep:
             return torch.full_like(grad, float("inf")) if state.loop.step + 1 == self.step else grad
 
         state.params[0].register_hook(hook)
+
+
+LOADED: list[dict] = []  # per OptimizerStateOnLoad.on_load: where the resumed run's state lives
+
+
+class OptimizerStateOnLoad:
+    """Records, as a resume loads, the devices of the optimizer's step counts and of its moments."""
+
+    def on_load(self, state, path):
+        opt = [v for v in state.optimizer.state.values() if "step" in v]
+        LOADED.append({"step": {str(v["step"].device) for v in opt}, "exp_avg": {str(v["exp_avg"].device) for v in opt}})

@@ -195,8 +195,12 @@ class TrainMetrics:
         w = torch.tensor(self.sizes, dtype=torch.float64, device=dev) * finite  # skipped (non-finite) ones weigh 0
         row[lay["loss"]] = (torch.where(finite, losses, 0.0) * w).sum()
         row[lay["num_samples"]] = w.sum()
-        row[lay["grad_norm"]] = self.norms[: self.norm_n].double().sum()
-        row[lay["grad_norm.count"]] = self.norm_n
+        # A step fp16's scaler skipped has an inf norm (its gradients overflowed): not a number to average,
+        # and it updated nothing. train/fp16_skipped_steps counts those steps.
+        norms = self.norms[: self.norm_n].double()
+        finite_norms = torch.isfinite(norms)
+        row[lay["grad_norm"]] = torch.where(finite_norms, norms, 0.0).sum()
+        row[lay["grad_norm.count"]] = finite_norms.sum()
         if self.metric_names:
             row[self._sum_idx] = (self.sums[:k] * finite[:, None]).sum(0)
             host = torch.tensor(self.host_counts, dtype=torch.float64).reshape(k, -1).to(dev)

@@ -14,6 +14,7 @@ given as ``perf.peak_tflops``.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -23,10 +24,12 @@ from ddplab.data.batches import first_tensor
 
 log = logging.getLogger("ddplab")
 
-# Dense TFLOP/s per device: (bf16/fp16 tensor cores, fp32). SXM parts where there are two.
-_PEAKS = [("H200", 989.4, 66.9), ("H100", 989.4, 66.9), ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6),
-          ("L4", 121.0, 30.3), ("A10", 125.0, 31.2), ("V100", 125.0, 15.7), ("RTX 4090", 165.2, 82.6),
-          ("T4", 65.0, 8.1)]
+# Dense TFLOP/s per device: (bf16/fp16 tensor cores, fp32), from the vendor's data sheets. A name matches
+# as whole words, the first entry that matches wins (so "H100 PCIe" before "H100", and "L4" is not "L40" nor
+# "A10" an "A10G", which have peaks of their own); the plain names are the SXM parts.
+_PEAKS = [("H200", 989.4, 66.9), ("H100 PCIe", 756.0, 51.2), ("H100 NVL", 835.0, 60.0), ("H100", 989.4, 66.9),
+          ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L40", 181.0, 90.5), ("L4", 121.0, 30.3),
+          ("A10", 125.0, 31.2), ("V100", 125.0, 15.7), ("RTX 4090", 165.2, 82.6), ("T4", 65.0, 8.1)]
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
@@ -37,7 +40,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
         return None
     name = torch.cuda.get_device_name(device)
     for key, low, fp32 in _PEAKS:
-        if key in name:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
             return low if dtype in (torch.bfloat16, torch.float16) else fp32
     log.info("vitals/mfu off: peak TFLOP/s of %r unknown; set perf.peak_tflops to log it", name)
     return None

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import batch_size
@@ -150,7 +149,7 @@ def eval_config(cfg: DictConfig) -> DictConfig:
 
     path = files.find_resume_path(cfg.resume, Path("."))
     assert path is not None
-    saved = files.load(path, torch.device("cpu")).get("meta", {}).get("config")
+    saved = files.load(path).get("meta", {}).get("config")
     if not saved:
         raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
     merged = OmegaConf.create(saved)

@@ -142,7 +142,7 @@ def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rto
     from ddplab.checkpoint import files
     from ddplab.events import read_scalars
 
-    a, b = (files.load(files.find_resume_path("auto", d), _cpu()) for d in (ref_dir, run_dir))
+    a, b = (files.load(files.find_resume_path("auto", d)) for d in (ref_dir, run_dir))
     entries = [k for k in a if k != "meta" and (same_world or k != "rng")]
     tol = 0.0 if same_world else rtol
     entry = next((d for k in entries if (d := first_difference(_trajectory(a.get(k)), _trajectory(b.get(k)), k,
@@ -188,12 +188,6 @@ def _close(x: float | None, y: float | None, rtol: float) -> bool:
     if x is None or y is None:
         return x is y
     return x == y or (x != x and y != y) or abs(x - y) <= rtol * max(abs(x), abs(y))
-
-
-def _cpu() -> Any:
-    import torch
-
-    return torch.device("cpu")
 
 
 def _child_config(cfg: DictConfig) -> dict[str, Any]:

@@ -152,10 +152,13 @@ def _remove_unreferenced_sidecars(ckpt_dir: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def load(path: Path, device: torch.device) -> dict[str, Any]:
-    """Load onto this rank's own device (never onto the GPU that saved it)."""
+def load(path: Path) -> dict[str, Any]:
+    """Load onto the CPU. Each part then goes where its owner puts it: the weights and the optimizer's state
+    onto the parameters' device (load_state_dict copies), Adam's ``step`` counts stay on the host as torch
+    keeps them (on the GPU, the per-tensor kernels read each with a sync every step), generator states stay
+    the CPU tensors torch requires; and the whole checkpoint never sits on the GPU beside the model."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"resume: checkpoint {path} does not exist. Fix: pass resume=auto or a valid path.")
     except Exception as e:
@@ -163,11 +166,11 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
                            f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
-def load_first_good(candidates: list[Path], device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+def load_first_good(candidates: list[Path]) -> tuple[Path, dict[str, Any]] | None:
     """The first candidate that loads; a corrupt one is reported and skipped (resume=auto)."""
     for p in candidates:
         try:
-            return p, load(p, device)
+            return p, load(p)
         except (CheckpointReadError, FileNotFoundError) as e:
             log.warning("%s; trying the previous checkpoint", e)
     return None

@@ -224,9 +224,9 @@ class CheckpointManager:
         if not paths:
             return None
         if resume != "auto":  # the user named it: a bad file is an error, not a fallback
-            path, ck = paths[0], files.load(paths[0], self.dist.device)
+            path, ck = paths[0], files.load(paths[0])
         else:
-            got = files.load_first_good(paths, self.dist.device)
+            got = files.load_first_good(paths)
             if got is None:
                 raise files.CheckpointReadError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
                                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")

@@ -22,7 +22,9 @@ def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's device's generator only (the one set_device chose): a resume where another set of GPUs
+        # is visible, or ranks sit on other device indices, still restores it exactly.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -33,7 +35,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # a checkpoint from before: every visible device's, by index
+            here = torch.cuda.current_device()
+            cuda = cuda[here] if here < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda.cpu())
 
 
 @contextlib.contextmanager

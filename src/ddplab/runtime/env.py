@@ -80,6 +80,11 @@ def is_launched() -> bool:
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def srun_task() -> bool:
+    """A task of a SLURM job step (srun): SLURM may have bound it to GPUs of its own (--gpus-per-task)."""
+    return "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+
+
 def is_self_launched() -> bool:
     return os.environ.get(SELF_LAUNCHED) == "1"
 

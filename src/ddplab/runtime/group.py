@@ -63,6 +63,8 @@ def refusal(cfg: Any) -> str | None:
 def _pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         n = torch.cuda.device_count()
+        if local_rank >= n and n == 1 and env.srun_task():
+            return torch.device("cuda", 0)  # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
         if local_rank >= n:
             raise RuntimeError(
                 f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible. "

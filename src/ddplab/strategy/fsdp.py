@@ -125,18 +125,25 @@ class FSDPStrategy(Strategy):
         if cfg.perf.compile:
             raise ConfigError("perf.compile=True: not wired for distributed=fsdp yet. "
                               "Fix: perf.compile=false, or distributed=ddp")
+        if cfg.perf.channels_last:  # channels_last conv weights are not contiguous; fully_shard refuses them
+            raise ConfigError("perf.channels_last=True: FSDP shards only contiguous parameters. "
+                              "Fix: perf.channels_last=false, or distributed=ddp")
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Each top-level child with parameters is one unit (its all-gather overlaps the previous
         unit's compute), then the root takes whatever parameters are left. In place: the module
         that evaluation and checkpoints use is the sharded one too."""
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the training device: fully_shard's own default is the host's accelerator, cuda on a GPU
+        # host even for distributed.device=cpu, whose parameters it then refuses.
+        mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
         reshard = self.d.reshard_after_forward
         for child in module.children():
             if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, reshard_after_forward=reshard)
-        fully_shard(module, reshard_after_forward=reshard)
+                fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
         return module
 
     def fused_mode(self, mode: str) -> str:

@@ -43,4 +43,26 @@ class DataParallel(Local):
                     "from and gathers outputs on GPU 0 in one Python thread. DistributedDataParallel is faster: "
                     "torchrun --nproc_per_node=%d train.py (scripts/bench_dp_vs_ddp.py measures the gap)",
                     gpus, max(gpus, 2))
-        return nn.DataParallel(self._compiled(module))  # on CPU (no GPUs) it simply calls the module
+        return _DataParallel(self._compiled(module))  # on CPU (no GPUs) it simply calls the module
+
+
+class _DataParallel(nn.DataParallel):
+    """nn.DataParallel that keeps the caller's autocast dtype: torch runs each replica in a thread of its own
+    under ``autocast(enabled=...)`` with no dtype, i.e. fp16 on CUDA, so bf16 training (what amp picks on
+    Ampere and later) ran its replicas in fp16 with no GradScaler."""
+
+    def parallel_apply(self, replicas, inputs, kwargs):  # type: ignore[override]
+        dtype = torch.get_autocast_dtype("cuda")
+        if torch.is_autocast_enabled("cuda"):
+            replicas = [_InAutocast(r, dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class _InAutocast(nn.Module):
+    def __init__(self, replica: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.replica, self.dtype = replica, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cuda", dtype=self.dtype):
+            return self.replica(*args, **kwargs)
