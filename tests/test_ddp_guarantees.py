@@ -98,6 +98,19 @@ def test_unused_parameter_fails_at_first_step_naming_it(tmp_path):
     assert "val/acc=" in ok.stdout
 
 
+def test_unused_parameter_is_named_at_the_first_step_even_when_that_step_is_dropped(tmp_path):
+    """fp16's scaler skips the first update (its gradient made inf here; unfused, the optimizer's step is not
+    even called): the check runs after the first backward all the same, not DDP's riddle at step 2."""
+    args = ["model=mlp", "model._target_=toy.UnusedParamMLP", "num_epochs=1", "progress=log", "amp=true",
+            "amp_dtype=float16", "perf.fused_optimizer=false", "+callbacks.inf._target_=toy.InfGradAtStep",
+            "+callbacks.inf.step=1"]
+    proc = torchrun(2, args, tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "failed in epoch 1, step 1" in out and "aux_head.weight, aux_head.bias" in out
+    assert "Expected to have finished reduction" not in out
+
+
 # ----------------------------------------------------------- 2. uneven data
 def test_uneven_data_never_crashes_or_hangs(tmp_path):
     # 1,001 train samples over 3 ranks x 16; 2 val samples: one rank has none.

@@ -49,6 +49,7 @@ class Trainer:
         self.eval_every_n_steps = int(s.cfg.get("eval_every_n_steps") or 0)
         self.interval = LogInterval(s, self.stopper)  # metrics, stop agreement, stall watch, progress, FLOPs
         self.step_fn = self._checked_step  # the task, checked on the first step (then s.task itself)
+        self.after_backward = self._first_backward  # every micro-batch's backward done (then nothing)
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
 
     # ------------------------------------------------------------------- the run
@@ -161,6 +162,7 @@ class Trainer:
                 s.precision.backward(out.loss / s.accum if s.accum > 1 else out.loss)  # fp16: scaled
             metrics.add_micro(out)
         s.loop.batches_in_epoch += 1  # consumed, whether or not the update below is taken
+        self.after_backward()
         if self.skip_nonfinite and self._nonfinite_on_any_rank():
             return None
         watch.phase = "optimizer"
@@ -170,8 +172,7 @@ class Trainer:
         s.precision.step(s.optimizer)  # fp16: skipped when a gradient is inf/nan
         s.optimizer.zero_grad(set_to_none=True)
         s.scheduler.step()
-        s.loop.step += 1
-        s.loop.step_in_epoch += 1
+        s.loop.stepped()
         return data_time
 
     def _next_epoch(self) -> None:
@@ -196,18 +197,13 @@ class Trainer:
         seed_everything(s.cfg.seed + 1_000_003 * (s.loop.epoch + 1) + s.dist.rank)
 
     def _first_step(self, batches: Iterator[Any]) -> float | None:
-        """The first step that updates: its batch and the task's output checked, and, just before the update,
-        the strategy's look at which parameters got a gradient (DDP: all must). A model that cannot take the
-        data's shapes fails here, said plainly. A step that was dropped (nonfinite_loss=skip, fp16's scaler:
-        alike on every rank) leaves the checks to the next one."""
+        """The first step: its batch and the task's output checked, and after its backward the strategy's look
+        at which parameters got a gradient (DDP: all must), whether the step then updates or is dropped
+        (nonfinite_loss=skip, fp16's scaler): the next step's forward would fail on it cryptically. A model
+        that cannot take the data's shapes fails here, said plainly."""
         s = self.state
         updating: list[bool] = []
-
-        def before_update(*_: Any) -> None:  # the optimizer's step pre-hook: gradients are all in
-            updating.append(True)
-            s.strategy.after_first_backward(s.module)
-
-        hook = s.optimizer.register_step_pre_hook(before_update)
+        hook = s.optimizer.register_step_pre_hook(lambda *_: updating.append(True))
         try:
             data_time = self.train_step(batches)
         except RuntimeError as e:
@@ -217,9 +213,14 @@ class Trainer:
             raise refusal from e
         finally:
             hook.remove()
-        if updating:
-            self.step_fn = s.task  # later steps call the task itself
+        self.step_fn = s.task  # later steps call the task itself
         return data_time
+
+    def _first_backward(self) -> None:
+        s = self.state
+        s.strategy.after_first_backward(s.module)
+        self.after_backward = _nothing
+
 
     def _checked_step(self, model: Any, batch: Any) -> Any:
         """The task's step with its batch and output checked (host metadata, no sync)."""
@@ -310,3 +311,7 @@ class Trainer:
         """Every rank agreed to stop here: checkpoint (written before leaving, async_save or not), then
         leave with status preempted."""
         raise Preempted(self.stopper.reason, self.state.loop.step, self._save(now=True))
+
+
+def _nothing() -> None:
+    """Trainer.after_backward after the first step."""

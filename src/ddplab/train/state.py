@@ -119,6 +119,11 @@ class LoopState:
         self.eval_pending = sd.get("eval_pending", False)
         self.start_step = self.step
 
+    def stepped(self) -> None:
+        """One optimizer step done (its batch group was counted when it was consumed)."""
+        self.step += 1
+        self.step_in_epoch += 1
+
     def position(self) -> str:
         return f"in epoch {self.epoch + 1}, step {self.step + 1}"
 
