@@ -10,7 +10,8 @@ A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --
 ``python train.py distributed.nproc_per_node=2``; with ``--slurm``, ``srun --ntasks=2`` too), the strategy (none for one process; ddp or fsdp for two), the
 data (the digits in memory, a user IterableDataset through ddplab's stream path, a token file, a folder of token
 shards), checkpoint.async_save, the run mode (a training run, a study worker of 2 trials, verify_resume), the
-step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training),
+step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training; a sleep in
+the processes started before the fault fires, none in the resumes after it),
 grad_accum_steps (1-3), and one fault made by rank r on its k-th call of a phase (data fetch, forward, backward,
 between micro-batches, optimizer step, evaluation, checkpoint write): SIGTERM/SIGINT/SIGUSR1/SIGKILL to itself,
 the other rank, its launcher or every process of the job; or, by the rank itself, a full disk (the run dir is a

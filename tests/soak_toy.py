@@ -10,7 +10,8 @@ A job names three parts in its config; they do nothing unless the soak's environ
 
 Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the same):
 
-* ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch;
+* ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch, in
+  the processes started before the fault fired (those after it run at full speed);
 * ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir", "fault", "disk", "storage"}``: on its
   ``k``-th call of ``phase`` rank ``rank`` fills the file system of ``disk`` (fault ``disk_full``) or deletes the
   study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``, ``peer`` (the other rank), ``launcher`` (its parent: torchrun's
@@ -211,6 +212,12 @@ def injector() -> _Injector:
     return _INJ
 
 
+def _fault_fired() -> bool:
+    """The trial's fault has fired already (its ``fired`` marker exists)."""
+    spec = os.environ.get("SOAK_FAULT")
+    return bool(spec) and (Path(json.loads(spec)["dir"]) / "fired").exists()
+
+
 def _sleep_around(seconds: float, phase: str) -> None:
     """Half the delay, the phase's tick, the other half: a signal sent to another process lands mid-phase."""
     if seconds:
@@ -226,8 +233,12 @@ class _Soaked:
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
-        self.delay_s = float(os.environ.get("SOAK_DELAY_S", "0"))
-        self.eval_delay_s = float(os.environ.get("SOAK_EVAL_DELAY_S", "0"))
+        # The delays shape where the one fault lands (a signal meeting a long step, a write in flight). A process
+        # whose model is built after the fault fired (a resume, a restarted worker, verify_resume's later legs)
+        # meets no fault: it runs at full speed, since sleeping changes none of what the soak compares.
+        slow = not _fault_fired()
+        self.delay_s = float(os.environ.get("SOAK_DELAY_S", "0")) * slow
+        self.eval_delay_s = float(os.environ.get("SOAK_EVAL_DELAY_S", "0")) * slow
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inj = injector()
