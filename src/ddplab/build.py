@@ -63,6 +63,10 @@ def model(cfg: DictConfig, num_classes: int | None = None) -> nn.Module:
             raise ConfigError(f"model.num_classes=None: dataset._target_={cfg.dataset.get('_target_')!r} does not "
                               "say how many classes it has. Fix: set dataset.num_classes (or model.num_classes)")
         spec["num_classes"] = num_classes
+    if isinstance(spec.get("vocab_size"), int) and num_classes and spec["vocab_size"] < num_classes:
+        raise ConfigError(f"model.vocab_size={spec['vocab_size']}, but the data's ids go up to {num_classes - 1} "
+                          f"(dataset.vocab_size={cfg.dataset.get('vocab_size', num_classes)}): those ids would have "
+                          "no embedding. Fix: model.vocab_size=${dataset.vocab_size} (model=gpt's default)")
     weights = spec.pop("weights", None)
     module = _make(spec, "model")
     if weights:

@@ -53,9 +53,11 @@ def write_tokens(tokens: Any, path: str | Path, dtype: str = "uint16", vocab_siz
     return path
 
 
-def write_sidecar(path: str | Path, dtype: str, tokens: int, vocab_size: int) -> None:
-    """``<path>.json``: what a run checks the file against (dtype, token count, vocabulary size)."""
-    meta = {"dtype": dtype, "tokens": tokens, "vocab_size": vocab_size}
+def write_sidecar(path: str | Path, dtype: str, tokens: int, vocab_size: int,
+                  tokenizer: dict[str, Any] | None = None) -> None:
+    """``<path>.json``: what a run checks the file against (dtype, token count, vocabulary size), and the
+    tokenizer that wrote it, if not bytes (ddplab.data.tokenizer.describe: its file, hash, vocabulary)."""
+    meta = {"dtype": dtype, "tokens": tokens, "vocab_size": vocab_size, **({"tokenizer": tokenizer} if tokenizer else {})}
     Path(f"{path}.json").write_text(json.dumps(meta) + "\n")
 
 
@@ -142,7 +144,9 @@ def windows_in(path: str, dtype: str, block_size: int, vocab_size: int) -> int:
             raise TokenFileError(f"{path}: {size // item} tokens, but {side.name} says {meta.get('tokens')}: the file "
                                  "was truncated or changed after it was written. Fix: write it again")
         if meta.get("vocab_size", 0) > vocab_size:
-            raise TokenFileError(f"{path} holds ids up to {meta['vocab_size'] - 1} ({side.name}), but "
+            tok = meta.get("tokenizer")
+            by = f", written with {tok['file']}: a {tok['model']} of {tok['vocab_size']} ids" if tok else ""
+            raise TokenFileError(f"{path} holds ids up to {meta['vocab_size'] - 1} ({side.name}{by}), but "
                                  f"dataset.vocab_size={vocab_size}. Fix: dataset.vocab_size={meta['vocab_size']}")
     return max(0, (size // item - 1) // block_size)
 
