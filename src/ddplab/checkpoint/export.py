@@ -1,0 +1,179 @@
+"""Getting the trained model out: ``python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict``.
+
+A checkpoint (``last.pt``, ``best.pt``) is ddplab's resume format — model, optimizer, RNG, loop, callbacks — and
+only ddplab reads it. An export is the model alone, for serving stacks and other code: its weights (the EMA's
+when the run kept one, said so), the model's config (the checkpoint's own, so ``hydra.utils.instantiate`` of
+it builds the module the weights load into) and a model card (metrics, data, provenance, the command). FSDP
+checkpoints are read back whole from their shards, in this one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from ddplab.checkpoint.files import BEST, LAST
+from ddplab.errors import InputError
+
+FORMATS = ("safetensors", "state_dict")
+FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt"}
+
+
+def checkpoint_of(source: Path, which: str) -> Path:
+    """The checkpoint ``source`` names: the file itself, or a run dir's ``checkpoints/<which>.pt``
+    (``auto``: best.pt where the run kept one, else last.pt)."""
+    if source.is_file():
+        return source
+    ckpts = source / "checkpoints"
+    names = {"auto": [BEST, LAST], "best": [BEST], "last": [LAST]}[which]
+    for name in names:
+        if (ckpts / name).is_file():
+            return ckpts / name
+    raise InputError(f"export {source}: no {' or '.join(names)} in {ckpts}. Fix: a run dir that saved checkpoints "
+                     "(checkpoint.enabled=true), or the path of a checkpoint file")
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The checkpoint, an FSDP one's ``sharded`` entry replaced by the whole model its shards hold."""
+    from ddplab.checkpoint.files import CheckpointReadError, load
+
+    try:
+        ck = load(path)
+    except CheckpointReadError as e:
+        raise InputError(f"export {path}: not a ddplab checkpoint ({str(e.__cause__)[:120]}). Fix: a run's "
+                         "checkpoints/last.pt or best.pt") from None
+    if not isinstance(ck, dict) or "meta" not in ck or "model" not in ck and "sharded" not in ck:
+        raise InputError(f"export {path}: not a ddplab checkpoint (no meta/model entries). Fix: a run's "
+                         "checkpoints/last.pt or best.pt")
+    if "sharded" in ck:
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(path.parent / ck.pop("sharded")["sidecar"]), Path(tmp) / "whole.pt")
+            ck["model"] = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=True)["model"]
+    return ck
+
+
+def ema_entry(ck: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(name, state) of the checkpoint's EMA callback, if the run kept one."""
+    for key, value in ck.items():
+        if key.startswith("callbacks.") and isinstance(value, dict) and {"shadow", "decay"} <= value.keys():
+            return key, value
+    return None
+
+
+def build(ck: dict[str, Any], weights: str) -> tuple[torch.nn.Module, str, Any]:
+    """The run's model (from the checkpoint's own config) with the checkpoint's weights: the EMA's where
+    ``weights`` is ema, or auto and the run kept one. Also what was loaded, said in words, and the config
+    whose ``model`` node ``hydra.utils.instantiate`` builds it from (ddplab's ``model.weights`` left out)."""
+    from ddplab import build as builder
+    from ddplab.models.weights import state_dict_mismatch
+
+    cfg = OmegaConf.create(ck["meta"]["config"])
+    with open_dict(cfg.model):
+        cfg.model.pop("weights", None)  # ddplab's key (a file it loads), not the model's: the weights go in below
+    if "num_classes" in cfg.model and cfg.model.num_classes is None:  # counted from the data: read off the head
+        cfg.model.num_classes = int(next(t.shape[0] for k, t in reversed(ck["model"].items()) if t.dim() >= 1))
+    model = builder.model(cfg)
+    bad = state_dict_mismatch(model.state_dict(), ck["model"])
+    if bad:
+        raise InputError(f"export: the checkpoint's weights do not fit the model its config builds ({bad}). Fix: "
+                         "export with the ddplab version the run was trained with")
+    model.load_state_dict(ck["model"])
+    ema = ema_entry(ck)
+    if weights == "ema" and ema is None:
+        raise InputError("export --weights ema: the run kept no EMA (callbacks=[ema]). Fix: --weights raw")
+    if ema is None or weights == "raw":
+        return model, "the trained weights" + (f" (the run's EMA, {ema[0]}, not used: --weights raw)" if ema else ""), cfg
+    floats = [p for p in model.parameters() if p.is_floating_point()]  # the EMA's order (callbacks/ema.py)
+    shadow = ema[1]["shadow"]
+    if len(shadow) != len(floats):
+        raise InputError(f"export: {ema[0]} holds {len(shadow)} tensors, the model {len(floats)} parameters. "
+                         "Fix: --weights raw")
+    with torch.no_grad():
+        for p, s in zip(floats, shadow):
+            p.copy_(s)
+    return model, (f"the EMA of the weights ({ema[0]}: decay {ema[1]['decay']}, {int(ema[1]['updates'])} updates; "
+                   "--weights raw for the trained weights)"), cfg
+
+
+def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, str]) -> Path:
+    path = out / FILES[fmt]
+    if fmt == "state_dict":
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+        return path
+    try:
+        from safetensors.torch import save_model
+    except ImportError:
+        raise InputError("export --to safetensors needs safetensors, which is not installed. "
+                         "Fix: pip install 'ddplab[hf]', or --to state_dict") from None
+    save_model(model, str(path), metadata=meta)  # tied weights once (safetensors refuses shared memory)
+    return path
+
+
+def card(ck: dict[str, Any], path: Path, run_dir: Path | None, weights: str, files: list[str]) -> str:
+    """README.md of the export: what it is, how it scored, what it was trained on and how."""
+    cfg = OmegaConf.create(ck["meta"]["config"])
+    res, loop = ck.get("results", {}), ck.get("loop", {})
+    prov = json.loads((run_dir / "provenance.json").read_text()) if run_dir and (run_dir / "provenance.json").is_file() else {}
+    metrics = {**res.get("last_val", {}), **({"best " + str(cfg.get("objective")): res["best"]} if "best" in res else {})}
+    rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items() if isinstance(v, (int, float)))
+    code = prov.get("code", {})
+    return "\n".join([
+        f"# {cfg.model._target_.rsplit('.', 1)[-1]} exported by ddplab", "",
+        f"- model: `{cfg.model._target_}` (its config: `config.yaml`, `model:`)",
+        f"- weights: {weights}", f"- files: {', '.join(f'`{f}`' for f in files)}",
+        f"- from: `{path}` (step {loop.get('step')}, epoch {loop.get('epoch')}, world size {ck['meta'].get('world_size')})",
+        f"- data: `{cfg.dataset.get('_target_')}`; task `{cfg.task.get('_target_')}`",
+        f"- code: {code.get('commit', 'unknown')}{' (uncommitted changes)' if code.get('dirty') else ''}; "
+        f"torch {prov.get('packages', {}).get('torch', torch.__version__)}",
+        f"- command: `{' '.join(prov.get('command', [])) or 'unknown'}`", "",
+        "| metric | value |", "|---|---|", rows or "| (none recorded) | |", "",
+        "Load: `model = hydra.utils.instantiate(OmegaConf.load('config.yaml').model)`, then "
+        "`safetensors.torch.load_model(model, 'model.safetensors')` (or `model.load_state_dict(torch.load('model.pt'))`).", ""])
+
+
+def export(source: Path, fmt: str, out: Path | None = None, weights: str = "auto",
+           which: str = "auto") -> tuple[Path, str]:
+    """Write ``source``'s model (a run dir or a checkpoint) to ``out`` (default: <run dir>/export); the folder
+    and which weights it holds, in words."""
+    if fmt not in FORMATS:
+        raise InputError(f"export --to {fmt}: not a format ddplab writes. Fix: --to one of {', '.join(FORMATS)}")
+    path = checkpoint_of(source, which)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    ck = read(path)
+    model, said, cfg = build(ck, weights)
+    out = out or (run_dir or path.parent) / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"ddplab_checkpoint": str(path), "ddplab_step": str(ck.get("loop", {}).get("step")), "weights": said[:200]}
+    written = write_weights(model, out, fmt, meta)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (out / "README.md").write_text(card(ck, path, run_dir, said, [written.name, "config.yaml"]))
+    return out, said
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ddplab export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", type=Path, help="a run dir (its checkpoints/) or a checkpoint file")
+    ap.add_argument("--to", default="safetensors", help=f"one of {', '.join(FORMATS)} (default safetensors)")
+    ap.add_argument("--out", type=Path, help="the folder to write (default: <run dir>/export)")
+    ap.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto",
+                    help="auto: the EMA's where the run kept one; raw: the trained weights")
+    ap.add_argument("--which", choices=("auto", "best", "last"), default="auto",
+                    help="a run dir's checkpoint (auto: best.pt where there is one)")
+    args = ap.parse_args(argv)
+    try:
+        out, said = export(args.source, args.to, args.out, args.weights, args.which)
+    except (InputError, FileNotFoundError) as e:  # a one-line cause and its fix; exit 2, like a config error
+        print(str(e) if str(e).startswith("export") else f"export: {e}", file=sys.stderr)
+        return 2
+    print(f"export: {out}: {said}")
+    return 0
