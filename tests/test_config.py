@@ -18,8 +18,8 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_documented_options():
-    assert options("model") == ["convnet", "gpt", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50", "vae",
-                                "vit"]
+    assert options("model") == ["convnet", "gpt", "hf", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50",
+                                "vae", "vit"]
     assert options("dataset") == ["cifar10", "cifar100", "diabetes", "digits", "fashion_mnist", "imagefolder",
                                   "mnist", "synthetic", "text", "token_shards", "tokens"]
     assert options("task") == ["classification", "lm", "regression", "vae"]
@@ -29,8 +29,9 @@ def test_every_group_has_its_documented_options():
 
 
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
-# The image classifiers; vae and gpt belong to their tasks (tests/test_tasks.py trains each).
-@pytest.mark.parametrize("model", [m for m in options("model") if m not in ("vae", "gpt")])
+# The image classifiers; vae and gpt belong to their tasks (tests/test_tasks.py trains each), hf to token
+# data (tests/test_hf.py).
+@pytest.mark.parametrize("model", [m for m in options("model") if m not in ("vae", "gpt", "hf")])
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     if model == "keras_convnet" and importlib.util.find_spec("keras") is None:
         pytest.skip("keras not installed")

@@ -74,7 +74,9 @@ def test_an_fsdp_run_exports_the_whole_model_its_shards_hold(tmp_path):
 
 @pytest.mark.parametrize("args, said", [
     (["nowhere"], "export nowhere: no best.pt or last.pt in nowhere/checkpoints. Fix: a run dir that saved"),
-    (["run", "--to", "onnx"], "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict"),
+    (["run", "--to", "onnx"], "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf"),
+    (["run", "--to", "hf"], "export --to hf: the run's model is ddplab.models.mlp.MLP, not a Hugging Face one (model=hf). "
+                            "Fix: --to safetensors"),
     (["run", "--weights", "ema"], "export --weights ema: the run kept no EMA (callbacks=[ema]). Fix: --weights raw"),
     (["run/result.json"], "export run/result.json: not a ddplab checkpoint ("),
 ])

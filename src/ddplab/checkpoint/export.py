@@ -21,8 +21,8 @@ from omegaconf import OmegaConf, open_dict
 from ddplab.checkpoint.files import BEST, LAST
 from ddplab.errors import InputError
 
-FORMATS = ("safetensors", "state_dict")
-FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt"}
+FORMATS = ("safetensors", "state_dict", "hf")
+FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt", "hf": "model.safetensors"}
 
 
 def checkpoint_of(source: Path, which: str) -> Path:
@@ -107,6 +107,12 @@ def build(ck: dict[str, Any], weights: str) -> tuple[torch.nn.Module, str, Any]:
 
 def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, str]) -> Path:
     path = out / FILES[fmt]
+    if fmt == "hf":  # a directory from_pretrained loads: config.json + model.safetensors, the model's own names
+        if not hasattr(model, "hf"):
+            raise InputError(f"export --to hf: the run's model is {type(model).__module__}.{type(model).__name__}, "
+                             "not a Hugging Face one (model=hf). Fix: --to safetensors")
+        model.hf.save_pretrained(str(out))
+        return path
     if fmt == "state_dict":
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
         return path
@@ -155,8 +161,11 @@ def export(source: Path, fmt: str, out: Path | None = None, weights: str = "auto
     out.mkdir(parents=True, exist_ok=True)
     meta = {"ddplab_checkpoint": str(path), "ddplab_step": str(ck.get("loop", {}).get("step")), "weights": said[:200]}
     written = write_weights(model, out, fmt, meta)
+    if fmt == "hf":
+        said += "; from_pretrained loads the folder"
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (out / "README.md").write_text(card(ck, path, run_dir, said, [written.name, "config.yaml"]))
+    files = [written.name, "config.yaml"] + (["config.json (transformers')"] if fmt == "hf" else [])
+    (out / "README.md").write_text(card(ck, path, run_dir, said, files))
     return out, said
 
 

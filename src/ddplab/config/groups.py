@@ -63,6 +63,25 @@ class VAEConfig:
     latent: int = 8  # size of the latent code
     weights: Optional[str] = None  # local state_dict file, loaded before the wrap
 @dataclass
+class HFModelConfig:
+    """Any Hugging Face transformers model (the hf extra), from a local config or a local pretrained dir."""
+
+    _target_: str = "ddplab.models.hf.HFModel"
+    kind: str = "causal_lm"  # causal_lm (task=lm) | sequence_classification (task=classification)
+    config: Any = field(default_factory=dict)  # AutoConfig.for_model(model_type, **rest): conf/model/hf.yaml
+    pretrained: Optional[str] = None  # a local directory save_pretrained wrote; config is then ignored
+    num_labels: Optional[int] = None  # sequence_classification: the classes
+    weights: Optional[str] = None  # local state_dict file, loaded before the wrap
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.kind in ("causal_lm", "sequence_classification"), f"{key}.kind", c.kind,
+                "not a kind of model ddplab trains", f"pass {key}.kind=causal_lm or sequence_classification")
+        require(c.pretrained is not None or bool(c.config), f"{key}.config", "{}", "no model to build",
+                f"pass {key}.config.model_type=gpt2 (and its keys), or {key}.pretrained=<a local directory>")
+
+
+@dataclass
 class GPTConfig:
     """A small causal transformer over bytes (task=lm), nanoGPT-style."""
 
@@ -311,7 +330,7 @@ class TokenShardsConfig:
 
 GROUPS = {
     "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
-              "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig},
+              "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig, "hf": HFModelConfig},
     "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
                 "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig,
                 "tokens": TokensConfig, "token_shards": TokenShardsConfig},

@@ -131,7 +131,8 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Each top-level child with parameters is one unit (its all-gather overlaps the previous
-        unit's compute), then the root takes whatever parameters are left. In place: the module
+        unit's compute) — or the blocks a model names itself (``fsdp_units()``: a Hugging Face model's
+        decoder layers) — then the root takes whatever parameters are left. In place: the module
         that evaluation and checkpoints use is the sharded one too."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -140,7 +141,8 @@ class FSDPStrategy(Strategy):
         # host even for distributed.device=cpu, whose parameters it then refuses.
         mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
         reshard = self.d.reshard_after_forward
-        for child in module.children():
+        units = module.fsdp_units() if hasattr(module, "fsdp_units") else list(module.children())
+        for child in units:
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
