@@ -20,7 +20,7 @@ def options(group: str) -> list[str]:
 def test_every_group_has_its_documented_options():
     assert options("model") == ["convnet", "gpt", "hf", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50",
                                 "vae", "vit"]
-    assert options("dataset") == ["cifar10", "cifar100", "diabetes", "digits", "fashion_mnist", "imagefolder",
+    assert options("dataset") == ["cifar10", "cifar100", "diabetes", "digits", "fashion_mnist", "hf", "imagefolder",
                                   "mnist", "synthetic", "text", "token_shards", "tokens"]
     assert options("task") == ["classification", "lm", "regression", "vae"]
     assert options("optimizer") == ["adamw", "sgd"]

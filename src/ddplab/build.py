@@ -159,6 +159,12 @@ def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_
     """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do, refused."""
     name = f"dataset._target_={cfg.dataset.get('_target_')!r}"
     for part, ds in (("training", data.train), ("validation", data.val)):
+        split = getattr(ds, "_distributed", None)  # a Hugging Face IterableDataset after split_dataset_by_node
+        if split is not None:
+            raise ConfigError(f"{name}: its {part} stream is already split by node (split_dataset_by_node: rank "
+                              f"{split.rank} of {split.world_size}); ddplab cuts one global stream into the ranks' "
+                              "slices itself, so it would keep a slice of a slice. Fix: return the dataset before "
+                              "split_dataset_by_node")
         try:
             len(ds)
         except TypeError:

@@ -328,12 +328,36 @@ class TokenShardsConfig:
         _check_token_values(c, key)
 
 
+@dataclass
+class HFDataConfig:
+    """Local Parquet / JSON Lines / CSV / Arrow files through Hugging Face datasets (the hf extra)."""
+
+    _target_: str = "ddplab.data.hf.hf"
+    path: Optional[str] = None  # a data file, or a folder of files of one format; required
+    val_path: Optional[str] = None  # the same for validation; null: the last val_fraction of the samples
+    x: str = "text"  # the input column: text (tokenized with tokenizer), token ids, or numbers
+    y: Optional[str] = None  # the label/value column; null: language-model windows of x (task=lm)
+    tokenizer: Optional[str] = None  # a local tokenizer.json, for a text column
+    block_size: int = 64  # tokens per window (task=lm), or per row (cut or padded)
+    vocab_size: int = 256  # the tokenizer's vocabulary (model.vocab_size follows it)
+    num_classes: Optional[int] = None  # with y: the classes
+    pad_id: int = 0  # with y and text: the id rows shorter than block_size are padded with
+    val_fraction: float = 0.1  # without val_path
+    cache_dir: Optional[str] = None  # datasets' cache of the converted files; null: its default
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(c.path is not None and os.path.exists(os.path.expanduser(c.path)), f"{key}.path", c.path,
+                "no such file or folder", f"point {key}.path at a Parquet/JSONL/CSV/Arrow file or a folder of them")
+        require(c.block_size >= 1, f"{key}.block_size", c.block_size, "must be >= 1", f"pass {key}.block_size=64")
+
+
 GROUPS = {
     "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
               "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig, "hf": HFModelConfig},
     "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
                 "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig,
-                "tokens": TokensConfig, "token_shards": TokenShardsConfig},
+                "tokens": TokensConfig, "token_shards": TokenShardsConfig, "hf": HFDataConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
     "task": {"classification": ClassificationTaskConfig, "regression": RegressionTaskConfig,

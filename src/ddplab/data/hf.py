@@ -1,0 +1,138 @@
+"""Hugging Face ``datasets`` over local files as a ddplab data source (``dataset=hf``; the ``hf`` extra):
+Parquet, JSON Lines, CSV or Arrow files, read with ``datasets.load_dataset`` — nothing is downloaded.
+
+Two shapes of batch, by the task:
+
+* ``task=lm``: the ``text`` column tokenized with a local ``tokenizer.json`` (or an ids column used as it
+  is), the rows' ids joined and cut into windows of ``block_size`` + 1 — inputs the first ``block_size``,
+  targets the last — the layout of ``dataset=tokens``;
+* ``task=classification`` / ``regression``: one sample per row, ``x`` a text column (tokenized, cut or
+  padded to ``block_size``) or a numeric/list column, ``y`` the label or value column.
+
+The rows become tensors once, at start-up, so ddplab's own sampler does the rest: exact sharding across ranks,
+the same global batches at any world size, bitwise mid-epoch resume. A corpus bigger than memory is a job for
+``scripts/make_tokens.py`` and ``dataset=tokens`` (or a stream): this source holds its tensors in memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddplab.data.datasets import Splits, TensorData
+from ddplab.errors import InputError
+
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError("dataset=hf needs Hugging Face datasets, which is not installed. "
+                         "Fix: pip install 'ddplab[hf]'") from None
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _files(path: str, key: str) -> list[str]:
+    p = Path(path).expanduser()
+    files = sorted(str(f) for f in p.iterdir() if f.suffix in FORMATS) if p.is_dir() else [str(p)] if p.is_file() else []
+    if not files:
+        raise InputError(f"dataset.{key}={path}: no {'/'.join(sorted(FORMATS))} file there. Fix: a local data "
+                         "file, or a folder of them (nothing is downloaded)")
+    kinds = {FORMATS.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise InputError(f"dataset.{key}={path}: {sorted(Path(f).suffix for f in files)}: one format per split, "
+                         f"one of {', '.join(sorted(FORMATS))}. Fix: point it at files of one format")
+    return files
+
+
+def load_rows(path: str, key: str, cache_dir: str | None = None) -> Any:
+    """The rows of ``path`` (a file or a folder of files) as a map-style ``datasets.Dataset``."""
+    files = _files(path, key)
+    return _datasets().load_dataset(FORMATS[Path(files[0]).suffix], data_files=files, split="train",
+                                    cache_dir=cache_dir)
+
+
+def _column(rows: Any, name: str, key: str) -> Any:
+    if name not in rows.column_names:
+        raise InputError(f"dataset.{key}={name}: no such column; the data has {rows.column_names}. "
+                         f"Fix: dataset.{key}=<one of them>")
+    return rows[name]
+
+
+def _encode(texts: list[str], tokenizer: str | None, key: str) -> list[list[int]]:
+    if tokenizer is None:
+        raise InputError(f"dataset.{key} is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>"
+                         " (scripts/make_tokens.py --train-bpe writes one). Fix: set dataset.tokenizer")
+    from ddplab.data.tokenizer import load
+
+    tok = load(tokenizer)
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def _ids(rows: Any, x: str, tokenizer: str | None) -> list[list[int]]:
+    """Each row's token ids: the column tokenized if it holds text, as it is if it holds ids."""
+    col = _column(rows, x, "x")
+    if len(col) and isinstance(col[0], str):
+        return _encode(list(col), tokenizer, "x")
+    return [list(map(int, r)) for r in col]
+
+
+def lm_windows(rows: Any, x: str, tokenizer: str | None, block_size: int, vocab_size: int, key: str) -> TensorData:
+    """The rows' ids joined (in row order) and cut into windows of block_size + 1 tokens, non-overlapping."""
+    ids = np.fromiter((t for r in _ids(rows, x, tokenizer) for t in r), dtype=np.int64)
+    if ids.size and ids.max() >= vocab_size:
+        raise InputError(f"dataset.{key}: token id {int(ids.max())} >= dataset.vocab_size={vocab_size}. "
+                         f"Fix: dataset.vocab_size={int(ids.max()) + 1} (the tokenizer's vocabulary)")
+    n = (ids.size - 1) // block_size
+    if n < 1:
+        raise InputError(f"dataset.{key}: {ids.size} tokens, fewer than one window of dataset.block_size="
+                         f"{block_size} + 1. Fix: more text, or a smaller dataset.block_size")
+    w = torch.from_numpy(ids[: n * block_size + 1])
+    starts = torch.arange(n) * block_size
+    idx = starts[:, None] + torch.arange(block_size + 1)
+    win = w[idx]
+    return TensorData(win[:, :-1].contiguous(), win[:, 1:].contiguous())
+
+
+def labelled(rows: Any, x: str, y: str, tokenizer: str | None, block_size: int, pad_id: int) -> TensorData:
+    """One sample per row: x (text tokenized, cut or padded to block_size with pad_id; or numbers), y."""
+    col = _column(rows, x, "x")
+    if len(col) and isinstance(col[0], str):
+        seqs = [s[:block_size] + [pad_id] * (block_size - len(s[:block_size])) for s in _encode(list(col), tokenizer, "x")]
+        xs = torch.tensor(seqs, dtype=torch.int64)
+    else:
+        xs = torch.as_tensor(np.asarray(col), dtype=torch.float32)
+    ys = torch.as_tensor(np.asarray(_column(rows, y, "y")))
+    return TensorData(xs, ys.long() if not ys.is_floating_point() else ys.float())
+
+
+def hf(path: str | None = None, val_path: str | None = None, x: str = "text", y: str | None = None,
+       tokenizer: str | None = None, block_size: int = 64, vocab_size: int = 256, num_classes: int | None = None,
+       pad_id: int = 0, val_fraction: float = 0.1, cache_dir: str | None = None) -> Splits:
+    """``dataset=hf``: local files through ``datasets``; ``y`` None: language-model windows, else labelled rows."""
+    if path is None:
+        raise InputError("dataset.path=None: dataset=hf reads local files. Fix: dataset.path=<a Parquet/JSONL/CSV/"
+                         "Arrow file or a folder of them>")
+    rows = load_rows(path, "path", cache_dir)
+    val_rows = load_rows(val_path, "val_path", cache_dir) if val_path else None
+
+    def make(r: Any, key: str) -> TensorData:
+        if y is None:
+            return lm_windows(r, x, tokenizer, block_size, vocab_size, key)
+        return labelled(r, x, y, tokenizer, block_size, pad_id)
+
+    train = make(rows, "path")
+    if val_rows is not None:
+        val = make(val_rows, "val_path")
+    else:  # the last val_fraction of the samples, never trained on
+        k = max(1, int(len(train) * val_fraction))
+        train, val = TensorData(train.x[:-k], train.y[:-k]), TensorData(train.x[-k:], train.y[-k:])
+    classes = vocab_size if y is None else num_classes
+    return Splits(train, val, classes)
