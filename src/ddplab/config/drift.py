@@ -21,7 +21,8 @@ from ddplab.config.errors import ConfigError
 # runs, how it is launched, logged, checkpointed and how long this invocation lasts.
 HARMLESS = ("resume", "resume_apply_changes", "run_dir", "stop_after_epochs", "progress", "log_every_n_steps",
             "eval_every_n_epochs", "eval_every_n_steps", "objective", "nonfinite_loss", "checkpoint.", "distributed.",
-            "perf.", "hparams_search.", "hydra.", "mode", "limit_val_batches", "callbacks.", "verify.", "study.")
+            "perf.", "hparams_search.", "hydra.", "mode", "limit_val_batches", "callbacks.", "verify.", "study.",
+            "logger", "mlflow.")
 ABSENT = "<absent>"
 
 

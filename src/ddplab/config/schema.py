@@ -163,6 +163,23 @@ class StudyConfig:
 
 
 @dataclass
+class MLflowConfig:
+    """logger=[tensorboard,mlflow] (ddplab.tracking): rank 0's scalars, config and tags to an MLflow run too."""
+
+    tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local store)
+    experiment: Optional[str] = None  # null: the study's or the sweep's, else "ddplab"
+    close_timeout_s: float = 30.0  # at the end, how long MLflow may take to receive what is still queued
+
+    @staticmethod
+    def check(c: Any, key: str = "mlflow") -> None:
+        require(c.close_timeout_s > 0, f"{key}.close_timeout_s", c.close_timeout_s, "must be > 0",
+                f"pass {key}.close_timeout_s=30")
+
+
+LOGGERS = ("tensorboard", "mlflow")
+
+
+@dataclass
 class TrainConfig:
     model: Any = MISSING
     dataset: Any = MISSING
@@ -181,6 +198,9 @@ class TrainConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # mode=verify_resume only
     study: StudyConfig = field(default_factory=StudyConfig)  # mode=study only
     perf: PerfConfig = field(default_factory=PerfConfig)
+    # Where rank 0's scalars go: TensorBoard always (the run dir's record), MLflow too with [tensorboard,mlflow].
+    logger: Any = field(default_factory=lambda: ["tensorboard"])
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
     # The run's length (and the lr schedule's): epochs, optimizer steps, or both (whichever ends first, said at
@@ -228,6 +248,10 @@ class TrainConfig:
 
     @staticmethod
     def check(c: Any, key: str = "") -> None:
+        loggers = list(c.get("logger") or [])
+        require(set(loggers) <= set(LOGGERS) and "tensorboard" in loggers, "logger", loggers,
+                f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
+                "pass logger=[tensorboard,mlflow]")
         for k, lo, example in (("batch_size", 1, 64), ("grad_accum_steps", 1, 1), ("log_every_n_steps", 1, 10),
                                ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")

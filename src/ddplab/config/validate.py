@@ -16,13 +16,13 @@ from omegaconf.errors import InterpolationResolutionError
 
 from ddplab.config.errors import ConfigError, require
 from ddplab.config.groups import AugmentConfig
-from ddplab.config.schema import (CheckpointConfig, DistributedConfig, PerfConfig, StudyConfig, TrainConfig,
-                                   VerifyConfig)
+from ddplab.config.schema import (CheckpointConfig, DistributedConfig, MLflowConfig, PerfConfig, StudyConfig,
+                                  TrainConfig, VerifyConfig)
 
 # Checked by path, not by node type, so a self-launched rank's untyped copy is checked the same way.
 _OWN_CHECKS = {"": TrainConfig.check, "distributed": DistributedConfig.check, "perf": PerfConfig.check,
                "checkpoint": CheckpointConfig.check, "verify": VerifyConfig.check,
-               "study": StudyConfig.check}
+               "study": StudyConfig.check, "mlflow": MLflowConfig.check}
 
 
 def validate(cfg: DictConfig) -> None:

@@ -310,3 +310,9 @@ def consume_legacy_local_rank(argv: list[str]) -> list[str]:
             out.append(argv[i])
         i += 1
     return out
+
+
+def library_default(name: str, value: str) -> None:
+    """A library's switch read from the environment (MLflow's HTTP retries and timeout), set where the user
+    has not set it: the one place outside the launcher's variables that ddplab writes the environment."""
+    os.environ.setdefault(name, value)

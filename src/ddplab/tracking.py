@@ -1,0 +1,217 @@
+"""MLflow beside TensorBoard (``logger=[tensorboard,mlflow]``; the ``mlflow`` extra): rank 0's writer sends the
+same rank-reduced scalars, the composed config as params, the HParams entry and provenance as tags, to one MLflow
+run per job (per sweep job, per study trial), grouped in an experiment named after the study or the sweep.
+
+Training never waits for MLflow: every call goes through a queue to one background thread. A tracking server
+that is down, slow or failing is said once (a warning naming the URI and the cause); from then on nothing more
+is sent, and TensorBoard — written in the loop, as always — keeps the whole record. At the end the thread gets
+``mlflow.close_timeout_s`` to drain; what is left is said and dropped.
+
+A resumed run continues the same MLflow run (its id is kept in ``<run dir>/mlflow.json``), and each metric's
+steps appear once: the steps a crashed attempt had already sent (after its last checkpoint, recomputed bitwise
+by the resume) are not sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ddplab.writers import NullWriter
+
+log = logging.getLogger(__name__)
+ID_FILE = "mlflow.json"
+_STOP = object()
+
+
+def flat_params(cfg_yaml: str) -> dict[str, str]:
+    """The composed config as MLflow params: dotted keys, values as text (MLflow keeps at most 6000 chars)."""
+    from ddplab.config.drift import flatten
+
+    return {k: str(v)[:6000] for k, v in flatten(cfg_yaml).items()}
+
+
+class MLflowWriter(NullWriter):
+    """Rank 0's MLflow run, fed by a background thread (see the module's docstring)."""
+
+    def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float):
+        self.uri, self.experiment, self.run_dir, self.timeout = tracking_uri, experiment, run_dir, close_timeout_s
+        self.run_id: str | None = None
+        self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
+        self._q: queue.Queue = queue.Queue()
+        self._failed: str | None = None
+        self._thread = threading.Thread(target=self._drain, name="ddplab-mlflow", daemon=True)
+        self._thread.start()
+        self._q.put((self._open, ()))
+
+    # ---------------------------------------------------------------- the loop's side: never blocks
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self._q.put((self._metrics, (dict(values), step, int(time.time() * 1000))))
+
+    def text(self, tag: str, value: str) -> None:
+        if tag == "config":
+            self._q.put((self._params, (flat_params(value),)))
+        elif tag == "provenance":
+            self._q.put((self._provenance, (value,)))
+        self._q.put((self._artifact_text, (value, f"{tag}.txt")))
+
+    def hparams(self, hparams: dict[str, Any], trial: str) -> None:
+        self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))
+
+    def close(self) -> None:
+        self._q.put((self._finish, ()))
+        self._q.put((_STOP, ()))
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            log.warning("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
+                        "they are dropped (TensorBoard's record in the run dir is whole)", self.uri or "MLflow",
+                        self._q.qsize(), self.timeout)
+
+    # ---------------------------------------------------------------- the thread's side
+    def _drain(self) -> None:
+        while True:
+            fn, args = self._q.get()
+            if fn is _STOP:
+                return
+            if self._failed:
+                continue  # said once; the rest is dropped, never retried in the loop's time
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
+                self._failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                log.warning("mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
+                            "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.uri or
+                            "MLflow's default store", self._failed)
+
+    def _client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
+    def _open(self) -> None:
+        client, id_file = self._client(), self.run_dir / ID_FILE
+        if id_file.is_file():  # a resume (or a rerun in the same dir): the same MLflow run
+            self.run_id = json.loads(id_file.read_text())["run_id"]
+            client.update_run(self.run_id, status="RUNNING")
+            for key in client.get_run(self.run_id).data.metrics:
+                self._sent[key] = max(m.step for m in client.get_metric_history(self.run_id, key))
+            return
+        exp = client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
+        run = client.create_run(exp_id, run_name=self.run_dir.name, tags={"ddplab.run_dir": str(self.run_dir)})
+        self.run_id = run.info.run_id
+        id_file.write_text(json.dumps({"run_id": self.run_id, "experiment": self.experiment,
+                                       "tracking_uri": self.uri}) + "\n")
+
+    def _metrics(self, values: dict[str, float], step: int, ms: int) -> None:
+        from mlflow.entities import Metric
+
+        fresh = [Metric(k, float(v), ms, step) for k, v in values.items() if step > self._sent.get(k, -1)]
+        for i in range(0, len(fresh), 1000):  # MLflow takes at most 1000 metrics a batch
+            self._client().log_batch(self.run_id, metrics=fresh[i:i + 1000])
+
+    def _params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        have = self._client().get_run(self.run_id).data.params  # a resumed run logged them already
+        items = [Param(k, v) for k, v in params.items() if k not in have]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+            self._client().log_batch(self.run_id, params=items[i:i + 100])
+
+    def _tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._client().log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def _provenance(self, text: str) -> None:
+        prov = json.loads(text)
+        code = prov.get("code") or {}
+        self._tags({"mlflow.source.git.commit": str(code.get("commit", "")), "ddplab.dirty": str(code.get("dirty")),
+                    "ddplab.command": " ".join(prov.get("command") or [])[:5000],
+                    "ddplab.torch": str((prov.get("packages") or {}).get("torch", ""))})
+
+    def _artifact_text(self, text: str, name: str) -> None:
+        self._client().log_text(self.run_id, text, name)
+
+    def _finish(self) -> None:
+        self._client().set_terminated(self.run_id, "FINISHED")
+
+
+class TeeWriter(NullWriter):
+    """Every call to each writer in turn, TensorBoard's first: what ddplab writes in the loop goes to all."""
+
+    def __init__(self, *writers: Any):
+        self.writers = writers
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for w in self.writers:
+            w.scalars(values, step)
+
+    def text(self, tag: str, value: str) -> None:
+        for w in self.writers:
+            w.text(tag, value)
+
+    def hparams(self, hparams: dict[str, Any], trial: str) -> None:
+        for w in self.writers:
+            w.hparams(hparams, trial)
+
+    def charts(self, categories: dict[str, dict[str, list[str]]]) -> None:
+        for w in self.writers:
+            w.charts(categories)
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        for w in self.writers:
+            w.image(tag, image, step)
+
+    def purge_after(self, step: int) -> None:
+        for w in self.writers:
+            w.purge_after(step)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
+    """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or ddplab."""
+    if cfg.mlflow.get("experiment"):
+        return str(cfg.mlflow.experiment)
+    if "study" in (cfg.get("callbacks") or {}):
+        return f"study {cfg.study.name}"
+    if multirun:
+        return f"sweep {run_dir.parent.resolve()}"
+    return "ddplab"
+
+
+def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path) -> Any:
+    """The job's writer: rank 0's TensorBoard writer (a do-nothing one elsewhere), and with
+    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it."""
+    from ddplab import rundir
+    from ddplab.writers import make_writer
+
+    tensorboard = make_writer(dist, log_dir)
+    if not dist.is_main or "mlflow" not in list(cfg.get("logger") or []):
+        return tensorboard
+    return TeeWriter(tensorboard, mlflow_writer(cfg, run_dir, rundir.is_multirun()))
+
+
+def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool) -> MLflowWriter:
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        from ddplab.errors import ConfigError
+
+        raise ConfigError("logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
+                          "'ddplab[mlflow]', or logger=[tensorboard]") from None
+    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each).
+    from ddplab.runtime import env
+
+    env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
+                        float(cfg.mlflow.close_timeout_s))

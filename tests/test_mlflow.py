@@ -1,0 +1,168 @@
+"""logger=[tensorboard,mlflow] (issue 34, item 4), against a real `mlflow server` on loopback with a SQLite
+backend started here: the same scalars as TensorBoard, config as params, tags; one MLflow run per job and per
+sweep job, grouped by the sweep; a resume continues the same run with each step once; a server that is down
+or hangs never stops training and is said once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ddplab
+from ddplab.config.errors import ConfigError
+from ddplab.events import read_scalars
+from helpers.jobs import REPO, assert_ok, compose_cfg, job_env, run_killed_after_step
+
+pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+BASE = ["model=mlp", "progress=none", "num_epochs=2", "limit_train_steps=6", "log_every_n_steps=2",
+        "logger=[tensorboard,mlflow]"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`mlflow server` on 127.0.0.1 with a SQLite backend and a local artifact store; its URI."""
+    d, port = tmp_path_factory.mktemp("mlflow"), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{d / 'db'}",
+                             "--artifacts-destination", str(d / "artifacts"), "--host", "127.0.0.1", "--port",
+                             str(port), "--workers", "1"], stdout=open(d / "log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, (d / "log").read_text()[-2000:]
+        time.sleep(0.5)
+    yield uri
+    os.killpg(proc.pid, signal.SIGKILL)  # its graceful shutdown takes seconds; nothing of it is kept
+    proc.wait(30)
+
+
+def run_of(run_dir: Path, uri: str):
+    client = MlflowClient(uri)
+    return client, client.get_run(json.loads((run_dir / "mlflow.json").read_text())["run_id"])
+
+
+def history(client, run, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+@pytest.mark.slow
+def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path, server):
+    run_dir = tmp_path / "run"
+    ddplab.run(compose_cfg(BASE + [f"mlflow.tracking_uri={server}"], run_dir))
+    client, run = run_of(run_dir, server)
+    tb = read_scalars(run_dir / "tb")
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert client.get_experiment(run.info.experiment_id).name == "ddplab"
+    assert set(run.data.metrics) == set(tb) and len(tb) > 10
+    for key, points in tb.items():  # TensorBoard keeps float32: the same numbers, rounded as it rounds them
+        got = history(client, run, key)
+        assert [s for s, _ in got] == [s for s, _ in points], key
+        assert [np.float32(v) for _, v in got] == [np.float32(v) for _, v in points], key
+    assert run.data.params["optimizer.lr"] == "0.1" and run.data.params["model._target_"] == "ddplab.models.MLP"
+    assert run.data.tags["ddplab.run_dir"] == str(run_dir) and run.data.tags["hparam.model"] == "MLP"
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, server):
+    args = BASE + [f"mlflow.tracking_uri={server}", "checkpoint.every_n_steps=4"]
+    ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    # Crashed after step 11: its last checkpoint is step 8's, but it had logged step 10 to MLflow already; the
+    # resume recomputes steps 9-12 (bitwise) and must not send step 10 again.
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 11)
+    client, crashed = run_of(tmp_path / "run", server)
+    assert history(client, crashed, "train/loss")[-1][0] == 10
+    first = crashed.info.run_id
+    ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    client, run = run_of(tmp_path / "run", server)
+    _, ref = run_of(tmp_path / "ref", server)
+    assert run.info.run_id == first and run.info.status == "FINISHED"
+    for key in ref.data.metrics:
+        if key.startswith("vitals/"):
+            continue  # times differ between runs
+        assert history(client, run, key) == history(client, ref, key), key  # each step once, bitwise the same
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, server):
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
+                           f"mlflow.tracking_uri={server}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(proc)
+    client = MlflowClient(server)
+    exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.data.params["optimizer.lr"] for r in runs) == ["0.05", "0.1"]
+    assert sorted(r.data.tags["hparam.optimizer.lr"] for r in runs) == ["0.05", "0.1"]
+
+
+def hanging_server() -> int:
+    """A port that accepts connections and never answers (a tracking server that hangs)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held: list = []
+    threading.Thread(target=lambda: [held.append(sock.accept()) for _ in iter(int, 1)], daemon=True).start()
+    return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["down", "hanging"])
+def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once(tmp_path, caplog, kind):
+    port = free_port() if kind == "down" else hanging_server()
+    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{port}", "mlflow.close_timeout_s=3"]
+    out = ddplab.run(compose_cfg(args, tmp_path / "run"))
+    assert out["step"] == 12 and json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlflow: ")]
+    assert len(said) == 1, said
+    assert (f"cannot log to http://127.0.0.1:{port}" in said[0] if kind == "down"
+            else "did not take the run's last" in said[0]), said
+    assert [s for s, _ in read_scalars(tmp_path / "run" / "tb")["train/loss"]] == [2, 4, 6, 8, 10, 12]
+
+
+def test_the_default_store_is_mlflows_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")
+    ddplab.run(compose_cfg(BASE[:-2] + ["num_epochs=1", "limit_train_steps=2", "logger=[tensorboard,mlflow]"],
+                           tmp_path / "run"))
+    client, run = run_of(tmp_path / "run", f"sqlite:///{tmp_path / 'local.db'}")
+    assert run.info.status == "FINISHED" and "val/loss" in run.data.metrics
+
+
+@pytest.mark.parametrize("override, said", [
+    ("logger=[mlflow]", r"logger=\['mlflow'\]: one or more of tensorboard, mlflow, tensorboard among them"),
+    ("mlflow.close_timeout_s=0", r"mlflow.close_timeout_s=0.0: must be > 0"),
+])
+def test_logger_config_errors_are_one_line(tmp_path, override, said):
+    with pytest.raises(ConfigError, match=said):
+        ddplab.run(compose_cfg(["model=mlp", override], tmp_path / "run"))
+
+
+def test_without_the_extra_mlflow_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ConfigError, match=r"^logger=\[...,mlflow\] needs MLflow, which is not installed. Fix: pip "
+                                          r"install 'ddplab\[mlflow\]', or logger=\[tensorboard\]$"):
+        ddplab.run(compose_cfg(["model=mlp", "logger=[tensorboard,mlflow]", "num_epochs=1"], tmp_path / "run"))
