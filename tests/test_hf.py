@@ -5,6 +5,7 @@ ddplab's guarantees: exact over world sizes, bitwise resume, FSDP over the model
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from ddplab.config.errors import ConfigError
 from ddplab.data import write_tokens
 from ddplab.data.tabular import generated_corpus
 from helpers.compare import assert_same_checkpoint, load_whole
-from helpers.jobs import assert_ok, compose_cfg, ranks, run_killed_after_step, torchrun
+from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step, torchrun
 
 pytest.importorskip("transformers", reason="the hf extra: pip install 'ddplab[hf]'")
 # A 2-layer GPT-2 of width 32, no dropout (dropout draws per rank: world sizes would differ by it alone).
@@ -109,6 +110,15 @@ def test_world_sizes_1_2_3_train_the_same_hf_model_and_fsdp_over_its_blocks_matc
     assert whole.keys() == ddp.keys()
     for k in ddp:
         torch.testing.assert_close(whole[k], ddp[k], rtol=1e-4, atol=1e-6, msg=k)
+    # Exported from its shards (python -m ddplab export, one process, no process group): the whole model, bitwise.
+    from safetensors.torch import load_file
+
+    assert_ok(run_cmd([sys.executable, "-m", "ddplab", "export", "fsdp", "--which", "last"], tmp_path))
+    got = load_file(str(tmp_path / "fsdp" / "export" / "model.safetensors"))
+    tied = {k for k in whole if k not in got}  # safetensors stores a tied tensor once (GPT-2's head is wte)
+    assert len(tied) == 1 and tied <= {"hf.lm_head.weight", "hf.transformer.wte.weight"}
+    assert torch.equal(whole["hf.lm_head.weight"], whole["hf.transformer.wte.weight"])
+    assert all(torch.equal(got[k], whole[k]) for k in got)
 
 
 @pytest.mark.slow
