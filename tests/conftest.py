@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real `mlflow server` on loopback for the session's MLflow tests (helpers/tracking.py); its URI."""
+    pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
+    from helpers.tracking import serve
+
+    yield from serve(tmp_path_factory.mktemp("mlflow"))
+
+
 @pytest.fixture
 def small() -> list[str]:
     """Overrides that keep a digits run to a second or two."""

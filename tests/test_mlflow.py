@@ -6,14 +6,10 @@ or hangs never stops training and is said once."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -23,41 +19,13 @@ import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.events import read_scalars
 from helpers.jobs import REPO, assert_ok, compose_cfg, job_env, run_killed_after_step
+from helpers.tracking import free_port
 
 pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 BASE = ["model=mlp", "progress=none", "num_epochs=2", "limit_train_steps=6", "log_every_n_steps=2",
         "logger=[tensorboard,mlflow]"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1 with a SQLite backend and a local artifact store; its URI."""
-    d, port = tmp_path_factory.mktemp("mlflow"), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{d / 'db'}",
-                             "--artifacts-destination", str(d / "artifacts"), "--host", "127.0.0.1", "--port",
-                             str(port), "--workers", "1"], stdout=open(d / "log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
-                break
-        except OSError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, (d / "log").read_text()[-2000:]
-        time.sleep(0.5)
-    yield uri
-    os.killpg(proc.pid, signal.SIGKILL)  # its graceful shutdown takes seconds; nothing of it is kept
-    proc.wait(30)
 
 
 def run_of(run_dir: Path, uri: str):
@@ -70,10 +38,10 @@ def history(client, run, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path, server):
+def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path, mlflow_server):
     run_dir = tmp_path / "run"
-    ddplab.run(compose_cfg(BASE + [f"mlflow.tracking_uri={server}"], run_dir))
-    client, run = run_of(run_dir, server)
+    ddplab.run(compose_cfg(BASE + [f"mlflow.tracking_uri={mlflow_server}"], run_dir))
+    client, run = run_of(run_dir, mlflow_server)
     tb = read_scalars(run_dir / "tb")
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     assert client.get_experiment(run.info.experiment_id).name == "ddplab"
@@ -88,18 +56,18 @@ def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, server):
-    args = BASE + [f"mlflow.tracking_uri={server}", "checkpoint.every_n_steps=4"]
+def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, mlflow_server):
+    args = BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.every_n_steps=4"]
     ddplab.run(compose_cfg(args, tmp_path / "ref"))
     # Crashed after step 11: its last checkpoint is step 8's, but it had logged step 10 to MLflow already; the
     # resume recomputes steps 9-12 (bitwise) and must not send step 10 again.
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), 11)
-    client, crashed = run_of(tmp_path / "run", server)
+    client, crashed = run_of(tmp_path / "run", mlflow_server)
     assert history(client, crashed, "train/loss")[-1][0] == 10
     first = crashed.info.run_id
     ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
-    client, run = run_of(tmp_path / "run", server)
-    _, ref = run_of(tmp_path / "ref", server)
+    client, run = run_of(tmp_path / "run", mlflow_server)
+    _, ref = run_of(tmp_path / "ref", mlflow_server)
     assert run.info.run_id == first and run.info.status == "FINISHED"
     for key in ref.data.metrics:
         if key.startswith("vitals/"):
@@ -108,12 +76,12 @@ def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, se
 
 
 @pytest.mark.slow
-def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, server):
+def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
-                           f"mlflow.tracking_uri={server}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                           f"mlflow.tracking_uri={mlflow_server}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                           cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
     assert_ok(proc)
-    client = MlflowClient(server)
+    client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.data.params["optimizer.lr"] for r in runs) == ["0.05", "0.1"]
@@ -134,7 +102,8 @@ def hanging_server() -> int:
 @pytest.mark.parametrize("kind", ["down", "hanging"])
 def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once(tmp_path, caplog, kind):
     port = free_port() if kind == "down" else hanging_server()
-    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{port}", "mlflow.close_timeout_s=3"]
+    # down: refused at once (MLflow's brief retries, then one line); hanging: the end waits 3 s, no more
+    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{port}", f"mlflow.close_timeout_s={30 if kind == 'down' else 3}"]
     out = ddplab.run(compose_cfg(args, tmp_path / "run"))
     assert out["step"] == 12 and json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlflow: ")]

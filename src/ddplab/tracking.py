@@ -45,6 +45,7 @@ class MLflowWriter(NullWriter):
         self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
         self._q: queue.Queue = queue.Queue()
         self._failed: str | None = None
+        self._said = threading.Lock()  # one warning a run, whichever side says it first
         self._thread = threading.Thread(target=self._drain, name="ddplab-mlflow", daemon=True)
         self._thread.start()
         self._q.put((self._open, ()))
@@ -68,9 +69,15 @@ class MLflowWriter(NullWriter):
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
         if self._thread.is_alive():
-            log.warning("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
-                        "they are dropped (TensorBoard's record in the run dir is whole)", self.uri or "MLflow",
-                        self._q.qsize(), self.timeout)
+            self._say("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
+                      "they are dropped (TensorBoard's record in the run dir is whole)", self.uri or "MLflow",
+                      self._q.qsize(), self.timeout)
+
+    def _say(self, msg: str, *args: Any) -> None:
+        """The run's one warning about MLflow; after it, nothing more is sent or said."""
+        if self._said.acquire(blocking=False):
+            self._failed = self._failed or "said"
+            log.warning(msg, *args)
 
     # ---------------------------------------------------------------- the thread's side
     def _drain(self) -> None:
@@ -83,10 +90,10 @@ class MLflowWriter(NullWriter):
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
-                self._failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-                log.warning("mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
-                            "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.uri or
-                            "MLflow's default store", self._failed)
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                self._say("mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
+                          "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.uri or
+                          "MLflow's default store", why)
 
     def _client(self) -> Any:
         from mlflow.tracking import MlflowClient
@@ -208,10 +215,12 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool) -> MLflowWriter:
 
         raise ConfigError("logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
                           "'ddplab[mlflow]', or logger=[tensorboard]") from None
-    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each).
+    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each,
+    # backoff doubling from 2 s).
     from ddplab.runtime import env
 
-    env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
+    env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
                         float(cfg.mlflow.close_timeout_s))

@@ -1,0 +1,46 @@
+"""A real MLflow tracking server for the tests: `mlflow server` on 127.0.0.1 (a free port) with a SQLite
+backend and a local artifact store, started once per session (tests/conftest.py: the ``mlflow_server`` fixture)
+and killed after, whatever happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(folder: Path) -> Iterator[str]:
+    """Start the server, yield its URI once /health answers, kill it (SIGKILL: nothing of it is kept)."""
+    port = free_port()
+    with open(folder / "server.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                                 f"sqlite:///{folder / 'db'}", "--artifacts-destination", str(folder / "artifacts"),
+                                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    uri, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+    try:
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
