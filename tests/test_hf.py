@@ -108,8 +108,9 @@ def test_world_sizes_1_2_3_train_the_same_hf_model_and_fsdp_over_its_blocks_matc
     whole = load_whole(tmp_path / "fsdp" / "checkpoints" / "last.pt")["model"]
     ddp = torch.load(tmp_path / "2" / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert whole.keys() == ddp.keys()
-    for k in ddp:
-        torch.testing.assert_close(whole[k], ddp[k], rtol=1e-4, atol=1e-6, msg=k)
+    for k in ddp:  # AdamW turns reduction-order rounding of tiny gradients into a few 1e-6 after 10 steps (measured:
+        # FSDP vs DDP 2.8e-6 at most, a bias; DDP's own 1 rank vs 2 ranks 3.4e-6): the same run, not a bitwise one
+        torch.testing.assert_close(whole[k], ddp[k], rtol=1e-4, atol=1e-5, msg=k)
     # Exported from its shards (python -m ddplab export, one process, no process group): the whole model, bitwise.
     from safetensors.torch import load_file
 
