@@ -64,14 +64,17 @@ class MLflowWriter(NullWriter):
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))
 
-    def close(self) -> None:
-        self._q.put((self._finish, ()))
+    def close(self, status: str = "FINISHED") -> None:
+        self._q.put((self._finish, (status,)))
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
         if self._thread.is_alive():
             self._say("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
                       "they are dropped (TensorBoard's record in the run dir is whole)", self.uri or "MLflow",
                       self._q.qsize(), self.timeout)
+
+    def drain(self) -> None:
+        self.close("FAILED")  # a resume sets it RUNNING again
 
     def _say(self, msg: str, *args: Any) -> None:
         """The run's one warning about MLflow; after it, nothing more is sent or said."""
@@ -145,8 +148,8 @@ class MLflowWriter(NullWriter):
     def _artifact_text(self, text: str, name: str) -> None:
         self._client().log_text(self.run_id, text, name)
 
-    def _finish(self) -> None:
-        self._client().set_terminated(self.run_id, "FINISHED")
+    def _finish(self, status: str) -> None:
+        self._client().set_terminated(self.run_id, status)
 
 
 class TeeWriter(NullWriter):
@@ -182,6 +185,10 @@ class TeeWriter(NullWriter):
     def close(self) -> None:
         for w in self.writers:
             w.close()
+
+    def drain(self) -> None:
+        for w in self.writers:
+            w.drain()
 
 
 def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:

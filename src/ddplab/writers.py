@@ -41,6 +41,10 @@ class NullWriter:
     def close(self) -> None:
         pass
 
+    def drain(self) -> None:
+        """The run failed: send what is still queued (a tracking server's writer). TensorBoard's file is left
+        as a failed run has always left it."""
+
 
 class TensorBoardWriter(NullWriter):
     """Rank 0's SummaryWriter, opened at the first scalar (or at close).

@@ -73,8 +73,8 @@ class Trainer:
         except BaseException as e:
             s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, s, e)
-            with contextlib.suppress(Exception):  # what was logged reaches its files (MLflow: within its timeout)
-                s.writer.close()
+            with contextlib.suppress(Exception):  # what was queued for a tracking server is sent (within its timeout)
+                s.writer.drain()
             raise
         finally:
             self.interval.watch.close()
