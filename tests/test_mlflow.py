@@ -114,11 +114,13 @@ def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once
 
 
 def test_the_default_store_is_mlflows_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow's local stores keep artifacts under ./mlruns
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")
     ddplab.run(compose_cfg(BASE[:-2] + ["num_epochs=1", "limit_train_steps=2", "logger=[tensorboard,mlflow]"],
                            tmp_path / "run"))
     client, run = run_of(tmp_path / "run", f"sqlite:///{tmp_path / 'local.db'}")
     assert run.info.status == "FINISHED" and "val/loss" in run.data.metrics
+    assert [p.name for p in (tmp_path / "mlruns").iterdir()] == [run.info.experiment_id]  # its artifacts: here
 
 
 @pytest.mark.parametrize("override, said", [
