@@ -42,6 +42,7 @@ class MLflowWriter(NullWriter):
     def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float):
         self.uri, self.experiment, self.run_dir, self.timeout = tracking_uri, experiment, run_dir, close_timeout_s
         self.run_id: str | None = None
+        self._mlflow: Any = None  # the MlflowClient, the thread's alone
         self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
         self._q: queue.Queue = queue.Queue()
         self._failed: str | None = None
@@ -99,9 +100,12 @@ class MLflowWriter(NullWriter):
                           "MLflow's default store", why)
 
     def _client(self) -> Any:
-        from mlflow.tracking import MlflowClient
+        """One client for the run, made on the thread at its first call (the import included)."""
+        if self._mlflow is None:
+            from mlflow.tracking import MlflowClient
 
-        return MlflowClient(tracking_uri=self.uri)
+            self._mlflow = MlflowClient(tracking_uri=self.uri)
+        return self._mlflow
 
     def _open(self) -> None:
         client, id_file = self._client(), self.run_dir / ID_FILE
