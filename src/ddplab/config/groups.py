@@ -344,12 +344,18 @@ class HFDataConfig:
     pad_id: int = 0  # with y and text: the id rows shorter than block_size are padded with
     val_fraction: float = 0.1  # without val_path
     cache_dir: Optional[str] = None  # datasets' cache of the converted files; null: its default
+    streaming: bool = False  # read row by row in constant memory, as one stream (needs val_path)
+    num_samples: Optional[int] = None  # with streaming: the samples an epoch yields; null: counted at start-up
 
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.path is not None and os.path.exists(os.path.expanduser(c.path)), f"{key}.path", c.path,
                 "no such file or folder", f"point {key}.path at a Parquet/JSONL/CSV/Arrow file or a folder of them")
         require(c.block_size >= 1, f"{key}.block_size", c.block_size, "must be >= 1", f"pass {key}.block_size=64")
+        require(not c.streaming or c.val_path is not None, f"{key}.val_path", c.val_path,
+                "a stream has no last fraction to hold out", f"pass {key}.val_path=<validation files>")
+        require(c.num_samples is None or c.num_samples >= 1, f"{key}.num_samples", c.num_samples, "must be >= 1",
+                f"drop {key}.num_samples (counted at start-up)")
 
 
 GROUPS = {

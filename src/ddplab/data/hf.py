@@ -23,20 +23,10 @@ import numpy as np
 import torch
 
 from ddplab.data.datasets import Splits, TensorData
+from ddplab.data.hf_stream import HFStream, open_datasets, tokenizer_for
 from ddplab.errors import InputError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-
-
-def _datasets() -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise InputError("dataset=hf needs Hugging Face datasets, which is not installed. "
-                         "Fix: pip install 'ddplab[hf]'") from None
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    return datasets
 
 
 def _files(path: str, key: str) -> list[str]:
@@ -55,7 +45,7 @@ def _files(path: str, key: str) -> list[str]:
 def load_rows(path: str, key: str, cache_dir: str | None = None) -> Any:
     """The rows of ``path`` (a file or a folder of files) as a map-style ``datasets.Dataset``."""
     files = _files(path, key)
-    return _datasets().load_dataset(FORMATS[Path(files[0]).suffix], data_files=files, split="train",
+    return open_datasets().load_dataset(FORMATS[Path(files[0]).suffix], data_files=files, split="train",
                                     cache_dir=cache_dir)
 
 
@@ -67,12 +57,7 @@ def _column(rows: Any, name: str, key: str) -> Any:
 
 
 def _encode(texts: list[str], tokenizer: str | None, key: str) -> list[list[int]]:
-    if tokenizer is None:
-        raise InputError(f"dataset.{key} is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>"
-                         " (scripts/make_tokens.py --train-bpe writes one). Fix: set dataset.tokenizer")
-    from ddplab.data.tokenizer import load
-
-    tok = load(tokenizer)
+    tok = tokenizer_for(tokenizer, key)
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
@@ -115,11 +100,15 @@ def labelled(rows: Any, x: str, y: str, tokenizer: str | None, block_size: int, 
 
 def hf(path: str | None = None, val_path: str | None = None, x: str = "text", y: str | None = None,
        tokenizer: str | None = None, block_size: int = 64, vocab_size: int = 256, num_classes: int | None = None,
-       pad_id: int = 0, val_fraction: float = 0.1, cache_dir: str | None = None) -> Splits:
-    """``dataset=hf``: local files through ``datasets``; ``y`` None: language-model windows, else labelled rows."""
+       pad_id: int = 0, val_fraction: float = 0.1, cache_dir: str | None = None, streaming: bool = False,
+       num_samples: int | None = None) -> Splits:
+    """``dataset=hf``: local files through ``datasets``; ``y`` None: language-model windows, else labelled rows.
+    ``streaming``: read row by row in constant memory, as one stream (ddplab.data.hf_stream)."""
     if path is None:
         raise InputError("dataset.path=None: dataset=hf reads local files. Fix: dataset.path=<a Parquet/JSONL/CSV/"
                          "Arrow file or a folder of them>")
+    if streaming:
+        return _streams(path, val_path, x, y, tokenizer, block_size, vocab_size, num_classes, pad_id, num_samples)
     rows = load_rows(path, "path", cache_dir)
     val_rows = load_rows(val_path, "val_path", cache_dir) if val_path else None
 
@@ -136,3 +125,18 @@ def hf(path: str | None = None, val_path: str | None = None, x: str = "text", y:
         train, val = TensorData(train.x[:-k], train.y[:-k]), TensorData(train.x[-k:], train.y[-k:])
     classes = vocab_size if y is None else num_classes
     return Splits(train, val, classes)
+
+
+def _streams(path: str, val_path: str | None, x: str, y: str | None, tokenizer: str | None, block_size: int,
+             vocab_size: int, num_classes: int | None, pad_id: int, num_samples: int | None) -> Splits:
+    if not val_path:
+        raise InputError("dataset.streaming=true needs dataset.val_path: a stream has no last fraction to hold out. "
+                         "Fix: dataset.val_path=<validation files>")
+
+    def stream(p: str, key: str, n: int | None) -> HFStream:
+        files = _files(p, key)
+        return HFStream(files, FORMATS[Path(files[0]).suffix], x, y, tokenizer, block_size, vocab_size, pad_id, n, key)
+
+    open_datasets()  # the extra's one-line error before anything else
+    return Splits(stream(path, "path", num_samples), stream(val_path, "val_path", None),
+                  vocab_size if y is None else num_classes)

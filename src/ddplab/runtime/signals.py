@@ -84,6 +84,17 @@ def shield_worker(worker_id: int) -> None:
         pass
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="ddplab-worker-watch", daemon=True).start()
+
+
+def _end_with_parent(parent: int) -> None:
+    """A worker out of its rank's group is missed by a group-wide kill: it must end itself when its rank dies.
+    torch's own watch exits through multiprocessing's finalizers, which wait for the worker's queue to drain into
+    a pipe nobody reads any more — forever once it is full (a killed rank's workers were left running, holding
+    the launcher's output open). Nothing of a loader worker outlives its rank, so it just exits."""
+    while os.getppid() == parent:
+        time.sleep(LAUNCHER_POLL_S)
+    os._exit(1)
 
 
 class Preempted(Exception):

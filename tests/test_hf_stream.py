@@ -1,0 +1,145 @@
+"""dataset=hf dataset.streaming=true (issue 34, item 2): local files read row by row through datasets' streaming
+mode. The samples are the in-memory source's (one file) or its per-file windows; a resume from any sample — mid-
+read, at a read's end, at a file's end — continues exactly, through datasets' own state_dict; under ranks and
+loader workers the run is the one-rank run's and a killed rank resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddplab
+from ddplab.config.errors import ConfigError
+from ddplab.data import hf_stream
+from ddplab.data import tokenizer as tz
+from ddplab.data.hf import hf
+from ddplab.data.tabular import generated_corpus
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, torchrun
+
+datasets = pytest.importorskip("datasets", reason="the hf extra: pip install 'ddplab[hf]'")
+GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
+
+
+def texts(rows: int) -> list[str]:
+    sentences = generated_corpus(sentences=3 * rows, seed=5).strip().split(". ")
+    return [". ".join(sentences[i:i + 3]) + "." for i in range(0, len(sentences), 3)][:rows]
+
+
+def files(tmp_path: Path, n: int = 3, rows: int = 60) -> tuple[Path, Path, list[list[str]]]:
+    """``n`` Parquet files of ``rows`` text rows each (row groups of 8), a JSONL validation file, a BPE on them."""
+    parts = [texts(n * rows + 20)[i * rows:(i + 1) * rows] for i in range(n)]
+    (tmp_path / "train").mkdir()
+    for i, part in enumerate(parts):
+        datasets.Dataset.from_dict({"text": part, "label": [int("dog" in t) for t in part]}).to_parquet(
+            tmp_path / "train" / f"part-{i}.parquet", batch_size=8)
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t, "label": int("dog" in t)}) + "\n"
+                                                for t in texts(n * rows + 20)[-20:]))
+    tz.train_bpe([t for p in parts for t in p], 320).save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "train", tmp_path / "val.jsonl", parts
+
+
+def result_of(run: Path) -> dict:
+    return json.loads((run / "result.json").read_text())["metrics"]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_one_file_streams_exactly_the_in_memory_windows_and_rows(tmp_path):
+    train, val, _ = files(tmp_path, n=1, rows=120)
+    tok = str(tmp_path / "tokenizer.json")
+    for extra in ({}, {"y": "label", "num_classes": 2}):
+        mem = hf(str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, cache_dir=str(tmp_path / "c"),
+                 **extra)
+        stream = hf(str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, streaming=True, **extra)
+        got = list(stream.train)
+        assert len(stream.train) == len(got) == len(mem.train) > 100
+        assert same(got, list(zip(mem.train.x, mem.train.y)))
+        assert same(list(stream.val), list(zip(mem.val.x, mem.val.y)))
+
+
+@pytest.mark.parametrize("task", ["lm", "labelled"])
+def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatch, task):
+    """Reads of 5 rows: resumes mid-read, at a read's end, at a file's end and after the last sample."""
+    monkeypatch.setattr(hf_stream, "ROWS_PER_READ", 5)
+    train, val, parts = files(tmp_path)
+    extra = {"y": "label", "num_classes": 2} if task == "labelled" else {}
+    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
+           streaming=True, **extra).train
+    whole = list(s)
+    tok = tz.load(tmp_path / "tokenizer.json")
+    per_file = [len(p) if task == "labelled" else (sum(len(tok.encode(t).ids) for t in p) - 1) // 16 for p in parts]
+    assert len(s) == len(whole) == sum(per_file)
+    # Every sample of the first reads (a read of 5 rows: 5 samples, or ~12 windows), and around the files' ends.
+    cuts = set(range(27)) | {per_file[0] - 1, per_file[0], per_file[0] + 1, len(whole) - 1, len(whole)}
+    for k in sorted(cuts):
+        it = iter(s)
+        head = [next(it) for _ in range(k)]
+        state = s.state_dict()
+        fresh = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
+                   streaming=True, num_samples=len(whole), **extra).train
+        fresh.load_state_dict(state)
+        assert same(head + list(fresh), whole), k
+
+
+def test_the_count_is_what_an_epoch_yields_and_num_samples_skips_it(tmp_path, monkeypatch):
+    train, val, _ = files(tmp_path, n=2, rows=20)
+    counted = []
+    monkeypatch.setattr(hf_stream.HFStream, "_count", lambda self: counted.append(1) or 999)
+    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), streaming=True, num_samples=12)
+    assert len(s.train) == 12 and len(s.val) == 999 and len(counted) == 1  # only the validation stream counted
+
+
+def lm_args(tmp_path: Path) -> list[str]:
+    train, val, _ = files(tmp_path)
+    return ["task=lm", "dataset=hf", "dataset.streaming=true", f"dataset.path={train}", f"dataset.val_path={val}",
+            f"dataset.tokenizer={tmp_path / 'tokenizer.json'}", "dataset.vocab_size=320", "dataset.block_size=16",
+            "batch_size=12", "progress=none", "model.dropout=0"] + GPT
+
+
+def test_streaming_without_a_validation_file_is_one_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"dataset.val_path=None: a stream has no last fraction to hold out\. "
+                                          r"Fix: pass dataset.val_path=<validation files>"):
+        ddplab.run(compose_cfg(lm_args(tmp_path) + ["dataset.val_path=null"], tmp_path / "run"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a_killed_rank_resumes_bitwise(tmp_path):
+    """3 files, 2 loader workers per rank: 2 ranks give the 1-rank run (fp32); rank 1 SIGKILLed at step 63 (last
+    checkpoint: step 60, 6 steps into epoch 2 of 54 steps) resumes at 2 ranks into the uninterrupted run's
+    checkpoint, bitwise."""
+    args = lm_args(tmp_path) + ["num_epochs=2", "checkpoint.every_n_steps=10", "perf.num_workers=2",
+                                "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    one = ddplab.run(compose_cfg(args, tmp_path / "one"))
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240))
+    two = result_of(tmp_path / "two")
+    assert one["step"] == two["step"] == 2 * 54 and two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, timeout=240,
+                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=63))
+    assert crashed.returncode != 0
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed'}", "resume=auto"], tmp_path, timeout=240))
+    assert "1 epoch(s), 60 step(s) done" in (tmp_path / "killed" / "train.log").read_text()
+    assert_same_checkpoint(tmp_path / "two" / "checkpoints" / "last.pt", tmp_path / "killed" / "checkpoints" / "last.pt",
+                           entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert result_of(tmp_path / "killed")["val/loss"] == two["val/loss"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streaming):
+    """datasets counts downloads with a request to the Hub on every load_dataset (3 s each without a network)."""
+    import socket
+
+    train, val, _ = files(tmp_path, n=2, rows=20)
+    dialled = []
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: dialled.append(a) or (_ for _ in ()).throw(OSError("no")))
+    monkeypatch.setattr(socket.socket, "connect", lambda self, addr: dialled.append(addr) or (_ for _ in ()).throw(
+        OSError("no")))
+    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=320, streaming=streaming,
+           cache_dir=str(tmp_path / "c"))
+    assert len(list(s.train)) == len(s.train) > 0 and dialled == []

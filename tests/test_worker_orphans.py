@@ -1,0 +1,50 @@
+"""Loader workers leave their rank's process group (so a launcher's group-wide stop signal is the rank's to act
+on, ddplab.runtime.signals.shield_worker): a rank killed outright must still take its workers with it — even when
+their queue to the rank is full, where torch's own parent watch hangs in multiprocessing's exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+RANK = r"""
+import os, sys, time, torch
+from torch.utils.data import DataLoader, Dataset
+from ddplab.runtime.signals import shield_worker
+
+class Big(Dataset):  # 1 MB of bytes a sample: pickled through the worker's pipe, which fills at once
+    def __len__(self): return 10_000
+    def __getitem__(self, i): return b"x" * (1 << 20)
+
+loader = iter(DataLoader(Big(), batch_size=None, num_workers=2, prefetch_factor=8, worker_init_fn=shield_worker))
+next(loader)
+print(" ".join(str(w.pid) for w in loader._workers), flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_ranks_loader_workers_end_within_two_seconds_though_their_queue_is_full():
+    rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in rank.stdout.readline().split()]
+    assert len(workers) == 2 and all(alive(p) for p in workers)
+    time.sleep(1.0)  # the workers fill their queues
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait()
+    deadline = time.monotonic() + 2.5  # the workers' watch looks once a second (signals.LAUNCHER_POLL_S)
+    while time.monotonic() < deadline and any(alive(p) for p in workers):
+        time.sleep(0.1)
+    left = [p for p in workers if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == []
