@@ -53,6 +53,17 @@ def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path,
     assert run.data.params["optimizer.lr"] == "0.1" and run.data.params["model._target_"] == "ddplab.models.MLP"
     assert run.data.tags["ddplab.run_dir"] == str(run_dir) and run.data.tags["hparam.model"] == "MLP"
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
+    # The model, as `python -m ddplab export` writes it, is the artifact model/.
+    from safetensors.torch import load_file
+
+    from ddplab.checkpoint.export import export
+
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "model")) == [
+        "model/README.md", "model/config.yaml", "model/model.safetensors"]
+    got = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+    want = load_file(export(run_dir, "safetensors", tmp_path / "want")[0] / "model.safetensors")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    assert run.data.tags["ddplab.model"].startswith("model/ (safetensors): ")
 
 
 @pytest.mark.slow
@@ -78,13 +89,14 @@ def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, ml
 @pytest.mark.slow
 def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
-                           f"mlflow.tracking_uri={mlflow_server}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                           f"mlflow.tracking_uri={mlflow_server}", "mlflow.log_model=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                           cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
     assert_ok(proc)
     client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.data.params["optimizer.lr"] for r in runs) == ["0.05", "0.1"]
+    assert [client.list_artifacts(r.info.run_id, "model") for r in runs] == [[], []]  # mlflow.log_model=false
     assert sorted(r.data.tags["hparam.optimizer.lr"] for r in runs) == ["0.05", "0.1"]
 
 
@@ -137,3 +149,21 @@ def test_without_the_extra_mlflow_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^logger=\[...,mlflow\] needs MLflow, which is not installed. Fix: pip "
                                           r"install 'ddplab\[mlflow\]', or logger=\[tensorboard\]$"):
         ddplab.run(compose_cfg(["model=mlp", "logger=[tensorboard,mlflow]", "num_epochs=1"], tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_path, mlflow_server):
+    from helpers.study import load, study_args
+
+    d = tmp_path / "study"
+    assert_ok(subprocess.run([sys.executable, str(REPO / "train.py"), *study_args(d, 2), "logger=[tensorboard,mlflow]",
+                              f"mlflow.tracking_uri={mlflow_server}"], cwd=tmp_path, env=job_env(),
+                             capture_output=True, text=True, timeout=300))
+    client, study = MlflowClient(mlflow_server), load(d)
+    runs = client.search_runs([client.get_experiment_by_name("study digits_lr_wd").experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    by_dir = {r.data.tags["ddplab.run_dir"]: r for r in runs}
+    for t in study.trials:
+        run = by_dir[t.user_attrs["ddplab:dir"]]
+        assert {k: float(run.data.params[k]) for k in t.params} == t.params
+        assert run.data.metrics["val/acc"] == pytest.approx(t.value, rel=1e-6)  # the study objective

@@ -1,6 +1,7 @@
 """MLflow beside TensorBoard (``logger=[tensorboard,mlflow]``; the ``mlflow`` extra): rank 0's writer sends the
 same rank-reduced scalars, the composed config as params, the HParams entry and provenance as tags, to one MLflow
-run per job (per sweep job, per study trial), grouped in an experiment named after the study or the sweep.
+run per job (per sweep job, per study trial), grouped in an experiment named after the study or the sweep; at a
+successful end, the run's exported model as the artifact ``model/`` (``mlflow.log_model``).
 
 Training never waits for MLflow: every call goes through a queue to one background thread. A tracking server
 that is down, slow or failing is said once (a warning naming the URI and the cause); from then on nothing more
@@ -39,8 +40,10 @@ def flat_params(cfg_yaml: str) -> dict[str, str]:
 class MLflowWriter(NullWriter):
     """Rank 0's MLflow run, fed by a background thread (see the module's docstring)."""
 
-    def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float):
+    def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float,
+                 log_model: bool = False):
         self.uri, self.experiment, self.run_dir, self.timeout = tracking_uri, experiment, run_dir, close_timeout_s
+        self.log_model = log_model  # at a FINISHED close: the run's exported model as the artifact model/
         self.run_id: str | None = None
         self._mlflow: Any = None  # the MlflowClient, the thread's alone
         self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
@@ -153,7 +156,28 @@ class MLflowWriter(NullWriter):
         self._client().log_text(self.run_id, text, name)
 
     def _finish(self, status: str) -> None:
+        if status == "FINISHED" and self.log_model:
+            self._model()
         self._client().set_terminated(self.run_id, status)
+
+    def _model(self) -> None:
+        """The artifact ``model/``: what ``python -m ddplab export <run dir>`` writes (the best checkpoint's weights,
+        EMA's where the run had EMA; safetensors where installed), config and model card."""
+        import importlib.util
+        import tempfile
+
+        from ddplab.checkpoint import export
+        from ddplab.errors import InputError
+
+        fmt = "safetensors" if importlib.util.find_spec("safetensors") else "state_dict"
+        with tempfile.TemporaryDirectory(prefix="ddplab-mlflow-") as tmp:
+            try:
+                out, said = export.export(self.run_dir, fmt, Path(tmp) / "model")
+            except InputError as e:  # no checkpoint to export (checkpoints off): a run without a model artifact
+                log.info("mlflow: no model artifact: %s", e)
+                return
+            self._client().log_artifacts(self.run_id, str(out), "model")
+        self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
 
 
 class TeeWriter(NullWriter):
@@ -233,5 +257,6 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool) -> MLflowWriter:
     env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    training = getattr(cfg.mode, "name", cfg.mode) != "eval"  # mode=eval trained nothing new
     return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
-                        float(cfg.mlflow.close_timeout_s))
+                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and training)

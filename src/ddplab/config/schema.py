@@ -169,6 +169,7 @@ class MLflowConfig:
     tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local store)
     experiment: Optional[str] = None  # null: the study's or the sweep's, else "ddplab"
     close_timeout_s: float = 30.0  # at the end, how long MLflow may take to receive what is still queued
+    log_model: bool = True  # at a successful end, the run's model (python -m ddplab export's folder) as model/
 
     @staticmethod
     def check(c: Any, key: str = "mlflow") -> None:
