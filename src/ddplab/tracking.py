@@ -230,19 +230,19 @@ def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
     return "ddplab"
 
 
-def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path) -> Any:
+def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: bool = False) -> Any:
     """The job's writer: rank 0's TensorBoard writer (a do-nothing one elsewhere), and with
-    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it."""
+    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it (``evaluating``: mode=eval, no model to log)."""
     from ddplab import rundir
     from ddplab.writers import make_writer
 
     tensorboard = make_writer(dist, log_dir)
     if not dist.is_main or "mlflow" not in list(cfg.get("logger") or []):
         return tensorboard
-    return TeeWriter(tensorboard, mlflow_writer(cfg, run_dir, rundir.is_multirun()))
+    return TeeWriter(tensorboard, mlflow_writer(cfg, run_dir, rundir.is_multirun(), log_model=not evaluating))
 
 
-def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool) -> MLflowWriter:
+def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = True) -> MLflowWriter:
     try:
         import mlflow  # noqa: F401
     except ImportError:
@@ -257,6 +257,5 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool) -> MLflowWriter:
     env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    training = getattr(cfg.mode, "name", cfg.mode) != "eval"  # mode=eval trained nothing new
     return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
-                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and training)
+                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and log_model)

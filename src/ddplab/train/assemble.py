@@ -77,7 +77,7 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
               steps_per_epoch=spe, length=length, global_batch=global_batch, accum=accum,
               loop=LoopState(seed=cfg.seed, accum=accum), results=results, rng=RNGStreams(dist),
               evaluator=evaluator, callbacks=callbacks, stop=stop, events_dir=events_dir,
-              writer=writer_for(dist, str(events_dir), cfg, run_dir),
+              writer=writer_for(dist, str(events_dir), cfg, run_dir, evaluating),
               # on_save hears of each checkpoint once it is on disk (with async_save: after the write).
               checkpoints=checkpoint_manager(cfg, dist, run_dir, guard, stop.request,
                                              saved=lambda path: callbacks(Hook.ON_SAVE, s, path)),
