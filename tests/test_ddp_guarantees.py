@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, job_dirs, job_env, ranks, read_scalars, run_cmd, torchrun
+from helpers.jobs import (REPO, TRAIN, assert_ok, compose_cfg, free_port, job_dirs, job_env, ranks, read_scalars,
+                          run_cmd, torchrun)
 from ddplab.data import ShardedGlobalSampler
 
 pytestmark = pytest.mark.dist
@@ -23,12 +24,6 @@ PROBE = REPO / "tests" / "workers" / "probe_worker.py"
 def result(proc) -> dict:
     assert_ok(proc)
     return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def max_rel_weight_diff(a: dict, b: dict) -> float:

@@ -143,3 +143,12 @@ def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streamin
     s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=320, streaming=streaming,
            cache_dir=str(tmp_path / "c"))
     assert len(list(s.train)) == len(s.train) > 0 and dialled == []
+
+
+def test_a_num_samples_the_files_do_not_hold_is_one_line_naming_it(tmp_path):
+    from ddplab.data.streams import StreamEnded
+
+    with pytest.raises(StreamEnded, match=r"HFStream ended after \d+ global batches of 12 in epoch 1, but its __len__ "
+                                          r"\(5000\) promises 416\. Fix: drop dataset.num_samples=5000 \(the samples "
+                                          r"are then counted at start-up\)"):
+        ddplab.run(compose_cfg(lm_args(tmp_path) + ["dataset.num_samples=5000", "num_epochs=1"], tmp_path / "run"))

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,8 @@ import torch
 import yaml
 
 import ddplab
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, tmpfs, torchrun
+from helpers.jobs import (TRAIN, assert_ok, compose_cfg, free_port, python_train, read_scalars, run_cmd, tmpfs,
+                          torchrun)
 from ddplab.checkpoint import files
 from ddplab.config import ConfigError
 
@@ -159,17 +159,11 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
 
 
 # ------------------------------------------------------------------ waits bounded by the timeout
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.dist
 def test_a_lone_rank_says_what_it_waits_for_and_gives_up_soon_after_the_timeout(tmp_path):
     timeout = 8
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     t0 = time.monotonic()
     proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.timeout_s={timeout}"], tmp_path,
                    timeout=120, extra_env=env)

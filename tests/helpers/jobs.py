@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +138,20 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, for a server a test starts later. Below the kernel's ephemeral range:
+    a port bind(("", 0)) hands out is free only until the kernel gives it to the next socket that asks, such as
+    torchrun --standalone's store or any outgoing connection (seen: EADDRINUSE in a 2-rank tcp:// init)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{max(1024, low - 12000)}, {low})")

@@ -71,6 +71,11 @@ class HFStream(IterableDataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def length_fix(self) -> str:
+        """The fix ddplab's stream loader names when an epoch yields fewer samples than ``__len__`` says."""
+        return f"drop dataset.num_samples={self.num_samples} (the samples are then counted at start-up)"
+
     def __getstate__(self) -> dict[str, Any]:  # to the loader's workers: no tokenizer, no open file
         return {**self.__dict__, "_tok": None, "_where": None}
 

@@ -119,9 +119,10 @@ class StreamLoader:
             yield move(self.collate(group[lo:lo + b]), self.device, self.pin)
         if self._served == promised:
             return
+        fix = getattr(self.data, "length_fix", "make __len__ the number of samples one epoch yields")
         raise StreamEnded(f"{type(self.data).__name__} ended after {self._served} global batches of "
                           f"{self.sampler.global_batch} in epoch {epoch + 1}, but its __len__ ({self.sampler.num_samples}) "
-                          f"promises {promised}. Fix: make __len__ the number of samples one epoch yields")
+                          f"promises {promised}. Fix: {fix}")
 
     def _check_same_workers(self, state: dict[str, Any], epoch: int, skip: int) -> None:
         """A mid-epoch position holds only with the loader workers it was saved with."""
