@@ -74,6 +74,9 @@ def main() -> None:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
                    f"{a.out}/last.pt")
     if world > 1:
+        # Without it rank 1, done first, tore its gloo group down while rank 0 was still writing: gloo aborted
+        # it ("terminate called without an active exception", SIGABRT) in about 1 launch in 10.
+        torch_dist.barrier()
         torch_dist.destroy_process_group()
 
 

@@ -65,21 +65,32 @@ def wall(cmd: list[str], cwd: Path) -> float:
 
 def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
     """Launch → exit of ddplab's default job and the hand-written one, alternating; medians and the difference."""
-    print("| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side |\n|---|---|---|---|---|")
+    print("| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side | failed, rerun "
+          "(hand / ddplab) |\n|---|---|---|---|---|---|")
     for n in nprocs:
         launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={n}"]
         times: dict[str, list[float]] = {"hand": [], "ddplab": []}
+        failed = {"hand": 0, "ddplab": 0}
         for i in range(repeats):
             for side in ("hand", "ddplab") if i % 2 == 0 else ("ddplab", "hand"):
-                out = work / f"{side}-{n}-{i}"
-                out.mkdir()
-                cmd = [*launch, str(REPO / "scripts" / "_hand_default_job.py"), "--steps", "1", "--out", str(out)] \
-                    if side == "hand" else [*launch, str(REPO / "train.py"), *JOB,
-                                            f"hydra.run.dir={out}"]
-                times[side].append(wall(cmd, work))
+                for attempt in range(3):  # a failed launch is rerun (and counted): its time measures nothing
+                    out = work / f"{side}-{n}-{i}-{attempt}"
+                    out.mkdir()
+                    cmd = [*launch, str(REPO / "scripts" / "_hand_default_job.py"), "--steps", "1", "--out",
+                           str(out)] if side == "hand" else [*launch, str(REPO / "train.py"), *JOB,
+                                                             f"hydra.run.dir={out}"]
+                    try:
+                        times[side].append(wall(cmd, work))
+                        break
+                    except SystemExit as e:
+                        failed[side] += 1
+                        if attempt == 2:
+                            raise
+                        print(f"<!-- {side} launch failed, rerun: {str(e).splitlines()[0][:200]} -->", flush=True)
         hand, ours = statistics.median(times["hand"]), statistics.median(times["ddplab"])
-        print(f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} |", flush=True)
+        print(f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} | {failed['hand']} / "
+              f"{failed['ddplab']} |", flush=True)
 
 
 def main() -> None:
