@@ -6,6 +6,7 @@ loader workers the run is the one-rank run's and a killed rank resumes bitwise."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,29 @@ def test_a_num_samples_the_files_do_not_hold_is_one_line_naming_it(tmp_path):
                                           r"\(5000\) promises 416\. Fix: drop dataset.num_samples=5000 \(the samples "
                                           r"are then counted at start-up\)"):
         ddplab.run(compose_cfg(lm_args(tmp_path) + ["dataset.num_samples=5000", "num_epochs=1"], tmp_path / "run"))
+
+
+@pytest.mark.dist
+def test_a_bad_file_read_in_a_loader_worker_under_torchrun_is_one_line(tmp_path):
+    """An id beyond the vocabulary in the second file, met by a loader worker (num_samples given: no counting
+    pass found it at start-up), under torchrun: the ranks say one line naming the key and the fix, exit 2."""
+    from test_config_errors import ddplab_lines
+
+    (tmp_path / "train").mkdir()
+    for i, bad in enumerate((False, True)):
+        rows = [[(j * 7 + k) % 100 for k in range(40)] for j in range(30)]
+        rows[20][5] = 999 if bad else rows[20][5]
+        datasets.Dataset.from_dict({"ids": rows}).to_parquet(tmp_path / "train" / f"part-{i}.parquet")
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"ids": list(range(40))}) + "\n" for _ in range(10)))
+    args = ["task=lm", "dataset=hf", "dataset.streaming=true", f"dataset.path={tmp_path / 'train'}",
+            f"dataset.val_path={tmp_path / 'val.jsonl'}", "dataset.x=ids", "dataset.vocab_size=100",
+            "dataset.block_size=16", "dataset.num_samples=140", "batch_size=12", "perf.num_workers=2",
+            "progress=none", "num_epochs=1", f"hydra.run.dir={tmp_path / 'run'}"] + GPT
+    proc = torchrun(2, args, tmp_path, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, out[-3000:]
+    lines = ddplab_lines(out)
+    said = [line for line in lines if "token id 999" in line]
+    assert said and all(re.search(r"dataset.path: token id 999 >= dataset.vocab_size=100\. Fix: dataset.vocab_size=",
+                                  s) for s in said), out[-3000:]
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)[-3000:]

@@ -167,3 +167,24 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
         run = by_dir[t.user_attrs["ddplab:dir"]]
         assert {k: float(run.data.params[k]) for k in t.params} == t.params
         assert run.data.metrics["val/acc"] == pytest.approx(t.value, rel=1e-6)  # the study objective
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_path, mlflow_server):
+    """DDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model artifact is the
+    last checkpoint's (the background write is on disk before the artifact is made)."""
+    from safetensors.torch import load_file
+
+    from ddplab.checkpoint.export import export
+    from helpers.jobs import torchrun
+
+    run_dir = tmp_path / "run"
+    assert_ok(torchrun(2, BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.async_save=true",
+                                  "checkpoint.every_n_steps=3", f"hydra.run.dir={run_dir}"], tmp_path, timeout=240))
+    client, run = run_of(run_dir, mlflow_server)
+    assert len(client.search_runs([run.info.experiment_id], f"tags.`ddplab.run_dir` = '{run_dir}'")) == 1
+    got = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+    want = load_file(export(run_dir, "safetensors", tmp_path / "want")[0] / "model.safetensors")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    assert [s for s, _ in history(client, run, "train/loss")] == [s for s, _ in read_scalars(run_dir / "tb")["train/loss"]]

@@ -176,6 +176,11 @@ class MLflowWriter(NullWriter):
             except InputError as e:  # no checkpoint to export (checkpoints off): a run without a model artifact
                 log.info("mlflow: no model artifact: %s", e)
                 return
+            except Exception as e:  # noqa: BLE001 - the run's own record is whole; only the artifact is missing
+                log.warning("mlflow: no model artifact: exporting %s failed (%s: %s). Fix: python -m ddplab export "
+                            "%s, then mlflow artifacts log-artifacts", self.run_dir, type(e).__name__,
+                            str(e).strip().splitlines()[0][:300] if str(e).strip() else "", self.run_dir)
+                return
             self._client().log_artifacts(self.run_id, str(out), "model")
         self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
 
