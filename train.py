@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # first, before the seconds of imports below: a preemption signal then is not fatal
-    from ddplab.runtime import signals
+    from ddplab.runtime import signals, teardown
 
     signals.hold_during_startup()
+    teardown.cheap_interpreter_exit()  # registered first so that it runs last: 0.7 s less at every exit
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

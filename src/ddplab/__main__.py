@@ -23,4 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ddplab.runtime import teardown
+
+    teardown.cheap_interpreter_exit()  # before torch is imported: its handler then runs last
     sys.exit(main())
