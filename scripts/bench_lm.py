@@ -159,13 +159,17 @@ def main() -> None:
                 print(f"round {r + 1} {side:8s} {short} steps {walls[short]:.2f} s, {long} steps {walls[long]:.2f} s: "
                       f"{per_step[side][-1]:.2f} ms/step", flush=True)
     med = {k: statistics.median(v) for k, v in per_step.items()}
+    # The two sides of a round ran back to back: their ratio is the least touched by the VM's drift over minutes.
+    paired = [d / n for d, n in zip(per_step["ddplab"], per_step["nanogpt"])]
     print(f"\nms per step (median of {a.rounds}): nanoGPT {med['nanogpt']:.2f}, ddplab {med['ddplab']:.2f}; "
-          f"ratio ddplab / nanoGPT {med['ddplab'] / med['nanogpt']:.3f}")
-    print("| rounds | nanoGPT ms/step | ddplab ms/step | ratio |\n|---|---|---|---|")
+          f"ratio ddplab / nanoGPT {med['ddplab'] / med['nanogpt']:.3f}; per round "
+          f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})")
+    print("| rounds | nanoGPT ms/step | ddplab ms/step | ratio of medians | ratio per round (median) |\n|---|---|---|---|---|")
     print(f"| {a.rounds} | {', '.join(f'{v:.2f}' for v in per_step['nanogpt'])} | "
-          f"{', '.join(f'{v:.2f}' for v in per_step['ddplab'])} | **{med['ddplab'] / med['nanogpt']:.3f}** |")
+          f"{', '.join(f'{v:.2f}' for v in per_step['ddplab'])} | **{med['ddplab'] / med['nanogpt']:.3f}** | "
+          f"{', '.join(f'{r:.3f}' for r in paired)} (**{statistics.median(paired):.3f}**) |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"per_step_ms": per_step, "median": med}, indent=1))
+        Path(a.json).write_text(json.dumps({"per_step_ms": per_step, "median": med, "paired": paired}, indent=1))
 
 
 if __name__ == "__main__":
