@@ -171,9 +171,11 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_path, mlflow_server):
-    """DDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model artifact is the
-    last checkpoint's (the background write is on disk before the artifact is made)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_path, mlflow_server, strategy):
+    """DDP or FSDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model artifact
+    is the last checkpoint's (the background write is on disk before the artifact is made). FSDP's checkpoint
+    is sharded, every rank writing its part: the artifact is the whole model its shards hold."""
     from safetensors.torch import load_file
 
     from ddplab.checkpoint.export import export
@@ -181,7 +183,8 @@ def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_
 
     run_dir = tmp_path / "run"
     assert_ok(torchrun(2, BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.async_save=true",
-                                  "checkpoint.every_n_steps=3", f"hydra.run.dir={run_dir}"], tmp_path, timeout=240))
+                                  "checkpoint.every_n_steps=3", f"distributed={strategy}", f"hydra.run.dir={run_dir}"],
+                       tmp_path, timeout=240))
     client, run = run_of(run_dir, mlflow_server)
     assert len(client.search_runs([run.info.experiment_id], f"tags.`ddplab.run_dir` = '{run_dir}'")) == 1
     got = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
