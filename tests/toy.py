@@ -20,6 +20,7 @@ from toy_callbacks import (  # noqa: F401
     STALLS,
     DiesMidWrite,
     FailsOnRank,
+    NotesTheFreeze,
     InfGradAtStep,
     KillLauncherAtFitEnd,
     LOADED,

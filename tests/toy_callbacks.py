@@ -261,3 +261,23 @@ class OptimizerStateOnLoad:
     def on_load(self, state, path):
         opt = [v for v in state.optimizer.state.values() if "step" in v]
         LOADED.append({"step": {str(v["step"].device) for v in opt}, "exp_avg": {str(v["exp_avg"].device) for v in opt}})
+
+
+class NotesTheFreeze:
+    """Writes ``<dir>/frozen-rank<r>`` when the process's exit freezes its heap (ddplab.runtime.teardown), with the
+    number of objects frozen: ``gc.freeze`` is wrapped at the run's end, so only the exit's call is seen."""
+
+    def __init__(self, dir: str):
+        self.dir = dir
+
+    def on_fit_end(self, state, metrics):
+        import gc
+
+        freeze, path = gc.freeze, os.path.join(self.dir, f"frozen-rank{_rank()}")
+
+        def noted():
+            freeze()
+            with open(path, "w") as f:
+                f.write(str(gc.get_freeze_count()))
+
+        gc.freeze = noted

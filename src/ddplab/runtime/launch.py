@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ddplab.runtime import env, watch
+from ddplab.runtime import env, teardown, watch
 from ddplab.runtime.signals import SIGNALS, Preempted
 
 log = logging.getLogger("ddplab")
@@ -143,6 +143,7 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, flo
         quiet_log_files()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     watch.own_the_process()  # this spawned rank is ddplab's own
+    teardown.cheap_interpreter_exit()  # a spawned rank's exit is a whole interpreter's teardown too
     try:
         out = entry(job)
     except Preempted as e:  # the exit code tells the agent (and our parent) that this was a preemption

@@ -15,7 +15,8 @@ import gc
 def cheap_interpreter_exit() -> None:
     """Call first thing in a process (atexit runs its handlers last-registered first, so this one runs
     after every other, torch's, logging's and multiprocessing's included): at exit, collect once as usual,
-    then freeze what is left, so the teardown's collections skip it.
+    then freeze what is left, so the teardown's collections skip it. Called later (a spawned rank), it runs
+    before the handlers registered earlier; what they then make is collected as usual.
 
     What had become garbage is finalized as in a plain interpreter: the one collection runs the ``__del__``
     of objects that only a reference cycle holds (a user's writer that flushes there). What the teardown
