@@ -2,6 +2,7 @@
 
     python scripts/bench_lm.py                          # 2 ranks, 50 and 250 steps, 3 rounds (about 6 min)
     python scripts/bench_lm.py --steps 50 250 --rounds 3 --nproc 2
+    python scripts/bench_lm.py --same-allocator         # nanoGPT's side with ddplab's malloc thresholds too
 
 Both sides are launched by ``torchrun --standalone --nproc_per_node=N`` and train the same model (ddplab's
 ``TinyGPT``: 2 layers, 4 heads, 64 wide, block 64, vocabulary 256) with AdamW (fused), a global batch of
@@ -11,7 +12,10 @@ ranks every 10 steps into a rank-0 TensorBoard writer:
 * **nanoGPT**: nanoGPT's ``train.py`` loop, cut to what this job uses: random windows from an
   ``np.memmap`` of the file (``get_batch``), forward, backward, step, ``zero_grad``, the lr set each step;
 * **ddplab**: ``train.py task=lm dataset=tokens model=gpt optimizer=adamw scheduler=cosine max_steps=N``
-  with its defaults (metrics, stall watch, stop agreement, exact evaluation and a checkpoint at the end).
+  with its defaults (metrics, stall watch, stop agreement, exact evaluation and a checkpoint at the end,
+  and ``perf.host_allocator=tuned``: glibc's malloc keeps a step's freed blocks for the next step).
+  ``--same-allocator`` gives the nanoGPT side the same two thresholds (``MALLOC_MMAP_THRESHOLD_``,
+  ``MALLOC_TRIM_THRESHOLD_``), to compare the loops alone.
 
 A step's cost is the difference of two run lengths divided by their steps: (wall(250) − wall(50)) / 200,
 each wall a whole process from launch to exit, so start-up, the last evaluation and the checkpoint drop
@@ -122,8 +126,12 @@ def command(side: str, a: argparse.Namespace, steps: int, train_bin: Path, val_b
                      f"max_steps={steps}", "num_epochs=null", "progress=none", f"hydra.run.dir={out}"]
 
 
-def wall(cmd: list[str]) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+# What ddplab's perf.host_allocator=tuned sets in its CPU ranks (ddplab.runtime.allocator), as glibc's variables.
+SAME_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+
+
+def wall(cmd: list[str], extra_env: dict[str, str]) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra_env}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     took = time.perf_counter() - t0
@@ -139,6 +147,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mb", type=float, default=20, help="the token file's size")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--same-allocator", action="store_true",
+                   help="give the nanoGPT side ddplab's malloc thresholds too (its loop against ddplab's, alone)")
     p.add_argument("--rank-of", help=argparse.SUPPRESS)
     p.add_argument("--train-bin", help=argparse.SUPPRESS)
     p.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)
@@ -153,7 +163,8 @@ def main() -> None:
         train_bin, val_bin = write_tokens(Path(tmp), a.mb)
         for r in range(a.rounds):
             for side in ("nanogpt", "ddplab") if r % 2 == 0 else ("ddplab", "nanogpt"):
-                walls = {n: wall(command(side, a, n, train_bin, val_bin, Path(tmp) / f"{side}-{r}-{n}"))
+                extra = SAME_ALLOCATOR if side == "nanogpt" and a.same_allocator else {}
+                walls = {n: wall(command(side, a, n, train_bin, val_bin, Path(tmp) / f"{side}-{r}-{n}"), extra)
                          for n in (short, long)}
                 per_step[side].append((walls[long] - walls[short]) / (long - short) * 1e3)
                 print(f"round {r + 1} {side:8s} {short} steps {walls[short]:.2f} s, {long} steps {walls[long]:.2f} s: "

@@ -281,3 +281,20 @@ class NotesTheFreeze:
                 f.write(str(gc.get_freeze_count()))
 
         gc.freeze = noted
+
+
+class CountsPageFaults:
+    """Writes ``<dir>/faults-rank<r>``: the page faults this rank's process took per optimizer step, from step
+    ``first`` to step ``last`` (after the warm-up steps that build the heap)."""
+
+    def __init__(self, dir: str, first: int = 10, last: int = 40):
+        self.dir, self.first, self.last, self.at = dir, first, last, {}
+
+    def on_step_end(self, state, step):
+        import resource
+
+        if step in (self.first, self.last):
+            self.at[step] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        if step == self.last:
+            with open(os.path.join(self.dir, f"faults-rank{_rank()}"), "w") as f:
+                f.write(str((self.at[self.last] - self.at[self.first]) / (self.last - self.first)))

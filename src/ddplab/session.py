@@ -25,7 +25,7 @@ from omegaconf import DictConfig, open_dict
 from ddplab import provenance, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.errors import mark_said
-from ddplab.runtime import collectives, env, group
+from ddplab.runtime import allocator, collectives, env, group
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import Preempted, StopSignal
 
@@ -53,6 +53,8 @@ class Session:
     def __enter__(self) -> Session:
         self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
         self.dist = group.init(self.cfg.distributed)
+        log.debug("host allocator: %s", allocator.keep_freed_host_memory(self.dist.device.type,
+                                                                          str(self.cfg.perf.host_allocator)))
         try:
             self._agree()
         except BaseException as e:

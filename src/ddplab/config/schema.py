@@ -88,6 +88,9 @@ class PerfConfig:
     prefetch_factor: int = 2  # batches each worker keeps ready (torch's default); more absorbs slow decodes
     # Peak TFLOP/s of one device for vitals/mfu; null: looked up for known GPUs.
     peak_tflops: Optional[float] = None
+    # tuned: a rank training on the CPU keeps the blocks a step freed for the next step (glibc's malloc
+    # thresholds; no page faults per step, same peak memory); system: the C library's defaults.
+    host_allocator: str = "tuned"  # tuned | system
 
     @staticmethod
     def check(pf: Any, key: str = "perf") -> None:
@@ -98,6 +101,8 @@ class PerfConfig:
                 f"pass {key}.num_workers=4")
         require(pf.get("prefetch_factor", 2) >= 1, f"{key}.prefetch_factor", pf.get("prefetch_factor"), "must be >= 1",
                 f"pass {key}.prefetch_factor=2")
+        require(str(pf.get("host_allocator", "tuned")) in ("tuned", "system"), f"{key}.host_allocator",
+                pf.get("host_allocator"), "unknown choice", f"use {key}.host_allocator=tuned or system")
         require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
                 "must be > 0 or null", f"pass {key}.peak_tflops=null")
 

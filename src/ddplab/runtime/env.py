@@ -107,6 +107,16 @@ def onednn_isa_cap() -> str | None:
     return None
 
 
+def malloc_settings() -> dict[str, str]:
+    """The C allocator choices the user made in the environment: glibc's ``MALLOC_*_`` variables and its
+    ``glibc.malloc.*`` tunables, and ``LD_PRELOAD`` (a jemalloc/tcmalloc/mimalloc preloaded), by name."""
+    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "LD_PRELOAD")
+    found = {k: os.environ[k] for k in names if os.environ.get(k)}
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        found["GLIBC_TUNABLES"] = os.environ["GLIBC_TUNABLES"]
+    return found
+
+
 def master_address() -> str:
     """MASTER_ADDR:MASTER_PORT as env:// will use them (for messages)."""
     adopt_scheduler_env()
