@@ -4,6 +4,7 @@
     python scripts/bench_checkpoint.py                    # 0.1, 1, 2 GB; 3 saves each; a table
     python scripts/bench_checkpoint.py --gb 1 --saves 5   # one size
     python scripts/bench_checkpoint.py --dir /mnt/nfs/x   # checkpoints on another file system
+    python scripts/bench_checkpoint.py --allocator system # glibc's malloc defaults (perf.host_allocator=system)
 
 Each (size, mode) is one ``python train.py``-equivalent run in its own process (its peak memory is its
 own): the real trainer, ``model=mlp`` with hidden layers [H, H, H] sized so that the weights plus
@@ -77,7 +78,7 @@ def every_for(gb: float) -> int:
     return 8 if gb <= 1 else 12
 
 
-def one(gb: float, mode: str, saves: int, where: Path) -> dict[str, float]:
+def one(gb: float, mode: str, saves: int, where: Path, allocator: str = "tuned") -> dict[str, float]:
     sys.path.insert(0, str(REPO / "src"))
     import ddplab
     from hydra import compose, initialize_config_dir
@@ -90,7 +91,8 @@ def one(gb: float, mode: str, saves: int, where: Path) -> dict[str, float]:
     ov = ["model=mlp", f"model.hidden=[{h},{h},{h}]", "model.dropout=0", "num_epochs=1",
           f"limit_train_steps={every_for(gb) * saves + 1}", f"checkpoint.every_n_steps={every_for(gb)}", f"checkpoint.keep_last={saves + 2}",
           "checkpoint.save_best=false", "limit_val_batches=1", "batch_size=32", "progress=none",
-          f"checkpoint.async_save={mode == 'async'}", "+callbacks.rec._target_=__main__.SaveRecorder"]
+          f"checkpoint.async_save={mode == 'async'}", f"perf.host_allocator={allocator}",
+          "+callbacks.rec._target_=__main__.SaveRecorder"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=ov)
     with open_dict(cfg):
@@ -117,10 +119,11 @@ def main() -> None:
     ap.add_argument("--gb", type=float, nargs="*", default=[0.1, 1.0, 2.0])
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where the runs write (default: a temporary dir)")
+    ap.add_argument("--allocator", choices=["tuned", "system"], default="tuned", help="perf.host_allocator")
     ap.add_argument("--one", nargs=2, metavar=("GB", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print("RESULT " + json.dumps(one(float(a.one[0]), a.one[1], a.saves, a.dir)), flush=True)
+        print("RESULT " + json.dumps(one(float(a.one[0]), a.one[1], a.saves, a.dir, a.allocator)), flush=True)
         return
     rows = []
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
@@ -128,7 +131,7 @@ def main() -> None:
             for mode in ("sync", "async"):
                 where = Path(tmp) / f"{gb}-{mode}"
                 out = subprocess.run([sys.executable, __file__, "--one", str(gb), mode, "--saves", str(a.saves),
-                                      "--dir", str(where)], capture_output=True, text=True, cwd=tmp,
+                                      "--dir", str(where), "--allocator", a.allocator], capture_output=True, text=True, cwd=tmp,
                                      env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
                 line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
