@@ -46,10 +46,14 @@ def test_a_self_launched_cpu_rank_takes_no_stream_of_page_faults_per_step(tmp_pa
 @pytest.mark.dist
 def test_under_torchrun_the_tuned_ranks_fault_no_pages_per_step_the_systems_do_and_both_train_the_same(tmp_path):
     """perf.host_allocator=system is the control (so the bound says something); where memory comes from never
-    changes a number: the two runs' weights and optimizer states are bitwise the same."""
+    changes a number: the two runs' weights and optimizer states are bitwise the same.
+
+    glibc's moving threshold depends on which blocks were freed first, so the system run's faults vary from
+    run to run (per rank 625-1,690 a step measured; 1,627-3,180 over the two ranks): the control bounds their
+    sum, the promise each tuned rank."""
     tuned, a = _run(tmp_path, "torchrun", "tuned")
     system, b = _run(tmp_path, "torchrun", "system")
-    assert max(tuned) < 300 and min(system) > 1000, (tuned, system)
+    assert max(tuned) < 300 and sum(system) > 1000, (tuned, system)
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert torch.equal(torch.cat([v.flatten() for s in a["optimizer"]["state"].values() for v in s.values()]),
