@@ -112,6 +112,7 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("perf.num_workers=-1", "perf.num_workers"),
     ("perf.prefetch_factor=0", "perf.prefetch_factor"),
     ("perf.peak_tflops=0", "perf.peak_tflops"),
+    ("perf.host_allocator=fast", "perf.host_allocator"),
     ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
     ("dataset.augment.crop_padding=-2", "dataset.augment.crop_padding"),
     # Values that used to run to the end with a wrong meaning:

@@ -53,9 +53,9 @@ class Session:
     def __enter__(self) -> Session:
         self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
         self.dist = group.init(self.cfg.distributed)
-        log.debug("host allocator: %s", allocator.keep_freed_host_memory(self.dist.device.type,
-                                                                          str(self.cfg.perf.host_allocator)))
         try:
+            log.debug("host allocator: %s", allocator.keep_freed_host_memory(self.dist.device.type,
+                                                                              str(self.cfg.perf.host_allocator)))
             self._agree()
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)

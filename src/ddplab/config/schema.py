@@ -89,7 +89,7 @@ class PerfConfig:
     # Peak TFLOP/s of one device for vitals/mfu; null: looked up for known GPUs.
     peak_tflops: Optional[float] = None
     # tuned: a rank training on the CPU keeps the blocks a step freed for the next step (glibc's malloc
-    # thresholds; no page faults per step, same peak memory); system: the C library's defaults.
+    # thresholds; no page faults per step; memory freed between phases is kept); system: the C library's defaults.
     host_allocator: str = "tuned"  # tuned | system
 
     @staticmethod

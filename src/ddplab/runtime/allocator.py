@@ -4,11 +4,12 @@ torch takes CPU tensors from the C library's ``malloc``. glibc's serves a block 
 (128 KiB at first) straight from the kernel and unmaps it on free, and gives the heap's free top back to the
 kernel once it exceeds the trim threshold (twice the mmap threshold, which only ever grows to the largest
 block freed so far). A training step allocates and frees the same activations every step, so every step the
-kernel hands the rank fresh zeroed pages again: ~1,900 page faults per step per rank for the language-model
-benchmark's TinyGPT (``scripts/bench_lm.py``), 5-10 % of its step. Fixing both thresholds keeps what a step
-freed in the heap for the next: peak memory is the same (the next step needs it again), only the drop after
-a transient peak is given up. A block over 32 MiB (a checkpoint's buffers, a whole dataset) is still
-mapped and unmapped on its own, so big transient peaks still go back.
+kernel hands the rank fresh zeroed pages again: 600-1,700 page faults per step per rank for the
+language-model benchmark's TinyGPT (``scripts/bench_lm.py``), 5-10 % of its step. Fixing both thresholds
+keeps what a step freed in the heap for the next. The price: memory freed between phases (an evaluation's)
+is kept, so the peak can be a little higher (+2-4 % measured, docs/performance.md). A block over 32 MiB (a
+checkpoint's buffers, a whole dataset) is still mapped and unmapped on its own, so big transient peaks
+still go back.
 
 ``perf.host_allocator=system`` leaves the C library's defaults. Settings the user made (``MALLOC_*_``
 variables, ``GLIBC_TUNABLES``) or another allocator preloaded (jemalloc, tcmalloc, mimalloc) are left alone;
