@@ -104,3 +104,26 @@ def test_frozen_trial_reads_what_another_handle_wrote_since():
     compat.optuna_trial(study, 0).set_user_attr("ddplab:owner", {"pid": 7})  # another worker's handle
     record = compat.frozen_trial(mine)
     assert record.number == 0 and record.user_attrs == {"ddplab:owner": {"pid": 7}}
+
+
+def test_settle_ddp_buckets_gives_ddp_its_final_layout_before_any_step(tmp_path):
+    """The layout DDP would rebuild after step 1, last-defined parameters first, fixed at construction: the
+    first real backward rebuilds nothing (``has_rebuilt_buckets`` before it, the same layout after it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 300))
+        ddp = DDP(model, bucket_cap_mb=1)
+        assert len(ddp.reducer._get_zeros_like_grad_buckets()) == 1  # DDP's start: one bucket, until step 1
+        assert compat.settle_ddp_buckets(ddp) is True
+        sizes = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+        assert sizes == [1000 * 300 + 300, 300 * 1000 + 1000, 300 * 300 + 300]  # 1 MiB each, last layer first
+        assert all(p.grad is None for p in model.parameters())  # the zeros it reduced are no gradient
+        for _ in range(2):  # DDP's logger samples its runtime data from the second iteration on
+            ddp(torch.randn(2, 300)).sum().backward()
+        data = ddp._get_ddp_logging_data()
+        assert data["rebuilt_per_bucket_param_indices"] == "5 4, 3 2, 1 0" and data["has_rebuilt_buckets"] == 1
+        assert compat.settle_ddp_buckets(DDP(model, find_unused_parameters=True)) is False  # never rebuilds
+    finally:
+        dist.destroy_process_group()

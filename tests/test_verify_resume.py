@@ -83,7 +83,7 @@ def test_under_torchrun_and_through_ddplab_run_it_says_how_to_start_it(tmp_path,
 @pytest.mark.slow
 def test_a_shipped_task_passes_bitwise_with_every_entry_compared(tmp_path):
     code, line, report = verdict(tmp_path, [])
-    assert code == 0 and "verify_resume: PASS: stopped at step 3 of 12, resumed: every checkpoint entry " in line
+    assert code == 0 and "verify_resume: PASS: 1 rank(s), stopped at step 3 of 12, resumed: every checkpoint entry " in line
     assert "(model, optimizer, scheduler, scaler, loop, rng, results)" in line and "bit-identical" in line
     assert report["passed"] and (report["stop_signalled_at"], report["total_steps"]) == (3, 12)
     first_leg = (tmp_path / "run" / "verify_resume" / "resumed.log").read_text()
@@ -93,7 +93,7 @@ def test_a_shipped_task_passes_bitwise_with_every_entry_compared(tmp_path):
 @pytest.mark.slow
 def test_unseeded_randomness_in_a_users_dataset_is_named(tmp_path):
     code, line, report = verdict(tmp_path, ["dataset._target_=toy.noisy_digits"])
-    assert code == 1 and "FAIL (stopped at step 3 of 12)" in line and "first differs at step 1" in line
+    assert code == 1 and "FAIL (1 rank(s), stopped at step 3 of 12)" in line and "first differs at step 1" in line
     assert "not reproducible even without a resume" in line and "np.random.default_rng()" in line
     assert report["first_step"] == 1 and report["first_entry"].startswith("model.")
 
@@ -111,11 +111,12 @@ def test_two_ranks_pass_bitwise_and_resumed_at_one_rank_pass_to_a_tolerance(tmp_
         (tmp_path / name).mkdir()
     code, line, report = verdict(tmp_path / "same", ["distributed.nproc_per_node=2"])
     assert code == 0 and "bit-identical" in line and report["nproc"] == report["resume_nproc"] == 2, line
+    assert "PASS: 2 rank(s), stopped at step" in line  # which world size the proof holds for
     # dropout off: its masks are drawn per rank, so another world size draws others (a different job, rightly)
     code, line, report = verdict(tmp_path / "other", ["distributed.nproc_per_node=2", "verify.resume_nproc=1",
                                                       "model.dropout=0"])
     assert code == 0 and "equal to rtol=0.0001 (another world size; RNG streams not compared)" in line, line
-    assert (report["nproc"], report["resume_nproc"]) == (2, 1)
+    assert (report["nproc"], report["resume_nproc"]) == (2, 1) and "2 rank(s), resumed at 1, stopped" in line
 
 
 @pytest.mark.slow
@@ -137,7 +138,7 @@ def test_a_dataset_drawing_from_torchs_generator_passes(tmp_path):
     """What the docs tell users to do: noise from torch's generator, which ddplab seeds and checkpoints. ddplab's own
     bookkeeping (the FLOP count at the first log step, which a resumed run reaches at another step) draws nothing."""
     code, line, report = verdict(tmp_path, ["dataset._target_=toy.torch_noisy_digits"])
-    assert code == 0 and "verify_resume: PASS: stopped at step 3 of 12" in line and "bit-identical" in line, line
+    assert code == 0 and "verify_resume: PASS: 1 rank(s), stopped at step 3 of 12" in line and "bit-identical" in line, line
 
 
 @pytest.mark.dist

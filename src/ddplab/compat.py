@@ -14,6 +14,7 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | lerp_all_               | ``torch._foreach_lerp_``                                  | one kernel per tensor else   |
 | record/dump_cuda_memory | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | documented, still private |
 | optuna_trial            | ``Study._storage``, ``Study._study_id`` (trial id of a number) | ``Trial`` needs the id |
+| settle_ddp_buckets      | ``DDP._module_parameters``, ``Reducer.prepare_for_backward``, ``._rebuild_buckets`` | layout fixed after a step |
 """
 
 from __future__ import annotations
@@ -86,6 +87,35 @@ def record_cuda_memory_history(on: bool) -> None:
 def dump_cuda_memory(path: str) -> None:
     """The recorded allocations as a pickle that torch's memory viewer (pytorch.org/memory_viz) opens."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def settle_ddp_buckets(ddp: Any) -> bool:
+    """Give a freshly built DDP its final gradient-bucket layout now, before any step; False if DDP keeps
+    the layout it was built with anyway (find_unused_parameters) or rebuilds it its own way (static_graph).
+
+    Why: DDP starts with every gradient in one bucket and re-buckets them by the order they became ready
+    after its first synchronised backward. Where a gradient sits in a bucket decides in which order the
+    all-reduce (gloo's ring, NCCL's rings and trees alike) adds the ranks' values; with 3 or more ranks
+    that order changes the float result. So a process restarted at step k reduced step k in the one-bucket
+    layout while the process it replaces reduced it in the rebuilt one: resume was not bitwise. Here a
+    backward of zeros through every parameter, last-defined first (DDP's own guess of the ready order),
+    triggers the one rebuild at construction, in every process alike, fresh or resumed. Costs one
+    all-reduce of zeros, once.
+    """
+    if ddp.find_unused_parameters or ddp.static_graph:
+        return False
+    params = [p for p in ddp._module_parameters if p.requires_grad]
+    if not params:
+        return False
+    # One term per parameter, created first to last: autograd runs the newest first, so the hooks fire
+    # last-defined first and the buckets are those DDP would build from a sequential model's backward.
+    zero = sum(p.reshape(-1)[0] * 0 for p in params)
+    ddp.reducer.prepare_for_backward([zero])
+    zero.backward()
+    rebuilt = ddp.reducer._rebuild_buckets()
+    for p in params:
+        p.grad = None  # the zeros were never a gradient: the first step starts from none, as before
+    return bool(rebuilt)
 
 
 def optuna_trial(study: Any, number: int) -> Any:

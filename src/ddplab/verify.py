@@ -128,7 +128,7 @@ def verify_resume(cfg: DictConfig) -> dict[str, float]:
     resumed = _with(base, {"resume": "auto", "distributed.nproc_per_node": later})
     _run_child(resumed, vdir / "resumed", f"the resumed run at {later} rank(s)")
     report = compare(vdir / "uninterrupted", vdir / "resumed", int(first["step"]), same_world=later == nproc,
-                     rtol=cfg.verify.rtol)
+                     rtol=cfg.verify.rtol, ranks=(nproc, later))
     report.update({"stop_signalled_at": stop_at, "total_steps": total, "nproc": nproc, "resume_nproc": later})
     (vdir / "verify_resume.json").write_text(json.dumps(report, indent=1) + "\n")
     if report["passed"]:
@@ -137,8 +137,11 @@ def verify_resume(cfg: DictConfig) -> dict[str, float]:
     raise VerifyFailed(f"{report['summary']}. Likely cause: {report['cause']}")
 
 
-def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rtol: float) -> dict[str, Any]:
-    """The two runs' final checkpoints and train/loss histories: where they first differ, and why."""
+def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rtol: float,
+            ranks: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The two runs' final checkpoints and train/loss histories: where they first differ, and why. ``ranks``:
+    the world sizes of the run and of its resumed part, said in the summary (a proof at 1 or 2 ranks says
+    nothing of the order in which 3 or more add their gradients)."""
     from ddplab.checkpoint import files
     from ddplab.events import read_scalars
 
@@ -151,7 +154,8 @@ def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rto
     steps = sorted(set(la) | set(lb))
     step = next((s for s in steps if not _close(la.get(s), lb.get(s), tol)), None)
     how = "bit-identical" if same_world else f"equal to rtol={rtol:g} (another world size; RNG streams not compared)"
-    where = f"stopped at step {stopped_at} of {steps[-1] if steps else '?'}"
+    world = f"{ranks[0]} rank(s)" if ranks[0] == ranks[1] else f"{ranks[0]} rank(s), resumed at {ranks[1]}"
+    where = f"{world}, stopped at step {stopped_at} of {steps[-1] if steps else '?'}"
     if entry is None and step is None:
         return {"passed": True, "summary": f"{where}, resumed: every checkpoint entry ({', '.join(entries)}) and "
                                            f"train/loss at all {len(steps)} steps {how}"}

@@ -8,14 +8,18 @@ on the compiled module's parameters), then the comm hook.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import ContextManager
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddplab import compat
 from ddplab.config import ConfigError
 from ddplab.runtime import collectives
 from ddplab.strategy.base import Strategy
+
+log = logging.getLogger("ddplab")
 
 
 def _buffer_sync_kwarg(on: bool) -> dict[str, bool]:
@@ -47,6 +51,12 @@ class DDPStrategy(Strategy):
                                   f"job runs {st.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none")
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[d.comm_hook]
             ddp.register_comm_hook(state=None, hook=hook)  # state=None: the default process group
+        # The buckets the whole run reduces in, fixed before step 1 in every process: a restarted one then
+        # adds the ranks' gradients in the order the process it replaces did (bitwise resume at 3+ ranks).
+        if not compat.settle_ddp_buckets(ddp) and d.static_graph and st.world_size >= 3:
+            log.warning("distributed.static_graph=true: DDP learns its gradient buckets in the first step, so a "
+                        "run resumed at %d ranks equals the uninterrupted one to rounding (~1e-7), not bitwise. "
+                        "Fix: distributed.static_graph=false for bitwise resume", st.world_size)
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
