@@ -258,8 +258,9 @@ def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_pa
     ddplab.run(compose_cfg(BASE + ["num_epochs=1", "+callbacks.t._target_=toy.TrainingOnlyRecorder"], run))
     assert ("training_only.on_eval_end", 22) in toy.RECORDED  # it did run while training
     toy.RECORDED.clear()
-    ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "+callbacks.rec._target_=toy.Recorder"],
-                           tmp_path / "eval"))
+    # The run's own callback is the user's code: their own run dir, so they trust its stored config.
+    ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "+callbacks.rec._target_=toy.Recorder",
+                            "trust_stored_config=true"], tmp_path / "eval"))
     assert ("on_eval_end", 22) in toy.RECORDED and not [h for h, _ in toy.RECORDED if h.startswith("training_only")]
 
 

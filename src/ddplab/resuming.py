@@ -138,7 +138,10 @@ def resume(s: State, guard: ResumeGuard) -> str | None:
 # Keys mode=eval takes from the command line; everything else comes from the checkpoint's config. The
 # callbacks are the run's (EMA's val_ema/* is part of its evaluation), plus any the command adds.
 _EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches",
-             "log_every_n_steps")
+             "log_every_n_steps", "trust_stored_config")
+
+
+_BUILT = ("model", "dataset", "task", "callbacks", "optimizer", "scheduler")  # what a job instantiates
 
 
 def eval_config(cfg: DictConfig) -> DictConfig:
@@ -152,7 +155,13 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     saved = files.load(path).get("meta", {}).get("config")
     if not saved:
         raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
-    merged = OmegaConf.create(saved)
+    from ddplab.config import trust
+
+    merged = OmegaConf.create(saved)  # parsing YAML builds nothing
+    if not cfg.trust_stored_config:  # nothing the checkpoint names is imported before this check passes
+        refused = trust.refusal(f"mode=eval resume={cfg.resume}", {k: merged.get(k) for k in _BUILT}, cfg)
+        if refused:
+            raise ConfigError(refused)
     mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for key in _EVAL_OWN:
         if key in mine:

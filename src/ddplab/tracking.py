@@ -172,7 +172,7 @@ class MLflowWriter(NullWriter):
         fmt = "safetensors" if importlib.util.find_spec("safetensors") else "state_dict"
         with tempfile.TemporaryDirectory(prefix="ddplab-mlflow-") as tmp:
             try:
-                out, said = export.export(self.run_dir, fmt, Path(tmp) / "model")
+                out, said = export.export(self.run_dir, fmt, Path(tmp) / "model", trusted=True)  # its own
             except InputError as e:  # no checkpoint to export (checkpoints off): a run without a model artifact
                 log.info("mlflow: no model artifact: %s", e)
                 return

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,19 +72,27 @@ def ema_entry(ck: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def build(ck: dict[str, Any], weights: str) -> tuple[torch.nn.Module, str, Any]:
+def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torch.nn.Module, str, Any]:
     """The run's model (from the checkpoint's own config) with the checkpoint's weights: the EMA's where
     ``weights`` is ema, or auto and the run kept one. Also what was loaded, said in words, and the config
     whose ``model`` node ``hydra.utils.instantiate`` builds it from (ddplab's ``model.weights`` left out)."""
     from ddplab import build as builder
     from ddplab.models.weights import state_dict_mismatch
 
-    cfg = OmegaConf.create(ck["meta"]["config"])
+    from ddplab.config import trust
+
+    cfg = OmegaConf.create(ck["meta"]["config"])  # parsing YAML builds nothing
+    refused = None if trusted else trust.refusal("export", {"model": cfg.get("model")}, switch="--trust-config")
+    if refused:  # checked before anything it names is imported
+        raise InputError(refused)
     with open_dict(cfg.model):
         cfg.model.pop("weights", None)  # ddplab's key (a file it loads), not the model's: the weights go in below
     if "num_classes" in cfg.model and cfg.model.num_classes is None:  # counted from the data: read off the head
         cfg.model.num_classes = int(next(t.shape[0] for k, t in reversed(ck["model"].items()) if t.dim() >= 1))
     model = builder.model(cfg)
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"export: the checkpoint's model._target_={cfg.model._target_!r} built a "
+                         f"{type(model).__name__}, not a torch.nn.Module. Fix: export a checkpoint ddplab wrote")
     bad = state_dict_mismatch(model.state_dict(), ck["model"])
     if bad:
         raise InputError(f"export: the checkpoint's weights do not fit the model its config builds ({bad}). Fix: "
@@ -134,7 +144,7 @@ def card(ck: dict[str, Any], path: Path, run_dir: Path | None, weights: str, fil
     rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items() if isinstance(v, (int, float)))
     code = prov.get("code", {})
     return "\n".join([
-        f"# {cfg.model._target_.rsplit('.', 1)[-1]} exported by ddplab", "",
+        f"# {cfg.model._target_.rsplit('.', 1)[-1]}{_CARD_TITLE}", "",
         f"- model: `{cfg.model._target_}` (its config: `config.yaml`, `model:`)",
         f"- weights: {weights}", f"- files: {', '.join(f'`{f}`' for f in files)}",
         f"- from: `{path}` (step {loop.get('step')}, epoch {loop.get('epoch')}, world size {ck['meta'].get('world_size')})",
@@ -148,25 +158,62 @@ def card(ck: dict[str, Any], path: Path, run_dir: Path | None, weights: str, fil
 
 
 def export(source: Path, fmt: str, out: Path | None = None, weights: str = "auto",
-           which: str = "auto") -> tuple[Path, str]:
+           which: str = "auto", trusted: bool = False) -> tuple[Path, str]:
     """Write ``source``'s model (a run dir or a checkpoint) to ``out`` (default: <run dir>/export); the folder
-    and which weights it holds, in words."""
+    and which weights it holds, in words. ``trusted``: build whatever the checkpoint's config names (the
+    run's own job exporting itself, or ``--trust-config``); else only what ddplab ships (config/trust.py)."""
     if fmt not in FORMATS:
         raise InputError(f"export --to {fmt}: not a format ddplab writes. Fix: --to one of {', '.join(FORMATS)}")
     path = checkpoint_of(source, which)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
-    ck = read(path)
-    model, said, cfg = build(ck, weights)
     out = out or (run_dir or path.parent) / "export"
-    out.mkdir(parents=True, exist_ok=True)
+    _check_owned(out)
+    ck = read(path)
+    model, said, cfg = build(ck, weights, trusted)
     meta = {"ddplab_checkpoint": str(path), "ddplab_step": str(ck.get("loop", {}).get("step")), "weights": said[:200]}
-    written = write_weights(model, out, fmt, meta)
-    if fmt == "hf":
-        said += "; from_pretrained loads the folder"
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    files = [written.name, "config.yaml"] + (["config.json (transformers')"] if fmt == "hf" else [])
-    (out / "README.md").write_text(card(ck, path, run_dir, said, files))
+    fresh = out.with_name(f".{out.name}.partial-{os.getpid()}")  # the whole export, then one rename into place
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir(parents=True)
+    try:
+        written = write_weights(model, fresh, fmt, meta)
+        if fmt == "hf":
+            said += "; from_pretrained loads the folder"
+        (fresh / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        files = [written.name, "config.yaml"] + (["config.json (transformers')"] if fmt == "hf" else [])
+        (fresh / "README.md").write_text(card(ck, path, run_dir, said, files))
+        _replace(out, fresh)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
     return out, said
+
+
+_CARD_TITLE = " exported by ddplab"  # the model card's first line ends so: how an earlier export is known
+
+
+def _check_owned(out: Path) -> None:
+    """An export owns its folder: a new or empty one, or an earlier export (replaced whole, so no file of it
+    is left beside the new one: a stale model.pt beside model.safetensors, or a from_pretrained folder
+    whose old weights shadow the new). Anything else is refused before any work."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"export --out {out}: is a file, not a folder. Fix: --out a new folder (the export "
+                         "writes several files)")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    card_file = out / "README.md"
+    first = card_file.read_text(errors="replace").split("\n", 1)[0] if card_file.is_file() else ""
+    if not first.endswith(_CARD_TITLE):
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise InputError(f"export --out {out}: holds files an export did not write ({names}). Fix: --out a new "
+                         "or empty folder (an earlier export's folder is replaced whole)")
+
+
+def _replace(out: Path, fresh: Path) -> None:
+    """``fresh`` becomes ``out``; an earlier export there is removed whole, never mixed with this one."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    fresh.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: the EMA's where the run kept one; raw: the trained weights")
     ap.add_argument("--which", choices=("auto", "best", "last"), default="auto",
                     help="a run dir's checkpoint (auto: best.pt where there is one)")
+    ap.add_argument("--trust-config", action="store_true",
+                    help="build any _target_ the checkpoint's config names (it can run any code: only for a run "
+                         "dir you trust); without it, only what ddplab ships (docs/security.md)")
     args = ap.parse_args(argv)
     try:
-        out, said = export(args.source, args.to, args.out, args.weights, args.which)
+        out, said = export(args.source, args.to, args.out, args.weights, args.which, args.trust_config)
     except (InputError, FileNotFoundError) as e:  # a one-line cause and its fix; exit 2, like a config error
         print(str(e) if str(e).startswith("export") else f"export: {e}", file=sys.stderr)
         return 2

@@ -233,6 +233,10 @@ class TrainConfig:
     # Resuming with a config that trains differently (lr, batch, model, data, seed, ...) is refused,
     # listing the differences; true continues from the checkpoint with the new values applied.
     resume_apply_changes: bool = False
+    # mode=eval builds the model, data, task and callbacks a checkpoint's own config names: only what ddplab
+    # ships, torch.optim's classes or what this command names. true also builds any other _target_ in it (a
+    # run dir you trust: it can run any code). docs/security.md.
+    trust_stored_config: bool = False
     # Stop (after checkpointing) once this many epochs are done, while the lr
     # schedule still spans num_epochs: for time-limited jobs and tests.
     stop_after_epochs: Optional[int] = None
