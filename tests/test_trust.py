@@ -131,3 +131,30 @@ def test_an_own_run_with_its_own_model_exports_with_the_switch(tmp_path):
     assert export.main([str(run)]) == 2
     assert export.main([str(run), "--trust-config", "--to", "state_dict"]) == 0
     assert (run / "export" / "model.pt").is_file()
+
+
+# ------------------------------------------------------------------ an export owns its folder
+def test_an_export_into_an_earlier_exports_folder_replaces_it_whole(tmp_path, trained):
+    """safetensors, then state_dict into the same folder: before, model.safetensors stayed beside model.pt (and
+    a from_pretrained folder kept weights the new config did not describe)."""
+    out = tmp_path / "out"
+    assert export.main([str(trained), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.safetensors"]
+    assert export.main([str(trained), "--out", str(out), "--to", "state_dict"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.pt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # nothing left aside
+
+
+@pytest.mark.parametrize("what", ["foreign", "file"])
+def test_an_export_into_a_folder_it_does_not_own_or_onto_a_file_is_one_line(tmp_path, trained, capsys, what):
+    out = tmp_path / "out"
+    if what == "file":
+        out.write_text("mine\n")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine\n")
+    assert export.main([str(trained), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"export --out {out}: ") and "Fix: " in err, err
+    assert ("notes.txt" in err) == (what == "foreign")
+    assert (out / "notes.txt" if what == "foreign" else out).read_text() == "mine\n"
