@@ -298,3 +298,13 @@ class CountsPageFaults:
         if step == self.last:
             with open(os.path.join(self.dir, f"faults-rank{_rank()}"), "w") as f:
                 f.write(str((self.at[self.last] - self.at[self.first]) / (self.last - self.first)))
+
+
+class Uploader:
+    """A user's callback that uploads with a token from the config (``+callbacks.up.token=...``)."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def on_fit_end(self, state, metrics):
+        assert self.token.startswith("T0ken")  # the job itself gets the real value

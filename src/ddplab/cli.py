@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ddplab import modes, rundir, verify
+from ddplab import modes, redact, rundir, verify
 from ddplab.config import ConfigError, InputError
 from ddplab.errors import ResourceError, was_said
 from ddplab.runtime import env, group, launch, requeue, watch
@@ -103,6 +103,24 @@ class OwnRunDir(Callback):
         if env.rank() == 0:
             target = Path(str(config.hydra.sweep.dir)).absolute()
             _hold(target, rundir.hold(target), "hydra.sweep.dir")
+
+    def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
+        """Hydra has just written the job's config and overrides (``.hydra/``, a sweep's ``multirun.yaml``):
+        the copies on disk get the job's secrets masked (ddplab.redact); the job keeps the real values."""
+        keys = redact.keys_of(config)
+        redact.use(keys)
+        hc = config.hydra
+        files = [Path(hc.runtime.output_dir) / str(hc.output_subdir) / n for n in
+                 ("config.yaml", "hydra.yaml", "overrides.yaml")] if hc.output_subdir else []
+        if rundir.is_multirun():
+            files.append(Path(str(hc.sweep.dir)) / "multirun.yaml")
+        for f in files:
+            if f.is_file():
+                text = f.read_text()
+                masked = OmegaConf.to_yaml(OmegaConf.create(redact.node(OmegaConf.to_container(
+                    OmegaConf.create(text), resolve=False), keys)))
+                if masked != OmegaConf.to_yaml(OmegaConf.create(text)):
+                    f.write_text(masked)
 
     def on_run_end(self, config: DictConfig, **kwargs: object) -> None:
         rundir.release_held()  # what no Session took over (a self-launch parent's lock)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ddplab import redact
 from ddplab.runtime import env
 
 PACKAGES = ("ddplab", "torch", "hydra-core", "omegaconf", "tensorboard", "numpy", "scikit-learn",
@@ -67,10 +68,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def collect(ranks: list[dict[str, Any]], backend: str | None) -> dict[str, Any]:
+def collect(ranks: list[dict[str, Any]], backend: str | None, secret_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What ran, where and how; the command line with its secrets masked (ddplab.redact)."""
     code_dir = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else Path.cwd()
     return {
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [sys.executable, *sys.argv], "cwd": str(Path.cwd()),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [redact.text(a, secret_keys) for a in (sys.executable, *sys.argv)], "cwd": str(Path.cwd()),
         "code": code_version(code_dir), "packages": _versions(), "launcher": env.launcher(),
         "world": {"size": len(ranks), "backend": backend, "hosts": sorted({r["host"] for r in ranks}), "ranks": ranks},
     }

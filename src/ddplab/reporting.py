@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import rundir
+from ddplab import redact, rundir
 from ddplab.train.length import RunLength
 from ddplab.train.state import State
 
@@ -64,7 +64,9 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "max_steps": cfg.get("max_steps"), "amp": cfg.amp,
         "seed": cfg.seed, "world_size": world_size,
     }
-    return {k: v for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
+    keys = redact.keys_of(cfg)  # an override's value is the config's: secrets masked here (ddplab.redact)
+    return {k: redact.MASK if redact.is_secret_key(k, keys) else redact.text(v, keys) if isinstance(v, str) else v
+            for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
 
 
 def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
@@ -92,7 +94,7 @@ def announce(s: State) -> None:
     """The job's first words: the config, HParams and the Custom Scalars
     charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
     cfg, st = s.cfg, s.dist
-    s.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+    s.writer.text("config", redact.config_yaml(cfg))  # secrets masked: TensorBoard and MLflow keep it
     if "study" not in (cfg.get("callbacks") or {}):  # a study's worker writes a trial's row with its end state
         s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import batch_size
+from ddplab import batch_size, redact
 from ddplab.callbacks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
@@ -97,7 +97,8 @@ def checkpoint_manager(cfg: DictConfig, dist: Dist, run_dir: Path, guard: Resume
     """The job's CheckpointManager, before any entry is registered (:func:`register_entries`). ``guard``
     refuses a checkpoint of another config; ``stop(reason)``: how a failed background write stops the loop
     (the StopSignal's request); ``saved(path)``: each checkpoint once it is on disk (the callbacks' on_save)."""
-    meta = {"config": OmegaConf.to_yaml(cfg, resolve=True), "world_size": dist.world_size}
+    # Secrets masked: a checkpoint travels (exports, model cards and MLflow artifacts are made from it).
+    meta = {"config": redact.config_yaml(cfg), "world_size": dist.world_size}
     return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, dist, meta, check_meta=guard.check,
                              stop=stop, saved=saved)
 
@@ -138,7 +139,7 @@ def resume(s: State, guard: ResumeGuard) -> str | None:
 # Keys mode=eval takes from the command line; everything else comes from the checkpoint's config. The
 # callbacks are the run's (EMA's val_ema/* is part of its evaluation), plus any the command adds.
 _EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches",
-             "log_every_n_steps", "trust_stored_config")
+             "log_every_n_steps", "trust_stored_config", "logger", "mlflow", "redact_keys")
 
 
 _BUILT = ("model", "dataset", "task", "callbacks", "optimizer", "scheduler")  # what a job instantiates

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from ddplab import provenance, rundir
+from ddplab import provenance, redact, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.errors import mark_said
 from ddplab.runtime import allocator, collectives, env, group
@@ -35,6 +35,7 @@ log = logging.getLogger("ddplab")
 class Session:
     def __init__(self, cfg: DictConfig, search_earlier_runs: bool | None = None):
         self.cfg = cfg
+        redact.use(redact.keys_of(cfg))  # this process's console lines mask the job's secret keys too
         self.dist: Dist = Dist()
         self.run_dir: Path = Path()
         self._lock: rundir.RunDirLock | None = None  # set once rank 0 holds the run dir
@@ -90,7 +91,8 @@ class Session:
         log.info("ranks: %s", table)
         self.hosts = {int(r["rank"]): str(r["host"]) for r in rows}
         # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
-        self.provenance = provenance.write(self.run_dir, provenance.collect(rows, st.backend)) if st.is_main else ""
+        prov = provenance.collect(rows, st.backend, redact.keys_of(self.cfg)) if st.is_main else None
+        self.provenance = provenance.write(self.run_dir, prov) if prov is not None else ""
 
     def _hold_run_dir(self) -> str | None:
         """Rank 0: make and lock the run dir, note it for a torchrun restart; None, or why it cannot."""

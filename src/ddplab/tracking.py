@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddplab import redact
+from ddplab.runtime import env
 from ddplab.writers import NullWriter
 
 log = logging.getLogger(__name__)
@@ -37,12 +39,27 @@ def flat_params(cfg_yaml: str) -> dict[str, str]:
     return {k: str(v)[:6000] for k, v in flatten(cfg_yaml).items()}
 
 
+def _without_userinfo(uri: str | None) -> str | None:
+    """An http(s) URI's user and password handed to MLflow as its own credentials (MLFLOW_TRACKING_USERNAME /
+    _PASSWORD, unless set), the URI without them: MLflow prints the URI it was given ("View run ... at")."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri) if uri else None
+    if parts is None or parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    info, host = parts.netloc.rsplit("@", 1)
+    user, _, password = info.partition(":")
+    env.offer_mlflow_credentials(unquote(user), unquote(password) if password else None)
+    return urlunsplit(parts._replace(netloc=host))
+
+
 class MLflowWriter(NullWriter):
     """Rank 0's MLflow run, fed by a background thread (see the module's docstring)."""
 
     def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float,
                  log_model: bool = False):
         self.uri, self.experiment, self.run_dir, self.timeout = tracking_uri, experiment, run_dir, close_timeout_s
+        self.shown_uri = redact.text(tracking_uri) if tracking_uri else None  # what is written and said of it
         self.log_model = log_model  # at a FINISHED close: the run's exported model as the artifact model/
         self.run_id: str | None = None
         self._mlflow: Any = None  # the MlflowClient, the thread's alone
@@ -74,7 +91,7 @@ class MLflowWriter(NullWriter):
         self._thread.join(self.timeout)
         if self._thread.is_alive():
             self._say("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
-                      "they are dropped (TensorBoard's record in the run dir is whole)", self.uri or "MLflow",
+                      "they are dropped (TensorBoard's record in the run dir is whole)", self.shown_uri or "MLflow",
                       self._q.qsize(), self.timeout)
 
     def drain(self) -> None:
@@ -97,9 +114,10 @@ class MLflowWriter(NullWriter):
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                said = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                why = f"{type(e).__name__}: {redact.text(said)}"  # a client's error may quote the URI
                 self._say("mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
-                          "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.uri or
+                          "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.shown_uri or
                           "MLflow's default store", why)
 
     def _client(self) -> Any:
@@ -107,7 +125,7 @@ class MLflowWriter(NullWriter):
         if self._mlflow is None:
             from mlflow.tracking import MlflowClient
 
-            self._mlflow = MlflowClient(tracking_uri=self.uri)
+            self._mlflow = MlflowClient(tracking_uri=_without_userinfo(self.uri))
         return self._mlflow
 
     def _open(self) -> None:
@@ -123,7 +141,7 @@ class MLflowWriter(NullWriter):
         run = client.create_run(exp_id, run_name=self.run_dir.name, tags={"ddplab.run_dir": str(self.run_dir)})
         self.run_id = run.info.run_id
         id_file.write_text(json.dumps({"run_id": self.run_id, "experiment": self.experiment,
-                                       "tracking_uri": self.uri}) + "\n")
+                                       "tracking_uri": self.shown_uri}) + "\n")
 
     def _metrics(self, values: dict[str, float], step: int, ms: int) -> None:
         from mlflow.entities import Metric

@@ -16,6 +16,12 @@ from typing import Iterator
 from helpers.jobs import free_port
 
 
+class ServerURI(str):
+    """The server's URI; ``.folder`` holds everything it stored (its SQLite file and its artifacts)."""
+
+    folder: Path
+
+
 def serve(folder: Path) -> Iterator[str]:
     """Start the server, yield its URI once /health answers, kill it (SIGKILL: nothing of it is kept)."""
     port = free_port()
@@ -35,7 +41,9 @@ def serve(folder: Path) -> Iterator[str]:
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
-        yield uri
+        served = ServerURI(uri)
+        served.folder = folder
+        yield served
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)

@@ -22,7 +22,7 @@ from ddplab.config.errors import ConfigError
 HARMLESS = ("resume", "resume_apply_changes", "run_dir", "stop_after_epochs", "progress", "log_every_n_steps",
             "eval_every_n_epochs", "eval_every_n_steps", "objective", "nonfinite_loss", "checkpoint.", "distributed.",
             "perf.", "hparams_search.", "hydra.", "mode", "limit_val_batches", "callbacks.", "verify.", "study.",
-            "logger", "mlflow.")
+            "logger", "mlflow.", "redact_keys", "trust_stored_config")
 ABSENT = "<absent>"
 
 
@@ -52,8 +52,14 @@ def _matters(key: str) -> bool:
 
 
 def trajectory(cfg: Any) -> dict[str, Any]:
-    """The keys that decide what the run computes, with their values."""
-    return {k: v for k, v in flatten(cfg).items() if _matters(k)}
+    """The keys that decide what the run computes, with their values; secrets masked, as a checkpoint stores
+    them (ddplab.redact), so a stored config and the live one compare equal, a rotated token included."""
+    from ddplab import redact
+
+    flat = flatten(cfg)
+    keys = tuple(flat.get("redact_keys") or ()) + redact.active()
+    return {k: (redact.MASK if redact.is_secret_key(k, keys) and v is not None else
+                redact.text(v, keys) if isinstance(v, str) else v) for k, v in flat.items() if _matters(k)}
 
 
 def trajectory_digest(cfg: Any) -> str:

@@ -237,6 +237,9 @@ class TrainConfig:
     # ships, torch.optim's classes or what this command names. true also builds any other _target_ in it (a
     # run dir you trust: it can run any code). docs/security.md.
     trust_stored_config: bool = False
+    # Config keys whose values are secrets (dotted: [callbacks.upload.token]): masked (***) in everything
+    # ddplab writes or prints. URIs' user info and keys named password/secret/api_key/... always are.
+    redact_keys: list[str] = field(default_factory=list)
     # Stop (after checkpointing) once this many epochs are done, while the lr
     # schedule still spans num_epochs: for time-limited jobs and tests.
     stop_after_epochs: Optional[int] = None

@@ -13,6 +13,8 @@ import logging
 import sys
 from typing import Callable
 
+from ddplab import redact
+
 
 def job_tag() -> str:
     """`` [job 3]`` inside a Hydra sweep's job 3, else nothing."""
@@ -43,7 +45,7 @@ class ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         record.tag = self.tag
         record.mark = f"{record.levelname}: " if record.levelno >= logging.WARNING else ""
-        return super().format(record)
+        return redact.text(super().format(record), redact.active())  # any line, any library's: no secret
 
 
 def quiet_log_files() -> None:

@@ -326,3 +326,11 @@ def library_default(name: str, value: str) -> None:
     """A library's switch read from the environment (MLflow's HTTP retries and timeout), set where the user
     has not set it: the one place outside the launcher's variables that ddplab writes the environment."""
     os.environ.setdefault(name, value)
+
+
+def offer_mlflow_credentials(user: str, password: str | None) -> None:
+    """MLflow's own credential variables, where the user has not set them: a tracking URI's user info moves
+    here so that no URI MLflow holds (and prints) carries it (ddplab.tracking)."""
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
+    if password is not None:
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)

@@ -1,0 +1,78 @@
+"""Secrets stay out (issue 45): a password in a tracking URI, and a config key named in ``redact_keys``, appear
+in no file of the run dir (checkpoints, TensorBoard, Hydra's copies, provenance, mlflow.json, the exported model
+artifact), nothing the MLflow server stored (params, tags, artifacts) and no console line, whether the server
+is up or down; the job itself uses the real values (the callback checks its token, MLflow gets the run)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from helpers.jobs import assert_ok, python_train
+from ddplab import redact
+
+pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
+
+PASSWORD, TOKEN = "S3cretPw9", "T0kenXyz7"
+ARGS = ["model=mlp", "num_epochs=1", "limit_train_steps=4", "log_every_n_steps=2", "progress=log",
+        "logger=[tensorboard,mlflow]", "+callbacks.up._target_=toy_callbacks.Uploader", f"+callbacks.up.token={TOKEN}",
+        "redact_keys=[callbacks.up.token]"]
+
+
+def holding(folder: Path, *secrets: str) -> list[str]:
+    """Every file under ``folder`` whose bytes hold one of ``secrets``."""
+    return [str(p) for p in folder.rglob("*") if p.is_file() and any(s.encode() in p.read_bytes() for s in secrets)]
+
+
+def with_password(uri: str) -> str:
+    return uri.replace("http://", f"http://alice:{PASSWORD}@")
+
+
+def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_nowhere(tmp_path, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "run"
+    proc = python_train(ARGS + [f"mlflow.tracking_uri={with_password(mlflow_server)}", f"hydra.run.dir={run}"],
+                        tmp_path, timeout=180)
+    assert_ok(proc)
+    assert (run / ".hydra" / "overrides.yaml").is_file() and (run / "checkpoints" / "last.pt").is_file()
+    assert holding(run, PASSWORD, TOKEN) == []
+    assert holding(mlflow_server.folder, PASSWORD, TOKEN) == []
+    out = proc.stdout + proc.stderr
+    assert PASSWORD not in out and TOKEN not in out
+    # ... and yet the job used them: its MLflow run holds the masked values and the model artifact.
+    run_id = __import__("json").loads((run / "mlflow.json").read_text())["run_id"]
+    got = MlflowClient(mlflow_server).get_run(run_id).data
+    assert got.params["mlflow.tracking_uri"] == with_password(mlflow_server).replace(f"alice:{PASSWORD}", "***")
+    assert got.params["callbacks.up.token"] == "***" and "ddplab.model" in got.tags
+    assert "***@" in (run / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_a_server_that_is_down_is_said_without_the_password(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    proc = python_train(ARGS + [f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:{port}", "mlflow.log_model=false",
+                                f"hydra.run.dir={run}"], tmp_path, timeout=180)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    said = [ln for ln in out.splitlines() if "mlflow: cannot log to" in ln]
+    assert len(said) == 1 and f"http://***@127.0.0.1:{port}" in said[0], out[-3000:]
+    assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []
+
+
+@pytest.mark.parametrize("raw, masked", [
+    ("mlflow.tracking_uri=http://u:p@h:5000", "mlflow.tracking_uri=http://***@h:5000"),
+    ("study.storage=postgresql://ddp:pw@127.0.0.1:5432/studies", "study.storage=postgresql://***@127.0.0.1:5432/studies"),
+    ("https://hf_abc@huggingface.co/x", "https://***@huggingface.co/x"),
+    ("['+x.api_key=k1', 'seed=3']", "['+x.api_key=***', 'seed=3']"),
+    ("a=1,x.up.token=t,b=2", "a=1,x.up.token=***,b=2"),  # named in redact_keys
+    ("mailto-like user@host and tokenizer=bpe", "mailto-like user@host and tokenizer=bpe"),  # no URI, no key
+])
+def test_what_is_masked(raw, masked):
+    assert redact.text(raw, ["x.up.token"]) == masked
+    assert redact.node({"x": {"password": "p", "n": None, "uri": "tcp://a:b@h"}}) == {
+        "x": {"password": "***", "n": None, "uri": "tcp://***@h"}}
