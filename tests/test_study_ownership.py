@@ -5,6 +5,7 @@ storage lost under a running worker. The study's basic behaviour: tests/test_stu
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from helpers.jobs import assert_ok, compose_cfg, python_train, tmpfs
 from helpers.study import finish, start, study_args, trials_run
+from ddplab.config import ConfigError
 from ddplab.rundir import read_result
 from ddplab.study.storage import STORAGE_EXIT
 
@@ -264,3 +266,23 @@ def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp
     store.engine.dispose()
     assert [t.state.name for t in trials] == ["COMPLETE"] * 2 and trials[0].user_attrs["ddplab:deaths"] == 1
     assert "trial 0: resuming it in" in again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("override, said", [
+    ("eval_every_n_steps=5", "eval_every_n_steps: 0 in the study, 5 here"),
+    ("limit_val_batches=2", "limit_val_batches: None in the study, 2 here"),
+    ("callbacks=[ema]", "callbacks.ema.decay: '<absent>' in the study, 0.999 here"),
+    ("distributed.nproc_per_node=2", "(per-rank batch): 64 in the study, 32 here"),  # batch 64 split in two
+])
+def test_a_worker_whose_trials_would_report_differently_is_refused_before_it_asks(tmp_path, override, said):
+    """Issue 45: eval_every_n_steps was harmless to the study's record, so such a worker reported at optimizer
+    steps 1, 2 to a pruner comparing them with the other trials' epochs 1, 2. Whatever changes what a trial
+    reports (cadence, evaluation size, callbacks, the per-rank batch) is the study's identity too."""
+    from ddplab import study
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    base = ["hparams_search=study", "model=mlp", f"study.storage={url}", f"study.dir={tmp_path / 's'}"]
+    study.setup(compose_cfg(base))
+    study.setup(compose_cfg(base + ["progress=none", "log_every_n_steps=3"]))  # harmless keys still may differ
+    with pytest.raises(ConfigError, match=r"trains its trials with another config: .*" + re.escape(said)):
+        study.setup(compose_cfg(base + [override]))

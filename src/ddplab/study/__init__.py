@@ -139,6 +139,13 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
     return answer[1]
 
 
+def trial_world_size(cfg: DictConfig) -> int:
+    """The ranks a trial of this worker trains on: the launcher's (torchrun, srun), else its own ranks."""
+    if env.is_launched():
+        return env.world_size()
+    return int(cfg.distributed.nproc_per_node) if getattr(cfg.distributed.strategy, "name", "") != "none" else 1
+
+
 def setup(cfg: DictConfig) -> Worker:
     """Checks before any trial is asked: the objective, the space, sampler and pruner, the storage."""
     minimize = _check_objective(cfg)
@@ -150,7 +157,8 @@ def setup(cfg: DictConfig) -> Worker:
     with owner.claim_lock(url, cfg.study.timeout_s, study_dir):
         store = storage.open_storage(url, cfg.study.timeout_s)
         study = storage.open_study(store, url, str(cfg.study.name), "minimize" if minimize else "maximize",
-                                   space.signature(searched), str(cfg.objective), storage.training(cfg, searched))
+                                   space.signature(searched), str(cfg.objective),
+                                   storage.training(cfg, searched, trial_world_size(cfg)))
     log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, url, cfg.study.n_trials,
              "minimizing" if minimize else "maximizing", cfg.objective, study_dir)
     limit = int(cfg.study.n_trials)

@@ -69,17 +69,35 @@ def _engine_kwargs(url: str, timeout_s: float) -> dict[str, Any]:
     return {}
 
 
-def training(cfg: Any, searched: dict[str, Any]) -> dict[str, Any]:
-    """What decides how this worker's trials train, besides their params: config.drift's trajectory keys
-    (the ones a resume must not change) outside the searched keys, as plain JSON values."""
+# Keys config.drift calls harmless (a resume may change them) that change what a trial reports to the pruner:
+# when it evaluates, on how much, and what callbacks add to the metrics or to when a trial ends. The study's
+# own reporter (callbacks.study) is the worker's, not the user's.
+REPORTING = ("eval_every_n_epochs", "eval_every_n_steps", "limit_val_batches", "callbacks")
+
+
+def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[str, Any]:
+    """What decides how this worker's trials train and what they report, besides their params: config.drift's
+    trajectory keys (the ones a resume must not change), the keys that change what is reported (REPORTING)
+    and the batches each rank and the world see at this worker's world size, outside the searched keys, as
+    plain JSON values. Two workers whose records differ would report numbers the pruner must not compare."""
     import json
 
-    from ddplab.config.drift import trajectory
+    from ddplab import batch_size
+    from ddplab.config.drift import flatten, trajectory
 
     def searched_key(k: str) -> bool:
         return any(k == s or k.startswith(f"{s}.") for s in searched)
 
-    return json.loads(json.dumps({k: v for k, v in trajectory(cfg).items() if not searched_key(k)}, default=str))
+    def reporting(k: str) -> bool:
+        return any(k == r or k.startswith(f"{r}.") for r in REPORTING) and not k.startswith("callbacks.study")
+
+    keys = {**trajectory(cfg), **{k: v for k, v in flatten(cfg).items() if reporting(k)}}
+    if not any(searched_key(k) for k in ("batch_size", "batch_size_scope")):
+        world = batch_size.micro_batch(cfg.batch_size, getattr(cfg.batch_size_scope, "name",
+                                                                         cfg.batch_size_scope), world_size)
+        keys["(global batch)"] = world
+        keys["(per-rank batch)"] = world // max(1, world_size)
+    return json.loads(json.dumps({k: v for k, v in keys.items() if not searched_key(k)}, default=str))
 
 
 def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str, objective: str,
