@@ -96,6 +96,25 @@ def test_the_count_is_what_an_epoch_yields_and_num_samples_skips_it(tmp_path, mo
     assert len(s.train) == 12 and len(s.val) == 999 and len(counted) == 1  # only the validation stream counted
 
 
+def test_a_num_samples_kept_after_files_were_added_is_refused_naming_them(tmp_path):
+    """Issue 45: the count line's dataset.num_samples, kept after a file was added to the folder, trained on the
+    first N samples every epoch, never read the new file, and said completed. Each count is recorded with the
+    file set's fingerprint; a given N is checked against it."""
+    from ddplab.errors import InputError
+
+    train, val, _ = files(tmp_path, n=2, rows=20)
+    kw = {"tokenizer": str(tmp_path / "tokenizer.json"), "block_size": 16, "vocab_size": 320, "streaming": True}
+    n = len(hf(str(train), str(val), **kw).train)  # counted, and recorded
+    assert len(hf(str(train), str(val), num_samples=n, **kw).train) == n  # the same files: taken as given
+    with pytest.raises(InputError, match=rf"dataset.num_samples={n - 1}: dataset.path's files held {n} samples"):
+        hf(str(train), str(val), num_samples=n - 1, **kw)
+    datasets.Dataset.from_dict({"text": texts(30)[-10:]}).to_parquet(train / "part-9.parquet")
+    with pytest.raises(InputError, match=rf"dataset.num_samples={n}: it was counted \({n} samples\) on other files "
+                                         r"than dataset.path holds now \(added: part-9.parquet\).*Fix: drop "
+                                         r"dataset.num_samples"):
+        hf(str(train), str(val), num_samples=n, **kw)
+
+
 def lm_args(tmp_path: Path) -> list[str]:
     train, val, _ = files(tmp_path)
     return ["task=lm", "dataset=hf", "dataset.streaming=true", f"dataset.path={train}", f"dataset.val_path={val}",

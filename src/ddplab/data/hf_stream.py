@@ -20,11 +20,13 @@ import copy
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddplab.data import counts
 from ddplab.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class HFStream(IterableDataset):
         self._where: tuple[int, Any, list[Any], int] | None = None  # file, rows' state, carry, at (see _file)
         self._resume: dict[str, Any] | None = None
         self._tok: Any = None
+        if num_samples is not None:
+            counts.check(self._source(), files, num_samples, key)
         self.num_samples = num_samples if num_samples is not None else self._count()
 
     def __len__(self) -> int:
@@ -173,6 +177,12 @@ class HFStream(IterableDataset):
                 else:
                     tokens += len(self._encode(batch))
             n += max(0, tokens - 1) // self.block_size
-        log.info("dataset.%s: %d samples in %d file(s), counted in %.1fs (dataset.num_samples=%d skips the count)",
-                 self.key, n, len(self.files), time.perf_counter() - t0, n)
+        log.info("dataset.%s: %d samples in %d file(s), counted in %.1fs (dataset.num_samples=%d skips the count; "
+                 "checked against these files)", self.key, n, len(self.files), time.perf_counter() - t0, n)
+        counts.record(self._source(), self.files, n)
         return n
+
+    def _source(self) -> dict[str, Any]:
+        """What decides the count besides the files: how they are read and cut."""
+        return {"key": self.key, "dirs": sorted({str(Path(f).resolve().parent) for f in self.files}), "fmt": self.fmt,
+                "x": self.x, "y": self.y, "tokenizer": self.tokenizer, "block_size": self.block_size}
