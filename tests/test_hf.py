@@ -142,3 +142,18 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
     with torch.no_grad():
         assert torch.equal(theirs(input_ids=batch).logits, ours(batch))
     assert "config.json (transformers')" in (tmp_path / "run" / "export" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("pretrained", [False, True])
+def test_a_vocabulary_below_the_datas_ids_is_one_config_error_for_an_hf_model(tmp_path, pretrained):
+    """Issue 45: model.config.vocab_size (or a pretrained folder's) below the data's ids was an IndexError
+    traceback at step 1 (a device-side assert on GPU), where model=gpt got one line."""
+    extra = ["model.config.vocab_size=100"]
+    if pretrained:
+        build.model(compose_cfg(LM + token_file(tmp_path) + extra)).hf.save_pretrained(tmp_path / "small")
+        extra = [f"model.pretrained={tmp_path / 'small'}"]
+        said = rf"model.pretrained={tmp_path / 'small'}'s vocab_size=100, but the data's ids go up to 255"
+    else:
+        said = r"model.config.vocab_size=100, but the data's ids go up to 255 \(dataset.vocab_size=256\).*Fix: "
+    with pytest.raises(ConfigError, match=said):
+        ddplab.run(compose_cfg(LM + token_file(tmp_path) + extra, tmp_path / "run"))

@@ -69,11 +69,30 @@ def model(cfg: DictConfig, num_classes: int | None = None) -> nn.Module:
                           "no embedding. Fix: model.vocab_size=${dataset.vocab_size} (model=gpt's default)")
     weights = spec.pop("weights", None)
     module = _make(spec, "model")
+    if num_classes and str(cfg.task.get("_target_", "")).endswith("LanguageModelTask"):
+        _check_vocabulary(module, num_classes, cfg)
     if weights:
         from ddplab.models.weights import load_weights
 
         load_weights(module, weights)
     return module
+
+
+def _check_vocabulary(module: nn.Module, ids: int, cfg: DictConfig) -> None:
+    """Every model kind, not only those with a ``model.vocab_size`` key: an LM whose input embedding has fewer
+    rows than the data has ids fails at step 1 with an IndexError (a device-side assert on GPU)."""
+    hf = getattr(module, "hf", None)
+    emb = hf.get_input_embeddings() if hf is not None else next(
+        (m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None or emb.num_embeddings >= ids:
+        return
+    configured = hf is not None and not cfg.model.get("pretrained")
+    where = ("model.config.vocab_size" if configured else f"model.pretrained={cfg.model.get('pretrained')}'s "
+             "vocab_size" if hf is not None else "the model's embedding")
+    fix = "model.config.vocab_size=${dataset.vocab_size}" if configured else "or a tokenizer whose ids fit it"
+    raise ConfigError(f"{where}={emb.num_embeddings}, but the data's ids go up to {ids - 1} (dataset.vocab_size="
+                      f"{cfg.dataset.get('vocab_size', ids)}): those ids would have no embedding. Fix: a model with "
+                      f"a vocabulary of at least {ids} ({fix})")
 
 
 def callbacks(cfg: DictConfig, evaluating: bool = False) -> dict[str, Any]:
