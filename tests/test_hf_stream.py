@@ -198,3 +198,33 @@ def test_a_bad_file_read_in_a_loader_worker_under_torchrun_is_one_line(tmp_path)
     assert said and all(re.search(r"dataset.path: token id 999 >= dataset.vocab_size=100\. Fix: dataset.vocab_size=",
                                   s) for s in said), out[-3000:]
     assert not any("Traceback" in line for line in lines), "\n".join(lines)[-3000:]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_null_in_the_text_column_is_one_line_naming_file_row_and_column(tmp_path, streaming):
+    """Issue 45: tokenizers' TypeError named no file, row or column."""
+    from ddplab.errors import InputError
+
+    train, val, parts = files(tmp_path, n=2, rows=20)
+    rows = parts[1][:]
+    rows[13] = None
+    datasets.Dataset.from_dict({"text": rows, "label": [0] * 20}).to_parquet(train / "part-1.parquet")
+    with pytest.raises(InputError, match=r"dataset.path: part-1.parquet row 13 has no value \(null\) in column "
+                                         r"'text' \(dataset.x\)\. Fix: drop or fill"):
+        hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
+           streaming=streaming, cache_dir=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_files_that_disagree_on_columns_are_named_and_the_fix_is_not_another_column(tmp_path, streaming):
+    """Issue 45: a folder whose files disagree on columns named no file, and the advice (another column) broke
+    the other files."""
+    from ddplab.errors import InputError
+
+    train, val, parts = files(tmp_path, n=2, rows=20)
+    datasets.Dataset.from_dict({"body": parts[1]}).to_parquet(train / "part-1.parquet")
+    with pytest.raises(InputError, match=r"part-1.parquet has (no column 'text'|columns \['body'\]).*Fix: give "
+                                         r"every file of one split the same columns"):
+        s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
+               streaming=streaming, cache_dir=str(tmp_path / "c"))
+        list(s.train)

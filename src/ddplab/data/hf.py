@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ddplab.data.datasets import Splits, TensorData
+from ddplab.data import hf_stream
 from ddplab.data.hf_stream import HFStream, open_datasets, tokenizer_for
 from ddplab.errors import InputError
 
@@ -43,17 +44,33 @@ def _files(path: str, key: str) -> list[str]:
 
 
 def load_rows(path: str, key: str, cache_dir: str | None = None) -> Any:
-    """The rows of ``path`` (a file or a folder of files) as a map-style ``datasets.Dataset``."""
+    """The rows of ``path`` (a file or a folder of files) as a map-style ``datasets.Dataset``; its files are
+    kept as ``rows.ddplab_files`` (a bad row is then named by its file)."""
     files = _files(path, key)
-    return open_datasets().load_dataset(FORMATS[Path(files[0]).suffix], data_files=files, split="train",
-                                    cache_dir=cache_dir)
+    fmt = FORMATS[Path(files[0]).suffix]
+    try:
+        rows = open_datasets().load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - datasets' own error names no file: find the one that differs
+        odd = hf_stream.columns_apart(files, fmt)
+        if odd is None:
+            raise
+        raise InputError(f"dataset.{key}={path}: {odd}. Fix: give every file of one split the same columns "
+                         f"({type(e).__name__} from datasets)") from None
+    rows.ddplab_files = (fmt, files, key)
+    return rows
 
 
 def _column(rows: Any, name: str, key: str) -> Any:
     if name not in rows.column_names:
         raise InputError(f"dataset.{key}={name}: no such column; the data has {rows.column_names}. "
                          f"Fix: dataset.{key}=<one of them>")
-    return rows[name]
+    col = rows[name]
+    empty = next((i for i, v in enumerate(col) if v is None), None)
+    if empty is not None:  # tokenizers' TypeError would name no file, row or column
+        fmt, files, split = getattr(rows, "ddplab_files", (None, [], "path"))
+        file, row = hf_stream.row_in_files(files, fmt, empty) if files else ("the data", empty)
+        raise InputError(hf_stream.null_said(name, key, split, file, row))
+    return col
 
 
 def _encode(texts: list[str], tokenizer: str | None, key: str) -> list[list[int]]:

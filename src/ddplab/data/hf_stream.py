@@ -48,6 +48,38 @@ def open_datasets() -> Any:
     return datasets
 
 
+def null_said(column: str, key: str, split: str, file: str, row: int) -> str:
+    """The one line for a row with no value in the column a sample is made of."""
+    return (f"dataset.{split}: {file} row {row} has no value (null) in column '{column}' (dataset.{key}). Fix: drop "
+            "or fill the rows without one when the file is written")
+
+
+def row_in_files(files: list[str], fmt: str, row: int) -> tuple[str, int]:
+    """Which file, and which of its rows, global ``row`` of the files read in order is (counts rows: an error
+    path only)."""
+    for f in files:
+        n = open_datasets().load_dataset(fmt, data_files=[f], split="train").num_rows
+        if row < n:
+            return Path(f).name, row
+        row -= n
+    return "the data", row
+
+
+def _first_columns(file: str, fmt: str) -> list[str]:
+    rows = open_datasets().load_dataset(fmt, data_files=[file], split="train", streaming=True)
+    return sorted(next(iter(rows), {}).keys())
+
+
+def columns_apart(files: list[str], fmt: str) -> str | None:
+    """Which file's columns differ from the first file's, said; None where they all agree."""
+    first = _first_columns(files[0], fmt)
+    for f in files[1:]:
+        cols = _first_columns(f, fmt)
+        if cols != first:
+            return f"{Path(f).name} has columns {cols}, {Path(files[0]).name} has {first}"
+    return None
+
+
 def tokenizer_for(tokenizer: str | None, key: str) -> Any:
     """The local tokenizer a text column ``dataset.<key>`` is encoded with."""
     if tokenizer is None:
@@ -68,6 +100,7 @@ class HFStream(IterableDataset):
         self._where: tuple[int, Any, list[Any], int] | None = None  # file, rows' state, carry, at (see _file)
         self._resume: dict[str, Any] | None = None
         self._tok: Any = None
+        self._read = 0
         if num_samples is not None:
             counts.check(self._source(), files, num_samples, key)
         self.num_samples = num_samples if num_samples is not None else self._count()
@@ -112,6 +145,7 @@ class HFStream(IterableDataset):
         """File ``i``'s samples, from a saved position: the rows' state before a read, what was left uncut before
         it (under a window), and how far into that read's samples it was (the read is redone: a small state)."""
         rows, before, carry, skip = self._rows(self.files[i]), None, [], 0
+        self._read = 0  # rows of this file read so far (a resumed read counts from its position: said roughly)
         if resume is not None:
             before, carry, skip = resume["rows"], list(resume["carry"]), resume["at"]
             if before is not None:
@@ -120,7 +154,7 @@ class HFStream(IterableDataset):
         # Batches of rows through .iter: iterating the dataset itself inside a loader worker would let datasets
         # split the (one-file) dataset over the workers once more, and all but one would read nothing.
         for batch in rows.iter(batch_size=ROWS_PER_READ):
-            pending, at, skip = carry + self._encode(batch), skip, 0
+            pending, at, skip = carry + self._encode(batch, i), skip, 0
             while len(pending) - at >= need:
                 sample, at = self._sample(pending, at), at + step
                 self._where = (i, before, carry, at)  # what a checkpoint taken after this sample resumes from
@@ -134,12 +168,20 @@ class HFStream(IterableDataset):
         w = torch.tensor(pending[at:at + self.block_size + 1], dtype=torch.int64)
         return w[:-1], w[1:]
 
-    def _encode(self, batch: dict[str, list[Any]]) -> list[Any]:
-        """A read's rows (columns of lists): LM: their ids joined; labelled: one (x, y) per row."""
+    def _encode(self, batch: dict[str, list[Any]], i: int = 0) -> list[Any]:
+        """A read's rows (columns of lists) of file ``i``: LM: their ids joined; labelled: one (x, y) per row."""
         for key, name in (("x", self.x), ("y", self.y)):
             if name is not None and name not in batch:
-                raise InputError(f"dataset.{key}={name}: no such column; the data has {sorted(batch)}. "
-                                 f"Fix: dataset.{key}=<one of them>")
+                if i:  # the first file has it: the files disagree, and another column would break the others
+                    raise InputError(f"dataset.{self.key}: {Path(self.files[i]).name} has no column '{name}' "
+                                     f"(dataset.{key}); it has {sorted(batch)}. Fix: give every file of one split "
+                                     f"the same columns")
+                raise InputError(f"dataset.{key}={name}: no such column; {Path(self.files[i]).name} has "
+                                 f"{sorted(batch)}. Fix: dataset.{key}=<one of them>")
+            empty = next((r for r, v in enumerate(batch.get(name) or []) if v is None), None) if name else None
+            if empty is not None:
+                raise InputError(null_said(name, key, self.key, Path(self.files[i]).name, self._read + empty))
+        self._read += len(batch[self.x])
         col = batch[self.x]
         if not col:
             return []
@@ -169,13 +211,13 @@ class HFStream(IterableDataset):
     def _count(self) -> int:
         """One pass over every file: the samples an epoch yields (windows per file, or rows)."""
         t0, n = time.perf_counter(), 0
-        for file in self.files:
-            tokens = 0
+        for i, file in enumerate(self.files):
+            tokens, self._read = 0, 0
             for batch in self._rows(file).iter(batch_size=ROWS_PER_READ):
                 if self.y is not None:
                     n += len(batch[self.y])
                 else:
-                    tokens += len(self._encode(batch))
+                    tokens += len(self._encode(batch, i))
             n += max(0, tokens - 1) // self.block_size
         log.info("dataset.%s: %d samples in %d file(s), counted in %.1fs (dataset.num_samples=%d skips the count; "
                  "checked against these files)", self.key, n, len(self.files), time.perf_counter() - t0, n)
