@@ -29,6 +29,16 @@ from ddplab.writers import NullWriter
 
 log = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
+THREAD = "ddplab-mlflow"
+
+
+def _not_our_retries(record: logging.LogRecord) -> bool:
+    """urllib3's "Retrying (...)" warnings for the MLflow thread's calls: ddplab says a failed server once
+    itself, after the retries (three lines before its one, otherwise). Other threads' retries stay."""
+    return record.threadName != THREAD
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_not_our_retries)
 _STOP = object()
 
 
@@ -67,7 +77,7 @@ class MLflowWriter(NullWriter):
         self._q: queue.Queue = queue.Queue()
         self._failed: str | None = None
         self._said = threading.Lock()  # one warning a run, whichever side says it first
-        self._thread = threading.Thread(target=self._drain, name="ddplab-mlflow", daemon=True)
+        self._thread = threading.Thread(target=self._drain, name=THREAD, daemon=True)
         self._thread.start()
         self._q.put((self._open, ()))
 
