@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddplab import redact
+
 RESULT = "result.json"
 
 
@@ -186,7 +188,8 @@ def write_result(run_dir: Path, result: dict[str, Any]) -> bool:
     result = _keep_measured(read_result(run_dir), result)
     tmp = run_dir / f".{RESULT}.tmp{os.getpid()}"
     try:
-        tmp.write_text(json.dumps(result, indent=2, default=str))
+        # An error may quote a URI with its password (a study's storage): masked like every line.
+        tmp.write_text(redact.text(json.dumps(result, indent=2, default=str), redact.active()))
         os.replace(tmp, run_dir / RESULT)
         return True
     except OSError as e:
