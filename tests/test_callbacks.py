@@ -302,6 +302,19 @@ def test_debug_profiler_preset(tmp_path):
 
 
 # ------------------------------------------------------------------------------ provenance
+def test_a_script_outside_any_repository_records_ddplabs_own_checkout(tmp_path, monkeypatch):
+    """Issue 45: from a clone with its venv outside it, ``python -m pytest`` is the venv's pytest: provenance
+    asked git about that folder and recorded no commit (the MLflow commit tag was empty)."""
+    from ddplab import provenance
+
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "venv" / "bin" / "pytest")])
+    code = provenance.collect([], None)["code"]
+    ours = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(ddplab.__file__).parent, capture_output=True,
+                          text=True).stdout.strip()
+    assert ours and code["commit"] == ours
+
+
 @pytest.mark.slow
 def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_path):
     repo = tmp_path / "code"

@@ -45,6 +45,19 @@ def code_version(where: Path) -> dict[str, Any]:
             "diff": _git(["diff", "HEAD"], where) if status.strip() else None}
 
 
+def _code() -> dict[str, Any]:
+    """The version of the code that ran: the script's repository (train.py, a user's own script), else, where
+    the script lies in none (``python -m pytest`` from a venv outside the checkout, ``python -m ddplab``),
+    ddplab's own checkout's."""
+    script = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else Path.cwd()
+    found = code_version(script)
+    if found.get("repo") is None:
+        here = code_version(Path(__file__).resolve().parent)
+        if here.get("repo") is not None:
+            return here
+    return found
+
+
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -70,10 +83,9 @@ def _versions() -> dict[str, str]:
 
 def collect(ranks: list[dict[str, Any]], backend: str | None, secret_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """What ran, where and how; the command line with its secrets masked (ddplab.redact)."""
-    code_dir = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else Path.cwd()
     return {
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [redact.text(a, secret_keys) for a in (sys.executable, *sys.argv)], "cwd": str(Path.cwd()),
-        "code": code_version(code_dir), "packages": _versions(), "launcher": env.launcher(),
+        "code": _code(), "packages": _versions(), "launcher": env.launcher(),
         "world": {"size": len(ranks), "backend": backend, "hosts": sorted({r["host"] for r in ranks}), "ranks": ranks},
     }
 
