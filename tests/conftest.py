@@ -59,6 +59,19 @@ def pytest_runtest_makereport(item, call):
             rep.longrepr = f"skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run provide what this test needs"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole file skipped while it is collected (``pytest.importorskip`` of an extra at its top):
+    a broken transformers, datasets or mlflow would otherwise make ~50 tests vanish with CI green."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and os.environ.get("DDPLAB_CI") == "1":
+        reason = str(rep.longrepr[2] if isinstance(rep.longrepr, tuple) else rep.longrepr)
+        if not any(word in reason for word in CI_MAY_SKIP):
+            rep.outcome = "failed"
+            rep.longrepr = f"{collector.nodeid} skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run install it"
+
+
 # The variables that place a process in a job: ddplab reads them at every run, so one a test leaves behind
 # changes every later in-process run of the session (LOCAL_RANK=1 makes a GPU host ask for cuda:1; a CPU
 # host would not notice).

@@ -51,3 +51,22 @@ def test_a_failed_or_empty_suite_fails_ci_before_the_docs(tmp_path, code):
     assert rc == code
     assert calls[-1].startswith("python -m pytest -q"), calls
     assert not any(c.startswith("mkdocs") for c in calls)
+
+
+def test_a_test_file_skipped_at_import_under_ci_fails_the_run(tmp_path):
+    """Issue 45: six HF/MLflow files skip themselves when their extra does not import; a broken extra made ~50
+    tests vanish with CI green. Under DDPLAB_CI=1 (.ci/run) such a file fails the run; outside CI it skips."""
+    import sys
+
+    tests = Path(__file__).parent
+    (tmp_path / "test_needs_extra.py").write_text(
+        "import pytest\npytest.importorskip('an_extra_that_is_not_here', reason='the x extra')\n"
+        "def test_it():\n    pass\n")
+    shutil.copy(tests / "conftest.py", tmp_path / "conftest.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_needs_extra.py")]
+    ci = subprocess.run(cmd, cwd=tmp_path, env={**env, "DDPLAB_CI": "1"}, capture_output=True, text=True)
+    assert ci.returncode != 0 and "skipped under DDPLAB_CI=1: Skipped: the x extra" in ci.stdout, ci.stdout[-2000:]
+    env.pop("DDPLAB_CI", None)
+    local = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert local.returncode == 0 and "1 skipped" in local.stdout, local.stdout[-2000:]
