@@ -69,4 +69,4 @@ def test_a_test_file_skipped_at_import_under_ci_fails_the_run(tmp_path):
     assert ci.returncode != 0 and "skipped under DDPLAB_CI=1: Skipped: the x extra" in ci.stdout, ci.stdout[-2000:]
     env.pop("DDPLAB_CI", None)
     local = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert local.returncode == 0 and "1 skipped" in local.stdout, local.stdout[-2000:]
+    assert local.returncode == 5 and "1 skipped" in local.stdout, local.stdout[-2000:]  # skipped: nothing ran
