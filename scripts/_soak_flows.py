@@ -25,10 +25,12 @@ def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
     where = [f"study.dir={run}", f"hydra.run.dir={run}/worker"] if t.mode == "study" else [f"hydra.run.dir={run}"]
     args = t.overrides() + where + (["resume=auto"] if resume and t.mode == "train" else [])
     if t.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN), *args]
-    if t.launcher == "slurm":  # a job step of 2 tasks, the ranks (ddplab reads SLURM_PROCID/NTASKS)
-        return ["srun", "--ntasks=2", "--cpus-per-task=1", sys.executable, str(TRAIN), *args]
-    return [sys.executable, str(TRAIN), *args] + (["distributed.nproc_per_node=2"] if t.launcher == "selflaunch" else [])
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.world}", str(TRAIN),
+                *args]
+    if t.launcher == "slurm":  # a job step of N tasks, the ranks (ddplab reads SLURM_PROCID/NTASKS)
+        return ["srun", f"--ntasks={t.world}", "--cpus-per-task=1", sys.executable, str(TRAIN), *args]
+    return [sys.executable, str(TRAIN), *args] + ([f"distributed.nproc_per_node={t.world}"] if t.launcher == "selflaunch"
+                                                  else [])
 
 
 def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:

@@ -76,7 +76,7 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
         t = dataclasses.replace(t, mode="train")
     if t.launcher == "slurm":  # torchrun's run: a job's results do not depend on its launcher (checked so), and
         t = dataclasses.replace(t, launcher="torchrun")  # a second srun would queue for the one node's 2 CPUs
-    key = (t.launcher, tuple(t.overrides()))
+    key = (t.launcher, t.world, tuple(t.overrides()))
     if key not in cache:
         n = len(list(root.glob("ref-*")))  # not len(cache): a failed reference keeps its dir (for its log)
         rdir = root / f"ref-{n}"

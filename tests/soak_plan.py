@@ -1,9 +1,11 @@
 """What a soak trial is and how trials are chosen (scripts/soak.py runs them): drawn from a seed, or the fixed
 pairwise plan CI runs, in which every pair of values of two dimensions meets in at least one trial.
 
-The dimensions users combine: the launcher, the strategy, the data path, the checkpoint mode, the run mode (a
-training run, a study worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's
-storage lost; its target and phase), the step time and gradient accumulation. A plan trial fixes those; everything else (the exact step
+The dimensions users combine: the launcher and its world size (1, 2, or 3 ranks, where the order of a sum of
+gradients matters), the strategy, the data path, the checkpoint mode, the run mode (a training run, a study
+worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's storage lost; its
+target and phase), the step time, gradient accumulation, and one feature in play (EMA, amp, loader workers, or
+training by steps with step evaluations). A plan trial fixes those; everything else (the exact step
 time inside its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from the trial's seed,
 so ``--only SEED`` reruns it exactly.
 """
@@ -35,12 +37,18 @@ PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "
 # phases would make the plan 7 x 4 trials at least; the groups keep it inside CI's budget).
 PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "optimizer"),
                 "evaluation": ("evaluation",), "checkpoint": ("checkpoint",)}
+# One feature in play beside the rest: its overrides (Trial.overrides). "steps": the run's length in optimizer
+# steps (num_epochs=null max_steps) with evaluations every half epoch, mid-epoch; "workers": 2 loader workers.
+FEATURES = ("plain", "ema", "amp", "workers", "steps")
+WORLDS = (1, 2, 3)
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "launcher": LAUNCHERS, "strategy": STRATEGIES, "data": DATA, "checkpoint": ("sync", "async"), "fault": FAULTS,
-    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES}
+    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES,
+    "world": WORLDS, "feature": FEATURES}
 TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
+BATCH_3 = 48  # on 3 ranks: 32 does not split
 VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160}
 TOKEN_BLOCK, TOKEN_WINDOWS = 16, 1600  # the token file: 1600 windows, the last 10% validation
 DIGITS = ["model=mlp", "model._target_=soak_toy.SoakMLP"]
@@ -55,7 +63,7 @@ PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
 # mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number), no
 # pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py: command).
 STUDY = ["hparams_search=study", "study.n_trials=2", "study.pruner=null", "objective=val/loss"]
-COMMON = ["+callbacks.soak._target_=soak_toy.SoakCallback", f"batch_size={BATCH}", "progress=log"]
+COMMON = ["+callbacks.soak._target_=soak_toy.SoakCallback", "progress=log"]
 
 
 @dataclasses.dataclass
@@ -82,6 +90,9 @@ class Trial:
     shard_dir: str = "shards"  # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
     mode: str = "train"
     slurm: bool = False  # drawn with SLURM among the launchers (--slurm): its seed's draws depend on it
+    ranks: int = 2  # a multi-process launcher's world size (3: torchrun or srun only; self-launch refuses more
+    # ranks than cores)
+    feature: str = "plain"
 
     @property
     def signal(self) -> str:
@@ -91,7 +102,26 @@ class Trial:
 
     @property
     def world(self) -> int:
-        return 1 if self.launcher == "single" else 2
+        return 1 if self.launcher == "single" else self.ranks
+
+    @property
+    def batch(self) -> int:
+        return BATCH_3 if self.world == 3 else BATCH
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def eval_every(self) -> int:
+        """feature=steps: evaluations every half epoch (and at the run's last step)."""
+        return max(1, self.steps_per_epoch // 2)
+
+    def feature_overrides(self) -> list[str]:
+        length = ([f"num_epochs={self.epochs}"] if self.feature != "steps" else
+                  ["num_epochs=null", f"max_steps={self.total_steps}", f"eval_every_n_steps={self.eval_every}"])
+        return length + {"plain": [], "steps": [], "ema": ["callbacks=[ema]"], "amp": ["amp=true"],
+                         "workers": ["perf.num_workers=2"]}[self.feature]
 
     @property
     def eval_s(self) -> float:
@@ -101,13 +131,13 @@ class Trial:
         data = {"tokens": [f"dataset.path={self.token_file}"],
                 "shards": [f"dataset.path={self.shard_dir}/train", f"dataset.val_path={self.shard_dir}/val.bin"]}
         return PARTS[self.data] + data.get(self.data, []) + COMMON + [f"mode={self.mode}"] * (self.mode != "train") + [
-            *(STUDY if self.mode == "study" else []),
-            f"distributed={self.strategy}", f"num_epochs={self.epochs}", f"limit_train_steps={self.steps_per_epoch}",
+            *(STUDY if self.mode == "study" else []), f"batch_size={self.batch}", *self.feature_overrides(),
+            f"distributed={self.strategy}", f"limit_train_steps={self.steps_per_epoch}",
             f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
             f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
 
     def label(self) -> str:
-        return (f"{self.launcher:10s} {self.strategy:4s} {self.data:6s} {self.mode:13s} "
+        return (f"{self.launcher:10s}x{self.world} {self.strategy:4s} {self.data:6s} {self.mode:13s} {self.feature:7s} "
                 f"{self.fault:>12s}->{self.target}@{self.phase}"
                 f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} "
                 f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
@@ -124,10 +154,11 @@ def calls(t: Trial) -> list[int]:
     steps = t.epochs * t.steps_per_epoch
     micro = range(1, steps * t.accum + 1)
     mid_saves = [s for s in range(1, steps + 1) if t.every_n and s % t.every_n == 0 and s % t.steps_per_epoch]
+    evals = t.epochs if t.feature != "steps" else len({s for s in range(1, steps + 1) if s % t.eval_every == 0} | {steps})
     return {"data": [k for k in micro if (k - 1) % t.accum == 0], "between": [k for k in micro if (k - 1) % t.accum],
             "forward": list(micro), "backward": list(micro), "optimizer": list(range(1, steps + 1)),
             # eval batches of max(per-rank batch, 256) over this rank's shard
-            "evaluation": list(range(1, t.epochs * math.ceil(math.ceil(VAL_SAMPLES[t.data] / t.world) / 256) + 1)),
+            "evaluation": list(range(1, evals * math.ceil(math.ceil(VAL_SAMPLES[t.data] / t.world) / 256) + 1)),
             "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
 
 
@@ -163,7 +194,20 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     t.data = fixed.get("data", rng.choice(DATA))
     t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
     _draw_mode_and_fault(t, rng, fixed)
+    _draw_world_and_feature(t, rng, fixed)
     return t
+
+
+def _draw_world_and_feature(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
+    """The world size and the feature in play: drawn after everything else (a seed's earlier details stay), each
+    from the values the trial's other dimensions allow; k and the epoch's length fitted to what they change."""
+    world_u, feature_u = rng.random(), rng.random()
+    worlds = [w for w in WORLDS if valid({**dimensions(t), "world": w})]
+    t.ranks = fixed.get("world", worlds[int(world_u * len(worlds))]) if t.launcher != "single" else 2
+    features = [f for f in FEATURES if valid({**dimensions(t), "feature": f})]
+    t.feature = fixed.get("feature", features[int(feature_u * len(features))])
+    t.steps_per_epoch = min(t.steps_per_epoch, TRAIN_SAMPLES // (t.batch * t.accum))
+    t.k = min(t.k, max(calls(t)))
 
 
 def _draw_mode_and_fault(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
@@ -196,10 +240,22 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
         return v["fault"] in SIGNALS or v["target"] == "self"
     if {"fault", "mode"} == v.keys() and v["fault"] == "storage_loss":
         return v["mode"] == "study"  # only a study has a storage
+    if {"launcher", "world"} == v.keys():  # 3 ranks: torchrun (or srun) only; self-launch refuses more than cores
+        return (v["launcher"] == "single") == (v["world"] == 1) and (v["world"] < 3 or v["launcher"] == "torchrun")
+    if {"strategy", "world"} == v.keys():
+        return (v["strategy"] == "none") == (v["world"] == 1)
+    if {"target", "world"} == v.keys():
+        return v["target"] == "self" or v["world"] > 1
+    if {"feature", "phase"} == v.keys():
+        # loader workers collate in their own processes (a fetch fault would fire there); training by steps
+        # saves at its own cadence (the checkpoint calls counted here are epoch ends)
+        return not (v["feature"] == "workers" and v["phase"] == "input" or v["feature"] == "steps" and
+                    v["phase"] == "checkpoint")
     if "mode" in v and v["mode"] == "verify_resume":
         # verify_resume starts its own processes (not under torchrun or srun), compares one-file checkpoints (not FSDP's
         # shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
-        return v.get("launcher") not in ("torchrun", SLURM) and v.get("strategy") != "fsdp" and v.get("fault") != "bad_file"
+        return (v.get("launcher") not in ("torchrun", SLURM) and v.get("strategy") != "fsdp" and
+                v.get("fault") != "bad_file" and v.get("world") != 3)
     return True
 
 
@@ -230,11 +286,11 @@ def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any],
     return {n: trial[n] for n in DIMENSIONS}
 
 
-def pairwise_plan(candidates: int = 10) -> list[dict[str, Any]]:
+def pairwise_plan(candidates: int = 11) -> list[dict[str, Any]]:
     """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered pairs
     (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time. The
-    greedy's length moves with ``candidates`` (33 trials at 30, 32 at 9, 34 at 11): 10 gives the fewest of
-    1-30 (30 trials; the bound is 28, the fault x phase and fault x data pairs)."""
+    greedy's length moves with ``candidates`` (38 trials at 10, 39 at 12, 42 at 1): 11 gives the fewest of
+    1-30 (37 trials; the bound is 28, the fault x phase and fault x data pairs)."""
     order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
     uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
     while uncovered:
@@ -269,4 +325,4 @@ def dimensions(t: Trial) -> dict[str, Any]:
     return {"launcher": t.launcher, "strategy": t.strategy, "data": t.data,
             "checkpoint": "async" if t.async_save else "sync", "fault": t.fault, "target": t.target,
             "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum,
-            "mode": t.mode}
+            "mode": t.mode, "world": t.world, "feature": t.feature}

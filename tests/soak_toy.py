@@ -14,7 +14,7 @@ Environment (set by the soak driver; the reference run of a config gets none of 
   the processes started before the fault fired (those after it run at full speed);
 * ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir", "fault", "disk", "storage"}``: on its
   ``k``-th call of ``phase`` rank ``rank`` fills the file system of ``disk`` (fault ``disk_full``) or deletes the
-  study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``, ``peer`` (the other rank), ``launcher`` (its parent: torchrun's
+  study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``, ``peer`` (the next rank), ``launcher`` (its parent: torchrun's
   agent or the self-launching parent) or ``all`` (every process of the trial) — once per trial: ``dir/fired``
   is created first (exclusively), so a resumed run never faults again. It records when and at which step.
 * ``SOAK_TRIAL_ID``: every process of the trial carries it (how ``all`` and the driver find them).
@@ -197,8 +197,9 @@ class _Injector:
             if "SLURM_STEP_ID" in os.environ:
                 return [p for p in trial_pids(os.environ["SOAK_TRIAL_ID"]) if _comm(p) == "srun"]
             return [os.getppid()]
-        if target == "peer":
-            return [int((Path(self.spec["dir"]) / f"pid.{1 - _rank()}").read_text())]
+        if target == "peer":  # the next rank (of 2: the other one)
+            world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "2")))
+            return [int((Path(self.spec["dir"]) / f"pid.{(_rank() + 1) % world}").read_text())]
         return trial_pids(os.environ["SOAK_TRIAL_ID"])  # "all"
 
 
