@@ -1,7 +1,8 @@
 """The fault soak (scripts/soak.py): CI runs its fixed pairwise plan — every pair of dimension values (launcher,
-strategy, data, checkpoint mode, signal, target, phase, step time, grad accumulation) in at least one trial —
-each trial faulted once, resumed until the job completes and checked against its uninterrupted run. The plan's
-generator is checked without running anything; seed-drawn and long soaks run by hand."""
+world size 1-3, strategy, data, checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
+one feature in play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted
+once, resumed until the job completes and checked against its uninterrupted run. The plan's generator is checked
+without running anything; seed-drawn and long soaks run by hand."""
 
 from __future__ import annotations
 

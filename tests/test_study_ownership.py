@@ -284,5 +284,6 @@ def test_a_worker_whose_trials_would_report_differently_is_refused_before_it_ask
     base = ["hparams_search=study", "model=mlp", f"study.storage={url}", f"study.dir={tmp_path / 's'}"]
     study.setup(compose_cfg(base))
     study.setup(compose_cfg(base + ["progress=none", "log_every_n_steps=3"]))  # harmless keys still may differ
+    study.setup(compose_cfg(base + ["+callbacks.mine._target_=toy.Recorder"]))  # a worker's own callback too
     with pytest.raises(ConfigError, match=r"trains its trials with another config: .*" + re.escape(said)):
         study.setup(compose_cfg(base + [override]))

@@ -70,9 +70,11 @@ def _engine_kwargs(url: str, timeout_s: float) -> dict[str, Any]:
 
 
 # Keys config.drift calls harmless (a resume may change them) that change what a trial reports to the pruner:
-# when it evaluates, on how much, and what callbacks add to the metrics or to when a trial ends. The study's
-# own reporter (callbacks.study) is the worker's, not the user's.
+# when it evaluates, on how much, and ddplab's callbacks (EMA adds val_ema/*, early stopping ends a trial
+# early). A user's own callbacks are not compared (one may be a worker's alone: a notifier, a hold); the
+# study's reporter (callbacks.study) is the worker's own.
 REPORTING = ("eval_every_n_epochs", "eval_every_n_steps", "limit_val_batches", "callbacks")
+SHIPPED_CALLBACKS = "ddplab.callbacks."
 
 
 def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[str, Any]:
@@ -88,8 +90,13 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
     def searched_key(k: str) -> bool:
         return any(k == s or k.startswith(f"{s}.") for s in searched)
 
+    shipped = {name for name, node in (cfg.get("callbacks") or {}).items()
+               if str((node or {}).get("_target_", "")).startswith(SHIPPED_CALLBACKS)}
+
     def reporting(k: str) -> bool:
-        return any(k == r or k.startswith(f"{r}.") for r in REPORTING) and not k.startswith("callbacks.study")
+        if k.startswith("callbacks"):  # an empty callbacks node is a leaf: no shipped callback, nothing to add
+            return k.startswith("callbacks.") and k.split(".")[1] in shipped
+        return k in REPORTING
 
     keys = {**trajectory(cfg), **{k: v for k, v in flatten(cfg).items() if reporting(k)}}
     if not any(searched_key(k) for k in ("batch_size", "batch_size_scope")):
