@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers.compare import assert_same_checkpoint, load, load_whole
-from helpers.jobs import REPO, assert_ok, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, read_scalars, run_cmd, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -70,23 +70,31 @@ def test_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(tmp
            str(REPO / "train.py"), *LM, *corpus, f"hydra.run.dir={run}"]
     env = fault_env(tmp_path, phase="forward", k=24 * 3 + 1, rank=1, target="self", signal="SIGKILL")
     assert_ok(run_cmd(cmd, tmp_path, extra_env=env))
-    assert fired(tmp_path)["step"] == 24 and "torchrun restart 1" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert fired(tmp_path)["step"] == 24 and "torchrun restart 1: continuing from the last checkpoint" in log
     assert_same_checkpoint(reference[3] / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    # One TensorBoard history across the restart: each step logged once, with the uninterrupted run's values
+    # (this case replaces the 2-rank tests/test_checkpoints.py one that checked the same).
+    assert read_scalars(run)["train/loss"] == read_scalars(reference[3])["train/loss"]
 
 
 def test_three_ranks_sigterm_inside_a_step_evaluation_then_resume_auto_ends_bitwise(tmp_path, corpus, reference):
-    """SIGTERM to rank 0 halfway through step 20's evaluation (its one batch takes 3 s here, so the ranks'
-    ~1 s stop check falls inside): every rank stops there with the evaluation pending; resume=auto evaluates
-    step 20 first and trains on."""
+    """SIGTERM to rank 0 halfway through step 40's evaluation, mid-epoch (each evaluation's one batch takes 3 s
+    here, so the ranks' ~1 s stop check falls inside): every rank stops there with the evaluation pending;
+    resume=auto evaluates step 40 first and trains on."""
     run = tmp_path / "run"
-    env = {**fault_env(tmp_path, phase="evaluation", k=1, rank=0, target="self", signal="SIGTERM"),
+    env = {**fault_env(tmp_path, phase="evaluation", k=2, rank=0, target="self", signal="SIGTERM"),
            "SOAK_EVAL_DELAY_S": "3"}
     proc = torchrun(3, LM + corpus + [f"hydra.run.dir={run}"], tmp_path, extra_env=env)
     result = json.loads((run / "result.json").read_text())
-    assert proc.returncode != 0 and (result["status"], result["step"]) == ("preempted", 20), result
+    assert proc.returncode != 0 and (result["status"], result["step"]) == ("preempted", 40), result
     assert load(run / "checkpoints" / "last.pt")["loop"]["eval_pending"]
+    assert [s for s, _ in read_scalars(run)["val/loss"]] == [20]  # step 40's, cut short, not logged
     assert_ok(torchrun(3, LM + corpus + [f"hydra.run.dir={run}", "resume=auto"], tmp_path))
     assert_same_checkpoint(reference[3] / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    # step 40's evaluation once, equal to the uninterrupted one's (this case replaces the 2-rank one that
+    # tests/test_steps.py ran at its step 300)
+    assert read_scalars(run)["val/loss"] == read_scalars(reference[3])["val/loss"]
 
 
 def test_four_ranks_sigterm_between_steps_then_resume_auto_ends_bitwise(tmp_path, corpus, reference):
