@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -79,8 +80,14 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
     key = (t.launcher, t.world, tuple(t.overrides()))
     if key not in cache:
         n = len(list(root.glob("ref-*")))  # not len(cache): a failed reference keeps its dir (for its log)
-        rdir = root / f"ref-{n}"
-        (rdir / "cwd").mkdir(parents=True)
+        while True:  # claimed by its creation: trials run at once (--jobs) may look at the same time
+            rdir = root / f"ref-{n}"
+            try:
+                rdir.mkdir()
+                break
+            except FileExistsError:
+                n += 1
+        (rdir / "cwd").mkdir()
         (rdir / "tmp").mkdir()
         run = rdir / "cwd" / "run"
         a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
@@ -202,23 +209,30 @@ def choose(args: argparse.Namespace) -> list[Trial]:
     return [draw(s, args.long, slurm=args.slurm) for s in seeds]
 
 
-def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1) -> list[tuple[Trial, bool, float]]:
-    cache, done = {}, []
-    for i, t in enumerate(trials, first):
+def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1) -> list[tuple[Trial, bool, float]]:
+    """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up; two at
+    once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends."""
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def one(i: int, t: Trial) -> tuple[Trial, bool, float]:
         t0 = time.time()
         try:
             problems, notes = run_trial(t, root, cache)
         except Exception as e:  # the harness itself: still a failed trial, with its seed
             problems, notes = [f"harness error: {type(e).__name__}: {e}"], []
         wall = time.time() - t0
-        done.append((t, not problems, wall))
-        print(f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
-              f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
-        if problems:
-            report_failure(t, problems, root)
-        elif not keep:
+        with lock:
+            print(f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
+                  f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
+            if problems:
+                report_failure(t, problems, root)
+        if not problems and not keep:
             shutil.rmtree(root / f"trial-{t.seed}", ignore_errors=True)
-    return done
+        return t, not problems, wall
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(lambda it: one(*it), enumerate(trials, first)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(scripts/slurm_local.sh up starts one; not with --pairwise)")
     ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
     ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
+    ap.add_argument("--jobs", type=int, default=1, help="trials run at once (CI: 2 on its 2 cores; a trial mostly "
+                    "waits, and its invariants must hold on a loaded machine too)")
     ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
     args = ap.parse_args(argv)
     if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
         t.token_file, t.shard_dir = str(token_file(root)), str(shard_dir(root))
-    done = run_all(trials, root, args.keep, args.first)
+    done = run_all(trials, root, args.keep, args.first, args.jobs)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):
         shutil.rmtree(root, ignore_errors=True)
