@@ -109,7 +109,7 @@ def settle_ddp_buckets(ddp: Any) -> bool:
         return False
     # One term per parameter, created first to last: autograd runs the newest first, so the hooks fire
     # last-defined first and the buckets are those DDP would build from a sequential model's backward.
-    zero = sum(p.reshape(-1)[0] * 0 for p in params)
+    zero = sum(p.sum() * 0 for p in params)  # sum: an empty parameter too
     ddp.reducer.prepare_for_backward([zero])
     zero.backward()
     rebuilt = ddp.reducer._rebuild_buckets()
