@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,13 +36,23 @@ def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
                                                   else [])
 
 
+def short_tmp(tdir: Path) -> str:
+    """The trial's TMPDIR (``tdir/tmp``) by a short name: a symlink in /tmp. A soak under pytest's long tmp paths
+    would otherwise give loader workers a socket path over the 107 bytes allowed (ddplab refuses that config)."""
+    link = Path(tempfile.gettempdir()) / f"sk-{zlib.crc32(str(tdir).encode()):08x}"
+    if not link.is_symlink():
+        with contextlib.suppress(FileExistsError):
+            link.symlink_to(tdir / "tmp")
+    return str(link)
+
+
 def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
     """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
     if t.launcher == "slurm":  # srun names its job so (the driver cancels an allocation srun's death left behind)
         env["SLURM_JOB_NAME"] = trial_id
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tdir / "tmp"), SOAK_TRIAL_ID=trial_id,
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=short_tmp(tdir), SOAK_TRIAL_ID=trial_id,
                SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
     if fault:
         run = tdir / "cwd" / "run"

@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
-from _soak_flows import command, job_env, study_flow, train_flow, verify_flow  # noqa: E402
+from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from soak_plan import (DIMENSIONS, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
 from soak_toy import snapshot  # noqa: E402
@@ -92,6 +92,7 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
         run = rdir / "cwd" / "run"
         a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
                         rdir / "cwd", rdir / "run.log", 600)
+        Path(short_tmp(rdir)).unlink(missing_ok=True)
         done = [run / str(i) for i in range(2)] if t.mode == "study" else [run]
         if a.rc != 0 or any(read_result(d).get("status") != "completed" for d in done):
             raise RuntimeError(f"the reference run failed (exit {a.rc}): see {rdir / 'run.log'}")
@@ -133,6 +134,7 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
         flow = {"train": train_flow, "study": study_flow, "verify_resume": verify_flow}[t.mode]
         problems, notes = flow(t, tdir, cwd, run, ref_job.result)
     failed = t.fault == "storage_loss" and t.launcher == "torchrun"  # no attempt after it: its last run failed
+    Path(short_tmp(tdir)).unlink(missing_ok=True)  # the short name of its TMPDIR (the dir itself is checked)
     return problems + check_files(cwd, before, tmp, notes, failed), notes
 
 

@@ -237,3 +237,19 @@ def test_a_misspelt_callback_or_task_key_fails_while_composing(override, key):
 
     with pytest.raises(ConfigCompositionException, match=f"Could not override '{key}'"):
         compose_cfg(override.split())
+
+
+def test_loader_workers_under_a_temp_dir_too_long_for_their_socket_are_one_config_line(monkeypatch, tmp_path):
+    """Issue 45's soak found it: a loader worker hands batches over a unix socket under the temp dir; a long
+    per-job TMPDIR made that path exceed 107 bytes, the worker failed and the job waited forever."""
+    import tempfile
+
+    from ddplab.config.validate import validate
+
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    with pytest.raises(ConfigError, match=r"perf.num_workers=2: loader workers pass batches over a unix socket .* "
+                                          r"Fix: a shorter TMPDIR \(at most \d+ characters\), or perf.num_workers=0"):
+        validate(compose_cfg(["perf.num_workers=2"]))
+    validate(compose_cfg(["perf.num_workers=0"]))  # no workers, no socket

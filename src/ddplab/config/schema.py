@@ -5,6 +5,7 @@ its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -99,6 +100,15 @@ class PerfConfig:
                     f"use {key}.{k}=auto, true or false")
         require(pf.num_workers >= 0, f"{key}.num_workers", pf.num_workers, "must be >= 0",
                 f"pass {key}.num_workers=4")
+        # A loader worker hands each batch's tensors over a unix socket that multiprocessing makes under the temp
+        # dir (<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX); a socket path over 107 bytes fails in the worker and the
+        # job waits for its batch forever (a long per-job TMPDIR does it).
+        sock = len(os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx"))
+        require(pf.num_workers == 0 or sock <= 107, f"{key}.num_workers", pf.num_workers,
+                f"loader workers pass batches over a unix socket under the temp dir {tempfile.gettempdir()}, whose "
+                f"path would be {sock} bytes, over the 107 a socket path may have (the job would hang)",
+                f"a shorter TMPDIR (at most {107 - (sock - len(tempfile.gettempdir()))} characters), or "
+                f"{key}.num_workers=0")
         require(pf.get("prefetch_factor", 2) >= 1, f"{key}.prefetch_factor", pf.get("prefetch_factor"), "must be >= 1",
                 f"pass {key}.prefetch_factor=2")
         require(str(pf.get("host_allocator", "tuned")) in ("tuned", "system"), f"{key}.host_allocator",
