@@ -132,6 +132,18 @@ def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns
     assert [s for s, _ in read_scalars(run / "tb")["val/acc"]] == [4]  # evaluated once, at the epoch's end
 
 
+def test_a_rank_stopped_by_its_peers_whose_own_launcher_is_dead_says_the_launcher_died():
+    """Unit: the stop agreement can carry another rank's flag before this rank's once-a-second launcher watch
+    has polled; the reason then comes from this rank's launcher itself, not "a signal to another rank" (CI saw
+    rank 0 write that after torchrun was killed: rank 1's watch had noticed first)."""
+    gone = 2**22 + 17  # not this process's parent
+    agreement = StopAgreement(StopSignal(), Dist())
+    agreement.signal._launcher = os.getppid()
+    assert agreement.reason == "a signal to another rank"  # its launcher alive: the stop came from a peer
+    agreement.signal._launcher = gone
+    assert agreement.reason == f"launcher died (pid {gone})"
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
 def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):

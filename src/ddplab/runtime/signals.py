@@ -158,9 +158,12 @@ class StopSignal:
     def reason(self) -> str | None:
         """Why this rank stops: the first signal's name, or that its launcher died. torch's spawned ranks
         (self-launch) get SIGINT as their parent-death signal, maybe before they are re-parented: asked
-        later (when the stop is carried out), the parent pid tells which it was."""
-        if self.name and self._launcher is not None and not self.name.startswith("launcher died") \
-                and os.getppid() != self._launcher:
+        later (when the stop is carried out), the parent pid tells which it was. With no request of its own
+        (a peer's flag stopped it before this rank's watch polled), a dead launcher is still the reason."""
+        orphan = self._launcher is not None and os.getppid() != self._launcher
+        if self.name is None and orphan:
+            return f"launcher died (pid {self._launcher})"
+        if self.name and orphan and not self.name.startswith("launcher died"):
             return f"launcher died (pid {self._launcher}; {self.name})"
         return self.name
 
