@@ -155,6 +155,11 @@ def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_und
     memos = [o for o in ours if failed_under_torchrun and o.startswith("ddplab-") and "/run-" in o]
     notes += [f"torchrun's restart memo of the failed job kept: {memos}"] if memos else []
     ours = [o for o in ours if o not in memos]
+    # a streamed source's count record (ddplab.data.counts) is kept on purpose: the next run checks a given
+    # dataset.num_samples against it
+    counts = [o for o in ours if o.split("/")[-1].startswith("stream-count-") and o.endswith(".json")]
+    notes += [f"{len(counts)} stream count record(s) kept"] if counts else []
+    ours = [o for o in ours if o not in counts]
     if ours:
         problems.append(f"ddplab scratch left in TMPDIR: {ours}")
     others = sorted({p.name.split("_")[0] for p in tmp.iterdir() if not p.name.startswith("ddplab-")})

@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
-from soak_plan import (DIMENSIONS, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
+from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
 from soak_toy import snapshot  # noqa: E402
 
@@ -193,6 +193,32 @@ def shard_dir(root: Path) -> Path:
     return folder
 
 
+def hf_dir(root: Path) -> Path:
+    """The data=hf/hf_stream trials' folder: the generated corpus's sentences as JSONL rows (``text``), a BPE of at
+    most HF_VOCAB ids trained on them, and enough rows for TOKEN_WINDOWS windows of TOKEN_BLOCK ids (the last
+    tenth of the windows' rows for validation), as the token file has."""
+    from ddplab.data.tabular import generated_corpus
+    from ddplab.data.tokenizer import train_bpe
+
+    folder = root / "hf"
+    if (folder / "val.jsonl").exists():
+        return folder
+    folder.mkdir()
+    lines = [sentence + "." for sentence in generated_corpus(sentences=12000, seed=0).split(".") if sentence.strip()]
+    tok = train_bpe(lines, HF_VOCAB)
+    tok.save(str(folder / "tokenizer.json"))
+    rows, ids, cut = [[], []], 0, TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK + 1
+    for line in lines:  # rows until the training split holds its windows, then as many for validation
+        part = 0 if ids < cut else 1
+        rows[part].append(line)
+        ids += len(tok.encode(line).ids)
+        if ids >= cut + TOKEN_WINDOWS // 10 * TOKEN_BLOCK + 1 + TOKEN_BLOCK:
+            break
+    for name, part in (("train", rows[0]), ("val", rows[1])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in part))
+    return folder
+
+
 class NotInPlan(ValueError):
     """``--only SEED --pairwise`` with a seed the plan does not hold."""
 
@@ -274,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
-        t.token_file, t.shard_dir = str(token_file(root)), str(shard_dir(root))
+        t.token_file, t.shard_dir, t.hf_dir = str(token_file(root)), str(shard_dir(root)), str(hf_dir(root))
     done = run_all(trials, root, args.keep, args.first, args.jobs)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):

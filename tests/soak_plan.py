@@ -2,7 +2,8 @@
 pairwise plan CI runs, in which every pair of values of two dimensions meets in at least one trial.
 
 The dimensions users combine: the launcher and its world size (1, 2, or 3 ranks, where the order of a sum of
-gradients matters), the strategy, the data path, the checkpoint mode, the run mode (a training run, a study
+gradients matters), the strategy, the data (digits, a token file or folder of shards, Hugging Face JSONL text
+through a BPE tokenizer; held in memory or streamed), the checkpoint mode, the run mode (a training run, a study
 worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's storage lost; its
 target and phase), the step time, gradient accumulation, and one feature in play (EMA, amp, loader workers, or
 training by steps with step evaluations). A plan trial fixes those; everything else (the exact step
@@ -23,7 +24,17 @@ LAUNCHERS = ("single", "torchrun", "selflaunch")
 # pairwise plan, which CI runs before its cluster phase.
 SLURM = "slurm"
 STRATEGIES = ("none", "ddp", "fsdp")
-DATA = ("memory", "stream", "tokens", "shards")
+# hf / hf_stream: dataset=hf over local JSONL text files through a BPE tokenizer trained for the soak, held in
+# memory or streamed row by row (datasets' streaming, its position in checkpoints).
+DATA = ("memory", "stream", "tokens", "shards", "hf", "hf_stream")
+# The plan draws a trial's data as two dimensions, where the samples come from and how they are read (held and
+# indexed, or streamed with the position checkpointed), so each pairs with every fault in 7 x 3 and 7 x 2 trials
+# rather than 7 x 6: the six data kinds are the six (source, access) pairs, each in some trial.
+SOURCES = ("digits", "tokens", "hf")
+ACCESS = ("memory", "stream")
+DATA_OF = {("digits", "memory"): "memory", ("digits", "stream"): "stream", ("tokens", "memory"): "tokens",
+           ("tokens", "stream"): "shards", ("hf", "memory"): "hf", ("hf", "stream"): "hf_stream"}
+SOURCE_ACCESS = {kind: pair for pair, kind in DATA_OF.items()}
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
 # Faults that are not a signal, made by rank r at its k-th call of the phase: ``disk_full`` fills the file system
 # of the run dir (a tmpfs; freed before the resume), ``bad_file`` kills the job and the driver truncates its newest
@@ -44,13 +55,14 @@ WORLDS = (1, 2, 3)
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "launcher": LAUNCHERS, "strategy": STRATEGIES, "data": DATA, "checkpoint": ("sync", "async"), "fault": FAULTS,
+    "launcher": LAUNCHERS, "strategy": STRATEGIES, "source": SOURCES, "access": ACCESS, "checkpoint": ("sync", "async"), "fault": FAULTS,
     "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES,
     "world": WORLDS, "feature": FEATURES}
 TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
 BATCH_3 = 48  # on 3 ranks: 32 does not split
-VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160}
+VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160, "hf": 160, "hf_stream": 160}
 TOKEN_BLOCK, TOKEN_WINDOWS = 16, 1600  # the token file: 1600 windows, the last 10% validation
+HF_VOCAB = 320  # the soak's BPE: as many ids as it learns from the generated corpus, at most this
 DIGITS = ["model=mlp", "model._target_=soak_toy.SoakMLP"]
 PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
          "stream": DIGITS + ["dataset._target_=soak_toy.soak_stream"],
@@ -59,7 +71,10 @@ PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
                     "model.n_embd=32"],
          "shards": ["task=lm", "dataset=token_shards", "dataset._target_=soak_toy.soak_shards",
                     f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
-                    "model.n_embd=32"]}
+                    "model.n_embd=32"],
+         "hf": ["task=lm", "dataset=hf", "dataset._target_=soak_toy.soak_hf", f"dataset.block_size={TOKEN_BLOCK}",
+                "model._target_=soak_toy.SoakGPT", "model.n_layer=1", "model.n_embd=32"]}
+PARTS["hf_stream"] = PARTS["hf"] + ["dataset.streaming=true"]
 # mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number), no
 # pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py: command).
 STUDY = ["hparams_search=study", "study.n_trials=2", "study.pruner=null", "objective=val/loss"]
@@ -88,6 +103,7 @@ class Trial:
     plan_seed: int | None = None  # a pairwise plan trial: the --seed its plan was run with
     token_file: str = "tokens.bin"  # data=tokens: the file the driver wrote (scripts/soak.py: token_file)
     shard_dir: str = "shards"  # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
+    hf_dir: str = "hf"  # data=hf/hf_stream: train.jsonl, val.jsonl and tokenizer.json (scripts/soak.py: hf_dir)
     mode: str = "train"
     slurm: bool = False  # drawn with SLURM among the launchers (--slurm): its seed's draws depend on it
     ranks: int = 2  # a multi-process launcher's world size (3: torchrun or srun only; self-launch refuses more
@@ -130,6 +146,9 @@ class Trial:
     def overrides(self) -> list[str]:
         data = {"tokens": [f"dataset.path={self.token_file}"],
                 "shards": [f"dataset.path={self.shard_dir}/train", f"dataset.val_path={self.shard_dir}/val.bin"]}
+        for kind in ("hf", "hf_stream"):
+            data[kind] = [f"dataset.path={self.hf_dir}/train.jsonl", f"dataset.val_path={self.hf_dir}/val.jsonl",
+                          f"dataset.tokenizer={self.hf_dir}/tokenizer.json", f"dataset.vocab_size={HF_VOCAB}"]
         return PARTS[self.data] + data.get(self.data, []) + COMMON + [f"mode={self.mode}"] * (self.mode != "train") + [
             *(STUDY if self.mode == "study" else []), f"batch_size={self.batch}", *self.feature_overrides(),
             f"distributed={self.strategy}", f"limit_train_steps={self.steps_per_epoch}",
@@ -181,7 +200,7 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
     t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, fault, target, 0, "", 0, long, slurm=slurm)
     t.rank = rng.randrange(t.world)
-    t.data = fixed.get("data", t.data)
+    t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else t.data
     phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
     t.phase = rng.choice([p for p in phases if p != "between" or accum > 1])
     if fixed.get("phase") == "input":  # the plan pairs input with every accum: accum 1 the fetch, 2 and 3 the boundary
@@ -191,7 +210,8 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     t.async_save = fixed["checkpoint"] == "async" if "checkpoint" in fixed else async_save
     strategy = rng.choice(("ddp", "fsdp"))
     t.strategy = fixed.get("strategy", "none" if launcher == "single" else strategy)
-    t.data = fixed.get("data", rng.choice(DATA))
+    data = rng.choice(DATA)
+    t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else data
     t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
     _draw_mode_and_fault(t, rng, fixed)
     _draw_world_and_feature(t, rng, fixed)
@@ -289,8 +309,8 @@ def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any],
 def pairwise_plan(candidates: int = 11) -> list[dict[str, Any]]:
     """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered pairs
     (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time. The
-    greedy's length moves with ``candidates`` (38 trials at 10, 39 at 12, 42 at 1): 11 gives the fewest of
-    1-30 (37 trials; the bound is 28, the fault x phase and fault x data pairs)."""
+    greedy's length moves with ``candidates`` (40 trials at 1 and 20, 38 at 10, 39 at 13): 11 is among the
+    fewest (37 trials; the bound is 28, the fault x phase pairs)."""
     order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
     uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
     while uncovered:
@@ -322,7 +342,8 @@ def coverage(trials: list[Trial]) -> str:
 
 def dimensions(t: Trial) -> dict[str, Any]:
     timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
-    return {"launcher": t.launcher, "strategy": t.strategy, "data": t.data,
+    return {"launcher": t.launcher, "strategy": t.strategy, "source": SOURCE_ACCESS[t.data][0],
+            "access": SOURCE_ACCESS[t.data][1],
             "checkpoint": "async" if t.async_save else "sync", "fault": t.fault, "target": t.target,
             "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum,
             "mode": t.mode, "world": t.world, "feature": t.feature}

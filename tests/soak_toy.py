@@ -308,6 +308,15 @@ def soak_shards(**kw: Any) -> Splits:
     return Splits(s.train, s.val, s.num_classes, _collate)
 
 
+def soak_hf(**kw: Any) -> Splits:
+    """dataset=hf (local JSONL text through a BPE tokenizer; ``streaming=true``: read row by row), each
+    micro-batch collated through ``_collate``."""
+    from ddplab.data.hf import hf
+
+    s = hf(**kw)
+    return Splits(s.train, s.val, s.num_classes, _collate)
+
+
 class SoakCallback(Callback):
     """Ticks the optimizer-step and checkpoint phases, marks the evaluation, and notes this rank's pid for a
     peer's ``peer`` fault. Checkpointed (as ``callbacks.soak``) so that ``state_dict`` runs in every save."""

@@ -1,5 +1,6 @@
 """The fault soak (scripts/soak.py): CI runs its fixed pairwise plan — every pair of dimension values (launcher,
-world size 1-3, strategy, data, checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
+world size 1-3, strategy, data source (digits, token files, Hugging Face JSONL through a BPE) and access (held or
+streamed), checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
 one feature in play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted
 once, resumed until the job completes and checked against its uninterrupted run. The plan's generator is checked
 without running anything; seed-drawn and long soaks run by hand."""
@@ -22,10 +23,23 @@ def pairs_of(trial: dict[str, object]) -> set[tuple]:
     return {((a, trial[a]), (b, trial[b])) for a, b in itertools.combinations(DIMENSIONS, 2)}
 
 
+def extends(partial: dict[str, object]) -> bool:
+    """Some whole trial satisfying every constraint holds ``partial``: a backtracking search over the other
+    dimensions that drops a branch as soon as its values break a constraint (exact, as enumerating all 3.3M
+    trials was, in a second instead of 107 s)."""
+    rest = [n for n in DIMENSIONS if n not in partial]
+
+    def search(trial: dict[str, object], i: int) -> bool:
+        return i == len(rest) or any(valid(t) and search(t, i + 1)
+                                     for t in ({**trial, rest[i]: v} for v in DIMENSIONS[rest[i]]))
+
+    return valid(partial) and search(partial, 0)
+
+
 def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     # Valid pairs, found the slow way: those some trial satisfying every constraint contains.
-    every = set().union(*(pairs_of(dict(zip(DIMENSIONS, combo))) for combo in itertools.product(*DIMENSIONS.values())
-                          if valid(dict(zip(DIMENSIONS, combo)))))
+    every = {((a, va), (b, vb)) for a, b in itertools.combinations(DIMENSIONS, 2) for va in DIMENSIONS[a]
+             for vb in DIMENSIONS[b] if extends({a: va, b: vb})}
     plan = pairwise_plan()
     assert all(valid(trial) for trial in plan)
     missing = every - set().union(*map(pairs_of, plan))
