@@ -20,8 +20,12 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    # The soak plan (12 minutes, the longest test by far) first: under `-n 2` one worker runs it while the other
+    # takes the rest, instead of it starting last and running alone.
+    items.sort(key=lambda item: item.name != "test_the_pairwise_soak_plan_holds_every_invariant")
     for item in items:
-        if item.get_closest_marker("dist") or item.get_closest_marker("slurm"):
+        # keras: its import alone takes seconds (a parametrized case of an otherwise quick test)
+        if item.get_closest_marker("dist") or item.get_closest_marker("slurm") or "keras" in item.name:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(no_gpu)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ddplab.callbacks import Callback
 from helpers.disk import fill
@@ -314,7 +314,10 @@ def soak_hf(**kw: Any) -> Splits:
     from ddplab.data.hf import hf
 
     s = hf(**kw)
-    return Splits(s.train, s.val, s.num_classes, _collate)
+    # held in memory it is a TensorData, which the trainer indexes a batch at a time on the device (no fetch to
+    # fault): served per sample through a DataLoader instead, as soak_digits does
+    train = s.train if isinstance(s.train, IterableDataset) else _Samples(s.train)
+    return Splits(train, s.val, s.num_classes, _collate)
 
 
 class SoakCallback(Callback):

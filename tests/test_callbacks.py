@@ -105,6 +105,7 @@ def test_ema_under_fsdp_is_sharded_and_matches_ddp(tmp_path):
 
 
 # ------------------------------------------------------------------------- a user's callback
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_users_callback_receives_every_hook_in_order(tmp_path):
     import toy
 
@@ -264,6 +265,7 @@ def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_pa
     assert ("on_eval_end", 22) in toy.RECORDED and not [h for h, _ in toy.RECORDED if h.startswith("training_only")]
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_eval_mode_without_a_checkpoint_is_a_clear_error(tmp_path):
     proc = python_train(["mode=eval"], tmp_path, timeout=60)
     assert proc.returncode == 2 and "mode=eval evaluates a checkpoint: name it" in proc.stdout + proc.stderr

@@ -68,6 +68,7 @@ def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, k
 # ranks in tests/test_resume_world_sizes.py (its 2-rank twin here checked nothing that one does not).
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_checkpoint_closes_the_log_interval_so_resume_loses_no_metrics(tmp_path):
     """Logs every 5 steps, checkpoints every 7: each checkpoint step logs too, so a run that crashes after
     a checkpoint and resumes has every interval's metrics once, equal to the uninterrupted run's."""
@@ -96,6 +97,7 @@ def test_checkpoint_rotation_keeps_last_k_and_best(tmp_path):
     assert "model:" in last["meta"]["config"] and last["meta"]["world_size"] == 1
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_writer_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     script = f"""
 import os, torch
@@ -118,6 +120,7 @@ checkpoint.save({{"step": 2, "w": torch.zeros(1000)}}, d, 2, keep_last=2, is_bes
     assert list(tmp_path.glob(".step-00000002.pt.tmp*"))  # the half-written file never replaced anything
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path, caplog):
     args = ["model=mlp", "num_epochs=2", "checkpoint.every_n_steps=10", "progress=none"]
     ddplab.run(compose_cfg(args + ["stop_after_epochs=1"], run_dir=tmp_path))

@@ -53,6 +53,7 @@ def test_a_failed_or_empty_suite_fails_ci_before_the_docs(tmp_path, code):
     assert not any(c.startswith("mkdocs") for c in calls)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_test_file_skipped_at_import_under_ci_fails_the_run(tmp_path):
     """Issue 45: six HF/MLflow files skip themselves when their extra does not import; a broken extra made ~50
     tests vanish with CI green. Under DDPLAB_CI=1 (.ci/run) such a file fails the run; outside CI it skips."""

@@ -8,6 +8,7 @@ import functools
 import re
 import sys
 
+import pytest
 from helpers.jobs import CONF, REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -19,6 +20,7 @@ from ddplab.config.groups import GROUPS  # noqa: E402
 rendered = functools.cache(config_reference.render)  # composes every option of conf/ (seconds): once a session
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_reference_page_is_what_the_schema_and_conf_say_today():
     text = rendered()
     assert (REPO / "docs" / "reference.md").read_text() == text, "Fix: python scripts/config_reference.py"

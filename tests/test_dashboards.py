@@ -194,6 +194,7 @@ def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs
     assert read_scalars(tmp_path)["train/loss"] == [(5, 2.0)]
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_purge_after_the_event_file_opened_still_drops_the_steps_after_the_checkpoint(tmp_path):
     """A callback wrote a scalar in its setup (the file opened before the resume said where to purge from):
     purge_after closes it, and the next write opens a file that drops the crashed attempt's later steps."""

@@ -65,6 +65,7 @@ def test_one_file_streams_exactly_the_in_memory_windows_and_rows(tmp_path):
 
 
 @pytest.mark.parametrize("task", ["lm", "labelled"])
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatch, task):
     """Reads of 5 rows: resumes mid-read, at a read's end, at a file's end and after the last sample."""
     monkeypatch.setattr(hf_stream, "ROWS_PER_READ", 5)

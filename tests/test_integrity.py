@@ -106,6 +106,7 @@ def test_resume_auto_search_matches_the_config_digest_and_stays_in_its_own_root(
 
 
 # ------------------------------------------------------------------ a full disk
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_continues(tmp_path, monkeypatch):
     args = BASE + ["checkpoint.every_n_steps=5"]
     real_save, calls = torch.save, []
@@ -183,6 +184,7 @@ def test_file_init_in_a_missing_dir_is_refused_at_once_under_torchrun(tmp_path):
     assert out.count(f"its directory {tmp_path}/missing/dir does not exist") == 1, out[-3000:]
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
     import os
 
@@ -252,6 +254,7 @@ def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
         ddplab.run(compose_cfg(["dataset=synthetic", "dataset.image_size=1", "num_epochs=1"], tmp_path / "r"))
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_read_only_run_dir_is_one_clear_line(tmp_path):
     with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         proc = python_train([f"hydra.run.dir={ro}/run", "num_epochs=1"], tmp_path, timeout=60)
@@ -260,6 +263,7 @@ def test_a_read_only_run_dir_is_one_clear_line(tmp_path):
     assert "Fix: hydra.run.dir=" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path):
     import os
 
@@ -322,6 +326,7 @@ def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path, 
                          "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."), said
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_an_unreadable_checkpoint_for_mode_eval_is_one_line_with_exit_2(tmp_path):
     """mode=eval loads its checkpoint outside a training Session: the error, an input error now, was said by
     nobody (exit 2, no output at all)."""

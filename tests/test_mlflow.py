@@ -125,6 +125,7 @@ def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once
     assert [s for s, _ in read_scalars(tmp_path / "run" / "tb")["train/loss"]] == [2, 4, 6, 8, 10, 12]
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_default_store_is_mlflows_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # MLflow's local stores keep artifacts under ./mlruns
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")

@@ -98,6 +98,7 @@ def test_keras3_convnet_trains_under_ddp_and_resumes(tmp_path):
     assert any("batch_normalization/moving_mean" in k for k in ck["model"])  # Keras' own variable names
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_keras_adapter_passes_train_and_eval_modes():
     if importlib.util.find_spec("keras") is None:
         pytest.skip("keras not installed")

@@ -71,6 +71,7 @@ def test_result_json_keeps_the_training_metrics_when_a_finished_run_is_resumed(t
     assert refused["status"] == "failed" and refused["previous"]["metrics"] == again, refused
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_run_killed_before_its_first_checkpoint_reruns_with_one_tensorboard_history(tmp_path):
     """Found by scripts/soak.py (seed 271041745): killed before any checkpoint, resume=auto starts afresh in
     the same run dir; the dead attempt's logged steps must not show twice in TensorBoard."""

@@ -30,6 +30,7 @@ def with_password(uri: str) -> str:
     return uri.replace("http://", f"http://alice:{PASSWORD}@")
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_nowhere(tmp_path, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -50,6 +51,7 @@ def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_
     assert "***@" in (run / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_server_that_is_down_is_said_without_the_password(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

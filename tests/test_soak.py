@@ -36,6 +36,7 @@ def extends(partial: dict[str, object]) -> bool:
     return valid(partial) and search(partial, 0)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     # Valid pairs, found the slow way: those some trial satisfying every constraint contains.
     every = {((a, va), (b, vb)) for a, b in itertools.combinations(DIMENSIONS, 2) for va in DIMENSIONS[a]

@@ -68,6 +68,7 @@ def test_600_steps_evaluated_every_100_exactly_at_world_sizes_1_2_3(
     # ranks in tests/test_resume_world_sizes.py (this test's 2-rank stop checked nothing that one does not).
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_how_often_a_run_evaluates_changes_no_weight_and_best_pt_follows_step_evaluations(tmp_path, corpus):
     """Evaluations keep training's random streams where they were (dropout here): weights are bitwise the same
     whatever eval_every_n_steps; best.pt is the best step evaluation's."""
@@ -83,6 +84,7 @@ def test_how_often_a_run_evaluates_changes_no_weight_and_best_pt_follows_step_ev
     assert saved["loop"]["step"] == best_step and out[20]["val/loss_best"] == pytest.approx(best, rel=1e-6)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus, caplog):
     caplog.set_level("INFO", logger="ddplab")
     both = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=1", "max_steps=1000", "log_every_n_steps=50"],
@@ -134,6 +136,7 @@ def test_length_config_errors_name_the_key_the_value_and_the_fix(override, match
         validate(compose_cfg(override))
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_run_by_steps_resumed_after_its_end_trains_nothing_and_says_so(tmp_path, corpus, caplog):
     args = LM + corpus + ["num_epochs=null", "max_steps=30"]
     ddplab.run(compose_cfg(args, tmp_path / "r"))

@@ -92,6 +92,7 @@ def _text(tmp_path: Path) -> Path:
     return p
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_lm_kill_and_resume_is_bitwise(tmp_path):
     args = LM + [f"dataset.path={_text(tmp_path)}", "num_epochs=2", "model.dropout=0.1", "checkpoint.every_n_steps=5"]
     ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))

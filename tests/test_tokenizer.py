@@ -50,6 +50,7 @@ def ids(path: Path) -> np.ndarray:
     return np.fromfile(path, dtype=meta["dtype"]).astype(np.int64)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_workers_is_the_whole_texts(
         tmp_path, monkeypatch):
     """Chunks of 4 KB (some 40 cuts; 2 workers) give the ids of the text encoded whole, train then val."""
@@ -97,6 +98,7 @@ def test_a_local_tokenizer_json_is_used_as_it_is_and_a_run_trains_on_its_ids(tmp
     assert result["step"] > 0 and np.isfinite(result["val/loss"])
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_vocabulary_smaller_than_the_tokenizers_is_one_line_naming_it_exit_2(tmp_path):
     book, script = text_file(tmp_path, 1500), make_tokens()
     script.main([str(book), "--out", str(tmp_path / "d"), "--train-bpe", "330"])

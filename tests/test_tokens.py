@@ -218,6 +218,7 @@ def shards(tmp_path: Path, n: int = 4) -> tuple[Path, Path]:
     return out / "train", out / "val.bin"
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_token_shards_stream_every_window_once_an_epoch_and_resume_from_their_state(tmp_path):
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.streams import StreamLoader

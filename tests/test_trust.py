@@ -95,6 +95,7 @@ def test_mode_eval_of_a_crafted_checkpoint_runs_nothing(tmp_path, trained, name)
     assert not ran(marker, how)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_mode_eval_refusal_under_train_py_is_one_line_exit_2(tmp_path, trained):
     model, marker, how = payloads(tmp_path)["savetxt"]
     path = crafted(trained, tmp_path, model)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 RANK = r"""
 import os, sys, time, torch
 from torch.utils.data import DataLoader, Dataset
@@ -34,6 +36,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_killed_ranks_loader_workers_end_within_two_seconds_though_their_queue_is_full():
     rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True)
     workers = [int(p) for p in rank.stdout.readline().split()]
