@@ -30,6 +30,7 @@ def torchrun_cmd(nproc: int, args: list[str], script: Path = TRAIN) -> list[str]
 
 
 # ------------------------------------------------------------------------------------- EMA
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_path):
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -78,6 +79,7 @@ def test_val_ema_metrics_are_the_ema_weights_evaluated(tmp_path):
     assert out["val_ema/acc"] != out["val/acc"]  # the live weights give another answer: the swap is real
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_ema_is_restored_bitwise_on_resume(tmp_path):
     args = BASE + ["num_epochs=2", "callbacks=[ema]", "checkpoint.every_n_steps=5"]
     ddplab.run(compose_cfg(args, tmp_path / "ref"))
@@ -131,6 +133,7 @@ def test_a_users_callback_receives_every_hook_in_order(tmp_path):
     assert toy.RECORDED[-1][0] == "on_exception" and "on_fit_end" not in dict(toy.RECORDED)
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_callbacks_setup_sees_the_whole_state_and_on_load_the_resumed_one(tmp_path):
     """build_state hands the callbacks a State with every part in place (the writer, the checkpoint manager,
     the events dir: nothing filled in later), and ON_LOAD the resumed position."""

@@ -46,6 +46,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("kill_at,resumed", [(8, "0 epoch(s), 5 step(s)"),  # mid-epoch 1
                                              (23, "1 epoch(s), 22 step(s)"),  # first step after the epoch edge
                                              (38, "1 epoch(s), 35 step(s)")])  # mid-epoch 2
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, kill_at, resumed, caplog):
     args = FAULTY + [f"+model.fault_call={kill_at}", "+model.fault_rank=0"]
     with pytest.raises(RuntimeError, match="injected crash"):
@@ -169,6 +170,7 @@ def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
     assert out["step"] == 21 and out["val/acc"] > 0.5  # 22 batches, one step skipped, weights intact
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_fp16_scaler_skips_are_counted_not_errors(tmp_path):
     """An Inf gradient (finite loss) at step 7: the GradScaler skips that one step and halves its scale;
     the run goes on and the skip is counted in the interval that holds it."""

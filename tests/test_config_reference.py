@@ -40,6 +40,7 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
     assert blank == [], f"keys without a meaning (give the schema field a comment): {blank[:5]}"
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_check_mode_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "reference.md"
     stale.write_text("# stale\n")

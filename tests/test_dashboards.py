@@ -169,6 +169,7 @@ def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path)
     assert out[0].endswith("by val/mae (lower is better)") and max(map(len, out)) <= 85
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs(tmp_path):
     """TensorBoard reads event files in name order; within one second the name orders by pid and a
     counter as text. A resumed run's file must still come after the crashed run's, or the crashed

@@ -70,6 +70,7 @@ def test_an_ema_run_exports_its_ema_weights_which_load_outside_ddplab_and_score_
     (["run", "--weights", "ema"], "export --weights ema: the run kept no EMA (callbacks=[ema]). Fix: --weights raw"),
     (["run/result.json"], "export run/result.json: not a ddplab checkpoint ("),
 ])
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_what_cannot_be_exported_is_one_line_exit_2(tmp_path, args, said):
     if args[0].startswith("run"):
         ddplab.run(compose_cfg(BASE, tmp_path / "run"))

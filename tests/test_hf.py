@@ -36,6 +36,7 @@ def metrics(run: Path) -> dict:
     return json.loads((run / "result.json").read_text())["metrics"]
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_model_is_built_locally_and_fsdp_units_are_its_decoder_blocks(tmp_path):
     cfg = compose_cfg(LM + token_file(tmp_path), tmp_path / "run")
     model = build.model(cfg)

@@ -29,6 +29,7 @@ def load(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------ config drift on resume
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_resume_with_a_changed_config_is_refused_listing_every_difference(tmp_path):
     ddplab.run(compose_cfg(BASE + ["stop_after_epochs=1"], tmp_path / "a"))
     with pytest.raises(ConfigError) as e:
@@ -45,6 +46,7 @@ def test_resume_with_a_changed_config_is_refused_listing_every_difference(tmp_pa
     assert out["step"] == 44
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_records_it(tmp_path):
     ddplab.run(compose_cfg(BASE + ["stop_after_epochs=1"], tmp_path / "a"))
     same = BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=1"]

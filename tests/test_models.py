@@ -21,6 +21,7 @@ TV_RESNET50 = ["layer1.0.conv3.weight", "layer1.0.bn3.running_mean", "layer1.0.d
 
 @pytest.mark.parametrize("name,factory,keys", [("resnet18", resnet18, TV_RESNET18),
                                                 ("resnet50", resnet50, TV_RESNET50)])
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_torchvision_state_dict_loads_before_training(tmp_path, caplog, name, factory, keys):
     """An ImageNet-shaped torchvision state_dict (1000 classes, 7x7 stem) fine-tunes on 10 classes."""
     torch.manual_seed(1)
@@ -40,6 +41,7 @@ def test_torchvision_state_dict_loads_before_training(tmp_path, caplog, name, fa
     assert "fc.weight kept at its initialisation (file (1000," in caplog.text
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_weights_prefixes_checkpoints_and_wrong_architecture(tmp_path):
     m = resnet18(num_classes=10)
     wrapped = {f"module.{k}": v for k, v in m.state_dict().items()}  # saved from a DDP model

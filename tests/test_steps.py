@@ -146,6 +146,7 @@ def test_a_run_by_steps_resumed_after_its_end_trains_nothing_and_says_so(tmp_pat
     assert "already finished: 30 of 30 steps done, nothing to train" in caplog.text
 
 
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_early_stopping_follows_step_evaluations(tmp_path, corpus, caplog):
     caplog.set_level("INFO", logger="ddplab")
     out = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=null", "max_steps=600", "eval_every_n_steps=20",

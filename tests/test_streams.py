@@ -50,6 +50,7 @@ def test_ranks_slice_the_same_global_batches_and_each_sample_comes_once():
 
 
 @pytest.mark.parametrize("stateful,workers", [(True, 0), (False, 0), (True, 2), (False, 2)])
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_checkpointed_position_continues_where_it_stopped(stateful, workers):
     """The loader's state after 3 batches (torchdata: the dataset's own state in each worker, or a replay)
     makes a fresh loader yield exactly the rest; at another world size too, since the state is the stream's."""
