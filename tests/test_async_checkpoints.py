@@ -130,9 +130,11 @@ def test_a_stop_during_a_background_write_waits_for_it_and_saves_its_own_step(tm
     run, log = tmp_path / "run", tmp_path / "run.log"
     cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
     # SIGTERM as step 10's checkpoint starts being written in the background; its write takes 2 s.
+    note = tmp_path / "signalled"
     proc = start(cmd + ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=2",
-                        "+callbacks.disk.signal_at=10"], tmp_path, log)
-    took = finish(proc, log, timeout=60)
+                        "+callbacks.disk.signal_at=10", f"+callbacks.disk.note={note}"], tmp_path, log)
+    finish(proc, log, timeout=60)
+    took = time.time() - float(note.read_text())  # from the signal (the start-up before it is no part of it)
     out = log.read_text()
     res = result(run)
     assert res["status"] == "preempted" and res["signal"] == "SIGTERM", out[-3000:]

@@ -5,6 +5,7 @@ Named by `_target_=toy.X` (toy.py re-exports them)."""
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,10 +89,12 @@ class SlowDisk:
     """A slow file system under the checkpoints: every step file takes ``delay_s`` longer to write.
     ``signal_at``: rank 0 sends ``signal`` as that step's file starts being written (the write is then in
     flight, in the background with checkpoint.async_save): to its whole process group (``to="group"``, what
-    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent)."""
+    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent). ``note``: a file the
+    signal's wall time is written to (a test measures from the signal, not from the process's start)."""
 
-    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group"):
-        self.delay_s, self.signal_at, self.signal, self.to = delay_s, signal_at, signal, to
+    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group",
+                 note: str = ""):
+        self.delay_s, self.signal_at, self.signal, self.to, self.note = delay_s, signal_at, signal, to, note
         self._real = None
 
     def setup(self, state):
@@ -102,6 +105,8 @@ class SlowDisk:
         def slow(obj, path):
             if self.signal_at and path.name == f"step-{self.signal_at:08d}.pt":
                 sig = getattr(signal, self.signal)
+                if self.note:
+                    Path(self.note).write_text(repr(time.time()))
                 os.kill(os.getppid(), sig) if self.to == "launcher" else os.killpg(os.getpgid(0), sig)
             time.sleep(self.delay_s)
             real(obj, path)
