@@ -304,6 +304,7 @@ def test_a_soak_trial_under_srun_resumes_bitwise(tmp_path):
     proc = run_cmd([sys.executable, "scripts/soak.py", "--slurm", "--only", "106647342", "--workdir", str(tmp_path / "s")],
                    Path(TRAIN).parent, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "slurm      ddp  stream train              SIGUSR1->launcher@backward" in proc.stdout
+    # the trial that seed draws (its feature in play, drawn since, is EMA): the label's words, any spacing
+    assert re.search(r"slurm\s+x2 ddp\s+stream\s+train\s+ema\s+SIGUSR1->launcher@backward", proc.stdout), proc.stdout
     assert re.search(r"preempted at step \d+ \(SIGUSR1\), exit 138", proc.stdout), proc.stdout[-2000:]
     assert "1/1 trials held" in proc.stdout
