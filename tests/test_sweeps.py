@@ -2,7 +2,6 @@
 
 import re
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.jobs import REPO, assert_ok, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, own_tmpdir, python_train, read_scalars, run_cmd, torchrun
 from ddplab.events import events_in, read_hparams
 from ddplab.rundir import read_result
 from ddplab.sweep import summarize
@@ -24,19 +23,15 @@ def sweep_jobs(cwd: Path) -> list[Path]:
                   key=lambda p: (p.parent.name, int(p.name)))
 
 
-def scratch_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("ddplab-rank*")}
-
-
 def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
-    before = scratch_dirs()
+    tmp_env, scratch_left = own_tmpdir(tmp_path)
     proc = torchrun(2, ["-m", "optimizer.lr=0.1,0.01", "model=mlp,convnet", "num_epochs=1", "progress=none"],
-                    tmp_path, timeout=300)
+                    tmp_path, timeout=300, extra_env=tmp_env)
     assert_ok(proc)
     jobs = sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1", "2", "3"]  # exactly 4 job dirs, none per rank
     assert len(list((tmp_path / "multirun").glob("*/*"))) == 1
-    assert scratch_dirs() <= before
+    assert scratch_left() == []  # no rank's throwaway Hydra dir stays
     seen = set()
     for job in jobs:
         events = list(events_in(job).glob("events.out.tfevents*"))

@@ -3,7 +3,6 @@
 import math
 import sys
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -11,28 +10,24 @@ import pytest
 import torch
 import yaml
 
-from helpers.jobs import REPO, assert_ok, job_dirs, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, own_tmpdir, job_dirs, python_train, read_scalars, run_cmd, torchrun
 
 pytestmark = pytest.mark.dist
 
 DIGITS_TRAIN, DIGITS_VAL = 1438, 359  # val is odd: exact eval must report 359 on 2 ranks
 
 
-def scratch_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("ddplab-rank*")}
-
-
 def test_torchrun_resnet18_amp_two_ranks(tmp_path):
-    before = scratch_dirs()
+    tmp_env, scratch_left = own_tmpdir(tmp_path)
     proc = torchrun(2, ["model=resnet18", "amp=true", "amp_dtype=bf16", "num_epochs=1", "batch_size=128",
-                        "log_every_n_steps=5", "progress=log"], tmp_path, timeout=240)
+                        "log_every_n_steps=5", "progress=log"], tmp_path, timeout=240, extra_env=tmp_env)
     assert_ok(proc)
     dirs = job_dirs(tmp_path)
     assert len(dirs) == 1, dirs  # one dir for the job, none per rank
     run = dirs[0]
     assert (run / ".hydra" / "config.yaml").is_file()
     assert (run / "checkpoints" / "last.pt").is_file()
-    assert scratch_dirs() <= before  # rank 1's throwaway Hydra dir was removed
+    assert scratch_left() == []  # rank 1's throwaway Hydra dir was removed
     events = list((run / "tb").glob("events.out.tfevents*"))
     assert len(events) == 1  # rank 0 alone writes
 

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -95,6 +95,15 @@ def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
 def python_train(args: list[str], cwd: Path, timeout: float = 300,
                  extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout, extra_env)
+
+
+def own_tmpdir(tmp_path: Path) -> tuple[dict[str, str], Callable[[], list[str]]]:
+    """A TMPDIR of the test's own, and what ddplab's ranks left in it (their scratch Hydra dirs,
+    ``ddplab-rank*``): the machine's temp dir also holds the scratch of jobs other tests run beside this one
+    (pytest -n 2), so a before/after look there is a race."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    return {"TMPDIR": str(tmp)}, lambda: sorted(p.name for p in tmp.glob("ddplab-rank*"))
 
 
 def run_killed_after_step(cfg: DictConfig, step: int) -> None:
