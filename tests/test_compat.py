@@ -127,3 +127,50 @@ def test_settle_ddp_buckets_gives_ddp_its_final_layout_before_any_step(tmp_path)
         assert compat.settle_ddp_buckets(DDP(model, find_unused_parameters=True)) is False  # never rebuilds
     finally:
         dist.destroy_process_group()
+
+
+def _what_a_fork_of_the_server_has(conn) -> None:
+    import signal
+    import sys
+
+    conn.send(("colorsys" in sys.modules, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN))
+
+
+@pytest.mark.slow  # starts a fork server (a process)
+def test_rank_server_is_a_server_of_its_own_that_preloads_outlives_stop_signals_and_ends_with_the_launch():
+    import multiprocessing
+    import os
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    pids = []
+    for _ in range(2):  # each launch its own server: one an earlier launch started holds that launch's environment
+        with compat.rank_server(["colorsys"], (signal.SIGTERM,)) as method:
+            assert method == "forkserver"
+            pid = forkserver._forkserver._forkserver_pid
+            os.kill(pid, signal.SIGTERM)  # a stop signal to the whole process group reaches the server too
+            time.sleep(0.3)
+            assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"  # still serving
+            ours, theirs = multiprocessing.Pipe()
+            child = multiprocessing.get_context("forkserver").Process(target=_what_a_fork_of_the_server_has,
+                                                                      args=(theirs,))
+            child.start()
+            assert ours.recv() == (True, True)  # preloaded; the server's ignoring inherited (a rank sets its own)
+            child.join(30)
+            assert child.exitcode == 0
+        pids.append(pid)
+        with pytest.raises(ProcessLookupError):  # stopped, and reaped, as the launch ended
+            os.kill(pid, 0)
+    assert pids[0] != pids[1]
+
+
+@pytest.mark.slow  # a process of its own: the test's own atexit handlers must not run
+def test_run_exit_handlers_runs_each_atexit_handler_now_and_once():
+    import subprocess
+    import sys
+
+    code = ("import atexit, os\nfrom ddplab import compat\natexit.register(print, 'ran', flush=True)\n"
+            "compat.run_exit_handlers()\ncompat.run_exit_handlers()\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "ran\n"), out.stderr

@@ -15,6 +15,8 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | record/dump_cuda_memory | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | documented, still private |
 | optuna_trial            | ``Study._storage``, ``Study._study_id`` (trial id of a number) | ``Trial`` needs the id |
 | settle_ddp_buckets      | ``DDP._module_parameters``, ``Reducer.prepare_for_backward``, ``._rebuild_buckets`` | layout fixed after a step |
+| rank_server             | ``multiprocessing.forkserver._forkserver._stop`` (Python's)  | one server a process, never stopped |
+| run_exit_handlers       | ``atexit._run_exitfuncs`` (Python's)                      | a fork's exit skips atexit   |
 """
 
 from __future__ import annotations
@@ -65,6 +67,46 @@ def agent_store_servers(make: Callable[[str, int], Any]) -> Iterator[None]:
     finally:
         if original is not None:
             handler._create_tcp_store_server = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def rank_server(preload: list[str], held: tuple[int, ...]) -> Iterator[str]:
+    """The start method for a self-launch's ranks: ``"forkserver"``, a server of this launch's own that
+    imported ``preload`` once (each rank is a fork of it: no interpreter start and no imports of its own),
+    or ``"spawn"`` where Python has no server to manage. multiprocessing keeps one server a process and
+    never stops it: it is stopped before (one an earlier job started holds that job's environment) and
+    after (it would outlive the job). The server starts ignoring ``held``, so a stop signal sent to the
+    whole process group or job step never ends it (its ranks' exit codes would be lost with it); its forks
+    inherit that (and the mask, in part), and set their own."""
+    import multiprocessing
+    import signal
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(server, "_stop"):
+        yield "spawn"
+        return
+    server._stop()
+    forkserver.set_forkserver_preload(preload)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)  # one sent to this process meanwhile stays pending
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}  # what the server's start inherits
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # and is delivered now, to this process's handler
+    try:
+        yield "forkserver"
+    finally:
+        server._stop()  # waits for it: it ends once the ranks (and their loader workers) have
+
+
+def run_exit_handlers() -> None:
+    """What a process's atexit handlers do at interpreter exit, now (each runs once: the list is emptied)."""
+    import atexit
+
+    atexit._run_exitfuncs()
 
 
 def has_agent_store_hook() -> bool:

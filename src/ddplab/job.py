@@ -91,6 +91,12 @@ def _check_room(cfg: DictConfig) -> None:
                           f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, SLURM)")
 
 
+# What every rank imports after it starts, imported once for all of them in the server they are forked from
+# (runtime.launch): the loop, torch's compiler stack (torch.optim's first step imports it: a second a process)
+# and rank 0's TensorBoard writer.
+RANK_IMPORTS = ("ddplab.train.assemble", "ddplab.train.loop", "torch._dynamo", "torch.utils.tensorboard")
+
+
 def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
     from ddplab.runtime.launch import launch
 
@@ -105,7 +111,7 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
 
     started = time.time()
     try:
-        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir)
+        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir, RANK_IMPORTS)
     except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
         noted = (rundir.read_result(run_dir, since=started) or {}).get(
             "error", "config error: a rank refused the config (see its log)")  # not an earlier run's result.json

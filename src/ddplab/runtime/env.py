@@ -86,14 +86,18 @@ def srun_task() -> bool:
 
 
 def is_self_launched() -> bool:
-    return os.environ.get(SELF_LAUNCHED) == "1"
+    """A rank of ddplab's self-launch: the variable holds its launcher's pid (in the launcher, which set it,
+    that pid is this process's own)."""
+    value = os.environ.get(SELF_LAUNCHED, "")
+    return value.isdigit() and int(value) != os.getpid()
 
 
 def prepare_self_launch(nproc: int) -> None:
-    """Before spawning ``nproc`` local ranks: they inherit the flag (so they never launch
-    again) and, unless the user chose otherwise, one share of the cores each."""
+    """Before starting ``nproc`` local ranks: they inherit the flag, which names this process as their
+    launcher (so they never launch again, and they watch it), and, unless the user chose otherwise, one
+    share of the cores each."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ[SELF_LAUNCHED] = "1"
+    os.environ[SELF_LAUNCHED] = str(os.getpid())
 
 
 def onednn_isa_cap() -> str | None:
@@ -163,15 +167,31 @@ def launcher_pid() -> int | None:
     process nobody launched (``python train.py``: a closed shell is not a reason to stop), and under an
     ``sbatch`` script without ``srun`` (SLURM ends that whole process tree itself)."""
     e = os.environ
-    if is_self_launched() or "TORCHELASTIC_RUN_ID" in e or "SLURM_STEP_ID" in e:
+    if is_self_launched():  # the fork server that started this rank sits between (runtime.launch)
+        return int(e[SELF_LAUNCHED])
+    if "TORCHELASTIC_RUN_ID" in e or "SLURM_STEP_ID" in e:
         return _PARENT_AT_START
     return None
 
 
 def launcher_gone() -> int | None:
-    """The launcher's pid if it has died (this process was reparented), else None."""
+    """The launcher's pid if it has died, else None."""
     pid = launcher_pid()
-    return pid if pid is not None and os.getppid() != pid else None
+    return pid if pid is not None and orphaned(pid) else None
+
+
+def orphaned(launcher: int) -> bool:
+    """``launcher`` has died: the kernel re-parented this process (to init or a subreaper) or, for a
+    self-launched rank, the fork server between them, which outlives the launcher while its ranks do."""
+    parent = os.getppid()
+    if parent == launcher:
+        return False
+    if not is_self_launched():
+        return True
+    try:  # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses
+        return int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher
+    except (OSError, ValueError, IndexError):  # no /proc (not Linux): only a launcher that is the parent is watched
+        return False
 
 
 # How long a launcher waits after forwarding its stop signal before it kills the ranks: torchrun's
@@ -265,7 +285,7 @@ def run_dir_memo() -> Path | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
-    return private_dir() / f"run-{run_id}-{os.getppid()}"
+    return private_dir() / f"run-{run_id}-{launcher_pid() or os.getppid()}"
 
 
 def forget_memo(run_id: str) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -38,6 +39,9 @@ SAID_EXIT = 4
 CONFIG_REPORT_GRACE_S = 3.0
 # A rank that returned its result leaves this long after, if the agent has not let it go (see _rank_main).
 RETURNED_EXIT_S = 3.0
+# What the ranks' fork server never acts on (it ignores SIGINT itself): a launcher or a cluster sends these to
+# a whole process group or job step, and the server's death would lose its ranks' exit codes.
+SERVER_HOLDS = tuple(SIGNALS) + (signal.SIGHUP, signal.SIGQUIT)
 
 
 def let_rank_zero_report() -> None:
@@ -66,10 +70,13 @@ class RankFailed(RuntimeError):
         self.killed_by = killed_by
 
 
-def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path) -> dict[str, float]:
+def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path,
+           preload: tuple[str, ...] = ()) -> dict[str, float]:
     """Run ``entry(job)`` on ``nproc`` local ranks; return rank 0's result.
 
-    ``entry`` must be importable by name (a module-level function): the ranks are spawned.
+    ``entry`` must be importable by name (a module-level function). The ranks are forks of a server that
+    imported ``entry``'s module and ``preload`` once (compat.rank_server): a rank costs no interpreter
+    start-up (seconds of CPU each), and a restart neither.
     """
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -82,9 +89,12 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
         # the ranks spawned below cannot resolve; they only need plain spawn.
         multiprocessing.set_start_method("spawn", force=True)
     log.info("self-launch: %d local ranks (max_restarts=%d)", nproc, max_restarts)
+    from ddplab import compat
+
     run_id = uuid.uuid4().hex
     try:
-        return _launch(entry, job, nproc, max_restarts, run_dir, run_id, extra)
+        with compat.rank_server(["__main__", entry.__module__, *preload], SERVER_HOLDS) as start_method:
+            return _launch(entry, job, nproc, max_restarts, run_dir, run_id, {**extra, "start_method": start_method})
     finally:
         with contextlib.suppress(OSError, RuntimeError):  # never in place of the job's own outcome
             env.forget_memo(run_id)
@@ -103,7 +113,9 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
                 max_restarts=max_restarts, monitor_interval=0.2, **extra,
             )
-            results = elastic_launch(config, _rank_main)(entry, job, str(run_dir))
+            # (the start method the ranks' own processes, their loader workers, get: this process's, as under spawn)
+            results = elastic_launch(config, _rank_main)(entry, job, str(run_dir), config.start_method,
+                                                         multiprocessing.get_start_method())
     except SignalException as e:  # the agent stopped the ranks with our signal; they checkpointed
         raise Preempted(e.sigval.name, -1, None) from None
     except ChildFailedError as e:
@@ -127,10 +139,22 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
     return results[0]
 
 
-def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str) -> dict[str, float]:
-    """Body of each spawned rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
+def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str, start_method: str,
+               children_start: str) -> dict[str, float]:
+    """Body of each rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
+    from ddplab import compat
     from ddplab.runtime.console import ConsoleFormatter, quiet_log_files
 
+    if start_method == "forkserver":
+        for sig in SERVER_HOLDS:  # ignored (some also blocked) by the server it was forked from; a spawned rank
+            signal.signal(sig, signal.SIG_DFL)  # starts with the defaults
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_HOLDS)
+        # A fork ends in os._exit once multiprocessing's finalizers ran: the atexit handlers a spawned
+        # interpreter would run at its exit (the user's, MLflow's, teardown's below) run as its last finalizer.
+        multiprocessing.util.Finalize(None, compat.run_exit_handlers, exitpriority=-1)
+        # A fork of the server would start its own processes through a server too: loader workers that are
+        # not the rank's children outlive a killed rank (its watch, signals.shield_worker, looks at the parent).
+        multiprocessing.set_start_method(children_start, force=True)
     rank = env.rank()
     root = logging.getLogger()
     console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)

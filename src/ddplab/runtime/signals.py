@@ -22,6 +22,8 @@ import threading
 import time
 from types import FrameType
 
+from ddplab.runtime import env
+
 log = logging.getLogger("ddplab")
 
 # SIGUSR2: submitit's preemption / time-limit signal (ddplab checkpoints, then hands it on to submitit).
@@ -156,11 +158,11 @@ class StopSignal:
         self._old.clear()
 
     def reason(self) -> str | None:
-        """Why this rank stops: the first signal's name, or that its launcher died. torch's spawned ranks
-        (self-launch) get SIGINT as their parent-death signal, maybe before they are re-parented: asked
-        later (when the stop is carried out), the parent pid tells which it was. With no request of its own
+        """Why this rank stops: the first signal's name, or that its launcher died. torch's ranks (self-launch)
+        get SIGINT as the death signal of the process that started them, maybe before a parent pid changes:
+        asked later (when the stop is carried out), the parent pids tell which it was. With no request of its own
         (a peer's flag stopped it before this rank's watch polled), a dead launcher is still the reason."""
-        orphan = self._launcher is not None and os.getppid() != self._launcher
+        orphan = self._launcher is not None and env.orphaned(self._launcher)
         if self.name is None and orphan:
             return f"launcher died (pid {self._launcher})"
         if self.name and orphan and not self.name.startswith("launcher died"):
@@ -175,9 +177,9 @@ class StopSignal:
 
     def _watch_launcher(self, pid: int) -> None:
         """A rank whose launcher died is an orphan: nobody will stop it, restart it or collect its exit
-        code. The kernel re-parents it (to init or a subreaper), so its parent pid changes: poll that."""
+        code. The kernel re-parents it (or the fork server between them), so a parent pid changes: poll that."""
         while not self._watching.wait(LAUNCHER_POLL_S):
-            if os.getppid() != pid:
+            if env.orphaned(pid):
                 self.request(f"launcher died (pid {pid})")
                 return
 
