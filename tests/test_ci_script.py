@@ -30,6 +30,9 @@ def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]
     bin_dir.mkdir()
     for name in STEPS:
         _fake(bin_dir, name, fail_on, code)
+    (repo / "scripts").mkdir()
+    for name in ("slurm_local.sh", "netns_cluster.sh"):  # the clusters, faked the same way
+        _fake(repo / "scripts", name, fail_on, code)
     calls = tmp_path / "calls"
     calls.touch()
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls)}
@@ -41,7 +44,8 @@ def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]
 def test_a_failed_install_fails_ci_before_the_suite(tmp_path, fail_on):
     rc, calls = run_ci(tmp_path, fail_on)
     assert rc != 0
-    assert calls[-1].startswith(fail_on), calls  # nothing ran after the failed install
+    steps = [c for c in calls if c != "slurm_local.sh up"]  # the cluster starts beside the installs
+    assert steps[-1].startswith(fail_on), calls  # nothing ran after the failed install
     assert not any(c.startswith(("python", "mkdocs")) for c in calls)
 
 
@@ -71,3 +75,10 @@ def test_a_test_file_skipped_at_import_under_ci_fails_the_run(tmp_path):
     env.pop("DDPLAB_CI", None)
     local = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert local.returncode == 5 and "1 skipped" in local.stdout, local.stdout[-2000:]  # skipped: nothing ran
+
+
+def test_a_cluster_that_does_not_start_fails_ci_before_the_suite(tmp_path):
+    """The one-node SLURM cluster starts beside the installs; the suite that runs its tests waits for it."""
+    rc, calls = run_ci(tmp_path, "slurm_local.sh up")
+    assert rc != 0 and "slurm_local.sh up" in calls, calls
+    assert not any(c.startswith(("python -m pytest", "mkdocs")) for c in calls), calls

@@ -18,7 +18,9 @@ import torch
 from helpers.jobs import TRAIN, job_env, read_scalars, run_cmd
 from soak_toy import check_intervals
 
-pytestmark = pytest.mark.slurm
+# One xdist worker takes them in turn (--dist loadgroup): the one-node cluster runs one 2-task job at a time,
+# and a test's bound would count another test's job queued ahead of its own.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 SMALL = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=log"]
 # Each training forward sleeps: a run long enough to meet its time limit (88 steps x 0.6 s, 2 ranks).
@@ -41,7 +43,7 @@ _why = _cluster_up()
 if _why and os.environ.get("DDPLAB_REQUIRE_SLURM") == "1":  # .ci/run started a cluster: no silent skip
     raise RuntimeError(f"DDPLAB_REQUIRE_SLURM=1 but {_why}")
 if _why:
-    pytestmark = [pytest.mark.slurm, pytest.mark.skip(reason=f"{_why}: start one with scripts/slurm_local.sh up")]
+    pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.skip(reason=f"{_why}: start one with scripts/slurm_local.sh up")]
 
 
 def sbatch(tmp_path: Path, body: str, options: list[str]) -> str:
