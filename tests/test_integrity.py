@@ -366,3 +366,27 @@ def test_a_log_file_on_a_full_disk_is_given_up_in_one_line(capfd):
     assert "Traceback" not in err and "Logging error" not in err, err
     assert err.count("ddplab: stopped writing /dev/full: [Errno 28] No space left on device (the console keeps "
                      "the log)") == 1, err
+
+
+def test_a_completion_that_cannot_be_recorded_fails_the_job_instead_of_exit_0(tmp_path, monkeypatch):
+    """Found by the soak (seed 4908357, in CI): the disk filled as the last checkpoint was written; the job said
+    it could not write result.json and exited 0, so a sweep or a scheduler saw success with no record of it."""
+    import logging
+
+    import ddplab
+    from ddplab import rundir
+    from ddplab.errors import ResourceError
+    from helpers.jobs import compose_cfg
+
+    real = rundir.write_result
+
+    def full_disk(run_dir, result):
+        if result.get("status") != "completed":
+            return real(run_dir, result)
+        logging.getLogger("ddplab").error("could not write %s: [Errno 28] No space left on device", run_dir)
+        return False
+
+    monkeypatch.setattr(rundir, "write_result", full_disk)
+    with pytest.raises(ResourceError, match=r"completed and its checkpoints are written, but its record .*resume=auto"):
+        ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=none"], run_dir=tmp_path))
+    assert (tmp_path / "checkpoints" / "last.pt").is_file()

@@ -210,7 +210,7 @@ def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
     run = tmp_path / "outputs" / f"slurm-{job}"
     log = (run / "train.log").read_text()
     stops = re.findall(r"preempted: stopped by SIGUSR1 at step (\d+)", log)
-    assert len(stops) == log.count(f"requeued SLURM job {job}:") == requeues, log[-4000:]
+    assert len(stops) == log.count(f"requeueing SLURM job {job}:") == requeues, log[-4000:]
     assert [f"SLURM requeue {n}: continuing" in log for n in range(1, requeues + 1)] == [True] * requeues
     lag = _signal_to_checkpoint(log)
     assert len(lag) == requeues and max(lag) < 30, lag  # each checkpoint inside SLURM's default KillWait
@@ -235,7 +235,7 @@ def test_operator_requeue_resumes_bitwise(tmp_path, reference):
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, out[-4000:]
     log = (run / "train.log").read_text()
     assert "preempted: stopped by SIGTERM at step" in log and "SLURM requeue 1: continuing" in log
-    assert "requeued SLURM job" not in log  # SLURM requeued it itself: ddplab only checkpointed
+    assert "requeueing SLURM job" not in log  # SLURM requeued it itself: ddplab only checkpointed
     lag = _signal_to_checkpoint(log)
     assert len(lag) == 1 and lag[0] < 30, lag  # the stop's checkpoint inside SLURM's default KillWait
     _assert_same_as_uninterrupted(run, reference)  # and 0 steps lost: the resumed run ends where the reference does

@@ -41,6 +41,9 @@ def after_preemption(e: Preempted) -> str | None:
     job = env.slurm_job()
     if job is None or e.signal_name not in REQUEUE_ON:
         return None
+    # Said first: SLURM ends the job's processes as it requeues it, at times before scontrol has returned here
+    # (seen under load: the job requeued, this line never written). A failure is said after it.
+    log.warning("requeueing SLURM job %s: it resumes from the checkpoint when it starts again", job)
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -50,5 +53,4 @@ def after_preemption(e: Preempted) -> str | None:
         log.error("scontrol requeue %s failed: %s. Fix: submit with --requeue (or resubmit with resume=auto)",
                   job, (done.stderr or done.stdout).strip())
         return None
-    log.warning("requeued SLURM job %s: it resumes from the checkpoint when it starts again", job)
     return f"scontrol requeue {job}"
