@@ -368,6 +368,7 @@ def test_a_log_file_on_a_full_disk_is_given_up_in_one_line(capfd):
                      "the log)") == 1, err
 
 
+@pytest.mark.slow  # a second or more: a training run
 def test_a_completion_that_cannot_be_recorded_fails_the_job_instead_of_exit_0(tmp_path, monkeypatch):
     """Found by the soak (seed 4908357, in CI): the disk filled as the last checkpoint was written; the job said
     it could not write result.json and exited 0, so a sweep or a scheduler saw success with no record of it."""
