@@ -174,3 +174,23 @@ def test_run_exit_handlers_runs_each_atexit_handler_now_and_once():
             "compat.run_exit_handlers()\ncompat.run_exit_handlers()\nos._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (0, "ran\n"), out.stderr
+
+
+def test_rank_server_that_cannot_start_gives_spawn_and_leaves_this_processs_signals_as_they_were(monkeypatch):
+    """Its socket lives in TMPDIR: too long a path and it cannot start. The launch then spawns its ranks, and
+    the stop signals the launcher ignored and blocked while the server started are its own again."""
+    import signal
+    from multiprocessing import forkserver
+
+    def cannot(*_):
+        raise OSError("AF_UNIX path too long")
+
+    monkeypatch.setattr(forkserver, "ensure_running", cannot)
+    mine = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        with compat.rank_server(["colorsys"], (signal.SIGUSR1,)) as method:
+            assert method == "spawn"
+            assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN
+            assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGUSR1, mine)

@@ -92,13 +92,16 @@ def rank_server(preload: list[str], held: tuple[int, ...]) -> Iterator[str]:
     handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}  # what the server's start inherits
     try:
         forkserver.ensure_running()
+        started = True
     except OSError:  # its socket lives in TMPDIR: a path over the 107 bytes of an AF_UNIX address cannot
-        yield "spawn"  # (seen with a test's TMPDIR); the ranks start as spawned interpreters instead
-        return
+        started = False  # (seen with a test's TMPDIR); the ranks start as spawned interpreters instead
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # and is delivered now, to this process's handler
+    if not started:
+        yield "spawn"
+        return
     try:
         yield "forkserver"
     finally:
