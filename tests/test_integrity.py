@@ -391,3 +391,28 @@ def test_a_completion_that_cannot_be_recorded_fails_the_job_instead_of_exit_0(tm
     with pytest.raises(ResourceError, match=r"completed and its checkpoints are written, but its record .*resume=auto"):
         ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=none"], run_dir=tmp_path))
     assert (tmp_path / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.dist
+def test_a_completion_record_lost_to_a_full_disk_at_3_ranks_is_one_line_and_resume_auto_records_it(tmp_path):
+    """The soak's seed 4908357 again (CI, torchrun x3): rank 0 could not write result.json and raised, while its
+    peers waited in the last barrier and died of the lost connection with two tracebacks. Every rank now learns
+    the record failed: rank 0 says it once, nobody prints a traceback, and the same command with resume=auto
+    (disk freed) records the completion from the last checkpoint."""
+    with tmpfs(tmp_path / "disk", "size=16m") as disk:
+        run = disk / "run"
+        args = ["model=mlp", "batch_size=48", "num_epochs=1", "limit_train_steps=4", "progress=none", "checkpoint.async_save=true",
+                f"hydra.run.dir={run}"]
+        proc = torchrun(3, args + ["+callbacks.fill._target_=toy.FillsDiskAtFitEnd", f"+callbacks.fill.disk={disk}"],
+                        tmp_path, timeout=180)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-4000:]
+        said = [ln for ln in out.splitlines() if "the job completed and its checkpoints are written" in ln]
+        assert len(said) == 1 and "rank 0/3 failed" in said[0] and "resume=auto" in said[0], out[-4000:]
+        assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-4000:]
+        assert "Connection closed by peer" not in out, out[-4000:]
+        assert not (run / "result.json").exists() and (run / "checkpoints" / "last.pt").is_file()
+        (disk / "filler").unlink()
+        assert_ok(torchrun(3, args + ["resume=auto"], tmp_path, timeout=180))
+        res = json.loads((run / "result.json").read_text())
+        assert res["status"] == "completed" and res["metrics"]["step"] == 4, res

@@ -75,6 +75,20 @@ class KillLauncherAtFitEnd:
                 time.sleep(0.05)
 
 
+class FillsDiskAtFitEnd:
+    """Rank 0 fills the file system of ``disk`` once training is over: the last checkpoint is written, the
+    job's record (result.json) is not (the soak's seed 4908357: the disk filled as the last save ended)."""
+
+    def __init__(self, disk: str):
+        self.disk = disk
+
+    def on_fit_end(self, state, metrics):
+        if _rank() == 0:
+            from helpers.disk import fill
+
+            fill(Path(self.disk) / "filler")
+
+
 STALLS: list[tuple[int, float]] = []  # (step, seconds the loop paused) per checkpoint, in-process runs
 
 

@@ -24,6 +24,13 @@ class ResourceError(OSError):
     exits 1: the config and the data are fine, and the same command works once the resource is back."""
 
 
+class RecordWriteError(ResourceError):
+    """The job completed but rank 0 could not write its record (result.json). Rank 0 tells every rank (a peer
+    left waiting in the last barrier would die of the lost connection, with a traceback), and says it alone."""
+
+    alike_on_every_rank = True
+
+
 def mark_said(e: BaseException) -> BaseException:
     """``e`` has been said to the user in its one line (by the Session of the rank that met it): the entry
     point exits with its code and says nothing more."""

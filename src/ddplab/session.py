@@ -24,7 +24,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddplab import provenance, redact, rundir
 from ddplab.config.errors import ConfigError
-from ddplab.errors import ResourceError, mark_said
+from ddplab.errors import RecordWriteError, mark_said
 from ddplab.runtime import allocator, collectives, env, group
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import Preempted, StopSignal
@@ -121,17 +121,18 @@ class Session:
                  objective: dict[str, Any] | None = None) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
         objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
-        if self.dist.is_main:
-            if not rundir.write_result(self.run_dir, {"status": "completed", "metrics": metrics,
-                                                      **({"note": note} if note else {}),
-                                                      **({"objective": objective} if objective else {})}):
-                # A sweep, a study or a scheduler reads the job's end there: exit 0 without it would be a
-                # silent loss (the soak found it: the disk filled as the last checkpoint was written).
-                raise ResourceError(f"the job completed and its checkpoints are written, but its record "
-                                    f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
-                                    "run the same command with resume=auto: it records the completion")
-            if self._memo is not None:
-                self._memo.unlink(missing_ok=True)
+        written = self.dist.is_main and rundir.write_result(
+            self.run_dir, {"status": "completed", "metrics": metrics, **({"note": note} if note else {}),
+                           **({"objective": objective} if objective else {})})
+        # A sweep, a study or a scheduler reads the job's end there: exit 0 without it would be a silent loss
+        # (the soak found it: the disk filled as the last checkpoint was written). Every rank learns it, so
+        # that none waits in the last barrier for a rank 0 that is gone.
+        if not collectives.broadcast_object(written, self.dist):
+            raise RecordWriteError(f"the job completed and its checkpoints are written, but its record "
+                                   f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
+                                   "run the same command with resume=auto: it records the completion")
+        if self.dist.is_main and self._memo is not None:
+            self._memo.unlink(missing_ok=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
