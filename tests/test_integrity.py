@@ -408,7 +408,8 @@ def test_a_completion_record_lost_to_a_full_disk_at_3_ranks_is_one_line_and_resu
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, out[-4000:]
         said = [ln for ln in out.splitlines() if "the job completed and its checkpoints are written" in ln]
-        assert len(said) == 1 and "rank 0/3 failed" in said[0] and "resume=auto" in said[0], out[-4000:]
+        assert len(said) == 1 and "rank 0/3 failed after training (completed): RecordWriteError" in said[0], out[-4000:]
+        assert said[0].endswith("resume=auto: it records the completion") and out.count("could not write") == 1, out[-4000:]
         assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-4000:]
         assert "Connection closed by peer" not in out, out[-4000:]
         assert not (run / "result.json").exists() and (run / "checkpoints" / "last.pt").is_file()

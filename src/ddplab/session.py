@@ -121,6 +121,7 @@ class Session:
                  objective: dict[str, Any] | None = None) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
         objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
+        self._where = lambda: "after training (completed)"
         written = self.dist.is_main and rundir.write_result(
             self.run_dir, {"status": "completed", "metrics": metrics, **({"note": note} if note else {}),
                            **({"objective": objective} if objective else {})})
@@ -156,7 +157,8 @@ class Session:
                 log.error(says)
                 mark_said(exc)
                 said = says if says != report or silent_peer else None
-                if self._lock is not None:  # never into a run dir another job holds
+                # Never into a run dir another job holds; a record that just failed is not tried again.
+                if self._lock is not None and not isinstance(exc, RecordWriteError):
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})
         finally:
             if self._lock is not None:
