@@ -79,3 +79,17 @@ def test_what_is_masked(raw, masked):
     assert redact.text(raw, ["x.up.token"]) == masked
     assert redact.node({"x": {"password": "p", "n": None, "uri": "tcp://a:b@h"}}) == {
         "x": {"password": "***", "n": None, "uri": "tcp://***@h"}}
+
+
+@pytest.mark.slow  # mode=verify_resume: three runs, each a process
+def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(tmp_path):
+    """verify_resume started each run from a JSON file of the whole config in its run dir: the password and the
+    redacted key stayed there, unmasked, after the job (the runs need the real values: they get them on a pipe)."""
+    run = tmp_path / "run"
+    proc = python_train(ARGS + ["mode=verify_resume", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
+                                "mlflow.log_model=false", f"hydra.run.dir={run}"], tmp_path, timeout=240)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "verify_resume: PASS" in out, out[-3000:]
+    assert sorted(p.name for p in (run / "verify_resume").iterdir() if p.is_dir()) == ["resumed", "uninterrupted"]
+    assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []

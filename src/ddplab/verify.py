@@ -20,6 +20,7 @@ are per rank, so it checks the data position exactly and the rest to ``verify.rt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -224,15 +225,18 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     A run stopped from outside (a signal, its launcher's death) that was not meant to stop: :class:`Stopped`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job = _with(job, {"run_dir": str(run_dir)})
-    spec = run_dir.parent / f"{run_dir.name}.json"
-    spec.write_text(json.dumps(job))
-    refusal = spec.with_suffix(".refused")
+    refusal = run_dir.parent / f"{run_dir.name}.refused"
     refusal.unlink(missing_ok=True)
     log.info("verify_resume: %s (%s)", what, run_dir)
     started = time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
-        child = subprocess.Popen([sys.executable, "-m", __name__, str(spec)], stdout=out, stderr=subprocess.STDOUT)
+        # The config goes on a pipe, never into a file: it holds the real secrets (a tracking URI's password,
+        # a redacted key) that the run needs and that nothing may keep.
+        child = subprocess.Popen([sys.executable, "-m", __name__, str(refusal)], stdin=subprocess.PIPE, stdout=out,
+                                 stderr=subprocess.STDOUT, text=True)
         try:
+            with contextlib.suppress(BrokenPipeError), child.stdin:  # a leg killed at once: its exit says it
+                child.stdin.write(json.dumps(job))
             code = child.wait()
         except KeyboardInterrupt:  # Ctrl-C reaches the leg too, which stops at a step boundary: wait for it
             try:
@@ -256,19 +260,20 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     return result
 
 
-def _child_main(spec: str) -> int:
-    """A verify_resume run in this fresh process (self-launching its ranks when there are several)."""
+def _child_main(refusal: str) -> int:
+    """A verify_resume run in this fresh process (self-launching its ranks when there are several), its config
+    read from stdin; a refusal of it is written to ``refusal`` for the parent to say."""
     from ddplab.job import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfg = OmegaConf.create(json.loads(Path(spec).read_text()))
+    cfg = OmegaConf.create(json.loads(sys.stdin.read()))
     OmegaConf.set_struct(cfg, True)
     try:
         train(cfg, search_earlier_runs=False)
     except Preempted as e:
         return e.exit_code
     except ConfigError as e:  # refused, perhaps before its Session could record it: the parent says it once
-        Path(spec).with_suffix(".refused").write_text(f"config error: {e}")
+        Path(refusal).write_text(f"config error: {e}")
         return CONFIG_EXIT
     return 0
 
