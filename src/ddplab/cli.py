@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import modes, redact, rundir, verify
 from ddplab.config import ConfigError, InputError
-from ddplab.errors import ResourceError, was_said
+from ddplab.errors import RecordWriteError, ResourceError, was_said
 from ddplab.runtime import env, group, launch, requeue, watch
 from ddplab.runtime.console import quiet_log_files
 from ddplab.runtime.signals import Preempted
@@ -218,7 +218,8 @@ def main(cfg: DictConfig) -> float | None:
             # so torchrun ends the other ranks (a peer may be blocked mid-collective).
             raise SystemExit(1) from e
         log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, group.plain_message(e))
-        _record_failure(cfg, f"{type(e).__name__}: {group.plain_message(e)}")
+        if not isinstance(e, RecordWriteError):  # a record in place of the one the disk refused would be wrong
+            _record_failure(cfg, f"{type(e).__name__}: {group.plain_message(e)}")
         return float("nan")
     return metrics.get(cfg.objective)
 

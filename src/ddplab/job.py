@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
-from ddplab.errors import ResourceError, mark_said
+from ddplab.errors import RecordWriteError, ResourceError, mark_said
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
 from ddplab.runtime import env, group
@@ -119,7 +119,10 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
             raise mark_said(InputError(noted)) from None
         raise ConfigError(noted.removeprefix("config error: ")) from None
     except RankSaid:  # a full disk, said by the rank that met it: the caller gets it to decide (a study)
-        noted = (rundir.read_result(run_dir, since=started) or {}).get("error", "a rank failed (see its log)")
+        noted = (rundir.read_result(run_dir, since=started) or {}).get("error")
+        if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
+            raise mark_said(RecordWriteError(f"a rank failed and {run_dir / rundir.RESULT} could not be written "
+                                             "(see the ranks' lines above)")) from None
         raise mark_said(ResourceError(noted)) from None
     except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
         noted = rundir.read_result(run_dir) or {}
@@ -153,7 +156,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, float]:
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None
     except (InputError, ResourceError, group.PeerFailed) as e:  # said by this rank's Session in one line
-        if isinstance(e, InputError):  # found alike on every rank (a checkpoint): rank 0's record comes first
+        if isinstance(e, InputError) or getattr(e, "alike_on_every_rank", False):  # rank 0's record and line first
             let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else SAID_EXIT if isinstance(e, ResourceError)
                          else 1) from None  # 2: the input's fault

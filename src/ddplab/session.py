@@ -47,6 +47,7 @@ class Session:
         self.search_earlier_runs = search_earlier_runs
         # Where a failure happened, for the report: report_failures_at gives the trainer's position.
         self._where: Callable[[], str] = lambda: "while building the job"
+        self._recorded = False  # rank 0 wrote the job's completion
         # SIGTERM/SIGINT/SIGUSR1 from here on ask for a checkpointed stop (runtime.signals).
         self.stop = StopSignal()
         self.provenance = ""  # rank 0: provenance.json's text, once the ranks are known
@@ -121,14 +122,15 @@ class Session:
                  objective: dict[str, Any] | None = None) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
         objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
-        self._where = lambda: "after training (completed)"
-        written = self.dist.is_main and rundir.write_result(
+        self._where = lambda: "after training, as rank 0 recorded its completion"
+        written = self._recorded = self.dist.is_main and rundir.write_result(
             self.run_dir, {"status": "completed", "metrics": metrics, **({"note": note} if note else {}),
                            **({"objective": objective} if objective else {})})
         # A sweep, a study or a scheduler reads the job's end there: exit 0 without it would be a silent loss
         # (the soak found it: the disk filled as the last checkpoint was written). Every rank learns it, so
         # that none waits in the last barrier for a rank 0 that is gone.
         if not collectives.broadcast_object(written, self.dist):
+            self._where = lambda: "after training (completed)"
             raise RecordWriteError(f"the job completed and its checkpoints are written, but its record "
                                    f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
                                    "run the same command with resume=auto: it records the completion")
@@ -157,8 +159,9 @@ class Session:
                 log.error(says)
                 mark_said(exc)
                 said = says if says != report or silent_peer else None
-                # Never into a run dir another job holds; a record that just failed is not tried again.
-                if self._lock is not None and not isinstance(exc, RecordWriteError):
+                # Never into a run dir another job holds; a record that just failed is not tried again, and
+                # one of a completion stays (a peer lost after rank 0 recorded it takes nothing away).
+                if self._lock is not None and not isinstance(exc, RecordWriteError) and not self._recorded:
                     rundir.write_result(self.run_dir, {"status": "failed", "error": report})
         finally:
             if self._lock is not None:

@@ -128,8 +128,12 @@ class SweepSummary(Callback):
         rows = summarize(sweep_dir, objective, minimize)
         if not rows:
             return
-        (sweep_dir / "summary.md").write_text(to_markdown(rows, objective) + "\n")
-        (sweep_dir / "summary.csv").write_text(to_csv(rows))
         for line in to_console(rows, objective, minimize):
             log.info("%s", line)
+        try:
+            (sweep_dir / "summary.md").write_text(to_markdown(rows, objective) + "\n")
+            (sweep_dir / "summary.csv").write_text(to_csv(rows))
+        except OSError as e:  # the console has the table; Hydra would print a warning and its traceback
+            log.error("could not write the sweep's summary in %s: %s", sweep_dir, e)
+            return
         log.info("table: %s (and summary.csv)", shown(sweep_dir / "summary.md"))

@@ -235,8 +235,13 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
         child = subprocess.Popen([sys.executable, "-m", __name__, str(refusal)], stdin=subprocess.PIPE, stdout=out,
                                  stderr=subprocess.STDOUT, text=True)
         try:
-            with contextlib.suppress(BrokenPipeError), child.stdin:  # a leg killed at once: its exit says it
+            try:
                 child.stdin.write(json.dumps(job))
+            except BrokenPipeError:  # the leg died at once: its exit code and result say how
+                pass
+            finally:
+                with contextlib.suppress(BrokenPipeError):
+                    child.stdin.close()
             code = child.wait()
         except KeyboardInterrupt:  # Ctrl-C reaches the leg too, which stops at a step boundary: wait for it
             try:
