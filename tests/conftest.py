@@ -16,13 +16,25 @@ import helpers.jobs  # registers ddplab's configs (as train.py does) before any 
 #   cuda  — needs a CUDA GPU: skipped without one (the reason names CUDA, so .ci/run allows the skip).
 
 
+def pytest_configure(config):
+    # Under `-n 2 --dist loadgroup` a test that is in no xdist_group is a unit of its own, handed to whichever
+    # worker is free: the tests of a module that share a module-scoped run (test_resume_world_sizes' reference
+    # runs, 13 processes) land on both workers, between other modules' tests, and pytest builds the run again
+    # each time its module comes back. Those tests are one group each (one worker, one after another). xdist
+    # would then start the biggest groups first, ahead of the soak: the order below is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     # The soak plan (12 minutes, the longest test by far) first: under `-n 2` one worker runs it while the other
-    # takes the rest, instead of it starting last and running alone.
-    items.sort(key=lambda item: item.name != "test_the_pairwise_soak_plan_holds_every_invariant")
+    # takes the rest, instead of it starting last and running alone; then the slurm tests, whose jobs mostly
+    # wait on SLURM (one worker takes them in turn, beside the rest).
+    items.sort(key=lambda item: (item.name != "test_the_pairwise_soak_plan_holds_every_invariant",
+                                 item.get_closest_marker("slurm") is None))
     for item in items:
         # keras: its import alone takes seconds (a parametrized case of an otherwise quick test)
         if item.get_closest_marker("dist") or item.get_closest_marker("slurm") or "keras" in item.name:

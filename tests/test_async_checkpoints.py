@@ -225,6 +225,7 @@ def test_two_rank_ddp_async_full_disk_on_the_writer_stops_every_rank_with_the_wr
 
 
 @pytest.mark.dist
+@pytest.mark.xdist_group("async_ddp_reference")  # both cases on one worker: `ddp_reference` is built once
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_both_and_resumes_bitwise(
         tmp_path, ddp_reference, sig):

@@ -47,6 +47,7 @@ def uninterrupted(tmp_path_factory):
                                              (23, "1 epoch(s), 22 step(s)"),  # first step after the epoch edge
                                              (38, "1 epoch(s), 35 step(s)")])  # mid-epoch 2
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
+@pytest.mark.xdist_group("checkpoints_uninterrupted")  # the three cases on one worker: `uninterrupted` once
 def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, kill_at, resumed, caplog):
     args = FAULTY + [f"+model.fault_call={kill_at}", "+model.fault_rank=0"]
     with pytest.raises(RuntimeError, match="injected crash"):

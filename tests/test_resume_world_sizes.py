@@ -21,7 +21,7 @@ import pytest
 from helpers.compare import assert_same_checkpoint, load, load_whole
 from helpers.jobs import REPO, assert_ok, read_scalars, run_cmd, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("resume_world_sizes")]  # one worker builds `reference` once
 
 # 36 global samples of 16 tokens a step: 3 ranks x 3 micro-batches of 4, or 4 ranks x 3 of 3. A checkpoint
 # every 10 steps, an evaluation every 20 (one batch a rank: 327 windows).
