@@ -82,9 +82,13 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)  # before closing: nobody can lock the file we remove
-            os.close(self._fd)
-            self._fd = None
+            try:
+                self.path.unlink(missing_ok=True)  # before closing: nobody can lock the file we remove
+            except OSError as e:  # a run dir remounted read-only, a stale NFS handle: the lock ends with the fd
+                logging.getLogger("ddplab").debug("run dir lock %s left in place: %s", self.path, e)
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
 
 _held: dict[Path, RunDirLock] = {}

@@ -13,6 +13,7 @@ inside the ``with`` block is the trainer's business.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -135,7 +136,9 @@ class Session:
                                    f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
                                    "run the same command with resume=auto: it records the completion")
         if self.dist.is_main and self._memo is not None:
-            self._memo.unlink(missing_ok=True)
+            # Its peers are in the last barrier now: an error here would leave them to die of a lost connection.
+            with contextlib.suppress(OSError):
+                self._memo.unlink(missing_ok=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

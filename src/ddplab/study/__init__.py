@@ -243,7 +243,10 @@ def run_trial(w: Worker, trial: Any) -> None:
     _tell_held(w, trial, outcome, value, "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
     from ddplab.study.summary import write_hparams
 
-    write_hparams(cfg, tdir, trial, outcome)
+    try:
+        write_hparams(cfg, tdir, trial, outcome)
+    except OSError as e:  # told already; rank 0 alone writes it, while its peers wait for the next trial
+        log.error("trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e)
     log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
 
 

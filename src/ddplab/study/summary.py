@@ -26,13 +26,17 @@ def finish(w: Worker) -> dict[str, float]:
         trials = w.study.get_trials(deepcopy=False)
         counts = Counter(t.state.name for t in trials)
         rows = sweep.summarize(w.dir, objective, w.minimize)
-        (w.dir / "summary.md").write_text(headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n")
-        (w.dir / "summary.csv").write_text(sweep.to_csv(rows))
+        try:
+            (w.dir / "summary.md").write_text(headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n")
+            (w.dir / "summary.csv").write_text(sweep.to_csv(rows))
+            table = f"table: {shown(w.dir / 'summary.md')} (and summary.csv); "
+        except OSError as e:  # the study's results are in its storage, and the console has the table
+            log.error("could not write the study's summary in %s: %s", w.dir, e)
+            table = ""
     log.info("%s", headline(w, trials, counts))
     for line in sweep.to_console(rows, objective, w.minimize):
         log.info("%s", line)
-    log.info("table: %s (and summary.csv); dashboard: optuna-dashboard %s", shown(w.dir / "summary.md"),
-             shlex.quote(w.url.removeprefix("journal:")))  # pasted into a shell as is
+    log.info("%sdashboard: optuna-dashboard %s", table, shlex.quote(w.url.removeprefix("journal:")))  # pasted as is
     return best(w)
 
 
