@@ -315,3 +315,27 @@ def test_the_start_up_hold_ends_when_the_job_handler_is_installed():
         signal.signal(signal.SIGTERM, before)
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
+
+
+def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch):
+    """A study worker holds stop signals for its life (signals.hold_for_life). Run in-process (a notebook, a
+    test), its hold outlived it: the next job's handler restored the hold instead of the default, and a signal
+    it had already acted on stopped that next job at its first step (CI at c386c65, test order changed)."""
+    import ddplab.study as study
+    from ddplab.runtime import signals
+    from helpers.jobs import compose_cfg
+
+    def stopped_while_opening(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)  # held, not fatal: the worker's hold is in place
+        raise RuntimeError("the storage said no")
+
+    monkeypatch.setattr(study, "setup", stopped_while_opening)
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(RuntimeError, match="the storage said no"):
+            study.run_study(compose_cfg(["hparams_search=study", "model=mlp"]))
+        assert (signals.held(), signals._FOR_LIFE) == (None, [])
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)] == [signal.SIG_DFL] * 3
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -60,6 +60,18 @@ def hold_for_life() -> None:
     hold_during_startup()
 
 
+def end_hold_for_life() -> None:
+    """The study worker's last call: its hold ends with it. A program that ran the worker in-process (a notebook,
+    a test) gets the signals' default back, and its next job is not stopped by a signal the worker already
+    acted on (or that came after the study was done)."""
+    _FOR_LIFE.clear()
+    _EARLY.clear()
+    if threading.current_thread() is threading.main_thread():
+        for sig in _EARLY_SIGNALS:
+            if signal.getsignal(sig) is _remember:
+                signal.signal(sig, signal.SIG_DFL)
+
+
 def held() -> str | None:
     """The name of a stop signal remembered while no job's handler was installed (or handed on by one)."""
     return _EARLY[0][0] if _EARLY else None

@@ -46,6 +46,8 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
             raise
         log.error("%s", e if isinstance(e, storage.StorageLost) else storage.StorageLost(where(cfg)[1], e))
         raise SystemExit(storage.STORAGE_EXIT) from None
+    finally:
+        signals.end_hold_for_life()
 
 
 def _work(cfg: DictConfig) -> dict[str, float]:
