@@ -43,6 +43,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_signal_state():
+    """A test that runs ddplab in this process (a study, a job) must leave the stop signals' handlers and
+    ddplab's held signals as it found them: a leak failed a later, unrelated test, whichever the xdist worker
+    ran next (CI at c386c65). Checked after each test, so the test that leaks is the one that fails."""
+    import signal
+
+    from ddplab.runtime import signals
+
+    def state():
+        return ([signal.getsignal(getattr(signal, s)) for s in _STOP_SIGNALS], list(signals._EARLY),
+                list(signals._FOR_LIFE))
+
+    before = state()
+    yield
+    assert state() == before, f"this test left signal state behind: {before} -> {state()}"
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """One real `mlflow server` on loopback for the session's MLflow tests (helpers/tracking.py); its URI."""
