@@ -4,6 +4,7 @@ files met while searching for resume=auto, and images that cannot be decoded, ar
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import zlib
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.jobs import assert_ok, job_dirs, python_train, torchrun
+from helpers.jobs import assert_ok, job_dirs, job_env, python_train, torchrun
 
 pytestmark = pytest.mark.slow  # each runs train.py (under torchrun, self-launch or alone) to read its one line
 
@@ -151,3 +152,16 @@ def test_a_checkpoint_of_another_strategy_is_one_config_error_under_every_launch
         assert_one_config_error(proc, cwd, extra[-1])
         out = "\n".join(ddplab_lines(proc.stdout + proc.stderr))
         assert "Traceback" not in out and says in out, out[-3000:]
+
+
+@pytest.mark.dist
+def test_mlflow_missing_where_the_ranks_run_is_one_config_error_under_torchrun(tmp_path):
+    """logger=[...,mlflow] where MLflow is not installed: only rank 0 opens the MLflow run, so only rank 0 found
+    it missing, after the process group formed; its peer then blamed a killed rank. Refused before it now."""
+    hide = tmp_path / "no_mlflow"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # as if not installed\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), job_env()["PYTHONPATH"]])}
+    proc = torchrun(2, [*SMALL, "logger=[tensorboard,mlflow]"], tmp_path, timeout=120, extra_env=env)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # every rank exited 2
+    assert_one_config_error(proc, tmp_path, "logger=['tensorboard', 'mlflow']: needs MLflow, which is not installed")

@@ -4,6 +4,7 @@ its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -275,6 +276,10 @@ class TrainConfig:
         require(set(loggers) <= set(LOGGERS) and "tensorboard" in loggers, "logger", loggers,
                 f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
                 "pass logger=[tensorboard,mlflow]")
+        # Here, on every rank before its process group: only rank 0 opens the MLflow run, and a rank 0 that
+        # found MLflow missing there left its peers to blame a killed rank.
+        require("mlflow" not in loggers or importlib.util.find_spec("mlflow") is not None, "logger", loggers,
+                "needs MLflow, which is not installed", "pip install 'ddplab[mlflow]', or logger=[tensorboard]")
         for k, lo, example in (("batch_size", 1, 64), ("grad_accum_steps", 1, 1), ("log_every_n_steps", 1, 10),
                                ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
