@@ -67,6 +67,21 @@ def test_a_server_that_is_down_is_said_without_the_password(tmp_path):
     assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []
 
 
+@pytest.mark.slow  # a sweep of two jobs in one process
+def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
+    """A sweep's job gets its overrides with Hydra's escapes (``http\\://alice\\:pw@h``), which the masking did not
+    read as a URI: the password sat in each job's .hydra/ copies, train.log, TensorBoard dir name (the override
+    counted as swept), the sweep's summary and Hydra's console line of each job it launched."""
+    sweep = tmp_path / "sweep"
+    proc = python_train(["-m", *ARGS, "seed=1,2", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
+                         "mlflow.log_model=false", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=240)
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert PASSWORD not in out and TOKEN not in out and holding(tmp_path, PASSWORD, TOKEN) == []
+    assert sorted(p.name for p in (sweep / "0").iterdir() if p.is_dir()) == [".hydra", "checkpoints", "seed=1"]
+    assert "mlflow.tracking_uri=http\\://***@127.0.0.1\\:9" in (sweep / "summary.md").read_text()
+
+
 @pytest.mark.parametrize("raw, masked", [
     ("mlflow.tracking_uri=http://u:p@h:5000", "mlflow.tracking_uri=http://***@h:5000"),
     ("study.storage=postgresql://ddp:pw@127.0.0.1:5432/studies", "study.storage=postgresql://***@127.0.0.1:5432/studies"),
@@ -93,3 +108,29 @@ def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(t
     assert "verify_resume: PASS" in out, out[-3000:]
     assert sorted(p.name for p in (run / "verify_resume").iterdir() if p.is_dir()) == ["resumed", "uninterrupted"]
     assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []
+
+
+def test_what_a_pickling_launcher_is_refused():
+    """A secret written out is found wherever it sits; one that an interpolation fetches where the job runs is not."""
+    cfg = {"mlflow": {"tracking_uri": "http://${oc.env:U}:${oc.env:P}@h", "experiment": None},
+           "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3},
+           "study": {"storage": "postgresql://ddp:pw@127.0.0.1/s"},
+           "hydra": {"overrides": {"task": ["seed=1", "+x.password=p", "mlflow.tracking_uri=http://${oc.env:U}@h"]}}}
+    assert redact.written_out(cfg, ["cb.token"]) == ["cb.token", "study.storage", "hydra.overrides.task[1]"]
+
+
+@pytest.mark.slow  # a process
+def test_a_submitit_sweep_refuses_a_secret_it_would_pickle_unmasked(tmp_path):
+    """submitit pickles the whole config and the jobs' overrides into <sweep dir>/.submitit/ for its jobs to load:
+    the password sat there unmasked (the .hydra copies were masked). Refused in one line before a file is written."""
+    sweep = tmp_path / "sweep"
+    proc = python_train(["-m", "hydra/launcher=submitit_local", *ARGS[:5], "seed=1,2", f"hydra.sweep.dir={sweep}",
+                         f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9"], tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert [ln for ln in out.splitlines() if ln.strip()] == [
+        f"config error: mlflow.tracking_uri holds a secret, and submitit (LocalLauncher) would write it unmasked into "
+        f"{sweep}/.submitit/. Fix: keep it in the environment: a tracking URI's user and password as "
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL storage's as PGPASSWORD, any other value as "
+        "${oc.env:YOUR_VARIABLE}"]
+    assert PASSWORD not in out and holding(tmp_path, PASSWORD) == [] and not (sweep / ".submitit").exists()

@@ -100,6 +100,8 @@ class OwnRunDir(Callback):
             _hold(target, rundir.hold(target))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        redact.use(redact.keys_of(config))  # Hydra's lines of the jobs it launches are masked too
+        _no_secret_for_submitit(config)
         if env.rank() == 0:
             target = Path(str(config.hydra.sweep.dir)).absolute()
             _hold(target, rundir.hold(target), "hydra.sweep.dir")
@@ -127,6 +129,23 @@ class OwnRunDir(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
         rundir.release_held()  # listed first in conf/: Hydra ends callbacks in reverse, the summary is written
+
+
+def _no_secret_for_submitit(config: DictConfig) -> None:
+    """submitit's launchers pickle the whole config and the jobs' overrides into ``<sweep dir>/.submitit/`` for
+    the jobs to load: a secret written out in them would sit there unmasked. Refused before anything is written;
+    the secret can reach the jobs through their environment instead, which submitit hands on and writes nowhere."""
+    if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
+        return
+    found = sorted(redact.written_out(OmegaConf.to_container(config, resolve=False), redact.keys_of(config)),
+                   key=lambda k: k.startswith("hydra."))  # the user's key before Hydra's copy of the override
+    if found:
+        name = str(config.hydra.launcher._target_).rsplit(".", 1)[-1]
+        sys.stderr.write(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
+                         f"into {config.hydra.sweep.dir}/.submitit/. Fix: keep it in the environment: a tracking URI's "
+                         "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
+                         "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}\n")
+        raise SystemExit(2)
 
 
 def _hold(target: Path, holder: str | None, key: str = "hydra.run.dir (or run_dir)") -> None:

@@ -252,14 +252,29 @@ def swept(run_dir: Path) -> dict[str, str]:
     command, hydra = load(run_dir.parent / "multirun.yaml"), load(run_dir / ".hydra" / "hydra.yaml")
     if hydra is None or str(OmegaConf.select(hydra, "hydra.mode", default="")) != "MULTIRUN":
         return {}
-    given = set(OmegaConf.select(command, "hydra.overrides.task", default=None) or []) if command else set()
+    # Compared as Hydra reads them: a sweep's job gets ``k=http\://h`` for the command's ``k=http://h``, and
+    # ``k=False`` for its ``k=false``.
+    given = {_meaning(o) for o in OmegaConf.select(command, "hydra.overrides.task", default=None) or []} \
+        if command else set()
     sampled = set(OmegaConf.select(hydra, "hydra.sweeper.params", default=None) or {})
     out = {}
     for o in mine:
         key, _, value = o.lstrip("+~").partition("=")
-        if key in sampled or (command is not None and o not in given):
+        if key in sampled or (command is not None and _meaning(o) not in given):
             out[key] = value
     return out
+
+
+def _meaning(override: str) -> str:
+    """An override as Hydra parses it (its type, key and value), or as written where Hydra cannot parse it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        o = OverridesParser.create().parse_override(override)
+        return repr((o.type.name, o.key_or_group, o.package, "sweep" if o.is_sweep_override() else o.value()))
+    except HydraException:
+        return override
 
 
 def label(values: dict[str, str], limit: int = 100) -> str:

@@ -27,6 +27,17 @@ def job_tag() -> str:
     return f" [job {HydraConfig.get().job.num}]"
 
 
+class MaskedFormatter(logging.Formatter):
+    """A log line with its secrets masked (ddplab.redact), whichever library's: Hydra's own lines (a sweep's
+    ``#0 : <overrides>``) and the log file's (``conf/train.yaml``), as :class:`ConsoleFormatter`'s are."""
+
+    def __init__(self, format: str | None = None, datefmt: str | None = None):  # noqa: A002 (logging's key)
+        super().__init__(format, datefmt)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact.text(super().format(record), redact.active())
+
+
 class ConsoleFormatter(logging.Formatter):
     """``12:00:01 [job 3] [rank 1] WARNING: message``: the tags only where they apply.
 
