@@ -61,15 +61,23 @@ class SignalAtFitEnd:
 
 
 class BreakStorage:
-    """Rank 0 breaks the SQLite file ``db`` after optimizer step ``step``, once: fills its (small) file system
-    (``how="full"``), makes it and its dir immutable (``"readonly"``: even root cannot write), or deletes it."""
+    """Rank 0 breaks the SQLite file ``db`` after optimizer step ``step``, once (``step=-1``: as the trial's training
+    ends, after its last report, before it is told): fills its (small) file system (``how="full"``), makes it and
+    its dir immutable (``"readonly"``: even root cannot write), or deletes it."""
 
     def __init__(self, step: int, how: str, db: str):
         self.step, self.how, self.db = step, how, Path(db)
 
+    def on_fit_end(self, state, metrics):
+        if self.step == -1 and state.dist.rank == 0 and self.db.exists():
+            self._break()
+
     def on_step_end(self, state, step):
         if state.dist.rank != 0 or step != self.step:
             return
+        self._break()
+
+    def _break(self):
         if self.how == "full":
             from helpers.disk import fill
 

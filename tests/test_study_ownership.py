@@ -69,6 +69,27 @@ def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently
             assert states(url) == ["COMPLETE"] * 2
 
 
+def test_a_storage_lost_under_a_torchrun_worker_is_said_once_by_rank_zero(tmp_path):
+    """Under torchrun rank 0 alone tells the storage, after a trial, while its peer already waits for the next
+    one: the tell's StorageLost ended rank 0, and torchrun then SIGTERMed the waiting peer, which said so (and
+    printed its traceback). The tell is part of the ranks' next agreement now: every rank stops, rank 0 says why."""
+    from helpers.jobs import torchrun
+
+    d = tmp_path / "s"
+    db = d / "study.db"
+    proc = torchrun(2, study_args(d, 2, "+callbacks.brk._target_=study_toy.BreakStorage", "+callbacks.brk.step=-1",
+                                  "+callbacks.brk.how=deleted", f"+callbacks.brk.db={db}"), tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"exitcode  : {STORAGE_EXIT}" in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "ERROR: study.storage=" in line]
+    assert len(errors) == 1 and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0], \
+        out[-3000:]
+    assert "[rank 1]" not in out and "Connection closed" not in out, out[-3000:]  # the peer said nothing
+    # no traceback but torchrun's own report of the failed job
+    assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-3000:]
+    assert trials_run(proc) == [0]
+
+
 def states(url: str) -> list[str]:
     """The trials' states, the database closed after (a tmpfs holding it can then be unmounted)."""
     store = optuna.storages.RDBStorage(url)

@@ -14,6 +14,7 @@ a checkpoint; whichever worker looks next resumes it there (ddplab.study.worker 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -37,7 +38,12 @@ log = logging.getLogger("ddplab")
 def run_study(cfg: DictConfig) -> dict[str, float]:
     """Work on the study until it needs no more trials; the best trial's objective (``{objective: value}``).
     A storage that fails under the worker ends it with one line and exit code ``storage.STORAGE_EXIT``."""
+    validate(cfg)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
     try:
+        signals.hold_for_life()  # a stop signal between trials (or after a job's last stop check) ends the worker
         return _work(cfg)
     except ConfigError:
         raise
@@ -53,62 +59,84 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
 def _work(cfg: DictConfig) -> dict[str, float]:
     """Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens
     the storage, claims, asks and tells; the others train the trial it picked (ranks.agree)."""
-    validate(cfg)
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
-    signals.hold_for_life()  # a stop signal between trials (or after a job's last stop check) ends the worker
     w: Worker | None = None
+    told: Callable[[], None] | None = None  # rank 0: the last trial's tell, made at the ranks' next agreement
 
     def open_study() -> None:
         nonlocal w
         w = setup(cfg)
 
     agree(cfg, open_study)
-    while True:
-        gone = env.launcher_gone()
-        if gone is not None:  # torchrun's agent died as the last trial ended: nobody would stop these ranks
-            log.warning("launcher died (pid %d): this worker takes no further trial (start it again to go on)", gone)
-            raise Preempted(f"launcher died (pid {gone})", -1, None)
-        taken: tuple[Any, Any] | None = None
+    try:
+        while True:
+            gone = env.launcher_gone()
+            if gone is not None:  # torchrun's agent died as the last trial ended: nobody would stop these ranks
+                log.warning("launcher died (pid %d): this worker takes no further trial (start it again to go on)",
+                            gone)  # the last trial is told on the way out (finally)
+                raise Preempted(f"launcher died (pid {gone})", -1, None)
+            taken: tuple[Any, Any] | None = None
 
-        def take() -> tuple[Any, ...] | None:
-            nonlocal taken
-            if signals.held():  # preempted between trials: take none (the last one was told)
-                return ("stop", signals.held())
-            taken = next_trial(w)  # type: ignore[arg-type]
-            if taken is None:
-                return None
-            return ("trial", taken[0].number, dict(taken[0].params), str(trial_dir(w, taken[0])))  # type: ignore[arg-type]
+            def take() -> tuple[Any, ...] | None:
+                # The tell comes first, inside the agreement: a storage lost there stops every rank alike (rank 0
+                # alone telling while its peers waited for the next trial left them to be SIGTERMed by torchrun).
+                nonlocal taken, told
+                if told is not None:
+                    told, tell_now = None, told
+                    tell_now()
+                if signals.held():  # preempted between trials: take none (the last one was told)
+                    return ("stop", signals.held())
+                taken = next_trial(w)  # type: ignore[arg-type]
+                if taken is None:
+                    return None
+                number, params = taken[0].number, dict(taken[0].params)
+                return ("trial", number, params, str(trial_dir(w, taken[0])))  # type: ignore[arg-type]
 
-        picked = agree(cfg, take)
-        if picked is None:
-            break
-        if picked[0] == "stop":
-            log.warning("%s arrived between trials: this worker takes no further trial (start it again to go on)",
-                        picked[1])
-            raise Preempted(picked[1], -1, None)
-        picked = picked[1:]
-        if taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
-            from ddplab.job import train
+            picked = agree(cfg, take)
+            if picked is None:
+                break
+            if picked[0] == "stop":
+                log.warning("%s arrived between trials: this worker takes no further trial (start it again to go on)",
+                            picked[1])
+                raise Preempted(picked[1], -1, None)
+            if taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
+                from ddplab.job import train
 
-            train(trial_config(cfg, *picked), search_earlier_runs=False)
-            continue
-        trial, hold = taken
-        try:
-            run_trial(w, trial)  # type: ignore[arg-type]
-        except Preempted as e:
-            hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
-            raise
-        except ResourceError as e:
-            if not storage.failed(e):
-                hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
-            raise
-        finally:
-            hold.release()
+                train(trial_config(cfg, *picked[1:]), search_earlier_runs=False)
+                continue
+            told = _train_taken(w, *taken)  # type: ignore[arg-type]
+    finally:
+        if told is not None:  # the last trial completed: told even when the next agreement failed
+            with contextlib.suppress(Exception):
+                told()
+
     from ddplab.study.summary import finish
 
     return finish(w) if w is not None else {}
+
+
+def _train_taken(w: Worker, trial: Any, hold: Any) -> Callable[[], None]:
+    """Rank 0: train the trial it claimed; what tells it (and then lets go of its claim), to be called before the
+    next trial is asked. A trial that ends otherwise is told, or left for the next worker, here."""
+    try:
+        tell_it = run_trial(w, trial)
+    except BaseException as e:
+        try:
+            if isinstance(e, Preempted):
+                hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+            elif isinstance(e, ResourceError) and not storage.failed(e):
+                hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
+        finally:
+            hold.release()
+        raise
+
+    def told() -> None:
+        try:
+            if tell_it is not None:
+                tell_it()
+        finally:
+            hold.release()  # only once told: a claim let go before would let another worker take the trial over
+
+    return told
 
 
 def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
@@ -128,7 +156,7 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
             except ConfigError as e:
                 answer, failure = ("config", str(e)), e
             except Exception as e:
-                answer, failure = ("error", f"{type(e).__name__}: {e}"), e
+                answer, failure = ("storage" if storage.failed(e) else "error", f"{type(e).__name__}: {e}"), e
         answer = collectives.broadcast_object(answer, st)
     finally:
         group.teardown(clean=True)
@@ -136,6 +164,11 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
         raise failure
     if answer[0] == "config":
         raise ConfigError(answer[1])
+    if answer[0] == "storage":  # rank 0 says it (run_study), every rank ends alike
+        from ddplab.runtime.launch import let_rank_zero_report
+
+        let_rank_zero_report()
+        raise SystemExit(storage.STORAGE_EXIT)
     if answer[0] == "error":
         raise RuntimeError(f"rank 0 of this study worker failed: {answer[1]}")
     return answer[1]
@@ -198,8 +231,9 @@ def _check_objective(cfg: DictConfig) -> bool:
     return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())
 
 
-def run_trial(w: Worker, trial: Any) -> None:
-    """Train ``trial`` and tell it once. A preemption leaves it RUNNING for a resume (the worker exits)."""
+def run_trial(w: Worker, trial: Any) -> Callable[[], None] | None:
+    """Train ``trial``; what tells it once (None: told already, it failed). A preemption leaves it RUNNING for a
+    resume (the worker exits)."""
 
     tdir = trial_dir(w, trial)
     name = rundir.label({k: str(v) for k, v in trial.params.items()})
@@ -232,7 +266,7 @@ def run_trial(w: Worker, trial: Any) -> None:
         if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
             raise
         log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
-        return
+        return None
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
@@ -242,14 +276,19 @@ def run_trial(w: Worker, trial: Any) -> None:
         outcome = "PRUNED"
     else:
         outcome = "COMPLETE" if value is not None else "FAIL"
-    _tell_held(w, trial, outcome, value, "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}")
-    from ddplab.study.summary import write_hparams
 
-    try:
-        write_hparams(cfg, tdir, trial, outcome)
-    except OSError as e:  # told already; rank 0 alone writes it, while its peers wait for the next trial
-        log.error("trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e)
-    log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
+    def tell_it() -> None:
+        why = "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}"
+        _tell_held(w, trial, outcome, value, why)
+        from ddplab.study.summary import write_hparams
+
+        try:
+            write_hparams(cfg, tdir, trial, outcome)
+        except OSError as e:  # told already; rank 0 alone writes it, while its peers wait for the next trial
+            log.error("trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e)
+        log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
+
+    return tell_it
 
 
 def _run_through_rank_deaths(w: Worker, number: int, cfg: DictConfig) -> dict[str, float]:
