@@ -18,8 +18,9 @@ from ddplab.data import write_tokens
 from ddplab.data.tabular import generated_corpus
 from helpers.compare import assert_same_checkpoint, load_whole
 from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step, torchrun
+from helpers.extras import needs
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'ddplab[hf]'")
+needs("transformers", "hf")
 # A 2-layer GPT-2 of width 32, no dropout (dropout draws per rank: world sizes would differ by it alone).
 HF = ["model=hf", "model.config.n_embd=32", "model.config.n_layer=2", "model.config.n_head=2",
       "+model.config.resid_pdrop=0.0", "+model.config.embd_pdrop=0.0", "+model.config.attn_pdrop=0.0"]

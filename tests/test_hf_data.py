@@ -18,8 +18,9 @@ from ddplab.data.hf import hf
 from ddplab.data.tabular import generated_corpus
 from helpers.compare import assert_same_checkpoint
 from helpers.jobs import compose_cfg, run_killed_after_step
+from helpers.extras import lazy
 
-datasets = pytest.importorskip("datasets", reason="the hf extra: pip install 'ddplab[hf]'")
+datasets = lazy("datasets", "hf")
 GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
 
 

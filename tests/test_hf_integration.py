@@ -17,9 +17,10 @@ import torch
 from ddplab.events import read_scalars
 from helpers.compare import assert_same_checkpoint
 from helpers.jobs import assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
+from helpers.extras import lazy, needs
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'ddplab[hf]'")
-datasets = pytest.importorskip("datasets", reason="the hf extra: pip install 'ddplab[hf]'")
+needs("transformers", "hf")
+datasets = lazy("datasets", "hf")
 
 
 def parquet_and_bpe(tmp_path: Path) -> list[str]:

@@ -12,8 +12,9 @@ import pytest
 
 from helpers.jobs import assert_ok, python_train
 from ddplab import redact
+from helpers.extras import needs
 
-pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
+needs("mlflow", "mlflow")
 
 PASSWORD, TOKEN = "S3cretPw9", "T0kenXyz7"
 ARGS = ["model=mlp", "num_epochs=1", "limit_train_steps=4", "log_every_n_steps=2", "progress=log",

@@ -18,8 +18,9 @@ from helpers.jobs import REPO, compose_cfg, python_train
 from ddplab.config.errors import ConfigError
 from ddplab.data import tokenizer as tz
 from ddplab.data.tabular import generated_corpus
+from helpers.extras import needs
 
-pytest.importorskip("tokenizers", reason="the hf extra: pip install 'ddplab[hf]'")
+needs("tokenizers", "hf")
 LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
       "batch_size=12", "progress=none", "num_epochs=1"]
 
