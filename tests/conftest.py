@@ -98,7 +98,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    """The same for a whole file skipped while it is collected (``pytest.importorskip`` of an extra at its top):
+    """The same for a whole file skipped while it is collected (an extra missing: ``helpers.extras.needs`` at its top):
     a broken transformers, datasets or mlflow would otherwise make ~50 tests vanish with CI green."""
     outcome = yield
     rep = outcome.get_result()
