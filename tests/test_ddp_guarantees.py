@@ -125,10 +125,7 @@ def test_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
     assert "needs 6 samples per optimizer step, but the training set has 5" in out and "Fix:" in out
 
 
-def test_batch_smaller_than_world_size_is_a_clear_error(tmp_path):
-    proc = torchrun(3, ["model=mlp", "batch_size=2"], tmp_path, timeout=120)
-    assert proc.returncode != 0
-    assert "batch_size=2 (global) does not split evenly over 3 ranks" in proc.stdout + proc.stderr
+# A batch smaller than the world size: tests/test_integrity.py's config error under torchrun (batch_size=2, 3 ranks).
 
 
 # ------------------------------------------------------ 3. legacy launcher
@@ -162,6 +159,8 @@ def test_init_methods(tmp_path, scheme):
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "2 rank(s) on cpu (gloo)" in outs[0]
     assert read_scalars(job_dirs(plain)[0] / "tb")["val/num_samples"][-1][1] == 359
+    if scheme == "file":
+        return  # the control below is the same for both schemes: run once
     control = subprocess.run([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], cwd=plain,
                              env={**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
                              capture_output=True, text=True, timeout=120)

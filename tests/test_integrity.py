@@ -200,11 +200,12 @@ def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
 # ------------------------------------------------------------------ errors said once, plainly
 @pytest.mark.dist
 def test_a_config_error_under_torchrun_is_said_once_by_rank_zero_without_a_traceback(tmp_path):
-    proc = torchrun(3, ["model=mlp", "batch_size=64"], tmp_path, timeout=120)
+    # a batch smaller than the world size (2 < 3): it cannot split either (tests/test_ddp_guarantees.py's case)
+    proc = torchrun(3, ["model=mlp", "batch_size=2"], tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [ln for ln in out.splitlines() if "config error" in ln]
-    assert len(lines) == 1 and "batch_size=64 (global) does not split evenly over 3 ranks" in lines[0], out
+    assert len(lines) == 1 and "batch_size=2 (global) does not split evenly over 3 ranks" in lines[0], out
     assert out.index("config error") < out.index("ChildFailedError")  # first, before torchrun's summary
     # torchrun's own traceback only: no frame of ddplab's code or train.py (a path may still say "ddplab": a
     # checkout cloned as ddplab/ is in torchrun's summary, so the frames are what is checked).

@@ -317,25 +317,29 @@ def test_the_start_up_hold_ends_when_the_job_handler_is_installed():
             signal.signal(sig, signal.SIG_DFL)
 
 
-def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch):
+@pytest.mark.parametrize("ends", ["stopped", "failed"])
+def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
     """A study worker holds stop signals for its life (signals.hold_for_life). Run in-process (a notebook, a
-    test), its hold outlived it: the next job's handler restored the hold instead of the default, and a signal
-    it had already acted on stopped that next job at its first step (CI at c386c65, test order changed)."""
+    test, a sweep's next job), its hold outlived it: the next job's handler restored the hold instead of the
+    default (CI at c386c65, test order changed). A signal the worker stopped on is spent; one it never acted on
+    (it failed first) stays held, for the next job to stop at its first step, as after any start-up signal."""
     import ddplab.study as study
     from ddplab.runtime import signals
+    from ddplab.runtime.signals import Preempted
     from helpers.jobs import compose_cfg
 
     def stopped_while_opening(cfg):
         os.kill(os.getpid(), signal.SIGTERM)  # held, not fatal: the worker's hold is in place
-        raise RuntimeError("the storage said no")
+        raise Preempted("SIGTERM", -1, None) if ends == "stopped" else RuntimeError("the storage said no")
 
     monkeypatch.setattr(study, "setup", stopped_while_opening)
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with pytest.raises(RuntimeError, match="the storage said no"):
+        with pytest.raises(Preempted if ends == "stopped" else RuntimeError):
             study.run_study(compose_cfg(["hparams_search=study", "model=mlp"]))
-        assert (signals.held(), signals._FOR_LIFE) == (None, [])
+        assert (signals.held(), signals._FOR_LIFE) == (None if ends == "stopped" else "SIGTERM", [])
         assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)] == [signal.SIG_DFL] * 3
     finally:
+        signals._EARLY.clear()
         signal.signal(signal.SIGTERM, before)

@@ -90,6 +90,9 @@ def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
     ("['+x.api_key=k1', 'seed=3']", "['+x.api_key=***', 'seed=3']"),
     ("a=1,x.up.token=t,b=2", "a=1,x.up.token=***,b=2"),  # named in redact_keys
     ("mailto-like user@host and tokenizer=bpe", "mailto-like user@host and tokenizer=bpe"),  # no URI, no key
+    ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),  # a sweep job's
+    ("- db.password='my pw, 2',seed=1", "- db.password=***,seed=1"),  # quoted: a space or comma inside
+    ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),  # JSON's \n ends a host, no user info
 ])
 def test_what_is_masked(raw, masked):
     assert redact.text(raw, ["x.up.token"]) == masked
@@ -114,10 +117,12 @@ def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(t
 def test_what_a_pickling_launcher_is_refused():
     """A secret written out is found wherever it sits; one that an interpolation fetches where the job runs is not."""
     cfg = {"mlflow": {"tracking_uri": "http://${oc.env:U}:${oc.env:P}@h", "experiment": None},
-           "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3},
-           "study": {"storage": "postgresql://ddp:pw@127.0.0.1/s"},
+           "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3, "secret": "", "password": None},
+           "study": {"storage": "postgresql://ddp:pw@127.0.0.1/s", "other": "postgresql://u:pw@${oc.env:HOST}/db"},
+           "upload": {"auth": {"user": "u"}},  # a whole node named in redact_keys
            "hydra": {"overrides": {"task": ["seed=1", "+x.password=p", "mlflow.tracking_uri=http://${oc.env:U}@h"]}}}
-    assert redact.written_out(cfg, ["cb.token"]) == ["cb.token", "study.storage", "hydra.overrides.task[1]"]
+    assert redact.written_out(cfg, ["cb.token", "upload"]) == [
+        "cb.token", "study.storage", "study.other", "upload", "hydra.overrides.task[1]"]
 
 
 @pytest.mark.slow  # a process
@@ -134,4 +139,4 @@ def test_a_submitit_sweep_refuses_a_secret_it_would_pickle_unmasked(tmp_path):
         f"{sweep}/.submitit/. Fix: keep it in the environment: a tracking URI's user and password as "
         "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL storage's as PGPASSWORD, any other value as "
         "${oc.env:YOUR_VARIABLE}"]
-    assert PASSWORD not in out and holding(tmp_path, PASSWORD) == [] and not (sweep / ".submitit").exists()
+    assert PASSWORD not in out and holding(tmp_path, PASSWORD) == [] and not sweep.exists()

@@ -141,8 +141,11 @@ def _no_secret_for_submitit(config: DictConfig) -> None:
                    key=lambda k: k.startswith("hydra."))  # the user's key before Hydra's copy of the override
     if found:
         name = str(config.hydra.launcher._target_).rsplit(".", 1)[-1]
+        # The sweep dir as written, unresolved: resolving ${fresh_dir:...} would make the dir of a refused sweep.
+        sweep_dir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"])
+        into = "the sweep dir's .submitit/" if "${" in sweep_dir else f"{sweep_dir}/.submitit/"
         sys.stderr.write(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
-                         f"into {config.hydra.sweep.dir}/.submitit/. Fix: keep it in the environment: a tracking URI's "
+                         f"into {into}. Fix: keep it in the environment: a tracking URI's "
                          "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
                          "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}\n")
         raise SystemExit(2)

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 MASK = "***"
 # scheme://user[:password]@ — the user info alone is replaced (a token is often the user part). Also as a sweep's
 # job gets it: Hydra escapes an override's special characters (``http\://user\:pw@host``).
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\?://)(?P<info>[^\s/@'\"]+)@")
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\?://)(?P<info>(?:\\:|[^\s/@'\"\\])+)@")
 _SECRET_NAMES = frozenset({"password", "passwd", "secret", "secret_key", "api_key", "apikey", "access_token",
                            "auth_token", "hf_token", "private_key", "client_secret"})
 
@@ -36,8 +36,9 @@ def text(s: str, keys: Iterable[str] = ()) -> str:
     out = _USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", s)
     for key in {*keys, *_SECRET_NAMES}:
         # key=value as an override spells it: after a start, a space, a comma, a quote or a bracket; + or ~ first.
-        # A value's escaped characters (``\,``: Hydra's, in a sweep's job) are part of it.
-        pattern = rf"((?:^|(?<=[\s,'\"\[/]))[+~]{{0,2}}(?:[\w.]*\.)?{re.escape(key)}=)(?:\\.|[^,\s'\"\]\\])*"
+        # A value's escaped characters (``\,``: Hydra's, in a sweep's job) are part of it; so is a quoted one.
+        pattern = (rf"((?:^|(?<=[\s,'\"\[/]))[+~]{{0,2}}(?:[\w.]*\.)?{re.escape(key)}=)"
+                   r"(?:'[^']*'|\"[^\"]*\"|(?:\\.|[^,\s'\"\]\\])*)")
         out = re.sub(pattern, rf"\g<1>{MASK}", out)
     return out
 
@@ -54,17 +55,23 @@ def node(value: Any, keys: Iterable[str] = (), path: str = "") -> Any:
 
 
 def written_out(value: Any, keys: Iterable[str] = (), path: str = "") -> list[str]:
-    """The dotted keys of an unresolved config (dicts, lists, scalars) whose value holds a secret as such: what
-    :func:`node` would mask, unless it comes from an interpolation (``${oc.env:VAR}``), resolved only where the
-    job runs."""
+    """The dotted keys of an unresolved config (dicts, lists, scalars) that hold a secret as such: what
+    :func:`node` masks, less what interpolations (``${oc.env:VAR}``) fetch where the job runs."""
     keys = tuple(keys)
+    if is_secret_key(path, keys) and value not in (None, "") and (not isinstance(value, str) or _literal(value)):
+        return [path]  # masked whole by node(), whatever it holds
     if isinstance(value, dict):
         return [hit for k, v in value.items() for hit in written_out(v, keys, f"{path}.{k}" if path else str(k))]
     if isinstance(value, list):
         return [hit for i, v in enumerate(value) for hit in written_out(v, keys, f"{path}[{i}]")]
-    if value is None or (isinstance(value, str) and "${" in value):
-        return []
-    return [path] if node(value, keys) != value or is_secret_key(path, keys) else []
+    return [path] if isinstance(value, str) and text(_literal(value), keys) != _literal(value) else []
+
+
+def _literal(s: str) -> str:
+    """``s`` without its interpolations, and without the user info they alone fill (``http://${oc.env:U}:${...}@h``
+    holds no secret)."""
+    bare = re.sub(r"\$\{[^}]*\}", "", s)
+    return _USERINFO.sub(lambda m: m[0] if m["info"].strip(":\\") else m["scheme"] + "@", bare)
 
 
 _ACTIVE: tuple[str, ...] = ()

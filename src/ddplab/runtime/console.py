@@ -38,6 +38,14 @@ class MaskedFormatter(logging.Formatter):
         return redact.text(super().format(record), redact.active())
 
 
+LOG_FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as conf/train.yaml spells it
+
+
+def log_file_formatter() -> MaskedFormatter:
+    """A log file's lines (a self-launched rank 0's, a study trial's), as Hydra's train.log: secrets masked."""
+    return MaskedFormatter(LOG_FILE_FORMAT)
+
+
 class ConsoleFormatter(logging.Formatter):
     """``12:00:01 [job 3] [rank 1] WARNING: message``: the tags only where they apply.
 

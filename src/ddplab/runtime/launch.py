@@ -144,7 +144,7 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str, start_method: st
                children_start: str) -> dict[str, float]:
     """Body of each rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
     from ddplab import compat
-    from ddplab.runtime.console import ConsoleFormatter, quiet_log_files
+    from ddplab.runtime.console import ConsoleFormatter, log_file_formatter, quiet_log_files
 
     if start_method == "forkserver":
         for sig in SERVER_HOLDS:  # ignored (some also blocked) by the server it was forked from; a spawned rank
@@ -166,7 +166,7 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str, start_method: st
     root.addHandler(console)
     if rank == 0:
         file = logging.FileHandler(Path(run_dir) / "train.log")
-        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        file.setFormatter(log_file_formatter())
         root.addHandler(file)
         quiet_log_files()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -60,12 +60,13 @@ def hold_for_life() -> None:
     hold_during_startup()
 
 
-def end_hold_for_life() -> None:
+def end_hold_for_life(acted: bool = False) -> None:
     """The study worker's last call: its hold ends with it. A program that ran the worker in-process (a notebook,
-    a test) gets the signals' default back, and its next job is not stopped by a signal the worker already
-    acted on (or that came after the study was done)."""
+    a test, a sweep's next job) gets the signals' default back. A held signal the worker ``acted`` on (it stopped)
+    is spent; one it did not (it came as the study ended) stays held, for the next job to stop at its first step."""
     _FOR_LIFE.clear()
-    _EARLY.clear()
+    if acted:
+        _EARLY.clear()
     if threading.current_thread() is threading.main_thread():
         for sig in _EARLY_SIGNALS:
             if signal.getsignal(sig) is _remember:

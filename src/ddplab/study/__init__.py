@@ -14,7 +14,6 @@ a checkpoint; whichever worker looks next resumes it there (ddplab.study.worker 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from pathlib import Path
@@ -26,7 +25,7 @@ from ddplab import rundir
 from ddplab.config import ConfigError, validate
 from ddplab.errors import ResourceError
 from ddplab.runtime import env, group, signals
-from ddplab.runtime.console import quiet_log_files
+from ddplab.runtime.console import log_file_formatter, quiet_log_files
 from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage
 from ddplab.study.report import PRUNED
@@ -46,6 +45,9 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
         signals.hold_for_life()  # a stop signal between trials (or after a job's last stop check) ends the worker
         return _work(cfg)
     except ConfigError:
+        raise
+    except Preempted:  # the worker acted on the stop signal it held: it is spent
+        signals.end_hold_for_life(acted=True)
         raise
     except Exception as e:
         if not storage.failed(e):
@@ -106,8 +108,11 @@ def _work(cfg: DictConfig) -> dict[str, float]:
             told = _train_taken(w, *taken)  # type: ignore[arg-type]
     finally:
         if told is not None:  # the last trial completed: told even when the next agreement failed
-            with contextlib.suppress(Exception):
+            try:
                 told()
+            except Exception as e:  # the worker's own failure is what it reports; this is said beside it
+                log.error("the last trial could not be told (%s: %s): it stays RUNNING, and the next worker "
+                          "resumes it from its checkpoint", type(e).__name__, group.plain_message(e))
 
     from ddplab.study.summary import finish
 
@@ -326,7 +331,7 @@ def _tell_held(w: Worker, trial: Any, outcome: str, value: float | None, error: 
 def _log_to(tdir: Path) -> logging.Handler:
     """The trial's own train.log, beside the worker's."""
     handler = logging.FileHandler(tdir / "train.log")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setFormatter(log_file_formatter())
     logging.getLogger().addHandler(handler)
     quiet_log_files()
     return handler
