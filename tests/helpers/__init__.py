@@ -4,5 +4,7 @@
   a run crashed after step N, read TensorBoard back;
 * ``helpers.counting`` — per-step collective/sync counts of a job, and the budget they must keep;
 * ``helpers.compare``  — one bitwise comparison of checkpoints (and any nesting of tensors);
-* ``helpers.study``    — a small study's overrides, its workers as real processes, what trials record.
+* ``helpers.study``    — a small study's overrides, its workers as real processes, what trials record;
+* ``helpers.extras``   — the optional extras (hf, mlflow): a module skipped where one is missing, found
+  without importing it (collection stays quick).
 """
