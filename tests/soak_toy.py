@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,12 @@ class _Injector:
         if not spec["signal"]:
             return
         sig = getattr(signal, spec["signal"])
+        others = [str(p) for p in targets if p != os.getpid()]
+        if spec["target"] == "all" and others:  # from a process of its own, as SLURM's step daemon signals a
+            # job: a rank's loader workers take a SIGTERM their own rank sends as its order to end
+            subprocess.run(["kill", "-s", spec["signal"].removeprefix("SIG"), *others], check=False,
+                           stderr=subprocess.DEVNULL)  # one gone already: kill says so, and signals the rest
+            targets = [os.getpid()] if os.getpid() in targets else []
         for pid in sorted(targets, key=lambda p: p == os.getpid()):  # itself last: SIGKILL ends it here
             try:
                 os.kill(pid, sig)

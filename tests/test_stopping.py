@@ -262,9 +262,11 @@ def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_p
 
 @pytest.mark.dist
 def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bitwise(tmp_path):
-    """An IterableDataset (2 loader workers), 1 s steps, a log every 100 steps: SIGTERM to torchrun's agent after
-    step 2 stops every rank mid-epoch at one agreed step, whose checkpoint holds the stream's position (entry
-    ``data``); the resumed run ends bitwise where an uninterrupted one does (the sleep changes no number)."""
+    """An IterableDataset (2 loader workers), 1 s steps, a log every 100 steps: SIGTERM to every process of the job
+    after step 2 (torchrun's agent, the ranks and their loader workers, as SLURM signals a job) stops every rank
+    mid-epoch at one agreed step, whose checkpoint holds the stream's position (entry ``data``); the resumed run
+    ends bitwise where an uninterrupted one does (the sleep changes no number). The workers outlive the signal:
+    killed by it, they failed their ranks ("DataLoader worker exited unexpectedly") before the checkpoint."""
     from helpers.compare import assert_same_checkpoint
 
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
@@ -274,7 +276,10 @@ def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bi
     proc = start(TORCHRUN + base + ["+model.delay_s=1.0", f"+model.trace={trace}", f"hydra.run.dir={run}"],
                  tmp_path, log)
     wait_until(lambda: len(traced(trace)) >= 3, proc, log)  # step 3's forward began: steps 1-2 are done
-    proc.send_signal(signal.SIGTERM)
+    job = [proc.pid] + children(proc.pid)
+    assert len(job) == 1 + 2 + 2 * 2, job  # the agent, 2 ranks, 2 loader workers each
+    for pid in job:
+        os.kill(pid, signal.SIGTERM)
     finish(proc, log, timeout=60)
     res = result(run)
     assert res["status"] == "preempted" and 2 <= res["step"] < 8, res

@@ -1,6 +1,7 @@
-"""Loader workers leave their rank's process group (so a launcher's group-wide stop signal is the rank's to act
-on, ddplab.runtime.signals.shield_worker): a rank killed outright must still take its workers with it — even when
-their queue to the rank is full, where torch's own parent watch hangs in multiprocessing's exit."""
+"""Loader workers leave their rank's process group and take SIGTERM from their rank alone (so a launcher's stop
+signal, to the group or to every process of the job, is the rank's to act on: ddplab.runtime.signals.shield_worker):
+a rank killed outright must still take its workers with it — even when their queue to the rank is full, where
+torch's own parent watch hangs in multiprocessing's exit — and a rank's own terminate() still ends them."""
 
 from __future__ import annotations
 
@@ -51,3 +52,53 @@ def test_a_killed_ranks_loader_workers_end_within_two_seconds_though_their_queue
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert left == []
+
+
+SERVING = r"""
+import signal, sys, torch
+from torch.utils.data import DataLoader, Dataset
+from ddplab.runtime.signals import WorkerShield
+
+class Small(Dataset):
+    def __len__(self): return 10_000
+    def __getitem__(self, i): return torch.full((4,), i)
+
+shield = WorkerShield()
+with shield.starting():  # as ddplab's loaders fork their workers
+    loader = iter(DataLoader(Small(), batch_size=None, num_workers=2, worker_init_fn=shield))
+next(loader)
+print(" ".join(str(w.pid) for w in loader._workers), flush=True)
+sys.stdin.readline()  # the test has sent SIGTERM to both workers
+print(sum(int(next(loader)[0]) for _ in range(50)), flush=True)  # both still serve batches
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's watch would raise on the death this test causes
+w = loader._workers[0]
+w.terminate()  # the rank's own SIGTERM (torch's shutdown after a timeout; Python's exit): status 0, as torch's
+w.join(5)
+print(w.exitcode, flush=True)
+"""
+
+
+@pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
+def test_loader_workers_take_sigterm_from_their_rank_alone():
+    """SLURM signals every process of a job (and ``kill -TERM`` of a process tree does the same): a worker ended by
+    that fails its rank ("DataLoader worker exited unexpectedly") before the rank can checkpoint."""
+    rank = subprocess.Popen([sys.executable, "-c", SERVING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in rank.stdout.readline().split()]
+        assert len(workers) == 2, rank.stderr.read()
+        for p in workers:
+            os.kill(p, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(alive(p) for p in workers)
+        rank.stdin.write("\n")
+        rank.stdin.flush()
+        out, err = rank.communicate(timeout=30)
+        assert out.split() == [str(sum(range(1, 51))), "0"], err  # batches 1..50, then an exit torch calls clean
+        assert rank.returncode == 0, err
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline and any(alive(p) for p in workers):
+            time.sleep(0.1)
+        assert not any(alive(p) for p in workers)
+    finally:
+        rank.kill()

@@ -167,9 +167,10 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
         raise ConfigError(
             f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
+    shield = signals.WorkerShield()  # a preemption signal is the rank's, not its loader workers'
     loader = TrainLoader(data.train, sampler, dist.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
                          indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.get("prefetch_factor", 2),
-                         worker_init_fn=signals.shield_worker)  # a preemption signal is the rank's, not theirs
+                         worker_init_fn=shield, starting_workers=shield.starting)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
@@ -200,8 +201,9 @@ def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_
                           f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
                           "batch_size or grad_accum_steps")
     rows = functools.partial(collectives.all_ranks_rows, dist=dist) if dist.world_size > 1 else None
+    shield = signals.WorkerShield()
     loader = StreamLoader(data.train, sampler, dist.device, cfg.perf.num_workers, cfg.perf.pin_memory,
-                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), signals.shield_worker, rows, name)
+                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), shield, rows, name, shield.starting)
     steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 

@@ -3,8 +3,9 @@ whatever a dataset's samples (and its collate function) make — tuples, dicts, 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -45,11 +46,14 @@ class TrainLoader:
     def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
                  augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True,
                  indexed: bool | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None):
+                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None,
+                 starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can.
         ``collate_fn``: the dataset's own, for the DataLoader path; ``prefetch_factor``: batches each worker
-        keeps ready; ``worker_init_fn``: run in each worker as it starts."""
+        keeps ready; ``worker_init_fn``: run in each worker as it starts; ``starting_workers``: the context the
+        workers are forked in (ddplab.runtime.signals.WorkerShield.starting)."""
         self.data, self.sampler, self.device = data, sampler, device
+        self.starting_workers = starting_workers
         self.augment = augment if augment is not None and augment.enabled else None
         self._loader = None
         can_index = isinstance(data, TensorData) and data.x.device == device
@@ -83,7 +87,9 @@ class TrainLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._loader is not None:
             nb = self._loader.pin_memory  # async host->device copy out of pinned memory
-            for batch in self._loader:
+            with self.starting_workers():  # the first iterator forks the (persistent) workers
+                batches = iter(self._loader)
+            for batch in batches:
                 yield move(batch, self.device, nb)
             return
         # One host->device copy of the epoch's indices, then pure device indexing.

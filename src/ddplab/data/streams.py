@@ -27,10 +27,11 @@ stream up to the position (exact, but it rereads).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
@@ -55,9 +56,12 @@ class StreamLoader:
     def __init__(self, data: IterableDataset, sampler: ShardedGlobalSampler, device: torch.device,
                  num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
                  prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None,
-                 all_ranks_rows: Callable[[Tensor], Tensor] | None = None, name: str | None = None):
+                 all_ranks_rows: Callable[[Tensor], Tensor] | None = None, name: str | None = None,
+                 starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         """``all_ranks_rows``: every rank's row of a tensor (one collective), for checking once that the ranks
-        read the same stream; None on one rank. ``name``: the dataset as the user's config names it."""
+        read the same stream; None on one rank. ``name``: the dataset as the user's config names it.
+        ``starting_workers``: the context each epoch's workers are forked in (see TrainLoader)."""
+        self.starting_workers = starting_workers
         self.data, self.sampler, self.device = data, sampler, device
         self.all_ranks_rows, self.name = all_ranks_rows, name or type(data).__name__
         self._checked = all_ranks_rows is None  # once per process: the ranks read one stream
@@ -108,7 +112,8 @@ class StreamLoader:
             loader.load_state_dict(saved["loader"])
         self._loader, self._epoch, self._served = loader, epoch, skip
         b, promised = self.sampler.per_rank_batch, self.sampler.num_micro_batches
-        lo, samples = self.sampler.rank * b, iter(loader)
+        with self.starting_workers():
+            lo, samples = self.sampler.rank * b, iter(loader)
         while self._served < promised:  # the tail that does not fill an optimizer step stays unread
             group = list(itertools.islice(samples, self.sampler.global_batch))
             if not self._checked:  # before a short group leaves the loop: every rank joins the collective

@@ -15,11 +15,13 @@ by torchrun, within milliseconds: that pair counts as one.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 from ddplab.runtime import env
@@ -86,20 +88,60 @@ def _remember(signum: int, frame: FrameType | None) -> None:
         os._exit(128 + signum)
 
 
-def shield_worker(worker_id: int) -> None:
-    """A DataLoader worker's ``worker_init_fn``: stop signals are its rank's to act on. Launchers signal a
-    rank's whole process group (torchrun's agent, Ctrl-C in a terminal) or every process of a step (SLURM's
-    time-limit warning), workers included, and a worker ended by one fails its rank ("DataLoader worker ...
-    killed by signal") before the rank can checkpoint. So a worker ignores the stop requests (SIGINT, SIGUSR1,
-    SIGUSR2), and leaves the rank's process group for SIGTERM, which it keeps: the rank, and Python's exit,
-    end workers with it. It still ends with its rank: torch's workers watch their parent."""
+def shield_worker(worker_id: int, rank_pid: int | None = None) -> None:
+    """A DataLoader worker's ``worker_init_fn`` (:class:`WorkerShield` binds ``rank_pid``, the rank that built the
+    loader): stop signals are its rank's to act on. Launchers signal a rank's whole process group (torchrun's
+    agent, Ctrl-C in a terminal) or every process of a job (SLURM's cgroup-wide signals, ``scancel --full``),
+    workers included, and a worker ended by one fails its rank ("DataLoader worker ... exited unexpectedly")
+    before the rank can checkpoint. So a worker ignores the stop requests (SIGINT, SIGUSR1, SIGUSR2) and leaves
+    the rank's process group. SIGTERM it takes only from its rank (torch's ``terminate()``, Python's exit of a
+    process with daemonic children): anyone else's waits unanswered, since the rank, told the same, stops at
+    a step boundary and ends its workers itself. It still ends with its rank: torch's workers watch their parent."""
     try:
         os.setpgid(0, 0)
-    except OSError:  # not permitted here: a group-wide SIGTERM then reaches the worker as before
+    except OSError:  # not permitted here: a group-wide SIGTERM then reaches the worker, and is refused below
         pass
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="ddplab-worker-watch", daemon=True).start()
+    # Blocked before any thread starts, so every later thread inherits the block and the one waiter below is
+    # the only taker (a blocked signal never reaches torch's handler, which dies of a stranger's SIGTERM).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+    threading.Thread(target=_terminate_only_from, args=({parent, rank_pid or parent},),
+                     name="ddplab-worker-sigterm", daemon=True).start()
+    threading.Thread(target=_end_with_parent, args=(parent,), name="ddplab-worker-watch", daemon=True).start()
+
+
+class WorkerShield:
+    """A loader's ``worker_init_fn`` (:func:`shield_worker`, knowing the pid of the rank that built the loader: a
+    worker a fork server starts has that server for parent) and the context its workers are forked in."""
+
+    def __init__(self) -> None:
+        self.rank_pid = os.getpid()
+
+    def __call__(self, worker_id: int) -> None:
+        shield_worker(worker_id, self.rank_pid)
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """SIGTERM blocked in this thread while it forks workers: a child inherits the mask, so a SIGTERM sent
+        to every process before a worker reaches its ``worker_init_fn`` waits there for :func:`shield_worker`'s
+        taker instead of meeting torch's handler. The rank loses nothing: another of its threads takes the
+        signal (Python's handler still runs in the main thread), or it is delivered as the block ends."""
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _terminate_only_from(senders: set[int]) -> None:
+    """A loader worker's SIGTERM taker. One its rank sent ends the worker with status 0, as torch's own worker
+    handler (which this replaces) does: the rank's exit terminates workers a live iterator still holds, and
+    its SIGCHLD watch fails the rank on any worker killed by a signal. One from anybody else is dropped."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid in senders:
+            os._exit(0)
 
 
 def _end_with_parent(parent: int) -> None:
