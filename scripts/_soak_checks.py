@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers.compare import load_whole
 from soak_plan import SIGNALS, Trial
-from soak_toy import check_events, describe, kill, same, snapshot, trial_pids
+from soak_toy import check_events, describe, events_dir, kill, same, snapshot, trial_pids
 
 GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
 COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")
@@ -141,6 +141,40 @@ def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
     if res.get("metrics", {}).get("step") != mine["loop"]["step"]:
         problems.append(f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}")
     return problems + check_events(run, ref)
+
+
+def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
+    """Invariant 8 (tracking=mlflow with the server up): each run's MLflow run holds TensorBoard's scalars, at the
+    same steps, each step once (a resume continues the same MLflow run and sends no step twice), as TensorBoard
+    rounds them; vitals/* aside (a recomputed step's timings differ, and only its first send counts)."""
+    if t.tracking != "mlflow" or t.server != "up":
+        return []
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from ddplab.events import read_scalars
+
+    client, problems, points_seen = MlflowClient(t.tracking_uri), [], 0
+    for run in runs:
+        record = run / "mlflow.json"
+        if not record.exists():
+            problems.append(f"{run.name}: no mlflow.json: the run never reached its MLflow run")
+            continue
+        run_id = json.loads(record.read_text())["run_id"]
+        for key, points in read_scalars(events_dir(run)).items():
+            if key.startswith("vitals/"):
+                continue
+            points_seen += len(points)
+            got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+            if [st for st, _ in got] != [st for st, _ in points]:
+                problems.append(f"{run.name}: MLflow's {key} at steps {[st for st, _ in got][:20]}, TensorBoard's "
+                                f"at {[st for st, _ in points][:20]}")
+            elif [np.float32(v) for _, v in got] != [np.float32(v) for _, v in points]:
+                problems.append(f"{run.name}: MLflow's {key} values differ from TensorBoard's")
+        status = client.get_run(run_id).info.status
+        problems += [f"{run.name}: MLflow run {status}, not FINISHED"] if status != "FINISHED" else []
+    notes.append(f"MLflow compared: {points_seen} TensorBoard points in {len(runs)} run(s)")
+    return problems
 
 
 def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_under_torchrun: bool = False) -> list[str]:

@@ -12,8 +12,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from _soak_checks import (GRACE_S, Attempt, check_fault, check_final, check_preempted, load, read_result,
-                          run_attempt, spoil_newest, tracebacks)
+from _soak_checks import (GRACE_S, Attempt, check_fault, check_final, check_preempted, check_tracking, load,
+                          read_result, run_attempt, spoil_newest, tracebacks)
 from soak_plan import Trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,13 +59,14 @@ def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
         env.update(SOAK_DELAY_S=repr(t.step_s / t.accum), SOAK_EVAL_DELAY_S=repr(t.eval_s),
                    SOAK_FAULT=json.dumps({"phase": "fetch" if t.phase in ("data", "between") else t.phase, "k": t.k,
                                           "rank": t.rank, "target": t.target, "signal": t.signal, "dir": str(tdir),
-                                          "fault": t.fault, "disk": str(run), "storage": str(run / "study.db")}))
+                                          "fault": t.fault, "disk": str(run), "storage": str(run / "study.db"),
+                                          "server": t.server_pid}))
     return env
 
 
 def train_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref) -> tuple[list[str], list[str]]:
     problems, notes, final_eval_resume = fault_and_resume(t, tdir, cwd, run)
-    return problems + check_final(run, ref(), final_eval_resume), notes
+    return problems + check_final(run, ref(), final_eval_resume) + check_tracking(t, [run], notes), notes
 
 
 def after_fault(t: Trial, tdir: Path, run: Path, notes: list[str]) -> None:
@@ -155,7 +156,7 @@ def study_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pat
         problems.append(f"the study was told {mine}, its uninterrupted study {theirs}")
     for n in ("0", "1"):
         problems += [f"trial {n}: {p}" for p in check_final(run / n, ref() / n, skip_rng.get(n, False))]
-    return problems, notes
+    return problems + check_tracking(t, [run / "0", run / "1"], notes), notes
 
 
 def told(study_dir: Path) -> list[tuple[str, Any]]:

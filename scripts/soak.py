@@ -17,7 +17,8 @@ between micro-batches, optimizer step, evaluation, checkpoint write): SIGTERM/SI
 the other rank, its launcher or every process of the job; or, by the rank itself, a full disk (the run dir is a
 tmpfs it fills), a spoilt checkpoint (SIGKILL, then the newest checkpoint truncated), the study's storage deleted
 (tests/soak_toy.py, from inside the job, once); from its seed log_every_n_steps (1-100),
-checkpoint.every_n_steps, epochs, r and k. ``--pairwise`` fixes the dimensions by the plan, the rest from each
+checkpoint.every_n_steps, epochs, r and k; the tracker (none, or MLflow beside TensorBoard with its server up,
+down from the start, or killed by the fault, never back). ``--pairwise`` fixes the dimensions by the plan, the rest from each
 trial's seed. What a user does next depends on the mode (scripts/_soak_flows.py): a run reruns with
 ``resume=auto`` until it completes, a study's worker is started again until its trials are done, verify_resume
 runs again. The trial checks (scripts/_soak_checks.py):
@@ -36,7 +37,9 @@ runs again. The trial checks (scripts/_soak_checks.py):
 6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace);
 7. a full disk or a lost storage: the job fails in one line naming the cause, no traceback of ddplab's; a study:
    told exactly what its uninterrupted twin was told, each trial's checkpoint bitwise its twin's; verify_resume:
-   PASS, or a failure without a verdict on the job, then PASS when run again.
+   PASS, or a failure without a verdict on the job, then PASS when run again;
+8. MLflow with its server up: each run's MLflow run FINISHED, holding TensorBoard's scalars at the same steps,
+   each step once (vitals/* aside); down or killed, the invariants above all the same.
 Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
 """
 
@@ -55,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,6 +70,8 @@ from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, ver
 from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
 from soak_toy import snapshot  # noqa: E402
+from helpers.jobs import free_port  # noqa: E402
+from helpers.tracking import serve  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
 
@@ -75,6 +81,8 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
     whole study; for verify_resume, the plain training run its uninterrupted leg must equal."""
     if t.mode == "verify_resume":
         t = dataclasses.replace(t, mode="train")
+    if t.tracking != "none":  # a tracker changes no number the trial compares (and a killed server is the trial's)
+        t = dataclasses.replace(t, tracking="none", server="up", tracking_uri="", server_pid=0)
     if t.launcher == "slurm":  # torchrun's run: a job's results do not depend on its launcher (checked so), and
         t = dataclasses.replace(t, launcher="torchrun")  # a second srun would queue for the one node's 2 CPUs
     key = (t.launcher, t.world, tuple(t.overrides()))
@@ -120,7 +128,23 @@ def run_disk(t: Trial, run: Path):
         keep.rename(run)
 
 
-def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
+@contextlib.contextmanager
+def tracking_server(t: Trial, tdir: Path, shared: Callable[[], str]):
+    """tracking=mlflow: the trial's tracking URI. server=up: the soak run's one server; down: a port nothing
+    listens on; killed: a server of the trial's own, which its fault kills (soak_toy) and which is gone after."""
+    if t.tracking != "mlflow":
+        yield
+    elif t.server == "killed":
+        (tdir / "mlflow").mkdir()
+        with contextlib.contextmanager(serve)(tdir / "mlflow") as uri:
+            t.tracking_uri, t.server_pid = str(uri), uri.pid
+            yield
+    else:
+        t.tracking_uri = shared() if t.server == "up" else f"http://127.0.0.1:{free_port()}"
+        yield
+
+
+def run_trial(t: Trial, root: Path, cache: dict, shared: Callable[[], str]) -> tuple[list[str], list[str]]:
     """Fault, resume until completed, check; (problems, notes)."""
     tdir = root / f"trial-{t.seed}"
     cwd, tmp = tdir / "cwd", tdir / "tmp"
@@ -129,7 +153,7 @@ def run_trial(t: Trial, root: Path, cache: dict) -> tuple[list[str], list[str]]:
     run, before = cwd / "run", snapshot(cwd)
     # The uninterrupted reference runs beside the faulted attempts (its own dirs, trial id and session; faults
     # fire by call count, not by time): on 2 cores a trial takes less, and the faulted job meets load.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, run_disk(t, run):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, run_disk(t, run), tracking_server(t, tdir, shared):
         ref_job = pool.submit(reference, t, root, cache)
         flow = {"train": train_flow, "study": study_flow, "verify_resume": verify_flow}[t.mode]
         problems, notes = flow(t, tdir, cwd, run, ref_job.result)
@@ -242,11 +266,21 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
     once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends."""
     cache: dict = {}
     lock = threading.Lock()
+    servers = contextlib.ExitStack()
+    started: list[str] = []
+
+    def shared() -> str:
+        """The soak run's MLflow server (server=up trials), started at the first trial that needs it."""
+        with lock:
+            if not started:
+                (root / "mlflow").mkdir(exist_ok=True)
+                started.append(str(servers.enter_context(contextlib.contextmanager(serve)(root / "mlflow"))))
+            return started[0]
 
     def one(i: int, t: Trial) -> tuple[Trial, bool, float]:
         t0 = time.time()
         try:
-            problems, notes = run_trial(t, root, cache)
+            problems, notes = run_trial(t, root, cache, shared)
         except Exception as e:  # the harness itself: still a failed trial, with its seed
             problems, notes = [f"harness error: {type(e).__name__}: {e}"], []
         wall = time.time() - t0
@@ -259,7 +293,7 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
             shutil.rmtree(root / f"trial-{t.seed}", ignore_errors=True)
         return t, not problems, wall
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+    with servers, concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         return list(pool.map(lambda it: one(*it), enumerate(trials, first)))
 
 

@@ -52,12 +52,17 @@ PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "o
 # steps (num_epochs=null max_steps) with evaluations every half epoch, mid-epoch; "workers": 2 loader workers.
 FEATURES = ("plain", "ema", "amp", "workers", "steps")
 WORLDS = (1, 2, 3)
+# The tracker beside TensorBoard: none, or MLflow (logger=[tensorboard,mlflow]) whose server is drawn from the
+# trial's seed: "up" all along (its run must then hold TensorBoard's scalars, each step once), "down" from the
+# start (nothing listens), or "killed" by the fault as it fires and never back (training goes on regardless).
+TRACKING = ("none", "mlflow")
+SERVER_STATES = ("up", "down", "killed")
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "launcher": LAUNCHERS, "strategy": STRATEGIES, "source": SOURCES, "access": ACCESS, "checkpoint": ("sync", "async"), "fault": FAULTS,
     "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES,
-    "world": WORLDS, "feature": FEATURES}
+    "world": WORLDS, "feature": FEATURES, "tracking": TRACKING}
 TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
 BATCH_3 = 48  # on 3 ranks: 32 does not split
 VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160, "hf": 160, "hf_stream": 160}
@@ -109,6 +114,10 @@ class Trial:
     ranks: int = 2  # a multi-process launcher's world size (3: torchrun or srun only; self-launch refuses more
     # ranks than cores)
     feature: str = "plain"
+    tracking: str = "none"
+    server: str = "up"  # tracking=mlflow: the server's state (SERVER_STATES)
+    tracking_uri: str = ""  # tracking=mlflow: the server's URI, set by the driver (scripts/soak.py)
+    server_pid: int = 0  # server=killed: the trial's own server (its process group), which the fault kills
 
     @property
     def signal(self) -> str:
@@ -153,13 +162,16 @@ class Trial:
             *(STUDY if self.mode == "study" else []), f"batch_size={self.batch}", *self.feature_overrides(),
             f"distributed={self.strategy}", f"limit_train_steps={self.steps_per_epoch}",
             f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
-            f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}"]
+            f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}",
+            *(["logger=[tensorboard,mlflow]", f"mlflow.tracking_uri={self.tracking_uri}"]
+              if self.tracking == "mlflow" else [])]
 
     def label(self) -> str:
         return (f"{self.launcher:10s}x{self.world} {self.strategy:4s} {self.data:6s} {self.mode:13s} {self.feature:7s} "
                 f"{self.fault:>12s}->{self.target}@{self.phase}"
                 f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} "
-                f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}")
+                f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}"
+                f"{f' mlflow {self.server}' if self.tracking == 'mlflow' else ''}")
 
     def rerun(self) -> str:
         """The command that runs this trial again, exactly."""
@@ -215,6 +227,9 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
     _draw_mode_and_fault(t, rng, fixed)
     _draw_world_and_feature(t, rng, fixed)
+    tracking_u, server_u = rng.random(), rng.random()  # drawn last: every earlier draw of a seed is what it was
+    t.tracking = fixed.get("tracking", "mlflow" if tracking_u < 0.3 else "none")
+    t.server = SERVER_STATES[int(server_u * len(SERVER_STATES))]
     return t
 
 
@@ -306,11 +321,11 @@ def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any],
     return {n: trial[n] for n in DIMENSIONS}
 
 
-def pairwise_plan(candidates: int = 11) -> list[dict[str, Any]]:
+def pairwise_plan(candidates: int = 5) -> list[dict[str, Any]]:
     """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered pairs
     (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time. The
-    greedy's length moves with ``candidates`` (40 trials at 1 and 20, 38 at 10, 39 at 13): 11 is among the
-    fewest (37 trials; the bound is 28, the fault x phase pairs)."""
+    greedy's length moves with ``candidates`` (40 trials at 1, 38 at 8, 11 and 20, 39 at 10, 12, 13 and 15): 5
+    is among the fewest (37 trials; the bound is 28, the fault x phase pairs)."""
     order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
     uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
     while uncovered:
@@ -346,4 +361,4 @@ def dimensions(t: Trial) -> dict[str, Any]:
             "access": SOURCE_ACCESS[t.data][1],
             "checkpoint": "async" if t.async_save else "sync", "fault": t.fault, "target": t.target,
             "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum,
-            "mode": t.mode, "world": t.world, "feature": t.feature}
+            "mode": t.mode, "world": t.world, "feature": t.feature, "tracking": t.tracking}

@@ -27,6 +27,7 @@ later one for "between micro-batches"), ``forward``, ``backward`` (a gradient ho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ def check_events(run: Path, ref: Path) -> list[str]:
     """Invariant 2, on TensorBoard's own reading of the events (purged steps dropped, as the dashboard does)."""
     from ddplab.events import read_scalars
 
-    mine, theirs = read_scalars(_events(run)), read_scalars(_events(ref))
+    mine, theirs = read_scalars(events_dir(run)), read_scalars(events_dir(ref))
     dups = {tag: sorted({s for s, _ in pts if [x for x, _ in pts].count(s) > 1}) for tag, pts in mine.items()}
     dups = {tag: steps for tag, steps in dups.items() if steps}
     problems = [f"steps logged more than once, in {len(dups)} tags: {dict(list(dups.items())[:3])}"] if dups else []
@@ -117,7 +118,7 @@ def check_events(run: Path, ref: Path) -> list[str]:
     return problems
 
 
-def _events(run: Path) -> Path:
+def events_dir(run: Path) -> Path:
     """The run's events dir: ``tb/``, or a study trial's, named after its params."""
     found = sorted({p.parent for p in run.glob("*/events.out.tfevents.*")})
     return found[0] if found else run / "tb"
@@ -178,6 +179,9 @@ class _Injector:
                   "run_dir": run_dir}
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
+        if spec.get("server"):  # tracking=mlflow, server=killed: the tracking server dies with the fault, for good
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spec["server"], signal.SIGKILL)
         if spec.get("fault") == "disk_full":  # the run dir's file system fills up (the driver frees it after)
             fill(Path(spec["disk"]) / "soak-filler")
         elif spec.get("fault") == "storage_loss":  # the study's database is gone from under its workers

@@ -4,6 +4,7 @@ and killed after, whatever happened."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ class ServerURI(str):
     """The server's URI; ``.folder`` holds everything it stored (its SQLite file and its artifacts)."""
 
     folder: Path
+    pid: int  # the server's process (its process group's leader)
 
 
 def serve(folder: Path) -> Iterator[str]:
@@ -45,8 +47,9 @@ def serve(folder: Path) -> Iterator[str]:
                 raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
         served = ServerURI(uri)
-        served.folder = folder
+        served.folder, served.pid = folder, proc.pid
         yield served
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a test (or a soak fault) may have killed it already
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
