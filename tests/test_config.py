@@ -253,3 +253,18 @@ def test_loader_workers_under_a_temp_dir_too_long_for_their_socket_are_one_confi
                                           r"Fix: a shorter TMPDIR \(at most \d+ characters\), or perf.num_workers=0"):
         validate(compose_cfg(["perf.num_workers=2"]))
     validate(compose_cfg(["perf.num_workers=0"]))  # no workers, no socket
+
+
+def test_a_folder_named_like_an_extra_is_not_the_extra(tmp_path, monkeypatch):
+    """A folder ``mlflow/`` in the working dir (MLflow's own data folder) where MLflow is not installed: a
+    namespace package, which find_spec finds and Python imports, empty; it let the logger check pass on every
+    rank, and rank 0 alone then failed."""
+    import importlib.util
+
+    from ddplab.config import schema
+
+    (tmp_path / "ddplab_absent_extra").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("ddplab_absent_extra") is not None  # what the check was fooled by
+    assert not schema._installed("ddplab_absent_extra")
+    assert schema._installed("omegaconf")

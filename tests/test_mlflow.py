@@ -6,6 +6,7 @@ or hangs never stops training and is said once."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.events import read_scalars
+from helpers.compare import load, same
 from helpers.jobs import REPO, assert_ok, compose_cfg, job_env, run_killed_after_step
 from helpers.tracking import free_port
 from helpers.extras import lazy
@@ -122,12 +124,43 @@ def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once
     # down: refused at once (MLflow's brief retries, then one line); hanging: the end waits 3 s, no more
     args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{port}", f"mlflow.close_timeout_s={30 if kind == 'down' else 3}"]
     out = ddplab.run(compose_cfg(args, tmp_path / "run"))
+    drawn = random.getstate()  # after the run: MLflow's thread has given up by then
     assert out["step"] == 12 and json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlflow: ")]
     assert len(said) == 1, said
     assert (f"cannot log to http://127.0.0.1:{port}" in said[0] if kind == "down"
             else "did not take the run's last" in said[0]), said
     assert [s for s, _ in read_scalars(tmp_path / "run" / "tb")["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    if kind == "down":
+        # The retries' jitter (urllib3's, MLflow's) drew from Python's global `random`, from MLflow's thread at any
+        # moment: the rank's RNG, which its checkpoint holds and user code draws from, followed the server's health.
+        ddplab.run(compose_cfg([a for a in BASE if not a.startswith("logger=")], tmp_path / "plain"))
+        assert random.getstate() == drawn  # both seeded alike: the tracker drew nothing
+        rng = [load(tmp_path / d / "checkpoints" / "last.pt")["rng"] for d in ("run", "plain")]
+        assert same(*rng, "rng") is None
+
+
+@pytest.mark.slow
+def test_after_a_stop_signal_a_hanging_server_holds_the_exit_only_within_the_launchers_grace(tmp_path, caplog,
+                                                                                             monkeypatch):
+    """A preempted job has its launcher's grace to exit (8 s here) before the launcher SIGKILLs it; a tracking
+    server that hangs held the exit for all of mlflow.close_timeout_s (30 s). Its checkpoint comes first."""
+    import time
+
+    from ddplab.runtime import env
+    from ddplab.runtime.signals import Preempted
+
+    monkeypatch.setattr(env, "launcher_grace_s", lambda: 8.0)
+    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{hanging_server()}", "mlflow.close_timeout_s=30",
+                   "+callbacks.sig._target_=toy_callbacks.SignalAtStep", "+callbacks.sig.sig=SIGTERM",
+                   "+callbacks.sig.step=3"]
+    t0 = time.monotonic()
+    with pytest.raises(Preempted):
+        ddplab.run(compose_cfg(args, tmp_path / "run"))
+    assert time.monotonic() - t0 < 8.0  # the signal came ~1 s in; 30 s before the fix
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "preempted"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlflow: ")]
+    assert len(said) == 1 and "did not take the run's last" in said[0], said
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)

@@ -237,6 +237,21 @@ class SignalWhenResumed:
             os.kill(os.getpid(), self.sig)
 
 
+class SignalAtStep:
+    """Rank 0 sends ``sig`` to its own process after step ``step`` (a stop from outside, in-process too)."""
+
+    def __init__(self, sig: str, step: int):
+        import signal
+
+        self.sig, self.step = getattr(signal, sig), step
+
+    def on_step_end(self, state, step):
+        import os
+
+        if state.dist.rank == 0 and step == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
 class SignalParentToo:
     """Rank 0 sends ``sig`` to its parent and to itself after step ``step``, once per test (``marker``):
     Ctrl-C in a terminal, which reaches every process of the foreground job (verify_resume and its leg)."""

@@ -107,6 +107,9 @@ class MLflowWriter(NullWriter):
     def drain(self) -> None:
         self.close("FAILED")  # a resume sets it RUNNING again
 
+    def hurry(self, seconds: float) -> None:
+        self.timeout = min(self.timeout, seconds)
+
     def _say(self, msg: str, *args: Any) -> None:
         """The run's one warning about MLflow; after it, nothing more is sent or said."""
         if self._said.acquire(blocking=False):
@@ -251,6 +254,10 @@ class TeeWriter(NullWriter):
         for w in self.writers:
             w.drain()
 
+    def hurry(self, seconds: float) -> None:
+        for w in self.writers:
+            w.hurry(seconds)
+
 
 def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
     """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or ddplab."""
@@ -290,5 +297,8 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = Tru
     env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # No jitter: urllib3 and MLflow draw it from Python's global `random`, from this writer's thread at any moment,
+    # so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the server's health.
+    env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
     return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
                         float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and log_model)

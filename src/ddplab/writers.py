@@ -41,6 +41,10 @@ class NullWriter:
     def close(self) -> None:
         pass
 
+    def hurry(self, seconds: float) -> None:
+        """A stop signal came: what a tracking server's writer still sends at close or drain must be done within
+        ``seconds`` (the launcher's grace is running); the rest is dropped, and said."""
+
     def drain(self) -> None:
         """The run failed: send what is still queued (a tracking server's writer). TensorBoard's file is left
         as a failed run has always left it."""

@@ -17,6 +17,14 @@ from ddplab.config.choices import (TRI_STATE, AmpDtype, Backend, BatchScope, Com
 from ddplab.config.errors import require
 
 
+
+def _installed(package: str) -> bool:
+    """``package`` is importable as installed: found without running it, and not a mere folder of that name in
+    the working dir (a namespace package, which imports and then lacks everything; MLflow's own ``mlflow/`` data
+    folder is one)."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
 @dataclass
 class DistributedConfig:
     # ddp: one process per device, gradients all-reduced (the default);
@@ -278,7 +286,7 @@ class TrainConfig:
                 "pass logger=[tensorboard,mlflow]")
         # Here, on every rank before its process group: only rank 0 opens the MLflow run, and a rank 0 that
         # found MLflow missing there left its peers to blame a killed rank.
-        require("mlflow" not in loggers or importlib.util.find_spec("mlflow") is not None, "logger", loggers,
+        require("mlflow" not in loggers or _installed("mlflow"), "logger", loggers,
                 "needs MLflow, which is not installed", "pip install 'ddplab[mlflow]', or logger=[tensorboard]")
         for k, lo, example in (("batch_size", 1, 64), ("grad_accum_steps", 1, 1), ("log_every_n_steps", 1, 10),
                                ("eval_every_n_epochs", 1, 1)):

@@ -36,6 +36,7 @@ from ddplab.train.interval import LogInterval
 from ddplab.train.state import State, best_name
 
 log = logging.getLogger("ddplab")
+EXIT_MARGIN_S = 5.0  # of the launcher's grace, kept for the exit itself after a tracker's last sends
 
 
 class Trainer:
@@ -74,11 +75,21 @@ class Trainer:
             s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, s, e)
             with contextlib.suppress(Exception):  # what was queued for a tracking server is sent (within its timeout)
+                self._hurry_writer()
                 s.writer.drain()
             raise
         finally:
             self.interval.watch.close()
         return self._finish(time.perf_counter() - t0)
+
+    def _hurry_writer(self) -> None:
+        """After a stop signal the launcher's grace bounds the job's end (``env.launcher_grace_s``; 30 s where none
+        is known): the checkpoint came first, and a tracking server still being sent to gets what is left of it
+        but EXIT_MARGIN_S (a dead server otherwise holds the exit for ``mlflow.close_timeout_s``, past the grace)."""
+        s = self.state
+        if s.stop.requested:
+            grace = env.launcher_grace_s() or env.LAUNCHER_GRACE_S
+            s.writer.hurry(max(1.0, grace - (time.monotonic() - s.stop.at) - EXIT_MARGIN_S))
 
     def evaluate(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
@@ -93,6 +104,7 @@ class Trainer:
     def _finish(self, seconds: float) -> dict[str, float]:
         """The run's metrics (the checkpoint's record when this invocation trained nothing), its summary."""
         s = self.state
+        self._hurry_writer()
         s.writer.close()
         res, loop = s.results, s.loop
         out = {**res.last_train, **res.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
