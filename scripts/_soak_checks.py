@@ -144,9 +144,12 @@ def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
 
 
 def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
-    """Invariant 8 (tracking=mlflow with the server up): each run's MLflow run holds TensorBoard's scalars, at the
-    same steps, each step once (a resume continues the same MLflow run and sends no step twice), as TensorBoard
-    rounds them; vitals/* aside (a recomputed step's timings differ, and only its first send counts)."""
+    """Invariant 8 (tracking=mlflow with the server up): each run's MLflow run FINISHED, holding TensorBoard's
+    scalars (as TensorBoard rounds them) at the same steps, each step once: a resume continues the same MLflow
+    run and sends no step twice; vitals/* aside (a recomputed step's timings differ, and only its first send
+    counts). A fault that kills the job (SIGKILL, bad_file, a full disk, a lost storage) loses what its writer
+    still had queued, which no resume sends again (TensorBoard's record is whole): there, steps may be missing,
+    but never twice, never other values, and the run's last step is there."""
     if t.tracking != "mlflow" or t.server != "up":
         return []
     import numpy as np
@@ -154,7 +157,8 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
 
     from ddplab.events import read_scalars
 
-    client, problems, points_seen = MlflowClient(t.tracking_uri), [], 0
+    lossy = t.signal == "SIGKILL" or t.fault in ("disk_full", "storage_loss")
+    client, problems, seen, missing = MlflowClient(t.tracking_uri), [], 0, 0
     for run in runs:
         record = run / "mlflow.json"
         if not record.exists():
@@ -164,16 +168,21 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
         for key, points in read_scalars(events_dir(run)).items():
             if key.startswith("vitals/"):
                 continue
-            points_seen += len(points)
-            got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-            if [st for st, _ in got] != [st for st, _ in points]:
-                problems.append(f"{run.name}: MLflow's {key} at steps {[st for st, _ in got][:20]}, TensorBoard's "
-                                f"at {[st for st, _ in points][:20]}")
-            elif [np.float32(v) for _, v in got] != [np.float32(v) for _, v in points]:
+            seen += len(points)
+            history = client.get_metric_history(run_id, key)
+            got = dict(sorted((m.step, m.value) for m in history))
+            tb = dict(points)
+            if len(history) != len(got) or not set(got) <= set(tb) or (not lossy and set(got) != set(tb)) \
+                    or max(got, default=None) != max(tb):
+                problems.append(f"{run.name}: MLflow's {key} at steps {sorted(m.step for m in history)[:20]}, "
+                                f"TensorBoard's at {sorted(tb)[:20]}")
+            elif any(np.float32(got[st]) != np.float32(tb[st]) for st in got):
                 problems.append(f"{run.name}: MLflow's {key} values differ from TensorBoard's")
+            missing += len(set(tb) - set(got))
         status = client.get_run(run_id).info.status
         problems += [f"{run.name}: MLflow run {status}, not FINISHED"] if status != "FINISHED" else []
-    notes.append(f"MLflow compared: {points_seen} TensorBoard points in {len(runs)} run(s)")
+    notes.append(f"MLflow compared: {seen} TensorBoard points in {len(runs)} run(s)" +
+                 (f", {missing} lost to the kill" if missing else ""))
     return problems
 
 

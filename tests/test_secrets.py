@@ -92,6 +92,7 @@ def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
     ("mailto-like user@host and tokenizer=bpe", "mailto-like user@host and tokenizer=bpe"),  # no URI, no key
     ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),  # a sweep job's
     ("'mlflow.tracking_uri=http\\\\://u\\\\:p@h'", "'mlflow.tracking_uri=http\\\\://***@h'"),  # its repr
+    ("mlflow.tracking_uri=http\\://u\\:dG9rZW4\\=@h", "mlflow.tracking_uri=http\\://***@h"),  # Hydra escapes = too
     ("- db.password='my pw, 2',seed=1", "- db.password=***,seed=1"),  # quoted: a space or comma inside
     ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),  # JSON's \n ends a host, no user info
 ])

@@ -102,3 +102,29 @@ def test_loader_workers_take_sigterm_from_their_rank_alone():
         assert not any(alive(p) for p in workers)
     finally:
         rank.kill()
+
+
+FORKING = r"""
+import os, signal, sys, torch
+from torch.utils.data import DataLoader, Dataset
+from ddplab.runtime.signals import WorkerShield
+
+class Forks(Dataset):  # a sample made by a process the worker forks: is SIGTERM blocked in it?
+    def __len__(self): return 4
+    def __getitem__(self, i):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(int(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+shield = WorkerShield()
+with shield.starting():
+    print([int(b) for b in DataLoader(Forks(), batch_size=None, num_workers=1, worker_init_fn=shield)], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_what_a_loader_worker_forks_takes_sigterm_as_usual():
+    """The worker blocks SIGTERM (its one thread takes it); a process it forks inherited that block."""
+    out = subprocess.run([sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[0] == "[0, 0, 0, 0]", out.stderr[-2000:]

@@ -21,8 +21,10 @@ from typing import Any, Iterable
 MASK = "***"
 # scheme://user[:password]@ — the user info alone is replaced (a token is often the user part). Also as a sweep's
 # job gets it: Hydra escapes an override's special characters (``http\://user\:pw@host``).
-# Escaped once (a sweep job's overrides: ``http\://u\:p@h``) or more (the repr of such a string).
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\*://)(?P<info>(?:\\+:|[^\s/@'\"\\])+)@")
+# Escaped once (a sweep job's overrides: ``http\://u\:p@h``, Hydra escaping ``\()[]{}:=,``) or more (the repr of
+# such a string).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\*://)"
+                       r"(?P<info>(?:\\+[:=,()\[\]{}]|[^\s/@'\"\\])+)@")
 _SECRET_NAMES = frozenset({"password", "passwd", "secret", "secret_key", "api_key", "apikey", "access_token",
                            "auth_token", "hf_token", "private_key", "client_secret"})
 

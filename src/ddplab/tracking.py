@@ -76,6 +76,7 @@ class MLflowWriter(NullWriter):
         self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
         self._q: queue.Queue = queue.Queue()
         self._failed: str | None = None
+        self._hurried = False  # close's wait shortened by hurry (a stop signal)
         self._said = threading.Lock()  # one warning a run, whichever side says it first
         self._thread = threading.Thread(target=self._drain, name=THREAD, daemon=True)
         self._thread.start()
@@ -100,15 +101,19 @@ class MLflowWriter(NullWriter):
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
         if self._thread.is_alive():
-            self._say("mlflow: %s did not take the run's last %d record(s) within mlflow.close_timeout_s=%g s; "
-                      "they are dropped (TensorBoard's record in the run dir is whole)", self.shown_uri or "MLflow",
-                      self._q.qsize(), self.timeout)
+            within = (f"the {self.timeout:g} s a stop signal left of the launcher's grace" if self._hurried else
+                      f"mlflow.close_timeout_s={self.timeout:g} s")
+            self._say("mlflow: %s did not take the run's last %d record(s) within %s; they are dropped "
+                      "(TensorBoard's record in the run dir is whole)", self.shown_uri or "MLflow", self._q.qsize(),
+                      within)
 
     def drain(self) -> None:
         self.close("FAILED")  # a resume sets it RUNNING again
 
     def hurry(self, seconds: float) -> None:
-        self.timeout = min(self.timeout, seconds)
+        if seconds < self.timeout:
+            self.timeout, self._hurried = seconds, True
+            self.log_model = False  # an upload cut short would leave the MLflow run RUNNING for good
 
     def _say(self, msg: str, *args: Any) -> None:
         """The run's one warning about MLflow; after it, nothing more is sent or said."""

@@ -15,6 +15,7 @@ by torchrun, within milliseconds: that pair counts as one.)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -106,6 +107,9 @@ def shield_worker(worker_id: int, rank_pid: int | None = None) -> None:
     # Blocked before any thread starts, so every later thread inherits the block and the one waiter below is
     # the only taker (a blocked signal never reaches torch's handler, which dies of a stranger's SIGTERM).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # A process the worker forks (a pool of its own) starts with SIGTERM as usual. One it starts through
+    # subprocess keeps the block across exec: a dataset stops such a helper with kill(), not terminate().
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}))
     parent = os.getppid()
     threading.Thread(target=_terminate_only_from, args=({parent, rank_pid or parent},),
                      name="ddplab-worker-sigterm", daemon=True).start()
@@ -128,11 +132,38 @@ class WorkerShield:
         to every process before a worker reaches its ``worker_init_fn`` waits there for :func:`shield_worker`'s
         taker instead of meeting torch's handler. The rank loses nothing: another of its threads takes the
         signal (Python's handler still runs in the main thread), or it is delivered as the block ends."""
+        if not _WORKERS_ENDED_AT_EXIT:
+            _WORKERS_ENDED_AT_EXIT.append(True)
+            atexit.register(_end_workers_at_exit)  # after multiprocessing's own exit hook, so it runs first
         before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             yield
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+_WORKERS_ENDED_AT_EXIT: list[bool] = []
+WORKER_EXIT_S = 5.0  # how long a rank's exit waits for a loader worker told to end before it kills it
+
+
+def _end_workers_at_exit() -> None:
+    """A rank's exit ends the loader workers a live iterator still holds as multiprocessing's own exit would
+    (SIGTERM, then a join), but bounded: a worker whose SIGTERM taker cannot run (its interpreter held by C
+    code, or the rank's SIGTERM merged into a stranger's still pending) would hold that join, and the exit, for
+    ever. Such a worker is killed; torch's SIGCHLD watch, which would call that a worker failure, goes first."""
+    import multiprocessing
+
+    workers = [p for p in multiprocessing.active_children() if p.daemon]
+    for p in workers:
+        p.terminate()
+    for p in workers:
+        p.join(WORKER_EXIT_S)
+    left = [p for p in workers if p.is_alive()]
+    if left and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for p in left:
+        p.kill()
+        p.join()
 
 
 def _terminate_only_from(senders: set[int]) -> None:

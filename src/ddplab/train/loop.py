@@ -75,21 +75,22 @@ class Trainer:
             s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, s, e)
             with contextlib.suppress(Exception):  # what was queued for a tracking server is sent (within its timeout)
-                self._hurry_writer()
+                self._hurry_writer(isinstance(e, Preempted))
                 s.writer.drain()
             raise
         finally:
             self.interval.watch.close()
         return self._finish(time.perf_counter() - t0)
 
-    def _hurry_writer(self) -> None:
-        """After a stop signal the launcher's grace bounds the job's end (``env.launcher_grace_s``; 30 s where none
-        is known): the checkpoint came first, and a tracking server still being sent to gets what is left of it
-        but EXIT_MARGIN_S (a dead server otherwise holds the exit for ``mlflow.close_timeout_s``, past the grace)."""
+    def _hurry_writer(self, stopped: bool = False) -> None:
+        """After a stop signal (this rank's, or a peer's the ranks ``stopped`` on) the launcher's grace bounds the
+        job's end (``env.launcher_grace_s``; none known: no one kills the job, nothing to hurry): the checkpoint
+        came first, and a tracking server still being sent to gets what is left of it but EXIT_MARGIN_S (a dead
+        server otherwise held the exit for ``mlflow.close_timeout_s``, past the grace)."""
         s = self.state
-        if s.stop.requested:
-            grace = env.launcher_grace_s() or env.LAUNCHER_GRACE_S
-            s.writer.hurry(max(1.0, grace - (time.monotonic() - s.stop.at) - EXIT_MARGIN_S))
+        if self.grace_s is not None and (stopped or s.stop.requested):
+            since = time.monotonic() - s.stop.at if s.stop.requested else 0.0
+            s.writer.hurry(max(1.0, self.grace_s - since - EXIT_MARGIN_S))
 
     def evaluate(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
