@@ -207,7 +207,11 @@ class _Injector:
         if target == "launcher":  # under srun: srun itself (the rank's parent is SLURM's slurmstepd, a daemon's)
             if "SLURM_STEP_ID" in os.environ:
                 return [p for p in trial_pids(os.environ["SOAK_TRIAL_ID"]) if _comm(p) == "srun"]
-            return [os.getppid()]
+            # the process the user started: torchrun's agent, the self-launch parent (its ranks' parent is the fork
+            # server it started, which ignores stop signals by design: not a process anyone signals)
+            from ddplab.runtime import env
+
+            return [env.launcher_pid() or os.getppid()]
         if target == "peer":  # the next rank (of 2: the other one)
             world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "2")))
             return [int((Path(self.spec["dir"]) / f"pid.{(_rank() + 1) % world}").read_text())]
