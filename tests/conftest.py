@@ -135,3 +135,27 @@ def _gpu_only_for_cuda_tests(request):
     yield
     if cuda:
         os.environ.pop(helpers.jobs.JOBS_ON_GPU, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """DDPLAB_TEST_CPU=FILE: each test's wall and CPU seconds (its own process and every process it started and
+    reaped: the ranks, launchers, servers) appended to FILE.<worker> as JSON lines, to see where CI's CPU goes
+    (2 cores, ~94 % busy: wall time alone hides which tests cost the machine)."""
+    out = os.environ.get("DDPLAB_TEST_CPU")
+    if not out:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    t0, c0 = time.monotonic(), cpu()
+    yield
+    line = {"test": item.nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(cpu() - c0, 2)}
+    with open(f"{out}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "a") as f:
+        f.write(json.dumps(line) + "\n")
