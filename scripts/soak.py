@@ -52,6 +52,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,7 +70,7 @@ from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
-from soak_toy import snapshot  # noqa: E402
+from soak_toy import kill, snapshot, trial_pids  # noqa: E402
 from helpers.jobs import free_port  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
 
@@ -243,6 +244,22 @@ def hf_dir(root: Path) -> Path:
     return folder
 
 
+def end_everything_when_stopped() -> None:
+    """A soak stopped by SIGTERM or SIGINT (a CI timeout, a user's Ctrl-C) ends what it started: every trial's
+    and reference's processes, and the MLflow servers, which run in sessions of their own and would otherwise
+    outlive it. They are found by the id in their environment: this run's pid is in each (``soak-<pid>-...``;
+    the servers get ``soak-<pid>-servers`` from this process's environment, which the jobs' leave out)."""
+    me = os.getpid()
+    os.environ["SOAK_TRIAL_ID"] = f"soak-{me}-servers"
+
+    def stop(signum: int, _frame) -> None:
+        kill([p for p in trial_pids(f"-{me}-", containing=True) if p != me])
+        os._exit(128 + signum)  # the trials' threads would otherwise wait for their processes
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 class NotInPlan(ValueError):
     """``--only SEED --pairwise`` with a seed the plan does not hold."""
 
@@ -332,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     root = args.workdir or Path(tempfile.mkdtemp(prefix="ddplab-soak-"))
     root.mkdir(parents=True, exist_ok=True)
+    end_everything_when_stopped()
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
         t.token_file, t.shard_dir, t.hf_dir = str(token_file(root)), str(shard_dir(root)), str(hf_dir(root))

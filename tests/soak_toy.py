@@ -50,16 +50,18 @@ def _rank() -> int:  # srun's tasks: SLURM_PROCID (ddplab reads it; RANK is torc
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def trial_pids(trial_id: str) -> list[int]:
+def trial_pids(trial_id: str, containing: bool = False) -> list[int]:
     """Every live process whose environment carries ``SOAK_TRIAL_ID=trial_id`` (orphans and torchrun's
-    workers, which run in sessions of their own, included)."""
+    workers, which run in sessions of their own, included); ``containing``: an id that contains ``trial_id``."""
     key = f"SOAK_TRIAL_ID={trial_id}".encode()
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if key in (d / "environ").read_bytes().split(b"\0"):
+            entries = (d / "environ").read_bytes().split(b"\0")
+            if key in entries or containing and any(e.startswith(b"SOAK_TRIAL_ID=") and trial_id.encode() in e
+                                                    for e in entries):
                 found.append(int(d.name))
         except OSError:
             continue

@@ -103,3 +103,40 @@ def test_the_pairwise_soak_plan_holds_every_invariant(tmp_path):
     n = len(pairwise_plan())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert f"{n}/{n} trials held" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_stopped_soak_ends_its_trials_and_its_mlflow_server(tmp_path):
+    """SIGTERM to the driver (a CI timeout, a user's Ctrl-C is SIGINT) mid-trial: every process it started, the
+    trial's job (launcher, ranks) and the MLflow server in a session of its own, is gone at once, not left
+    running for its timeout (the server, for ever)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from soak_toy import trial_pids
+
+    seed = 1930549411  # torchrun x2, MLflow up, six steps of 1.3 s: still training when stopped
+    assert draw(seed).tracking == "mlflow" and draw(seed).server == "up" and draw(seed).launcher == "torchrun"
+    driver = subprocess.Popen([sys.executable, str(REPO / "scripts" / "soak.py"), "--only", str(seed), "--workdir",
+                               str(tmp_path / "soak")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ours, deadline = f"-{driver.pid}-", time.time() + 120
+    kinds: set[str] = set()
+    while kinds != {"servers", "job"} and time.time() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+        kinds = {"servers" if b"SOAK_TRIAL_ID=soak-%d-servers" % driver.pid in environ(p) else "job"
+                 for p in trial_pids(ours, containing=True)}
+    assert kinds == {"servers", "job"}, f"never saw the trial's job and the server: {kinds}"
+    os.kill(driver.pid, signal.SIGTERM)
+    assert driver.wait(10) == 128 + signal.SIGTERM
+    time.sleep(0.5)  # SIGKILLed processes are reaped by their parents (or init) a moment later
+    assert trial_pids(ours, containing=True) == []
+
+
+def environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -94,7 +94,28 @@ def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
 
 def python_train(args: list[str], cwd: Path, timeout: float = 300,
                  extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python train.py ARGS``: forked from this worker's pre-imported server where the job's environment
+    allows (helpers/zygote.py), else a fresh interpreter."""
+    if extra_env is None and os.environ.get("DDPLAB_TEST_FRESH") != "1":
+        done = _zygote().run([str(TRAIN), *args], cwd, job_env(), timeout)
+        if done is not None:
+            return done
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout, extra_env)
+
+
+_ZYGOTES: list = []
+
+
+def _zygote():
+    """This pytest process's server (started at its first job, with the environment jobs get; killed at exit)."""
+    if not _ZYGOTES:
+        import atexit
+
+        from helpers.zygote import Zygote
+
+        _ZYGOTES.append(Zygote({k: v for k, v in job_env().items() if k != "PYTEST_CURRENT_TEST"}))
+        atexit.register(_ZYGOTES[0].close)
+    return _ZYGOTES[0]
 
 
 def own_tmpdir(tmp_path: Path) -> tuple[dict[str, str], Callable[[], list[str]]]:
