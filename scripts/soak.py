@@ -5,6 +5,7 @@ up with another (issue 22, item 9; issue 32). One trial at a time (2 ranks at mo
     python scripts/soak.py --pairwise --plan              # ... its trials and pair coverage, nothing runs
     python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn at random from seed 1
     python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (a failure prints the command)
+    python scripts/soak.py --trials 300 --seed 5 --jobs 2 --minutes 45   # no trial started after 45 min
 
 A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
 ``python train.py distributed.nproc_per_node=2``; with ``--slurm``, ``srun --ntasks=2`` too), the strategy (none for one process; ddp or fsdp for two), the
@@ -174,7 +175,7 @@ def summary(done: list[tuple[Trial, bool, float]]) -> None:
     for name, value in [(n, str(v)) for n, values in DIMENSIONS.items() for v in values] + extra:
         if (name, value) in table:
             print(f"{name:10s} {value:10s} {table[name, value][0]:4d} {table[name, value][1]:6d}")
-    walls = [w for _, _, w in done]
+    walls = [w for _, _, w in done] or [0.0]
     held = sum(h for _, h, _ in done)
     print(f"{held}/{len(done)} trials held; wall per trial: median {statistics.median(walls):.0f}s, "
           f"max {max(walls):.0f}s, total {sum(walls) / 60:.1f} min")
@@ -278,9 +279,11 @@ def choose(args: argparse.Namespace) -> list[Trial]:
     return [draw(s, args.long, slurm=args.slurm) for s in seeds]
 
 
-def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1) -> list[tuple[Trial, bool, float]]:
+def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1,
+            until: float = float("inf")) -> list[tuple[Trial, bool, float]]:
     """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up; two at
-    once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends."""
+    once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends. None
+    starts after the time ``until``: those run are the first ones, in order."""
     cache: dict = {}
     lock = threading.Lock()
     servers = contextlib.ExitStack()
@@ -294,8 +297,10 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
                 started.append(str(servers.enter_context(contextlib.contextmanager(serve)(root / "mlflow"))))
             return started[0]
 
-    def one(i: int, t: Trial) -> tuple[Trial, bool, float]:
+    def one(i: int, t: Trial) -> tuple[Trial, bool, float] | None:
         t0 = time.time()
+        if t0 > until:
+            return None
         try:
             problems, notes = run_trial(t, root, cache, shared)
         except Exception as e:  # the harness itself: still a failed trial, with its seed
@@ -311,7 +316,11 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
         return t, not problems, wall
 
     with servers, concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        return list(pool.map(lambda it: one(*it), enumerate(trials, first)))
+        done = list(pool.map(lambda it: one(*it), enumerate(trials, first)))
+    if None in done:
+        print(f"--minutes: stopped starting trials after {len(done) - done.count(None)} of {len(trials)}; "
+              f"--first {first + done.index(None)} continues with the same --trials and --seed", flush=True)
+    return [d for d in done if d is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="trials run at once (CI: 2; the invariants must hold on a "
                     "loaded machine too; on 2 cores the plan takes 693 s instead of 870 s)")
     ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
+    ap.add_argument("--minutes", type=float, help="start no trial after this many minutes (those started end); "
+                    "the summary covers the trials run and says which --first continues")
     args = ap.parse_args(argv)
     if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
         ap.error(f"--first {args.first}: one of the --trials drawn at random, counted from 1")
@@ -353,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
         t.token_file, t.shard_dir, t.hf_dir = str(token_file(root)), str(shard_dir(root)), str(hf_dir(root))
-    done = run_all(trials, root, args.keep, args.first, args.jobs)
+    until = time.time() + 60 * args.minutes if args.minutes is not None else float("inf")
+    done = run_all(trials, root, args.keep, args.first, args.jobs, until)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):
         shutil.rmtree(root, ignore_errors=True)

@@ -140,3 +140,13 @@ def environ(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+@pytest.mark.slow
+def test_a_soak_bounded_in_time_starts_no_trial_after_it_and_says_where_to_go_on(tmp_path):
+    proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--trials", "3", "--seed", "1", "--first",
+                    "2", "--minutes", "0", "--workdir", str(tmp_path / "soak")], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--minutes: stopped starting trials after 0 of 2; --first 2 continues with the same --trials and --seed" \
+        in proc.stdout
+    assert "0/0 trials held" in proc.stdout and not list((tmp_path / "soak").glob("trial-*"))

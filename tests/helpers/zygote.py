@@ -28,10 +28,10 @@ MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST")
 
 class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
-        self.env, self.lock = env, threading.Lock()
+        self.env, self.lock, self.served = env, threading.Lock(), 0  # jobs it forked
         self.dir = Path(tempfile.mkdtemp(prefix="ddpz-"))
         self.path = self.dir / "s"
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path)], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())], env=env,
                                      cwd=Path(__file__).parents[1], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.ready = self.proc.stdout.readline().strip() == "ready"
@@ -46,6 +46,7 @@ class Zygote:
         if not self.fits(env) or not self.lock.acquire(blocking=False):
             return None
         try:
+            self.served += 1
             return self._run(argv, cwd, env, timeout)
         finally:
             self.lock.release()
@@ -82,7 +83,7 @@ class Zygote:
         self.dir.rmdir()
 
 
-def serve(path: str) -> dict:
+def serve(path: str, parent: int) -> dict:
     """Import, then fork a child per request; returns only in a child, with its request. The server answers
     each request with the child's pid, then its exit code (a signal's: minus its number, as Popen says)."""
     import gc
@@ -103,8 +104,18 @@ def serve(path: str) -> dict:
     server.bind(path)
     server.listen()
     print("ready", flush=True)
+    server.settimeout(5)
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # its pytest process died without closing it: nothing will call again
+                import shutil
+
+                shutil.rmtree(Path(path).parent, ignore_errors=True)
+                os._exit(0)
+            continue
+        conn.settimeout(None)
         request = json.loads(conn.makefile().readline())
         pid = os.fork()
         if pid == 0:
@@ -135,7 +146,7 @@ def become(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    job = serve(sys.argv[1])
+    job = serve(sys.argv[1], int(sys.argv[2]))
     # Only a forked child gets here: it runs train.py as `python train.py` would, and ends as an interpreter
     # does (an uncaught exception printed, exit 1; SystemExit's code; threads joined; atexit handlers).
     become(job)
