@@ -254,7 +254,17 @@ def end_everything_when_stopped() -> None:
     os.environ["SOAK_TRIAL_ID"] = f"soak-{me}-servers"
 
     def stop(signum: int, _frame) -> None:
-        kill([p for p in trial_pids(f"-{me}-", containing=True) if p != me])
+        for _ in range(20):  # again until none is left: the trials' threads go on starting processes meanwhile
+            left = [p for p in trial_pids(f"-{me}-", containing=True) if p != me]
+            if not left:
+                break
+            kill(left)
+            time.sleep(0.1)
+        if shutil.which("squeue"):  # a killed srun's allocation outlives it (as run_attempt's scancel says)
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
+            ids = [line.split()[0] for line in jobs if f"-{me}-" in line]
+            if ids:
+                subprocess.run(["scancel", *ids], capture_output=True)
         os._exit(128 + signum)  # the trials' threads would otherwise wait for their processes
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -283,7 +293,7 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
             until: float = float("inf")) -> list[tuple[Trial, bool, float]]:
     """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up; two at
     once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends. None
-    starts after the time ``until``: those run are the first ones, in order."""
+    starts after ``until`` (a time.monotonic()): those run are the first ones, in order."""
     cache: dict = {}
     lock = threading.Lock()
     servers = contextlib.ExitStack()
@@ -299,7 +309,7 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
 
     def one(i: int, t: Trial) -> tuple[Trial, bool, float] | None:
         t0 = time.time()
-        if t0 > until:
+        if time.monotonic() >= until:
             return None
         try:
             problems, notes = run_trial(t, root, cache, shared)
@@ -342,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, help="start no trial after this many minutes (those started end); "
                     "the summary covers the trials run and says which --first continues")
     args = ap.parse_args(argv)
+    until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")  # data prep counts
+    if args.minutes is not None and (args.pairwise or args.only is not None):
+        ap.error("--minutes bounds a run of --trials drawn at random (--first continues it); the pairwise plan and "
+                 "--only run whole: drop --minutes")
     if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
         ap.error(f"--first {args.first}: one of the --trials drawn at random, counted from 1")
     if args.slurm and args.pairwise:
@@ -364,7 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {len(trials)} trial(s) in {root}", flush=True)
     for t in trials:
         t.token_file, t.shard_dir, t.hf_dir = str(token_file(root)), str(shard_dir(root)), str(hf_dir(root))
-    until = time.time() + 60 * args.minutes if args.minutes is not None else float("inf")
     done = run_all(trials, root, args.keep, args.first, args.jobs, until)
     summary(done)
     if not args.keep and all(h for _, h, _ in done):

@@ -142,6 +142,13 @@ def environ(pid: int) -> bytes:
         return b""
 
 
+def test_minutes_bound_only_a_run_drawn_at_random(capsys):
+    for plan in (["--pairwise"], ["--only", "5"]):
+        with pytest.raises(SystemExit) as e:
+            soak.main([*plan, "--minutes", "10"])
+        assert e.value.code == 2 and "the pairwise plan and --only run whole: drop --minutes" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_soak_bounded_in_time_starts_no_trial_after_it_and_says_where_to_go_on(tmp_path):
     proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--trials", "3", "--seed", "1", "--first",

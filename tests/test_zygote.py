@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -17,6 +18,8 @@ CASES = {
     "a callback's exception": ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
                                "+callbacks.bug._target_=toy_callbacks.FailsOnRank", "+callbacks.bug.rank=0",
                                "+callbacks.bug.step=2"],
+    "a process left holding stdout": ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none",
+                                      "+callbacks.late._target_=toy_callbacks.LeavesAWriterBehind"],
     "SIGTERM after step 1": ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
                              "+callbacks.stop._target_=toy_callbacks.SignalAtStep", "+callbacks.stop.sig=SIGTERM",
                              "+callbacks.stop.step=1"],
@@ -33,19 +36,24 @@ def words(text: str, run: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path, monkeypatch):
+def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path):
     ends = {}
     for how in ("forked", "fresh"):
-        monkeypatch.setenv("DDPLAB_TEST_FRESH", "1" if how == "fresh" else "0")
-        served = jobs._zygote().served
-        proc = jobs.python_train([*CASES[case], f"hydra.run.dir={tmp_path / how}"], tmp_path)
-        assert jobs._zygote().served == served + (how == "forked")  # the server took it, or it did not
+        argv = [str(jobs.TRAIN), *CASES[case], f"hydra.run.dir={tmp_path / how}"]
+        if how == "forked":
+            server = jobs._zygote()
+            served = server.served
+            proc = server.run(argv, tmp_path, jobs.job_env(), 120)
+            assert proc is not None and server.served == served + 1  # the server took it
+        else:
+            proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120)
         result = json.loads((tmp_path / how / "result.json").read_text()) if (tmp_path / how / "result.json").exists() else {}
         ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
                      {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")})
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == {"completes": 0, "config error": 2, "a callback's exception": 1,
-                                 "SIGTERM after step 1": 143}[case]
+                                 "a process left holding stdout": 0, "SIGTERM after step 1": 143}[case]
+    assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
 
 
 @pytest.mark.slow

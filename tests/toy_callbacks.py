@@ -342,3 +342,13 @@ class Uploader:
 
     def on_fit_end(self, state, metrics):
         assert self.token.startswith("T0ken")  # the job itself gets the real value
+
+
+class LeavesAWriterBehind:
+    """At the fit's end, starts a process of its own session that holds the job's stdout and writes to it 2 s
+    later, after the job has exited: a reader of the job's output to its end (``communicate()``) waits for it."""
+
+    def on_fit_end(self, state, metrics):
+        import subprocess
+
+        subprocess.Popen(["sh", "-c", "sleep 2; echo written-after-the-job-exited"], start_new_session=True)

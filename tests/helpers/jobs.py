@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -104,17 +105,19 @@ def python_train(args: list[str], cwd: Path, timeout: float = 300,
 
 
 _ZYGOTES: list = []
+_ZYGOTE_START = threading.Lock()
 
 
 def _zygote():
     """This pytest process's server (started at its first job, with the environment jobs get; killed at exit)."""
-    if not _ZYGOTES:
-        import atexit
+    with _ZYGOTE_START:
+        if not _ZYGOTES:
+            import atexit
 
-        from helpers.zygote import Zygote
+            from helpers.zygote import Zygote
 
-        _ZYGOTES.append(Zygote({k: v for k, v in job_env().items() if k != "PYTEST_CURRENT_TEST"}))
-        atexit.register(_ZYGOTES[0].close)
+            _ZYGOTES.append(Zygote({k: v for k, v in job_env().items() if k != "PYTEST_CURRENT_TEST"}))
+            atexit.register(_ZYGOTES[0].close)
     return _ZYGOTES[0]
 
 

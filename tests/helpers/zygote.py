@@ -1,12 +1,13 @@
 """``python train.py ARGS`` for the tests without an interpreter's start-up each time: a process per pytest
 worker imports what every job imports (torch, torch._dynamo, Hydra, ddplab, TensorBoard: ~2.5 of the ~3.6
 CPU-seconds a one-step job costs) once, then forks a child per job. The child is a process of its own (its own
-pid, session, working dir, environment, stdout and stderr) that runs train.py as ``__main__`` and ends
-through the interpreter's own exit (threads joined, atexit handlers, exit code), as a fresh one does.
+pid, session, working dir, environment, and stdout and stderr pipes the caller reads to their end, as
+``communicate()`` does) that runs train.py as ``__main__`` and ends through the interpreter's own exit
+(threads joined, atexit handlers, exit code), as a fresh one does.
 
 Only ``helpers.jobs.python_train`` uses it, and only where nothing the job reads at import time can differ:
-the job's environment must be the one the server started with (``TMPDIR`` and pytest's own entries aside).
-Launchers (torchrun, SLURM, the self-launch's ranks), signals and process-tree tests start real interpreters.
+the job's environment must be the one the server started with (``MAY_DIFFER`` aside). Launchers (torchrun,
+SLURM, the self-launch's ranks), signals and process-tree tests start real interpreters.
 ``DDPLAB_TEST_FRESH=1`` makes every job a fresh interpreter again."""
 
 from __future__ import annotations
@@ -14,90 +15,143 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
-# Entries a job may have that the server did not: read at run time only (tempfile's cache is reset).
-MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST")
+# Entries a job may have that the server did not: read at run time only (tempfile's cache is reset), or the
+# tests' own switches.
+MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU")
 
 
 class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.env, self.lock, self.served = env, threading.Lock(), 0  # jobs it forked
+        self.cpu = 0.0  # their CPU seconds (a forked job is the server's child: the caller's rusage misses it)
         self.dir = Path(tempfile.mkdtemp(prefix="ddpz-"))
         self.path = self.dir / "s"
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())], env=env,
-                                     cwd=Path(__file__).parents[1], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
-        self.ready = self.proc.stdout.readline().strip() == "ready"
+        with open(self.dir / "server.log", "w") as log:  # what the server itself says, out of any test's output
+            self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())],
+                                         env=env, cwd=Path(__file__).parents[1], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        self.ready = "ready\n" in iter(self.proc.stdout.readline, "")  # up to "ready", or EOF: it died
+        self.proc.stdout.close()
 
     def fits(self, env: dict[str, str]) -> bool:
         strip = lambda e: {k: v for k, v in e.items() if k not in MAY_DIFFER}  # noqa: E731
         return self.ready and self.proc.poll() is None and strip(env) == strip(self.env)
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-        """The job's CompletedProcess; None where the server cannot take it (busy in another thread, or not
-        fitting): the caller starts a fresh interpreter."""
-        if not self.fits(env) or not self.lock.acquire(blocking=False):
+        """The job's CompletedProcess; None where the server cannot take it (busy in another thread, not fitting,
+        gone, or a working dir Popen would refuse): the caller starts a fresh interpreter."""
+        if not self.fits(env) or not Path(cwd).is_dir() or not self.lock.acquire(blocking=False):
             return None
         try:
-            self.served += 1
             return self._run(argv, cwd, env, timeout)
         finally:
             self.lock.release()
 
     def _run(self, argv, cwd, env, timeout):
-        out, err = (tempfile.NamedTemporaryFile("w+", dir=self.dir, suffix=s, delete=False) for s in (".out", ".err"))
-        with socket.socket(socket.AF_UNIX) as s, out, err:
-            s.connect(str(self.path))
-            s.sendall((json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "stdout": out.name,
-                                   "stderr": err.name}) + "\n").encode())
-            reply = s.makefile()
-            pid = int(reply.readline())
-            s.settimeout(timeout)
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        with socket.socket(socket.AF_UNIX) as conn:
             try:
-                rc = int(reply.readline())
-            except (TimeoutError, socket.timeout):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                s.settimeout(30)
-                reply.readline()
-                raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out.read()[-3000:]}\n"
-                                     f"--- stderr\n{err.read()[-3000:]}")
-            texts = out.read(), err.read()
-        for f in (out, err):
-            os.unlink(f.name)
-        return subprocess.CompletedProcess([sys.executable, *argv], rc, *texts)
+                conn.connect(str(self.path))
+                socket.send_fds(conn, [b"F"], [out_w, err_w])
+                conn.sendall((json.dumps({"argv": argv, "cwd": str(cwd), "env": env}) + "\n").encode())
+                pid = int(_line(conn, 30))
+            except (OSError, ValueError):  # the server is gone: nothing started
+                pid = None
+            finally:
+                os.close(out_w)  # the job holds its own copies
+                os.close(err_w)
+            try:
+                if pid is None:
+                    return None
+                self.served += 1
+                deadline = time.monotonic() + timeout
+                pipes: dict[int, list[bytes]] = {out_r: [], err_r: []}
+                if not _read_to_end(pipes, deadline):  # until every holder closed them, as communicate() waits
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                    _read_to_end(pipes, time.monotonic() + 30)
+                    out, err = _texts(pipes)
+                    raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n"
+                                         f"--- stderr\n{err[-3000:]}")
+                rc, cpu = _line(conn, max(1.0, deadline - time.monotonic()) + 30).split()
+            finally:
+                os.close(out_r)
+                os.close(err_r)
+        self.cpu += float(cpu)
+        return subprocess.CompletedProcess([sys.executable, *argv], int(rc), *_texts(pipes))
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        for p in self.dir.iterdir():
-            p.unlink()
-        self.dir.rmdir()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def serve(path: str, parent: int) -> dict:
-    """Import, then fork a child per request; returns only in a child, with its request. The server answers
-    each request with the child's pid, then its exit code (a signal's: minus its number, as Popen says)."""
+def _line(conn: socket.socket, timeout: float) -> str:
+    """One reply line (read byte-wise: a timed-out file object cannot be read again)."""
+    conn.settimeout(timeout)
+    got = b""
+    while not got.endswith(b"\n"):
+        chunk = conn.recv(1)
+        if not chunk:
+            raise OSError("the job server closed the connection")
+        got += chunk
+    return got.decode()
+
+
+def _read_to_end(pipes: dict[int, list[bytes]], deadline: float) -> bool:
+    """Read both pipes into their lists until EOF (True), or until the deadline (False)."""
+    with selectors.DefaultSelector() as sel:
+        for fd in pipes:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 65536)
+                if chunk:
+                    pipes[key.fd].append(chunk)
+                else:
+                    sel.unregister(key.fd)
+    return True
+
+
+def _texts(pipes: dict[int, list[bytes]]) -> tuple[str, str]:
+    out, err = (b"".join(parts).decode(errors="replace") for parts in pipes.values())
+    return out, err
+
+
+def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
+    """Import, then fork a child per request; returns only in a child: its request, its stdout and stderr fds,
+    and the warnings the imports raised (a fresh job prints them). The server answers each request with the
+    child's pid, then its exit code (a signal's: minus its number, as Popen says) and CPU seconds."""
     import gc
+    import warnings
 
-    import hydra  # noqa: F401
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
+    with warnings.catch_warnings(record=True) as said:
+        import hydra  # noqa: F401
+        import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401
+        import torch.utils.tensorboard  # noqa: F401
+        from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
-    import ddplab.cli  # noqa: F401
-    import ddplab.config  # noqa: F401
-    import ddplab.train.assemble  # noqa: F401
-    import ddplab.train.loop  # noqa: F401
+        import ddplab.cli  # noqa: F401
+        import ddplab.config  # noqa: F401
+        import ddplab.train.assemble  # noqa: F401
+        import ddplab.train.loop  # noqa: F401
 
     gc.freeze()  # what it imported stays out of the children's collections (and their pages shared)
     server = socket.socket(socket.AF_UNIX)
@@ -116,40 +170,51 @@ def serve(path: str, parent: int) -> dict:
                 os._exit(0)
             continue
         conn.settimeout(None)
+        _, fds, _, _ = socket.recv_fds(conn, 1, 2)
         request = json.loads(conn.makefile().readline())
         pid = os.fork()
         if pid == 0:
             server.close()
             conn.close()
-            return request
+            return request, fds, said
+        for fd in fds:  # the child's now: the caller sees EOF once the job (and whatever it started) closed them
+            os.close(fd)
         conn.sendall(f"{pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)  # the child's CPU, and its reaped children's: not the caller's to see
         with contextlib.suppress(OSError):
-            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime}\n".encode())
         conn.close()
 
 
-def become(request: dict) -> None:
+def become(request: dict, fds: list[int], said: list) -> None:
     """The child: a process of its own, as ``subprocess.Popen(..., start_new_session=True)`` makes one."""
+    import multiprocessing.process
+    import warnings
+
+    from ddplab.runtime import env
+
     os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                            (2, request["stderr"], os.O_WRONLY)):
-        opened = os.open(name, flags)
-        os.dup2(opened, fd)
-        os.close(opened)
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # what a fresh interpreter records at start
+    env._PARENT_AT_START = os.getppid()  # read at import (in the server): this process's parent is the server
     sys.argv = list(request["argv"])
     sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python train.py` sets it
+    for w in said:  # what the imports warned, on this job's stderr as a fresh interpreter prints it
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 if __name__ == "__main__":
     job = serve(sys.argv[1], int(sys.argv[2]))
     # Only a forked child gets here: it runs train.py as `python train.py` would, and ends as an interpreter
     # does (an uncaught exception printed, exit 1; SystemExit's code; threads joined; atexit handlers).
-    become(job)
+    become(*job)
     del job
     import runpy
 
