@@ -40,8 +40,11 @@ def compose_cfg(overrides: list[str] | None = None, run_dir: Path | None = None)
 JOBS_ON_GPU = "DDPLAB_TEST_JOBS_ON_GPU"
 
 
-def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
+_AT_START = dict(os.environ)  # this pytest process's environment before any test changed it
+
+
+def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
@@ -116,7 +119,9 @@ def _zygote():
 
             from helpers.zygote import Zygote
 
-            _ZYGOTES.append(Zygote({k: v for k, v in job_env().items() if k != "PYTEST_CURRENT_TEST"}))
+            # the environment jobs get from this process as it started: not from whichever test came first
+            # (one that set a variable would leave every later job to a fresh interpreter)
+            _ZYGOTES.append(Zygote({k: v for k, v in job_env(_AT_START).items() if k != "PYTEST_CURRENT_TEST"}))
             atexit.register(_ZYGOTES[0].close)
     return _ZYGOTES[0]
 
