@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-# Entries a job may have that the server did not: read at run time only (tempfile's cache is reset), or the
-# tests' own switches.
-MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU")
+# Entries a job may have that the server did not: read at run time only (tempfile's cache is reset; inductor
+# reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
+MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU", "TORCHINDUCTOR_CACHE_DIR")
 
 
 class Zygote:
