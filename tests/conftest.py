@@ -118,11 +118,8 @@ _JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 @pytest.fixture(autouse=True)
 def _job_env_left_as_found():
-    before = {k: os.environ.get(k) for k in _JOB_ENV}
-    yield
-    after = {k: os.environ.get(k) for k in _JOB_ENV}
-    changed = {k: (before[k], after[k]) for k in _JOB_ENV if before[k] != after[k]}
-    assert not changed, f"the test left the job's environment changed (before, after): {changed}"
+    with helpers.jobs.environment_put_back(_JOB_ENV):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -84,3 +84,24 @@ def test_the_server_ends_when_its_pytest_process_dies_without_closing_it(tmp_pat
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
     assert not Path(folder).exists()
 
+
+
+@pytest.mark.slow
+def test_what_an_in_process_run_sets_in_the_environment_does_not_reach_the_next_tests_jobs(tmp_path):
+    """ddplab sets library defaults in its own process (MLflow's retries and timeout, MLflow's credential
+    variables). conftest puts every variable back after a test, so a later test's job still fits the job server
+    (CI at 57efb72: one in-process MLflow run sent every later job of that worker to a fresh interpreter)."""
+    import os
+
+    from ddplab.runtime import env
+
+    server = jobs._zygote()
+    with jobs.environment_put_back(()):  # what conftest does around every test
+        env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        env.offer_mlflow_credentials("someone", "hunter2")
+        assert not server.fits(jobs.job_env())  # a job started now would go to a fresh interpreter
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ or os.environ["MLFLOW_TRACKING_PASSWORD"] != "hunter2"
+    served = server.served
+    proc = jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert server.served == served + 1

@@ -43,6 +43,23 @@ JOBS_ON_GPU = "DDPLAB_TEST_JOBS_ON_GPU"
 _AT_START = dict(os.environ)  # this pytest process's environment before any test changed it
 
 
+@contextlib.contextmanager
+def environment_put_back(checked: tuple[str, ...]) -> Iterator[None]:
+    """Fail where the block leaves one of `checked` changed; put every other variable back as it was. An
+    in-process run sets library defaults (MLflow's retries, KERAS_BACKEND, MLflow's credential variables,
+    inductor's switches): left behind, they would reach every later test's jobs, and keep them from the job
+    server, whose environment must equal theirs."""
+    before = dict(os.environ)
+    yield
+    try:
+        changed = {k: (before.get(k), os.environ.get(k)) for k in checked if before.get(k) != os.environ.get(k)}
+        assert not changed, f"the test left the job's environment changed (before, after): {changed}"
+    finally:
+        for k in set(os.environ) - set(before):
+            del os.environ[k]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
 def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
