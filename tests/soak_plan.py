@@ -339,10 +339,42 @@ def pairwise_plan(candidates: int = 5) -> list[dict[str, Any]]:
     return plan
 
 
-def plan_trials(seed: int, long: bool = False) -> list[Trial]:
-    """The pairwise plan's trials, each with its remaining details from its own seed (drawn from ``seed``)."""
+def plan_parts(n: int) -> list[list[int]]:
+    """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
+    where ``n`` allows, balanced by the processes their launches start. CI runs one part per commit: every value
+    each time, every pair over ``n`` commits. No randomness: a round-robin deal, improved by moving or swapping
+    trials while that lowers (values some part lacks, the largest part's load, the sum of squared loads)."""
     plan = pairwise_plan()
-    trials = [draw(s, long, fixed) for s, fixed in zip(trial_seeds(seed, len(plan)), plan)]
+    values = [set(t.items()) for t in plan]
+    load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]  # the launcher and its ranks
+    every = set().union(*values)
+
+    def score(deal: list[int]) -> tuple[int, int, int]:
+        held, loads = [set() for _ in range(n)], [0] * n
+        for i, p in enumerate(deal):
+            held[p] |= values[i]
+            loads[p] += load[i]
+        return sum(len(every - h) for h in held), max(loads), sum(x * x for x in loads)
+
+    deal, improved = [i % n for i in range(len(plan))], True
+    while improved:
+        improved = False
+        for i in range(len(plan)):
+            swaps = [[deal[j] if k == i else deal[i] if k == j else p for k, p in enumerate(deal)]
+                     for j in range(len(plan))]
+            for candidate in swaps + [deal[:i] + [p] + deal[i + 1:] for p in range(n)]:
+                if score(candidate) < score(deal):
+                    deal, improved = candidate, True
+    return [[i for i, p in enumerate(deal) if p == part] for part in range(n)]
+
+
+def plan_trials(seed: int, long: bool = False, part: tuple[int, int] | None = None) -> list[Trial]:
+    """The pairwise plan's trials, each with its remaining details from its own seed (drawn from ``seed``, for
+    the whole plan: a trial is the same in a part); ``part`` (k, n): only the k-th of ``plan_parts(n)``."""
+    plan = pairwise_plan()
+    chosen = set(plan_parts(part[1])[part[0] - 1]) if part else set(range(len(plan)))
+    trials = [draw(s, long, fixed) for i, (s, fixed) in enumerate(zip(trial_seeds(seed, len(plan)), plan))
+              if i in chosen]
     for t in trials:
         t.plan_seed = seed
     return trials
@@ -352,7 +384,9 @@ def coverage(trials: list[Trial]) -> str:
     """How many of the allowed pairs the trials cover, said as the plan prints it."""
     every = valid_pairs()
     seen = set().union(*(_pairs(dimensions(t)) for t in trials)) & every
-    return f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} trials"
+    values = {(n, v) for t in trials for n, v in dimensions(t).items()}
+    return (f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} trials, "
+            f"{len(values)}/{sum(map(len, DIMENSIONS.values()))} of their values")
 
 
 def dimensions(t: Trial) -> dict[str, Any]:

@@ -1,19 +1,23 @@
-"""The fault soak (scripts/soak.py): CI runs its fixed pairwise plan — every pair of dimension values (launcher,
+"""The fault soak (scripts/soak.py): its fixed pairwise plan holds every pair of dimension values (launcher,
 world size 1-3, strategy, data source (digits, token files, Hugging Face JSONL through a BPE) and access (held or
 streamed), checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
 one feature in play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted
-once, resumed until the job completes and checked against its uninterrupted run. The plan's generator is checked
-without running anything; seed-drawn and long soaks run by hand."""
+once, resumed until the job completes and checked against its uninterrupted run. CI runs one of its ``CI_PARTS``
+parts a commit (each holds every value of every dimension; the parts together, every pair): the whole plan is
+about 12 minutes of CI's 2 cores, a part 3. The plan's generator is checked without running anything; the whole
+plan, seed-drawn and long soaks run by hand."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 import sys
 
 import pytest
 
 from helpers.jobs import REPO, run_cmd
-from soak_plan import DIMENSIONS, SLURM, draw, pairwise_plan, plan_trials, trial_seeds, valid
+from soak_plan import DIMENSIONS, SLURM, draw, pairwise_plan, plan_parts, plan_trials, trial_seeds, valid
 
 sys.path.insert(0, str(REPO / "scripts"))
 import soak  # noqa: E402  (scripts/soak.py, the driver)
@@ -46,7 +50,7 @@ def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     missing = every - set().union(*map(pairs_of, plan))
     assert missing == set(), sorted(missing)[:5]
     assert plan == pairwise_plan()  # the same plan every time, so CI reruns the same trials
-    assert len(plan) == 37, len(plan)  # the budget: CI runs the whole plan, 2 at a time, in about 18 minutes
+    assert len(plan) == 37, len(plan)  # the budget: CI runs a quarter of it, 2 trials at a time
 
     assert soak.main(["--pairwise", "--plan"]) == 0
     out = capsys.readouterr().out
@@ -94,15 +98,56 @@ def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
     assert same(a["model"], load_whole(tmp_path / "a" / "last.pt")["model"]) is None
 
 
-@pytest.mark.slow  # the whole plan: every trial faulted, resumed and checked
+CI_PARTS = 4
+
+
+def this_commits_part() -> tuple[int, int]:
+    """``DDPLAB_SOAK_PART=K/N`` where set; else the checkout's commit count modulo CI_PARTS, so consecutive
+    commits run consecutive parts (a shallow clone counts 1: there, the commit hash picks)."""
+    if os.environ.get("DDPLAB_SOAK_PART"):
+        return soak.part(os.environ["DDPLAB_SOAK_PART"])
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    shallow = git("rev-parse", "--is-shallow-repository") != "false"
+    n = int(git("rev-parse", "HEAD")[:8] or "0", 16) if shallow else int(git("rev-list", "--count", "HEAD"))
+    return n % CI_PARTS + 1, CI_PARTS
+
+
+@pytest.mark.slow  # seconds: the plan dealt four ways
+def test_the_plans_parts_each_hold_every_value_and_together_the_plan(capsys):
+    plan = pairwise_plan()
+    values = {(name, v) for name in DIMENSIONS for v in DIMENSIONS[name]}
+    load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]
+    for n in (1, 2, 3, CI_PARTS):
+        parts = plan_parts(n)
+        assert sorted(i for p in parts for i in p) == list(range(len(plan)))  # each trial in exactly one part
+        for p in parts:
+            assert {item for i in p for item in plan[i].items()} == values, (n, p)
+        loads = sorted(sum(load[i] for i in p) for p in parts)
+        assert loads[-1] - loads[0] <= max(load), loads  # balanced to within one trial
+    assert plan_parts(CI_PARTS) == plan_parts(CI_PARTS)
+    # A part's trials are the plan's (seeds and all), and the part says it holds every value.
+    assert soak.main(["--pairwise", "--part", f"2/{CI_PARTS}", "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    every = plan_trials(0)
+    assert out[:-1] == [f"{every[i].seed:10d} {every[i].label()}" for i in plan_parts(CI_PARTS)[1]]
+    assert out[-1].endswith(f"in {len(plan_parts(CI_PARTS)[1])} trials, {len(values)}/{len(values)} of their values")
+    for argv, said in ((["--part", "1/4"], "--part deals the --pairwise plan into parts: add --pairwise"),
+                       (["--pairwise", "--part", "5/4"], "argument --part: '5/4': K/N with 1 <= K <= N, as 2/4")):
+        with pytest.raises(SystemExit) as e:
+            soak.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a part of the plan: every trial faulted, resumed and checked
 def test_the_pairwise_soak_plan_holds_every_invariant(tmp_path):
-    # Two trials at a time: 693 s instead of 870 s for the 37 trials here, and the invariants must hold on a
-    # loaded machine too (37/37 did).
-    proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--pairwise", "--jobs", "2", "--workdir",
-                    str(tmp_path / "soak")], tmp_path, timeout=1500)
-    n = len(pairwise_plan())
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert f"{n}/{n} trials held" in proc.stdout
+    # Two trials at a time: the invariants must hold on a loaded machine too. This commit's part: every value
+    # of every dimension, every pair over CI_PARTS commits (the whole plan: python scripts/soak.py --pairwise).
+    k, n = this_commits_part()
+    proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--pairwise", "--part", f"{k}/{n}", "--jobs",
+                    "2", "--workdir", str(tmp_path / "soak")], tmp_path, timeout=1500)
+    trials = len(plan_parts(n)[k - 1])
+    assert proc.returncode == 0, f"part {k}/{n}: " + proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert f"{trials}/{trials} trials held" in proc.stdout, f"part {k}/{n}: {proc.stdout[-3000:]}"
 
 
 @pytest.mark.slow
