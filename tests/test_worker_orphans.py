@@ -5,6 +5,7 @@ torch's own parent watch hangs in multiprocessing's exit — and a rank's own te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -128,3 +129,55 @@ def test_what_a_loader_worker_forks_takes_sigterm_as_usual():
     """The worker blocks SIGTERM (its one thread takes it); a process it forks inherited that block."""
     out = subprocess.run([sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=60)
     assert out.stdout.split("\n")[0] == "[0, 0, 0, 0]", out.stderr[-2000:]
+
+
+STOPPED = r"""
+import atexit, os, signal, sys, torch
+from torch.utils.data import DataLoader, Dataset
+from ddplab.runtime import signals
+
+class StopsAtTwo(Dataset):  # its worker stops itself fetching sample 2: a SIGTERM sent to it stays pending
+    def __len__(self): return 8
+    def __getitem__(self, i):
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return i
+
+shield = signals.WorkerShield()
+with shield.starting():
+    it = iter(DataLoader(StopsAtTwo(), batch_size=None, num_workers=1, worker_init_fn=shield, prefetch_factor=2))
+print(next(it), it._workers[0].pid, flush=True)
+if sys.argv[1] == "without":  # multiprocessing's own exit: terminate, then a join without a bound
+    atexit.unregister(signals._end_workers_at_exit)
+sys.exit(0)  # the rank ends with the live iterator's worker stopped
+"""
+
+
+@pytest.mark.slow
+def test_a_ranks_exit_kills_a_loader_worker_that_cannot_take_its_sigterm_within_its_bound():
+    """A worker that cannot run its SIGTERM taker (here: stopped) would hold multiprocessing's exit join, and the
+    rank, for ever; ddplab's exit hook joins for WORKER_EXIT_S, then kills it. Without the hook: still held."""
+    from ddplab.runtime.signals import WORKER_EXIT_S
+
+    ends = {}
+    for how in ("with", "without"):
+        rank = subprocess.Popen([sys.executable, "-c", STOPPED, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        worker = None
+        try:
+            first, worker = rank.stdout.readline().split()
+            assert first == "0"
+            t0 = time.monotonic()
+            try:
+                rank.wait(WORKER_EXIT_S + 10)
+                ends[how] = (rank.returncode, time.monotonic() - t0, alive(int(worker)))
+            except subprocess.TimeoutExpired:
+                ends[how] = (None, time.monotonic() - t0, alive(int(worker)))
+        finally:  # the worker left its rank's group (shield_worker): killed by its pid
+            for pid in (-rank.pid, *([int(worker)] if worker else [])):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            rank.wait()
+    code, took, worker_left = ends["with"]
+    assert code == 0 and WORKER_EXIT_S - 0.5 <= took <= WORKER_EXIT_S + 5 and not worker_left, ends
+    assert ends["without"][0] is None, ends  # held past WORKER_EXIT_S + 10 s
