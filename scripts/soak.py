@@ -7,19 +7,12 @@ up with another (issue 22, item 9; issue 32). Each trial beside its uninterrupte
     python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (a failure prints the command)
     python scripts/soak.py --trials 300 --seed 5 --jobs 2 --minutes 45   # no trial started after 45 min
 
-A trial (tests/soak_plan.py) is the launcher (``python train.py``, ``torchrun --standalone --nproc_per_node=2``,
-``python train.py distributed.nproc_per_node=2``; with ``--slurm``, ``srun --ntasks=2`` too), the strategy (none for one process; ddp or fsdp for two), the
-data (the digits in memory, a user IterableDataset through ddplab's stream path, a token file, a folder of token
-shards), checkpoint.async_save, the run mode (a training run, a study worker of 2 trials, verify_resume), the
-step time (log-uniform 1 ms - 4 s in three bands, few steps when long; ``--long``: ~10x more training; a sleep in
-the processes started before the fault fires, none in the resumes after it),
-grad_accum_steps (1-3), and one fault made by rank r on its k-th call of a phase (data fetch, forward, backward,
-between micro-batches, optimizer step, evaluation, checkpoint write): SIGTERM/SIGINT/SIGUSR1/SIGKILL to itself,
-the other rank, its launcher or every process of the job; or, by the rank itself, a full disk (the run dir is a
-tmpfs it fills), a spoilt checkpoint (SIGKILL, then the newest checkpoint truncated), the study's storage deleted
-(tests/soak_toy.py, from inside the job, once); from its seed log_every_n_steps (1-100),
-checkpoint.every_n_steps, epochs, r and k; the tracker (none, or MLflow beside TensorBoard with its server up,
-down from the start, or killed by the fault, never back). ``--pairwise`` fixes the dimensions by the plan, the rest from each
+A trial (tests/soak_plan.py: its dimensions and their values) is a launcher and world size (1-3 ranks; with
+``--slurm``, srun too), a strategy, data, a checkpoint mode, a run mode, a step time (a sleep before the fault
+fires, none in the resumes), grad accumulation, one feature in play, a tracker (MLflow up, down or killed), and
+one fault made by rank r on its k-th call of a phase (tests/soak_toy.py, from inside the job, once): a signal to
+itself, a peer, its launcher or every process of the job; or a full disk, a spoilt checkpoint, a lost study
+storage. ``--pairwise`` fixes the dimensions by the plan, the rest from each
 trial's seed. What a user does next depends on the mode (scripts/_soak_flows.py): a run reruns with
 ``resume=auto`` until it completes, a study's worker is started again until its trials are done, verify_resume
 runs again. The trial checks (scripts/_soak_checks.py):
@@ -54,6 +47,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -72,7 +66,6 @@ from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, ver
 from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
 from soak_toy import kill, snapshot, trial_pids  # noqa: E402
-from helpers.jobs import free_port  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
@@ -141,9 +134,14 @@ def tracking_server(t: Trial, tdir: Path, shared: Callable[[], str]):
         with contextlib.contextmanager(serve)(tdir / "mlflow") as uri:
             t.tracking_uri, t.server_pid = str(uri), uri.pid
             yield
-    else:
-        t.tracking_uri = shared() if t.server == "up" else f"http://127.0.0.1:{free_port()}"
+    elif t.server == "up":
+        t.tracking_uri = shared()
         yield
+    else:  # down: a port held bound and never listened on, so no later server can take it (connections refused)
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            t.tracking_uri = f"http://127.0.0.1:{held.getsockname()[1]}"
+            yield
 
 
 def run_trial(t: Trial, root: Path, cache: dict, shared: Callable[[], str]) -> tuple[list[str], list[str]]:
