@@ -46,7 +46,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -63,9 +62,10 @@ sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
+from _soak_stop import STOPPING, end_everything_when_stopped  # noqa: E402
 from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
                        plan_trials, trial_seeds)
-from soak_toy import kill, snapshot, trial_pids  # noqa: E402
+from soak_toy import snapshot  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
@@ -243,32 +243,6 @@ def hf_dir(root: Path) -> Path:
     return folder
 
 
-def end_everything_when_stopped() -> None:
-    """A soak stopped by SIGTERM or SIGINT (a CI timeout, a user's Ctrl-C) ends what it started: every trial's
-    and reference's processes, and the MLflow servers, which run in sessions of their own and would otherwise
-    outlive it. They are found by the id in their environment: this run's pid is in each (``soak-<pid>-...``;
-    the servers get ``soak-<pid>-servers`` from this process's environment, which the jobs' leave out)."""
-    me = os.getpid()
-    os.environ["SOAK_TRIAL_ID"] = f"soak-{me}-servers"
-
-    def stop(signum: int, _frame) -> None:
-        for _ in range(20):  # again until none is left: the trials' threads go on starting processes meanwhile
-            left = [p for p in trial_pids(f"-{me}-", containing=True) if p != me]
-            if not left:
-                break
-            kill(left)
-            time.sleep(0.1)
-        if shutil.which("squeue"):  # a killed srun's allocation outlives it (as run_attempt's scancel says)
-            jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
-            ids = [line.split()[0] for line in jobs if f"-{me}-" in line]
-            if ids:
-                subprocess.run(["scancel", *ids], capture_output=True)
-        os._exit(128 + signum)  # the trials' threads would otherwise wait for their processes
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
-
-
 class NotInPlan(ValueError):
     """``--only SEED --pairwise`` with a seed the plan does not hold."""
 
@@ -315,12 +289,14 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
 
     def one(i: int, t: Trial) -> tuple[Trial, bool, float] | None:
         t0 = time.time()
-        if time.monotonic() >= until:
+        if time.monotonic() >= until or STOPPING.is_set():
             return None
         try:
             problems, notes = run_trial(t, root, cache, shared)
         except Exception as e:  # the harness itself: still a failed trial, with its seed
             problems, notes = [f"harness error: {type(e).__name__}: {e}"], []
+        if STOPPING.is_set():  # cut short by the stop: not the trial's failure
+            return None
         wall = time.time() - t0
         with lock:
             print(f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "

@@ -179,6 +179,67 @@ def test_a_stopped_soak_ends_its_trials_and_its_mlflow_server(tmp_path):
     assert trial_pids(ours, containing=True) == []
 
 
+@pytest.mark.slow
+def test_a_stopped_soak_of_two_trials_at_a_time_leaves_nothing_and_reports_no_trial_it_cut_short(tmp_path):
+    """The trials' threads go on after the stop: a killed attempt is followed by a resume, a failed trial by the
+    next. Seen on a --jobs 2 soak before the fix: ten trials reported FAILED in the stop's two seconds, and two
+    jobs started after its last scan were left running."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from soak_toy import trial_pids
+
+    driver = subprocess.Popen([sys.executable, str(REPO / "scripts" / "soak.py"), "--trials", "12", "--seed", "7",
+                               "--jobs", "2", "--workdir", str(tmp_path / "soak")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    ours, deadline, trials = f"-{driver.pid}-", time.time() + 120, set()
+    try:
+        while len(trials) < 2 and time.time() < deadline and driver.poll() is None:  # two trials' jobs running
+            time.sleep(0.2)
+            ids = {environ(p).split(b"SOAK_TRIAL_ID=")[-1].split(b"\0")[0] for p in trial_pids(ours, containing=True)}
+            trials = {i for i in ids if not i.startswith(b"soak-ref-") and not i.endswith(b"-servers")}
+        assert len(trials) == 2, f"never saw two trials running: {trials}"
+    finally:
+        os.kill(driver.pid, signal.SIGTERM)
+    out, _ = driver.communicate(timeout=40)
+    assert driver.returncode == 128 + signal.SIGTERM, out[-3000:]
+    for _ in range(15):  # nothing left, and nothing started late
+        time.sleep(0.2)
+        assert trial_pids(ours, containing=True) == [], out[-3000:]
+    assert "FAILED" not in out, out[-3000:]
+
+
+GATE = r"""
+import subprocess, sys, threading
+sys.path[:0] = [sys.argv[1] + "/scripts", sys.argv[1] + "/tests"]
+from _soak_stop import STOPPING, end_everything_when_stopped
+end_everything_when_stopped()
+said = []
+def trial():
+    try:
+        subprocess.run(["true"])
+        said.append("started")
+    except RuntimeError as e:
+        said.append(str(e))
+for stopped in (False, True):
+    if stopped:
+        STOPPING.set()  # what the stop does first
+    t = threading.Thread(target=trial)
+    t.start()
+    t.join()
+print(said, subprocess.run(["true"]).returncode)  # the stop's own processes (squeue, scancel) still run
+"""
+
+
+@pytest.mark.slow  # seconds: soak_toy imports torch
+def test_once_stopped_the_soaks_trial_threads_start_no_process():
+    """The race a stop loses otherwise: a trial's thread starting a process after the stop's last scan."""
+    out = subprocess.run([sys.executable, "-c", GATE, str(REPO)], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "['started', 'the soak was stopped: its trials start no more processes'] 0\n", out.stderr
+
+
 def environ(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
