@@ -24,6 +24,20 @@ def pytest_configure(config):
     # would then start the biggest groups first, ahead of the soak: the order below is kept instead.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if config.getvalue("dist") == "loadgroup" and _drops_xdist_groups():
+        raise pytest.UsageError(f"--dist loadgroup: pytest {pytest.__version__} drops the xdist_group of every test "
+                                "(pytest-dev/pytest-xdist#1386). Fix: pip install 'pytest<9.2'")
+
+
+def _drops_xdist_groups() -> bool:
+    """xdist groups tests by a suffix it adds to their node ids; pytest 9.2 drops it, so every group is spread over
+    both workers without a word: the slurm tests then run at once and one's scancel signals the other's job (a
+    clean clone's CI failed so). xdist 3.8.0 is the newest, and broken, release as of writing."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -132,7 +132,7 @@ def test_what_a_loader_worker_forks_takes_sigterm_as_usual():
 
 
 STOPPED = r"""
-import atexit, os, signal, sys, torch
+import atexit, os, signal, sys, time, torch
 from torch.utils.data import DataLoader, Dataset
 from ddplab.runtime import signals
 
@@ -146,7 +146,10 @@ class StopsAtTwo(Dataset):  # its worker stops itself fetching sample 2: a SIGTE
 shield = signals.WorkerShield()
 with shield.starting():
     it = iter(DataLoader(StopsAtTwo(), batch_size=None, num_workers=1, worker_init_fn=shield, prefetch_factor=2))
-print(next(it), it._workers[0].pid, flush=True)
+first, worker = next(it), it._workers[0].pid
+while open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # it prefetches sample 2: stopped
+    time.sleep(0.01)
+print(first, worker, flush=True)
 if sys.argv[1] == "without":  # multiprocessing's own exit: terminate, then a join without a bound
     atexit.unregister(signals._end_workers_at_exit)
 sys.exit(0)  # the rank ends with the live iterator's worker stopped
