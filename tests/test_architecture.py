@@ -119,6 +119,12 @@ def test_the_readme_is_a_front_door_and_every_docs_page_is_in_the_site():
     assert [p for p in pages if f"(docs/{p})" not in readme and p != "index.md"] == []  # linked from the front door
 
 
+def test_the_architecture_page_names_every_script():
+    layout = (ROOT / "docs" / "architecture.md").read_text().split("## Repository layout", 1)[1].split("\n## ", 1)[0]
+    missing = [p.name for p in sorted((ROOT / "scripts").iterdir()) if p.suffix in (".py", ".sh") and p.name not in layout]
+    assert missing == [], f"docs/architecture.md's layout does not name: {missing}"
+
+
 def test_no_module_outside_the_trainer_reads_trainer_attributes():
     """Callbacks, reporting and resuming see the job's State (ddplab.train.state), not the Trainer: only job.py makes
     one, and it asks only train() and evaluate(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
