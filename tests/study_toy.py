@@ -48,16 +48,21 @@ class PruneFrom(optuna.pruners.BasePruner):
 
 
 class SignalAtFitEnd:
-    """Rank 0 sends ``sig`` to its own process when training is over, once per test (``marker``): a stop
-    that arrives after the job's last stop check, while the trial is completing."""
+    """Rank 0 sends ``sig`` to its own process (``to="self"``) or to every process of the job (``"job"``: its
+    process group, as a scheduler's stop reaches a self-launching worker, its rank server and its ranks) when
+    training is over, once per test (``marker``): a stop that arrives after the job's last stop check, while the
+    trial is completing."""
 
-    def __init__(self, sig: str, marker: str):
-        self.sig, self.marker = getattr(signal, sig), Path(marker)
+    def __init__(self, sig: str, marker: str, to: str = "self"):
+        self.sig, self.marker, self.to = getattr(signal, sig), Path(marker), to
 
     def on_fit_end(self, state, metrics):
         if state.dist.rank == 0 and not self.marker.exists():
             self.marker.write_text("{}")
-            os.kill(os.getpid(), self.sig)
+            if self.to == "job":
+                os.killpg(os.getpgid(0), self.sig)
+            else:
+                os.kill(os.getpid(), self.sig)
 
 
 class BreakStorage:

@@ -343,3 +343,34 @@ def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
     finally:
         signals._EARLY.clear()
         signal.signal(signal.SIGTERM, before)
+
+
+SELF_LAUNCH_HANDLERS = '''
+import signal, sys
+from pathlib import Path
+
+def entry(job):
+    return {"ok": 1.0}
+
+if __name__ == "__main__":
+    from ddplab.runtime.launch import launch
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
+    mine = lambda signum, frame: None
+    signal.signal(signal.SIGUSR1, mine)
+    before = {s: signal.getsignal(s) for s in sigs}
+    Path(sys.argv[1]).mkdir()
+    print("result", launch(entry, {}, 2, 0, Path(sys.argv[1])))
+    print("changed", sorted(s.name for s in sigs if signal.getsignal(s) is not before[s]))
+'''
+
+
+def test_a_self_launch_gives_the_processes_signal_handlers_back(tmp_path):
+    """torch's launch agent installs handlers that raise SignalException and never removes them: after a
+    self-launched job a SIGTERM raised wherever the process was (a study worker between trials, in a storage
+    call) instead of reaching the handler the process had. The launch puts every handler back."""
+    script = tmp_path / "launch_twice.py"
+    script.write_text(SELF_LAUNCH_HANDLERS)
+    proc = run_cmd([sys.executable, str(script), str(tmp_path / "run")], tmp_path, timeout=120)
+    assert_ok(proc)
+    assert "result {'ok': 1.0}" in proc.stdout, proc.stdout[-2000:]
+    assert "changed []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

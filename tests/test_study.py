@@ -103,12 +103,17 @@ def test_a_preempted_worker_resumes_the_same_trial_and_tells_it_once(tmp_path):
     assert t_ref.intermediate_values == study.get_trials()[0].intermediate_values
 
 
-def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path, ranks):
     """SIGTERM after the trial's last stop check (its fit has ended): the trial completes and is told, and the
-    worker takes no further trial (it exits as preempted); started again, it goes on with the next one."""
+    worker takes no further trial (it exits as preempted); started again, it goes on with the next one.
+    2 ranks: the worker self-launches each trial and the signal reaches every process of the job (found by the
+    soak, seed 1305676954: torch's launch agent took the worker's SIGTERM, the trial completed, and the worker
+    claimed and trained the next trial, exiting a minute after the signal)."""
     d, marker = tmp_path / "s", tmp_path / "fired"
     args = study_args(d, 3, "+callbacks.late._target_=study_toy.SignalAtFitEnd", "+callbacks.late.sig=SIGTERM",
-                      f"+callbacks.late.marker={marker}")
+                      f"+callbacks.late.marker={marker}",
+                      *(["+callbacks.late.to=job", f"distributed.nproc_per_node={ranks}"] if ranks > 1 else []))
     first = python_train(args, tmp_path)
     assert first.returncode == 128 + signal.SIGTERM and marker.exists(), first.stdout[-3000:] + first.stderr[-2000:]
     assert "SIGTERM arrived between trials: this worker takes no further trial" in first.stdout + first.stderr

@@ -17,7 +17,7 @@ from ddplab.config import ConfigError, InputError, validate
 from ddplab.errors import RecordWriteError, ResourceError, mark_said
 from ddplab.runtime.console import job_tag
 from ddplab.resuming import eval_config
-from ddplab.runtime import env, group
+from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
 
@@ -129,6 +129,8 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
         done = rundir.read_result(run_dir, since=started) or {}
         if done.get("status") == "completed":  # the signal came after the last stop check: the job finished
             log.warning("%s arrived after the job completed: it stays completed", e.signal_name)
+            if e.signal_name.startswith("SIG"):  # this process's own (torch's agent took it): not a rank's exit code
+                signals.hand_on(e.signal_name)
             return done.get("metrics", {})
         raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
                         noted.get("checkpoint")) from None

@@ -101,6 +101,23 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
             env.forget_memo(run_id)
 
 
+@contextlib.contextmanager
+def _handlers_given_back() -> Iterator[None]:
+    """torch's agent installs its own handlers (they raise SignalException) and leaves them: after the job a
+    signal would raise wherever this process is (a study worker's storage call between trials). The handlers
+    come back as they were, so a study worker's hold (signals.hold_for_life) remembers it instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (*SERVER_HOLDS, signal.SIGUSR2)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:  # None: installed from outside Python, which cannot be put back
+                signal.signal(sig, handler)
+
+
 def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path, run_id: str,
             extra: dict[str, Any]) -> dict[str, float]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -108,7 +125,7 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     try:
-        with _loopback_stores() as port, _quiet_about_known_exits():
+        with _loopback_stores() as port, _quiet_about_known_exits(), _handlers_given_back():
             config = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",

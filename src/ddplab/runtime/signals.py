@@ -81,6 +81,13 @@ def held() -> str | None:
     return _EARLY[0][0] if _EARLY else None
 
 
+def hand_on(name: str) -> None:
+    """A stop signal that reached a job after its last stop check (the job completed), from whatever took it: the
+    job's own handler, or torch's launch agent in a self-launching parent. A study worker takes no further trial."""
+    if _FOR_LIFE and not _EARLY:
+        _EARLY.append((name, time.monotonic()))
+
+
 def _remember(signum: int, frame: FrameType | None) -> None:
     now = time.monotonic()
     if not _EARLY:
@@ -236,8 +243,8 @@ class StopSignal:
         return self
 
     def uninstall(self) -> None:
-        if _FOR_LIFE and self.name is not None and not _EARLY:  # the worker must not take another trial
-            _EARLY.append((self.name, self.at))
+        if self.name is not None:  # the worker must not take another trial
+            hand_on(self.name)
         self._watching.set()
         for sig, old in self._old.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
