@@ -308,3 +308,44 @@ def test_a_worker_whose_trials_would_report_differently_is_refused_before_it_ask
     study.setup(compose_cfg(base + ["+callbacks.mine._target_=toy.Recorder"]))  # a worker's own callback too
     with pytest.raises(ConfigError, match=r"trains its trials with another config: .*" + re.escape(said)):
         study.setup(compose_cfg(base + [override]))
+
+
+def test_a_hold_that_cannot_be_renewed_names_the_databases_error_not_optunas_wrapper(monkeypatch, caplog):
+    """CI (test above, ``deleted``, 2 ranks): the worker's renewal met the storage as it went away, and its warning
+    gave Optuna's wrapper, "invalid data in the commit, e.g. exceeding max length", for a read-only database."""
+    import sqlite3
+
+    import sqlalchemy.exc
+
+    from ddplab.study import owner
+
+    def lost() -> None:
+        try:
+            try:
+                raise sqlite3.OperationalError("attempt to write a readonly database")
+            except sqlite3.OperationalError as e:
+                raise sqlalchemy.exc.OperationalError("UPDATE trial_user_attributes", {}, e) from e
+        except sqlalchemy.exc.SQLAlchemyError as e:
+            raise optuna.exceptions.StorageInternalError(
+                "An exception is raised during the commit. This typically happens due to invalid data in the "
+                "commit, e.g. exceeding max length.") from e
+
+    class Trial:
+        number, calls = 0, 0
+
+        def set_user_attr(self, key, value):
+            self.calls += 1
+            if self.calls > 1:  # the claim is written; every renewal after it fails
+                lost()
+
+    monkeypatch.setattr(owner, "BEAT_S", 0.01)
+    caplog.set_level("WARNING", logger="ddplab")
+    trial = Trial()
+    hold = owner.Hold(trial).start()
+    t0 = time.monotonic()
+    while trial.calls < 4 and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    hold.release()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["trial 0: could not renew this worker's hold in the storage (OperationalError: attempt to "
+                    "write a readonly database); retrying"], said  # once, however many renewals fail

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ddplab.config.errors import ConfigError
+from ddplab.study import storage
 
 log = logging.getLogger("ddplab")
 
@@ -141,9 +142,9 @@ class Hold:
                 self.trial.set_user_attr(OWNER, {**self.record, "beat": time.time()})
                 failing = False
             except Exception as e:  # the worker's own next storage call says what is wrong, in one line
-                if not failing:
-                    log.warning("trial %d: could not renew this worker's hold in the storage (%s: %s); retrying",
-                                self.trial.number, type(e).__name__, " ".join(str(e).split())[:200])
+                if not failing:  # the database's own error, not Optuna's wrapper ("... exceeding max length")
+                    log.warning("trial %d: could not renew this worker's hold in the storage (%s); retrying",
+                                self.trial.number, storage.innermost(e))
                 failing = True
 
     def release(self) -> None:
