@@ -19,8 +19,7 @@ import torch
 import yaml
 
 import ddplab
-from helpers.jobs import (TRAIN, assert_ok, compose_cfg, free_port, job_env, python_train, read_scalars, run_cmd,
-                          tmpfs, torchrun)
+from helpers.jobs import (TRAIN, assert_ok, compose_cfg, free_port, job_env, python_train, read_scalars, tmpfs, torchrun)
 from ddplab.checkpoint import files
 from ddplab.runtime.watch import GRACE_S
 from ddplab.config import ConfigError

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 

@@ -4,7 +4,6 @@ import math
 import sys
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
