@@ -20,7 +20,7 @@ import ddplab
 import toy
 from ddplab.checkpoint import files
 from helpers.compare import assert_same_checkpoint, load
-from helpers.jobs import TRAIN, assert_ok, compose_cfg, run_cmd, tmpfs, torchrun
+from helpers.jobs import TRAIN, assert_ok, compose_cfg, ranks, run_cmd, tmpfs, torchrun
 from test_preemption import finish, ranks_of, result, start, wait_for
 
 pytestmark = pytest.mark.slow
@@ -183,7 +183,7 @@ DDP2 = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.1", "num_ep
 def ddp_reference(tmp_path_factory) -> Path:
     """DDP2 uninterrupted, synchronous saves: its last.pt."""
     ref = tmp_path_factory.mktemp("ref")
-    assert_ok(torchrun(2, DDP2 + [f"hydra.run.dir={ref / 'run'}"], ref, timeout=240))
+    assert_ok(ranks(2, DDP2 + [f"hydra.run.dir={ref / 'run'}"], ref, timeout=240))
     return ref / "run" / "checkpoints" / "last.pt"
 
 
@@ -264,10 +264,10 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
     no shards left."""
     fsdp = ["model=mlp", "num_epochs=1", "distributed=fsdp", "checkpoint.every_n_steps=10", "distributed.timeout_s=30"]
     a, c = tmp_path / "async", tmp_path / "resumed"
-    assert_ok(torchrun(2, fsdp + ASYNC + [f"hydra.run.dir={a}"], tmp_path, timeout=180))
+    assert_ok(ranks(2, fsdp + ASYNC + [f"hydra.run.dir={a}"], tmp_path, timeout=180))
     assert sorted(p.name for p in (a / "checkpoints").glob("*.dcp")) == ["step-00000020.dcp", "step-00000022.dcp"]
     # The shards written in the background resume (by their step file, synchronously) to the same end: complete.
-    assert_ok(torchrun(2, fsdp + [f"hydra.run.dir={c}", f"resume={a / 'checkpoints' / 'step-00000020.pt'}"],
+    assert_ok(ranks(2, fsdp + [f"hydra.run.dir={c}", f"resume={a / 'checkpoints' / 'step-00000020.pt'}"],
                        tmp_path, timeout=180))
     val = {r: json.loads((r / "result.json").read_text())["metrics"]["val/loss"] for r in (a, c)}
     assert val[a] == val[c], val

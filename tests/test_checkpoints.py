@@ -2,7 +2,6 @@
 
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import torch
 
 import ddplab
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import (REPO, assert_ok, compose_cfg, job_dirs, job_env, python_train, read_scalars, run_cmd,
+from helpers.jobs import (assert_ok, compose_cfg, job_dirs, job_env, python_train, ranks, read_scalars,
     torchrun)
 
 FAULTY = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=2", "checkpoint.every_n_steps=5",
@@ -235,10 +234,10 @@ def test_resume_on_a_different_world_size(tmp_path):
     args = ["model=mlp", "model.dropout=0", "num_epochs=2", "progress=none"]
     full = tmp_path / "full"
     full.mkdir()
-    assert_ok(torchrun(2, args, full))
+    assert_ok(ranks(2, args, full))
     part = tmp_path / "part"
     part.mkdir()
-    assert_ok(torchrun(2, args + ["stop_after_epochs=1", "run_dir=run"], part))
+    assert_ok(ranks(2, args + ["stop_after_epochs=1", "run_dir=run"], part))
     assert_ok(python_train(args + ["resume=auto", "run_dir=run"], part))
     a, b = final_state(job_dirs(full)[0]), final_state(part / "run")
     diff = max(((a["model"][k] - b["model"][k]).norm() / a["model"][k].norm()).item() for k in a["model"])

@@ -17,7 +17,7 @@ from ddplab.config.errors import ConfigError
 from ddplab.data import write_tokens
 from ddplab.data.tabular import generated_corpus
 from helpers.compare import assert_same_checkpoint, load_whole
-from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step, torchrun
+from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step
 from helpers.extras import needs
 
 needs("transformers", "hf")
@@ -102,7 +102,7 @@ def test_world_sizes_1_and_3_train_the_same_hf_model_and_fsdp_over_its_blocks_to
     ddplab.run(compose_cfg(args, tmp_path / "1"))
     runs = {1: metrics(tmp_path / "1")}
     assert_ok(ranks(3, args + [f"hydra.run.dir={tmp_path / '3'}"], tmp_path, timeout=240))
-    assert_ok(torchrun(2, args + ["distributed=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=240))
+    assert_ok(ranks(2, args + ["distributed=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=240))
     runs.update({3: metrics(tmp_path / "3"), "fsdp": metrics(tmp_path / "fsdp")})
     for n in (3, "fsdp"):
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"] > 0 and runs[n]["step"] == 10

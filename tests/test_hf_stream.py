@@ -19,7 +19,7 @@ from ddplab.data import tokenizer as tz
 from ddplab.data.hf import hf
 from ddplab.data.tabular import generated_corpus
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, torchrun
+from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, torchrun
 from helpers.extras import lazy
 
 datasets = lazy("datasets", "hf")
@@ -139,7 +139,7 @@ def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a
     args = lm_args(tmp_path) + ["num_epochs=2", "checkpoint.every_n_steps=10", "perf.num_workers=2",
                                 "+callbacks.soak._target_=soak_toy.SoakCallback"]
     one = ddplab.run(compose_cfg(args, tmp_path / "one"))
-    assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240))
+    assert_ok(ranks(2, args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240))
     two = result_of(tmp_path / "two")
     assert one["step"] == two["step"] == 2 * 54 and two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
     crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, timeout=240,

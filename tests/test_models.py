@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddplab
-from helpers.jobs import assert_ok, compose_cfg, read_scalars, torchrun
+from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars
 from ddplab import build
 from ddplab.models import VisionTransformer, load_weights, resnet18, resnet50
 
@@ -89,8 +89,8 @@ def test_any_installed_factory_via_target(tmp_path):
 def test_keras3_convnet_trains_under_ddp_and_resumes(tmp_path):
     """The Keras multi-GPU guide's convnet (Keras 3, torch backend) under ddplab's DDP, 2 ranks."""
     args = ["model=keras_convnet", "num_epochs=3", "progress=none", "run_dir=run"]
-    assert_ok(torchrun(2, args + ["stop_after_epochs=2"], tmp_path, timeout=240))
-    proc = torchrun(2, args + ["resume=auto"], tmp_path, timeout=240)
+    assert_ok(ranks(2, args + ["stop_after_epochs=2"], tmp_path, timeout=240))
+    proc = ranks(2, args + ["resume=auto"], tmp_path, timeout=240)
     assert_ok(proc)
     assert "resumed from" in proc.stdout + proc.stderr
     s = read_scalars(tmp_path / "run" / "tb")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddplab
-from helpers.jobs import assert_ok, compose_cfg, read_scalars, torchrun
+from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars, torchrun
 
 ARGS = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=none"]
 
@@ -24,8 +24,8 @@ def max_rel(a, b) -> float:
 @pytest.mark.dist
 def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
     """FSDP2 (fully_shard, gloo, 2 ranks): same loss curve as DDP; torch.distributed.checkpoint save/resume."""
-    assert_ok(torchrun(2, ARGS + ["run_dir=ddp"], tmp_path))
-    assert_ok(torchrun(2, ARGS + ["distributed=fsdp", "run_dir=fsdp", "checkpoint.keep_last=1"], tmp_path))
+    assert_ok(ranks(2, ARGS + ["run_dir=ddp"], tmp_path))
+    assert_ok(ranks(2, ARGS + ["distributed=fsdp", "run_dir=fsdp", "checkpoint.keep_last=1"], tmp_path))
     ddp, fsdp = curves(tmp_path / "ddp"), curves(tmp_path / "fsdp")
     for k in ddp:
         assert max_rel(ddp[k], fsdp[k]) < 1e-5, k  # measured: 1.4e-7
@@ -36,8 +36,8 @@ def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
     assert "model" not in torch.load(ck / "last.pt", weights_only=True)  # the weights live in the shards
 
     # Stop after epoch 1, resume: the same curve as the uninterrupted run.
-    assert_ok(torchrun(2, ARGS + ["distributed=fsdp", "run_dir=part", "stop_after_epochs=1"], tmp_path))
-    assert_ok(torchrun(2, ARGS + ["distributed=fsdp", "run_dir=part", "resume=auto"], tmp_path))
+    assert_ok(ranks(2, ARGS + ["distributed=fsdp", "run_dir=part", "stop_after_epochs=1"], tmp_path))
+    assert_ok(ranks(2, ARGS + ["distributed=fsdp", "run_dir=part", "resume=auto"], tmp_path))
     part = curves(tmp_path / "part")
     for k in fsdp:
         assert part[k] == fsdp[k], k

@@ -95,10 +95,14 @@ def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300
 
 
 def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The job on ``n`` ranks: torchrun for several, plain ``python train.py`` for one (the same job; the
-    launcher is not what the world-size tests compare, and torchrun's agent costs seconds per launch)."""
+    """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one, its
+    self-launch for two (``distributed.nproc_per_node=2``: ranks forked from one pre-imported server, where
+    torchrun starts three interpreters, ~4 CPU-s each), torchrun for more (a self-launch starts no more ranks
+    than the machine has cores: CI has 2). A world-size test so also compares the three launchers."""
     if n == 1:
         return python_train(script_args, cwd, timeout)
+    if n == 2:
+        return python_train([*script_args, "distributed.nproc_per_node=2"], cwd, timeout)
     return torchrun(n, script_args, cwd, timeout)
 
 
