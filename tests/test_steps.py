@@ -13,26 +13,35 @@ import torch
 
 import ddplab
 from helpers.compare import assert_same_checkpoint
-from helpers.jobs import REPO, assert_ok, compose_cfg, ranks, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, compose_cfg, ranks, read_scalars, run_cmd
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import tokens
 from ddplab.train.length import RunLength
 from ddplab.optim import cosine
 
-# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch, so 600 steps cross two epoch
-# ends (which a step cadence does not evaluate) and every evaluation but the last falls mid-epoch.
+# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so 150
+# steps cross two epoch ends, which a step cadence does not evaluate, and every evaluation falls mid-epoch).
 LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
       "batch_size=48", "progress=log"]
-STEPS = ["num_epochs=null", "max_steps=600", "eval_every_n_steps=100", "log_every_n_steps=50"]
+STEPS = ["num_epochs=null", "max_steps=150", "eval_every_n_steps=25", "log_every_n_steps=25"]
+
+
+def _corpus(tmp_path_factory, mb: float) -> list[str]:
+    out = tmp_path_factory.mktemp("corpus")
+    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", str(mb), "--out",
+                       str(out)], out))
+    return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    out = tmp_path_factory.mktemp("corpus")
-    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", "0.2", "--out",
-                       str(out)], out))
-    return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
+    return _corpus(tmp_path_factory, 0.2)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> list[str]:
+    return _corpus(tmp_path_factory, 0.05)
 
 
 def val_points(run: Path) -> list[tuple[int, float]]:
@@ -44,8 +53,8 @@ def last(run: Path) -> dict:
 
 
 @pytest.mark.dist
-def test_600_steps_evaluated_every_100_exactly_at_world_sizes_1_2_3(
-        tmp_path, corpus):
+def test_150_steps_evaluated_every_25_exactly_at_world_sizes_1_2_3(tmp_path, small_corpus):
+    corpus = small_corpus
     n_val = len(tokens(corpus[0].split("=", 1)[1], corpus[1].split("=", 1)[1], block_size=16).val)
     runs = {}
     for n in (1, 2, 3):
@@ -53,17 +62,17 @@ def test_600_steps_evaluated_every_100_exactly_at_world_sizes_1_2_3(
         assert_ok(ranks(n, LM + STEPS + corpus + [f"hydra.run.dir={run}"], tmp_path, timeout=300))
         runs[n] = run
         points = val_points(run)
-        assert [s for s, _ in points] == [100, 200, 300, 400, 500, 600], (n, points)
+        assert [s for s, _ in points] == [25, 50, 75, 100, 125, 150], (n, points)
         assert {v for _, v in read_scalars(run)["val/num_samples"]} == {n_val}  # the whole set, each sample once
-        assert json.loads((run / "result.json").read_text())["metrics"]["step"] == 600
+        assert json.loads((run / "result.json").read_text())["metrics"]["step"] == 150
     for n in (2, 3):
         for (s1, v1), (sn, vn) in zip(val_points(runs[1]), val_points(runs[n])):
             assert vn == pytest.approx(v1, rel=1e-5), (n, s1)  # fp32: equal to the reduction order
     log = (runs[2] / "train.log").read_text()
     spe = len(tokens(corpus[0].split("=", 1)[1], corpus[1].split("=", 1)[1], block_size=16).train) // 48
-    assert spe == 245  # so 600 steps are 2.45 epochs: two epoch ends pass without an evaluation
-    assert "600 steps (max_steps; 245 steps/epoch, 2.45 epochs)" in log
-    assert f"step 300/600  val/num_samples={n_val}" in log and "done: 600/600 steps (2.45 epochs)" in log
+    assert spe == 61  # so 150 steps are 2.46 epochs: two epoch ends pass without an evaluation
+    assert "150 steps (max_steps; 61 steps/epoch, 2.46 epochs)" in log
+    assert f"step 75/150  val/num_samples={n_val}" in log and "done: 150/150 steps (2.46 epochs)" in log
     # A SIGTERM inside a step evaluation, mid-epoch, resumed bitwise with each evaluation logged once: at 3
     # ranks in tests/test_resume_world_sizes.py (this test's 2-rank stop checked nothing that one does not).
 

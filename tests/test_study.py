@@ -118,6 +118,8 @@ def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path
     assert first.returncode == 128 + signal.SIGTERM and marker.exists(), first.stdout[-3000:] + first.stderr[-2000:]
     assert "SIGTERM arrived between trials: this worker takes no further trial" in first.stdout + first.stderr
     assert [t.state.name for t in load(d).get_trials()] == ["COMPLETE"]
+    if ranks > 1:  # started again, it goes on as at 1 rank (seconds of self-launched trials that show nothing new)
+        return
     again = python_train(args, tmp_path)
     assert_ok(again)
     assert trials_run(again) == [1, 2]

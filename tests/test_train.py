@@ -14,15 +14,18 @@ from helpers.jobs import REPO, assert_ok, own_tmpdir, job_dirs, python_train, re
 pytestmark = pytest.mark.dist
 
 DIGITS_TRAIN, DIGITS_VAL = 1438, 359  # val is odd: exact eval must report 359 on 2 ranks
+VAL = 17  # the resnet18 test's synthetic validation set: odd too
 
 
 def test_torchrun_resnet18_amp_two_ranks(tmp_path):
-    # Three steps of 32: where the CPU lacks avx512_bf16, oneDNN emulates bf16 (~50 s a step of 64 samples a rank
-    # on an AVX2 EPYC: a whole epoch of 128-sample steps ran past 4 minutes).
+    # Three steps of 8 digit-sized images, 17 to validate (odd: each exactly once over 2 ranks): where the CPU
+    # lacks avx512_bf16, oneDNN emulates bf16 (~50 s a step of 64 samples a rank on an AVX2 EPYC; 3 steps of 32
+    # and the 359 digits were 74 CPU-s there).
     tmp_env, scratch_left = own_tmpdir(tmp_path)
-    proc = torchrun(2, ["model=resnet18", "amp=true", "amp_dtype=bf16", "num_epochs=1", "batch_size=32",
-                        "limit_train_steps=3", "log_every_n_steps=2", "progress=log"], tmp_path, timeout=240,
-                    extra_env=tmp_env)
+    proc = torchrun(2, ["model=resnet18", "amp=true", "amp_dtype=bf16", "num_epochs=1", "batch_size=8",
+                        "dataset=synthetic", "dataset.in_channels=1", "dataset.image_size=8", "dataset.num_train=48",
+                        f"dataset.num_val={VAL}", "limit_train_steps=3", "log_every_n_steps=2", "progress=log"],
+                    tmp_path, timeout=240, extra_env=tmp_env)
     assert_ok(proc)
     dirs = job_dirs(tmp_path)
     assert len(dirs) == 1, dirs  # one dir for the job, none per rank
@@ -40,7 +43,7 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     for tag in ["train/loss", "train/acc", "vitals/lr", "val/loss", "val/acc", "vitals/samples_per_s",
                 "vitals/step_time_ms", "vitals/step_time_ms_max", "vitals/data_time_ms"]:
         assert all(math.isfinite(v) for _, v in s[tag]), tag
-    assert s["val/num_samples"] == [(steps, float(DIGITS_VAL))]  # each val sample exactly once
+    assert s["val/num_samples"] == [(steps, float(VAL))]  # each val sample exactly once
     assert all(0 <= v <= 1 for _, v in s["train/acc"] + s["val/acc"])
     assert all(v > 0 for _, v in s["vitals/samples_per_s"])
     assert all(mx >= mean for (_, mx), (_, mean) in zip(s["vitals/step_time_ms_max"], s["vitals/step_time_ms"]))
@@ -51,7 +54,7 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
                     tmp_path)
     assert_ok(table)
-    assert f"| val/num_samples              |     {steps:>2} |          359 |" in table.stdout
+    assert f"| val/num_samples              |     {steps:>2} |          {VAL:>3} |" in table.stdout
 
 
 def _val_acc_and_log(proc) -> tuple[float, str]:
