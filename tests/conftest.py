@@ -49,6 +49,10 @@ def pytest_collection_modifyitems(config, items):
     # wait on SLURM (one worker takes them in turn, beside the rest).
     items.sort(key=lambda item: (item.name != "test_the_pairwise_soak_plan_holds_every_invariant",
                                  item.get_closest_marker("slurm") is None))
+    if os.environ.get("DDPLAB_SLURM_APART") == "1":  # .ci/run runs them in a phase of their own, beside this one
+        apart = [item for item in items if item.get_closest_marker("slurm")]
+        items[:] = [item for item in items if not item.get_closest_marker("slurm")]
+        config.hook.pytest_deselected(items=apart)
     for item in items:
         # keras: its import alone takes seconds (a parametrized case of an otherwise quick test)
         if item.get_closest_marker("dist") or item.get_closest_marker("slurm") or "keras" in item.name:

@@ -6,9 +6,8 @@ gradients matters), the strategy, the data (digits, a token file or folder of sh
 through a BPE tokenizer; held in memory or streamed), the checkpoint mode, the run mode (a training run, a study
 worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's storage lost; its
 target and phase), the step time, gradient accumulation, and one feature in play (EMA, amp, loader workers, or
-training by steps with step evaluations). A plan trial fixes those; everything else (the exact step
-time inside its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from the trial's seed,
-so ``--only SEED`` reruns it exactly.
+training by steps with step evaluations). A plan trial fixes those; everything else (the exact step time inside
+its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from its seed: ``--only SEED``.
 """
 
 from __future__ import annotations
@@ -341,9 +340,12 @@ def pairwise_plan(candidates: int = 5) -> list[dict[str, Any]]:
 
 def plan_parts(n: int) -> list[list[int]]:
     """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
-    where ``n`` allows, balanced by the processes their launches start. CI runs one part per commit: every value
-    each time, every pair over ``n`` commits. No randomness: a round-robin deal, improved by moving or swapping
-    trials while that lowers (values some part lacks, the largest part's load, the sum of squared loads)."""
+    where ``n`` allows (up to 4), balanced by the processes their launches start. No randomness: a round-robin
+    deal, improved by moving or swapping trials while that lowers (values some part lacks, the largest part's
+    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 8, so
+    parts 2j-1 and 2j together hold every value, and the 8 every pair)."""
+    if n > 4 and n % 4 == 0:
+        return [p[k::n // 4] for p in plan_parts(4) for k in range(n // 4)]
     plan = pairwise_plan()
     values = [set(t.items()) for t in plan]
     load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]  # the launcher and its ranks

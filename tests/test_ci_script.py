@@ -82,3 +82,13 @@ def test_a_cluster_that_does_not_start_fails_ci_before_the_suite(tmp_path):
     rc, calls = run_ci(tmp_path, "slurm_local.sh up")
     assert rc != 0 and "slurm_local.sh up" in calls, calls
     assert not any(c.startswith(("python -m pytest", "mkdocs")) for c in calls), calls
+
+
+def test_the_slurm_tests_run_beside_the_suite_and_their_failure_fails_ci_before_the_docs(tmp_path):
+    """They run in a pytest of their own while the suite (the README's command, the slurm tests left out) runs."""
+    rc, calls = run_ci(tmp_path, "-m slurm", 1)
+    assert rc == 1, calls
+    tests = [c for c in calls if c.startswith("python -m pytest")]
+    assert sorted(tests) == ["python -m pytest -q -n 2 --dist loadgroup",
+                             "python -m pytest -q -p no:cacheprovider -m slurm"], calls
+    assert not any(c.startswith("mkdocs") for c in calls), calls
