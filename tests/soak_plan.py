@@ -342,8 +342,8 @@ def plan_parts(n: int) -> list[list[int]]:
     """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
     where ``n`` allows (up to 4), balanced by the processes their launches start. No randomness: a round-robin
     deal, improved by moving or swapping trials while that lowers (values some part lacks, the largest part's
-    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 8, so
-    parts 2j-1 and 2j together hold every value, and the 8 every pair)."""
+    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16, so
+    four consecutive parts hold every value, and the 16 every pair)."""
     if n > 4 and n % 4 == 0:
         return [p[k::n // 4] for p in plan_parts(4) for k in range(n // 4)]
     plan = pairwise_plan()

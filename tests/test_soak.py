@@ -3,9 +3,9 @@ world size 1-3, strategy, data source (digits, token files, Hugging Face JSONL t
 streamed), checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
 one feature in play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted
 once, resumed until the job completes and checked against its uninterrupted run. CI runs one of its ``CI_PARTS``
-parts a commit (two consecutive parts 2j-1, 2j hold every value of every dimension; the parts together, every
-pair): the whole plan is about 12 minutes of CI's 2 cores, a part under 2. The plan's generator is checked
-without running anything; the whole plan, seed-drawn and long soaks run by hand."""
+parts a commit (four consecutive parts hold every value of every dimension; the parts together, every pair):
+the whole plan is about 12 minutes of CI's 2 cores, a part 2-3 trials. The plan's generator is checked without
+running anything; the whole plan, seed-drawn and long soaks run by hand."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
     assert same(a["model"], load_whole(tmp_path / "a" / "last.pt")["model"]) is None
 
 
-CI_PARTS = 8  # halves of the 4-way deal: every value over two commits (2j-1, 2j), every pair over 8
+CI_PARTS = 16  # quarters of the 4-way deal's parts: every value over four commits, every pair over 16
 
 
 def this_commits_part() -> tuple[int, int]:
@@ -121,8 +121,8 @@ def test_the_plans_parts_each_hold_every_value_and_together_the_plan(capsys):
         parts = plan_parts(n)
         assert sorted(i for p in parts for i in p) == list(range(len(plan)))  # each trial in exactly one part
         held = [{item for i in p for item in plan[i].items()} for p in parts]
-        if n > 4:  # parts 2j-1 and 2j: the 4-way deal's part j
-            held = [held[j] | held[j + 1] for j in range(0, n, 2)]
+        if n > 4:  # n/4 consecutive parts: one of the 4-way deal's
+            held = [set().union(*held[j:j + n // 4]) for j in range(0, n, n // 4)]
         assert held == [values] * len(held), n
         loads = sorted(sum(load[i] for i in p) for p in parts)
         assert loads[-1] - loads[0] <= max(load), loads  # balanced to within one trial
