@@ -81,11 +81,12 @@ def held() -> str | None:
     return _EARLY[0][0] if _EARLY else None
 
 
-def hand_on(name: str) -> None:
+def hand_on(name: str, at: float | None = None) -> None:
     """A stop signal that reached a job after its last stop check (the job completed), from whatever took it: the
-    job's own handler, or torch's launch agent in a self-launching parent. A study worker takes no further trial."""
+    job's own handler, or torch's launch agent in a self-launching parent. A study worker takes no further trial.
+    ``at``: when it arrived (monotonic), where known: a repeat within a second of it is the same event."""
     if _FOR_LIFE and not _EARLY:
-        _EARLY.append((name, time.monotonic()))
+        _EARLY.append((name, time.monotonic() if at is None else at))
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:
@@ -244,7 +245,7 @@ class StopSignal:
 
     def uninstall(self) -> None:
         if self.name is not None:  # the worker must not take another trial
-            hand_on(self.name)
+            hand_on(self.name, self.at)
         self._watching.set()
         for sig, old in self._old.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
