@@ -194,3 +194,77 @@ def test_rank_server_that_cannot_start_gives_spawn_and_leaves_this_processs_sign
             assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     finally:
         signal.signal(signal.SIGUSR1, mine)
+
+
+_TRAIN_A_LITTLE = """
+import hashlib, sys, torch
+from torch.utils.flop_counter import FlopCounterMode
+from ddplab import compat
+if sys.argv[1] == "deferred":
+    compat.defer_dynamo()
+torch.manual_seed(0)
+m = torch.nn.Linear(5, 3)
+for opt in (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), torch.optim.AdamW(m.parameters(), lr=0.01)):
+    for _ in range(3):
+        m(torch.randn(4, 5)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.is_grad_enabled()  # the step's grad mode is put back
+    opt.load_state_dict(opt.state_dict())
+with FlopCounterMode(display=False):
+    m(torch.randn(1, 5))
+weights = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in m.parameters())).hexdigest()
+print("dynamo", "torch._dynamo" in sys.modules, weights)
+f = torch.compile(lambda x: torch.sin(x) * 2, backend="eager")  # imports dynamo: the marks come off first
+zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
+print("compiled", f(torch.zeros(2)).tolist(), getattr(zero_grad, "__dynamo_disable", None) is zero_grad)
+"""
+
+
+@pytest.mark.slow
+def test_defer_dynamo_trains_bitwise_as_torch_does_without_importing_its_compiler_until_a_compile(tmp_path):
+    """A process that never compiles never imports torch._dynamo (2 s of CPU): optimizer steps, zero_grad,
+    state dicts, manual_seed and the FLOP counter train the same weights, bit for bit, as torch's own
+    wrappers; a compile afterwards finds torch's wrappers as they were."""
+    import subprocess
+    import sys
+
+    said = {}
+    for mode in ("deferred", "torch"):
+        proc = subprocess.run([sys.executable, "-c", _TRAIN_A_LITTLE, mode], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said[mode] = proc.stdout.split("\n")
+    assert said["torch"][0].startswith("dynamo True ")  # what torch does by itself
+    assert said["deferred"][0] == said["torch"][0].replace("dynamo True", "dynamo False")  # same weights
+    assert said["deferred"][1] == said["torch"][1] == "compiled [0.0, 0.0] False"
+
+
+_BUILD_A_DDP = """
+import os, sys, torch, torch.distributed as dist
+from ddplab import compat
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+with compat.ddp_reducer_without_dynamo():
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+print("deferred", "torch._dynamo" in sys.modules, "_dynamo" in torch.__dict__, ddp._use_python_reducer)
+import torch._dynamo.utils
+print("real", torch._dynamo.utils.get_optimize_ddp_mode() == compat.DDP_MODE_BY_DEFAULT)
+with compat.ddp_reducer_without_dynamo():  # dynamo is here now: torch's own answer
+    print("after", type(torch._dynamo).__name__)
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp_path):
+    """The stand-in's answer is the real get_optimize_ddp_mode()'s in a process that has not changed dynamo's
+    config; a DDP built under it neither imports torch._dynamo nor leaves the stand-in behind."""
+    import subprocess
+    import sys
+
+    from helpers.jobs import free_port
+
+    proc = subprocess.run([sys.executable, "-c", _BUILD_A_DDP, str(free_port())], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:3] == ["deferred False False False", "real True", "after module"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 
@@ -71,3 +72,19 @@ def test_every_rank_freezes_its_heap_at_exit_self_launched_or_under_torchrun(tmp
     assert_ok(proc)
     for rank in (0, 1):
         assert int((tmp_path / f"frozen-rank{rank}").read_text()) > 100_000, rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", [[], ["optimizer=adamw", "amp=true", "grad_accum_steps=2", "callbacks=ema"],
+                                      ["distributed.nproc_per_node=2", "distributed.comm_hook=fp16"]],
+                         ids=["sgd", "adamw-amp-accum-ema", "ddp-x2"])
+def test_a_job_that_compiles_nothing_never_imports_torchs_compiler(tmp_path, features):
+    """torch's optimizers, manual_seed, FLOP counter and DDP's constructor import torch._dynamo at their first
+    call: 2 s of CPU in every process (a 3-step job took 7.0 CPU-s, 4.6 without it and with bytecode; a
+    self-launched 2-rank one's rank server imported it too). ``-X importtime`` lists every module each process
+    imports, a rank server's too. (FSDP2's ranks import it anyway, for their fake tensors.)"""
+    proc = run_cmd([sys.executable, "-X", "importtime", str(TRAIN), "model=mlp", "max_steps=2", *features,
+                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    assert_ok(proc)
+    imported = re.findall(r"\|\s+(\S+)\s*$", proc.stderr, re.M)
+    assert "torch.optim" in imported and "torch._dynamo" not in imported

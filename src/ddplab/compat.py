@@ -17,11 +17,14 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | settle_ddp_buckets      | ``DDP._module_parameters``, ``Reducer.prepare_for_backward``, ``._rebuild_buckets`` | layout fixed after a step |
 | rank_server             | ``multiprocessing.forkserver._forkserver._stop`` (Python's)  | one server a process, never stopped |
 | run_exit_handlers       | ``atexit._run_exitfuncs`` (Python's)                      | a fork's exit skips atexit   |
+| defer_dynamo            | ``torch._compile._disable_dynamo``'s cache ``__dynamo_disable``, ``optimizer._use_grad_for_differentiable`` | both import dynamo |
+| ddp_reducer_without_dynamo | ``torch._dynamo.utils.get_optimize_ddp_mode`` (DDP's constructor calls it) | DDP imports dynamo |
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -181,3 +184,125 @@ def frozen_trial(trial: Any) -> Any:
     wrote since (its user attrs) included. Optuna's public API reads a trial's record only through the study's
     trial lists."""
     return trial.study._storage.get_trial(trial._trial_id)
+
+
+# What torch._dynamo.utils.get_optimize_ddp_mode() answers while dynamo's config holds its defaults (it
+# does until something imports torch._dynamo): DDP's C++ reducer. tests/test_compat.py asks the real one.
+DDP_MODE_BY_DEFAULT = "ddp_optimizer"
+
+
+@contextlib.contextmanager
+def ddp_reducer_without_dynamo() -> Iterator[None]:
+    """While inside, a DDP built before anything imported ``torch._dynamo`` learns the reducer mode dynamo's
+    default config gives, without importing the compiler stack to ask (2 s of CPU a rank). DDP's constructor
+    reads ``torch._dynamo.utils.get_optimize_ddp_mode()`` as an attribute of torch: a stand-in answers it for
+    the construction; a real ``import torch._dynamo`` meanwhile replaces it, as torch would."""
+    import sys
+    import types
+
+    if "torch._dynamo" in sys.modules or "_dynamo" in torch.__dict__:  # (hasattr would import it)
+        yield
+        return
+    stand_in = types.SimpleNamespace(utils=types.SimpleNamespace(get_optimize_ddp_mode=lambda: DDP_MODE_BY_DEFAULT))
+    torch._dynamo = stand_in  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if torch.__dict__.get("_dynamo") is stand_in:
+            del torch._dynamo
+
+
+# The functions defer_dynamo marked: in a list, so the marks come off in a process forked from the one that
+# set them too (whose collector may no longer list them: a frozen fork).
+_DEFERRED: list[Any] = []
+_CACHE = "__dynamo_disable"  # where torch's wrapper keeps the disabled function it made at its first call
+
+
+def defer_dynamo(imports: tuple[str, ...] = ()) -> None:
+    """Until something imports ``torch._dynamo`` (``torch.compile`` does), the functions torch wraps with
+    its ``_disable_dynamo`` (``Optimizer.zero_grad``, ``add_param_group``, ``state_dict``,
+    ``torch.manual_seed``, ...) call themselves instead of importing the compiler stack at their first
+    call: 2.2 s of CPU a process on the development VM, more than ``import torch``, in every rank.
+
+    Why it changes nothing else: ``torch._dynamo.disable`` only acts while dynamo traces, which it cannot
+    before it is imported; an import hook takes every mark off as ``torch._dynamo`` starts loading, and
+    from then on torch's wrappers do what they always did. Covers the wrappers that exist now: call it
+    after the imports a job needs, or name them in ``imports`` (a module imported later just pays the
+    compiler's import, as before)."""
+    import gc
+    import importlib
+    import sys
+    import types
+
+    for name in imports:
+        importlib.import_module(name)
+
+    if "torch._dynamo" in sys.modules:
+        return
+    code = torch._compile._disable_dynamo(_probe).__code__
+    if "fn" not in code.co_freevars:  # torch changed its wrapper: leave it as it is (only slower)
+        return
+    cell = code.co_freevars.index("fn")
+    for wrapper in gc.get_objects():
+        if type(wrapper) is types.FunctionType and wrapper.__code__ is code:
+            fn = wrapper.__closure__[cell].cell_contents
+            if getattr(fn, _CACHE, None) is None:
+                with contextlib.suppress(AttributeError, TypeError):  # a function that takes no attributes
+                    setattr(fn, _CACHE, fn)
+                    _DEFERRED.append(fn)
+    if not any(isinstance(f, _DynamoWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoWatch())
+    _steps_without_graph_breaks()
+
+
+def _steps_without_graph_breaks() -> None:
+    """Every torch optimizer's ``step`` is wrapped in ``_use_grad_for_differentiable``, which imports dynamo
+    to place a graph break around the step. Until dynamo is imported by something else, the class's step
+    sets the grad mode as that wrapper does and calls the step itself; after, it is torch's wrapper again.
+    A class whose step torch already wrapped in its profiling hook (an optimizer was built) is left alone."""
+    import functools
+    import sys
+
+    from torch.optim import optimizer as opt
+
+    code = opt._use_grad_for_differentiable(_probe).__code__
+    if "func" not in code.co_freevars:
+        return
+    cell = code.co_freevars.index("func")
+    todo, seen = [torch.optim.Optimizer], set()
+    while todo:
+        cls = todo.pop()
+        todo.extend(c for c in cls.__subclasses__() if c not in seen)
+        seen.add(cls)
+        use_grad = cls.__dict__.get("step")
+        if getattr(use_grad, "__code__", None) is not code:
+            continue
+        step = use_grad.__closure__[cell].cell_contents
+
+        def plain(*args: Any, _use_grad: Any = use_grad, _step: Any = step, **kwargs: Any) -> Any:
+            if "torch._dynamo" in sys.modules:  # something may trace: torch's wrapper, graph breaks and all
+                return _use_grad(*args, **kwargs)
+            before = torch.is_grad_enabled()
+            try:
+                torch.set_grad_enabled(args[0].defaults["differentiable"])
+                return _step(*args, **kwargs)
+            finally:
+                torch.set_grad_enabled(before)
+
+        cls.step = functools.wraps(step)(plain)
+
+
+def _probe() -> None:
+    """A function to wrap, for the wrapper's code object."""
+
+
+class _DynamoWatch(importlib.abc.MetaPathFinder):
+    """Finds nothing; takes defer_dynamo's marks off when ``torch._dynamo`` is about to be imported."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch._dynamo":
+            while _DEFERRED:
+                fn = _DEFERRED.pop()
+                if getattr(fn, _CACHE, None) is fn:
+                    delattr(fn, _CACHE)
+        return None

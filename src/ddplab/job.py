@@ -80,21 +80,24 @@ def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], s
 
 
 def _check_room(cfg: DictConfig) -> None:
-    """More local ranks than devices never reach a step (64 ranks on 2 cores start and stall)."""
+    """More local ranks than devices never reach a step (64 ranks on 2 cores start and stall), unless the
+    user lets CPU ranks share cores."""
     import torch
 
     nproc, d = cfg.distributed.nproc_per_node, cfg.distributed
     on_gpu = str(d.device) == "cuda" or (str(d.device) == "auto" and torch.cuda.is_available())
     have, what = (torch.cuda.device_count(), "CUDA devices") if on_gpu else (env.usable_cores(), "CPU cores")
-    if nproc > have:
+    if nproc > have and (on_gpu or not d.oversubscribe_cpu):
+        share = "" if on_gpu else ", or let the ranks share the cores (slower): distributed.oversubscribe_cpu=true"
         raise ConfigError(f"distributed.nproc_per_node={nproc}: this machine has {have} {what} for them. Fix: pass "
-                          f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, SLURM)")
+                          f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, "
+                          f"SLURM){share}")
 
 
 # What every rank imports after it starts, imported once for all of them in the server they are forked from
-# (runtime.launch): the loop, torch's compiler stack (torch.optim's first step imports it: a second a process)
-# and rank 0's TensorBoard writer.
-RANK_IMPORTS = ("ddplab.train.assemble", "ddplab.train.loop", "torch._dynamo", "torch.utils.tensorboard")
+# (runtime.launch): the loop and rank 0's TensorBoard writer, with torch's optimizer wrappers kept from
+# importing its compiler stack (train.preload); first, what the strategy's ranks import anyway.
+RANK_IMPORTS = ("ddplab.train.preload",)
 
 
 def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
@@ -111,7 +114,8 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
 
     started = time.time()
     try:
-        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir, RANK_IMPORTS)
+        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir,
+                      strategy.rank_imports(cfg) + RANK_IMPORTS)
     except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
         noted = (rundir.read_result(run_dir, since=started) or {}).get(
             "error", "config error: a rank refused the config (see its log)")  # not an earlier run's result.json

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode  # here, not at the count: compat.defer_dynamo covers it
 
 from ddplab.data.batches import first_tensor
 
@@ -49,8 +50,6 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
 @torch.no_grad()
 def train_flops_per_sample(module: nn.Module, sample: Tensor | None) -> float | None:
     """3 x forward FLOPs of one sample, or None if the model cannot be counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     if sample is None:
         log.info("vitals/tflops off: no tensor in the batch to count the model's FLOPs on")
         return None

@@ -1,5 +1,5 @@
 """``python train.py ARGS`` for the tests without an interpreter's start-up each time: a process per pytest
-worker imports what every job imports (torch, torch._dynamo, Hydra, ddplab, TensorBoard: ~2.5 of the ~3.6
+worker imports what every job imports (torch, Hydra, ddplab, TensorBoard, with train.preload: ~2 of the ~3
 CPU-seconds a one-step job costs) once, then forks a child per job. The child is a process of its own (its own
 pid, session, working dir, environment, and stdout and stderr pipes the caller reads to their end, as
 ``communicate()`` does) that runs train.py as ``__main__`` and ends through the interpreter's own exit
@@ -144,7 +144,6 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
     with warnings.catch_warnings(record=True) as said:
         import hydra  # noqa: F401
         import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401
         import torch.utils.tensorboard  # noqa: F401
         from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
@@ -152,6 +151,7 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
         import ddplab.config  # noqa: F401
         import ddplab.train.assemble  # noqa: F401
         import ddplab.train.loop  # noqa: F401
+        import ddplab.train.preload  # noqa: F401  (last: its wrappers, as a rank server's)
 
     gc.freeze()  # what it imported stays out of the children's collections (and their pages shared)
     server = socket.socket(socket.AF_UNIX)

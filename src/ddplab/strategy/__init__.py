@@ -14,7 +14,7 @@ from ddplab.strategy.ddp import DDPStrategy
 from ddplab.strategy.fsdp import FSDPStrategy
 from ddplab.strategy.local import DataParallel, Local
 
-__all__ = ["Strategy", "make", "check_launch", "ranks_started"]
+__all__ = ["Strategy", "make", "check_launch", "ranks_started", "rank_imports"]
 
 _CLASSES: dict[str, type[Strategy]] = {c.name: c for c in (Local, DataParallel, DDPStrategy, FSDPStrategy)}
 
@@ -46,3 +46,9 @@ def make(cfg: DictConfig, dist: Dist) -> Strategy:
     if not dist.is_distributed and not cls.one_process:
         cls = Local
     return cls(cfg, dist)
+
+
+def rank_imports(cfg: DictConfig) -> tuple[str, ...]:
+    """What each rank of this job imports whatever it trains: the strategy's needs, and torch's compiler
+    stack where the model is compiled."""
+    return _class(cfg).rank_imports + (("torch._dynamo",) if cfg.perf.compile else ())

@@ -69,6 +69,9 @@ class Strategy:
     one_process: ClassVar[bool] = False  # refuses to be one of several launched ranks
     counts_flops: ClassVar[bool] = True  # a FLOP-counting forward outside the step is safe
     one_file_checkpoints: ClassVar[bool] = True  # a checkpoint is one .pt (fsdp: a folder of DCP shards)
+    # Modules every rank of this strategy imports whatever the job: a self-launch's rank server imports
+    # them once for all its ranks (job._self_launch); compat.defer_dynamo imports them before it looks.
+    rank_imports: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: DictConfig, dist: Dist):
         self.d, self.perf, self.dist = cfg.distributed, cfg.perf, dist

@@ -34,15 +34,17 @@ class DDPStrategy(Strategy):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         d, st = self.d, self.dist
-        ddp = DDP(
-            self._compiled(module),
-            device_ids=[st.device.index] if st.device.type == "cuda" else None,
-            find_unused_parameters=d.find_unused_parameters,
-            bucket_cap_mb=d.bucket_cap_mb,
-            gradient_as_bucket_view=d.gradient_as_bucket_view,
-            static_graph=d.static_graph,
-            **_buffer_sync_kwarg(d.broadcast_buffers),
-        )
+        compiled = self._compiled(module)
+        with compat.ddp_reducer_without_dynamo():  # DDP asks torch's compiler config: 2 s of CPU to import
+            ddp = DDP(
+                compiled,
+                device_ids=[st.device.index] if st.device.type == "cuda" else None,
+                find_unused_parameters=d.find_unused_parameters,
+                bucket_cap_mb=d.bucket_cap_mb,
+                gradient_as_bucket_view=d.gradient_as_bucket_view,
+                static_graph=d.static_graph,
+                **_buffer_sync_kwarg(d.broadcast_buffers),
+            )
         if d.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

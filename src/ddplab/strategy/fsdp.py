@@ -115,6 +115,9 @@ class ShardedState:
 class FSDPStrategy(Strategy):
     name = "fsdp"
     one_file_checkpoints = False
+    # FSDP2's sharding makes fake tensors, whose mode imports torch's compiler stack (2 s of CPU): in a rank
+    # server, once for all the ranks.
+    rank_imports = ("torch._dynamo",)
     counts_flops = False  # a forward outside the step would all-gather out of step with other ranks
 
     @classmethod

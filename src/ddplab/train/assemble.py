@@ -17,7 +17,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ddplab import build, rundir, strategy
+from ddplab import build, compat, rundir, strategy
 from ddplab.batch_size import global_batch_size
 from ddplab.callbacks import Callbacks, Hook
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
@@ -48,8 +48,10 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
     ``provenance``: shown in TensorBoard's Text tab."""
     global_batch = global_batch_size(cfg, dist.world_size, exact=not evaluating)
     accum = cfg.grad_accum_steps
+    strat = strategy.make(cfg, dist)  # draws nothing
+    # torch's first manual_seed or optimizer call would import its compiler stack: 2 s of CPU a rank
+    compat.defer_dynamo(strat.rank_imports)
     seed_everything(cfg.seed)
-    strat = strategy.make(cfg, dist)
     task = build.task(cfg)
     callbacks = Callbacks(build.callbacks(cfg, evaluating=evaluating))
     data, sampler, loader, spe = build.train_data(cfg, dist, global_batch, accum)
