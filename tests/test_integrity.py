@@ -209,7 +209,20 @@ def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
     proc = python_train([f"distributed.nproc_per_node={cores + 62}", "distributed.device=cpu"], tmp_path, timeout=60)
     assert proc.returncode == 2
     assert f"distributed.nproc_per_node={cores + 62}: this machine has {cores} CPU cores" in proc.stderr + proc.stdout
+    assert "distributed.oversubscribe_cpu=true" in proc.stderr + proc.stdout  # the other fix it names
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_cpu_ranks_share_the_cores_when_the_user_lets_them(tmp_path):
+    import os
+
+    more = len(os.sched_getaffinity(0)) + 1
+    proc = python_train(["model=mlp", "max_steps=2", f"batch_size={16 * more}", f"distributed.nproc_per_node={more}",
+                         "distributed.device=cpu",
+                         "distributed.oversubscribe_cpu=true", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{more} rank(s) on cpu (gloo)" in proc.stdout
 
 
 # ------------------------------------------------------------------ errors said once, plainly

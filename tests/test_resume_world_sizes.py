@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers.compare import assert_same_checkpoint, load, load_whole
-from helpers.jobs import REPO, assert_ok, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, ranks, read_scalars, run_cmd, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("resume_world_sizes")]  # one worker builds `reference` once
 
@@ -41,11 +41,12 @@ def corpus(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus) -> dict[int, Path]:
-    """The uninterrupted runs at 3 and 4 ranks, shared by every case."""
+    """The uninterrupted runs at 3 and 4 ranks, shared by every case: self-launched (each case's torchrun
+    then also shows the two launchers train bitwise alike)."""
     runs = {}
     for name, n, extra in ((3, 3, []), (4, 4, []), ("fsdp", 3, ["distributed=fsdp"])):
         run = tmp_path_factory.mktemp(f"ref{name}") / "run"
-        assert_ok(torchrun(n, LM + extra + corpus + [f"hydra.run.dir={run}"], run.parent))
+        assert_ok(ranks(n, LM + extra + corpus + [f"hydra.run.dir={run}"], run.parent))
         assert load(run / "checkpoints" / "last.pt")["loop"]["step"] == 50
         runs[name] = run
     return runs

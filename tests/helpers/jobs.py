@@ -96,14 +96,13 @@ def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300
 
 def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one, its
-    self-launch for two (``distributed.nproc_per_node=2``: ranks forked from one pre-imported server, where
-    torchrun starts three interpreters, ~4 CPU-s each), torchrun for more (a self-launch starts no more ranks
-    than the machine has cores: CI has 2). A world-size test so also compares the three launchers."""
+    self-launch for more (``distributed.nproc_per_node=n``: ranks forked from one pre-imported server, where
+    torchrun starts n + 1 interpreters, ~4 CPU-s each; past the machine's cores, CI's 2, the ranks share them:
+    ``distributed.oversubscribe_cpu``)."""
     if n == 1:
         return python_train(script_args, cwd, timeout)
-    if n == 2:
-        return python_train([*script_args, "distributed.nproc_per_node=2"], cwd, timeout)
-    return torchrun(n, script_args, cwd, timeout)
+    return python_train([*script_args, f"distributed.nproc_per_node={n}", "distributed.oversubscribe_cpu=true"],
+                        cwd, timeout)
 
 
 def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:

@@ -46,6 +46,10 @@ class DistributedConfig:
     # >1: `python train.py` starts this many local ranks itself (free port per
     # job, so parallel sweep jobs never collide). Ignored under torchrun/SLURM.
     nproc_per_node: int = 1
+    # Self-launch on CPU: more ranks than cores may share them (slower), to try a world size (exactness at 3
+    # ranks) on a small machine. Off: such a job is refused (64 ranks on 2 cores start and stall). A GPU
+    # takes one rank whatever this says.
+    oversubscribe_cpu: bool = False
     max_restarts: int = 0  # self-launch only: restart the ranks this often after a failure
     # The autograd graph is the same every step (no data-dependent branches or
     # unused parameters): DDP can then skip per-step bookkeeping.
