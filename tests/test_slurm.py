@@ -193,18 +193,20 @@ def _assert_same_as_uninterrupted(run: Path, ref: Path) -> None:
 
 
 def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
-    # --time=2 with USR1 90 s before it: SLURM checks time limits periodically, so the warning comes
-    # some 15-45 s after the start, before the ~55 s of training ends; every start of the job gets its own
-    # warning, so it may be requeued more than once. The checkpoint must come before the limit (its SIGTERM
+    # --time=3 with USR1 90 s before it: SLURM checks time limits periodically, so the warning comes some
+    # 90-120 s after the start, before the ~135 s of training (1.5 s a step) end; every start of the job gets
+    # its own warning, so it is requeued once or more. The checkpoint must come before the limit (its SIGTERM
     # would be a second signal: an exit without one). The lead is 90 s, not 30: the warning may land during a
-    # start-up, and a start-up on a loaded machine took 20-50 s (CI: USR1@30 gave lags of 6-50 s).
+    # start-up, and a start-up on a loaded machine took 20-50 s (CI: USR1@30 gave lags of 6-50 s). And the
+    # limit is 3 minutes, not 2: with 30 s from start to warning, start-ups of 30 s made no step between
+    # requeues (CI at 925ef34: 12 requeues in 400 s, each warned during its start-up).
     lead = 90
     t0 = time.monotonic()
     # An array job (of one task): ddplab names it <array job>_<task>, for its run dir and for the requeue.
-    array = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=0.6"]),
-                   ["--ntasks=2", "--cpus-per-task=1", "--time=2", f"--signal=USR1@{lead}", "--requeue", "--array=1"])
+    array = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=1.5"]),
+                   ["--ntasks=2", "--cpus-per-task=1", "--time=3", f"--signal=USR1@{lead}", "--requeue", "--array=1"])
     job = f"{array}_1"
-    info = wait_job(job, tmp_path, timeout=400)
+    info = wait_job(job, tmp_path, timeout=800)
     secs = time.monotonic() - t0
     out = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert info["JobState"] == "COMPLETED", out[-4000:]
