@@ -61,6 +61,7 @@ def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_pa
     assert out["val_ema/acc"] > 0.5 and out["val_ema/acc_best"] == out["val_ema/acc"]
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_val_ema_metrics_are_the_ema_weights_evaluated(tmp_path):
     """val_ema/* is what the evaluation gives with the EMA shadow as the model's weights: put the shadow into
     a copy of the checkpoint and evaluate that with mode=eval."""
@@ -155,6 +156,7 @@ def _early_stop(tmp_path: Path, *args: str, epochs: int = 4) -> dict:
     return json.loads((tmp_path / "r" / "result.json").read_text())
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_early_stopping_mode_says_which_way_is_better(tmp_path):
     """val/acc rises from epoch 1 to 2 here: under mode=max that is an improvement (no stop at the second
     check); under mode=min it is a worse value, so patience=1 stops the run there."""
@@ -234,6 +236,7 @@ def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before  # untouched
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_eval_mode_of_a_run_trained_with_ema_evaluates_with_its_callbacks(tmp_path):
     """mode=eval takes the callbacks the run trained with from the checkpoint: EMA's val_ema/* is evaluated
     (from the restored shadow) and may be the objective; a callback the command adds runs beside them."""
@@ -251,6 +254,7 @@ def test_eval_mode_of_a_run_trained_with_ema_evaluates_with_its_callbacks(tmp_pa
     assert ("on_eval_end", 22) in toy.RECORDED
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_path):
     """A study trial's reporter (training_only) came back with the run's callbacks: mode=eval of a trial's
     checkpoint would report to its finished trial. The study's own callback says it serves training only."""
@@ -276,6 +280,7 @@ def test_eval_mode_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 # --------------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("experiment", ["digits_convnet", "vae_digits", "lm_text"])
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_experiment_presets_run_under_fast_dev_run(tmp_path, experiment):
     out = ddplab.run(compose_cfg([f"experiment={experiment}", "debug=fast_dev_run", "progress=none"], tmp_path / "r"))
     assert out["step"] == 2 and out["epoch"] == 1
@@ -296,11 +301,13 @@ def test_cifar10_preset_composes_for_when_the_files_exist():
     assert cfg.objective == "val_ema/acc" and "ema" in cfg.callbacks
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_debug_overfit_learns_its_few_batches(tmp_path):
     out = ddplab.run(compose_cfg(BASE + ["debug=overfit", "num_epochs=15"], tmp_path / "r"))
     assert out["val/num_samples"] == 128 and out["val/acc"] == 1.0  # the 2 batches it trained on, learned
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_debug_profiler_preset(tmp_path):
     ddplab.run(compose_cfg(BASE + ["debug=profiler"], tmp_path / "r"))
     assert "traceEvents" in json.loads((tmp_path / "r" / "profile" / "trace-rank0.json").read_text())
@@ -357,6 +364,7 @@ def test_provenance_lists_every_rank_under_torchrun(tmp_path):
     assert len({r["pid"] for r in prov["world"]["ranks"]}) == 2
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_a_callback_added_on_resume_starts_fresh(tmp_path):
     ddplab.run(compose_cfg(BASE + ["num_epochs=2", "stop_after_epochs=1"], tmp_path / "r"))
     out = ddplab.run(compose_cfg(BASE + ["num_epochs=2", "resume=auto", "callbacks=[ema]"], tmp_path / "r"))

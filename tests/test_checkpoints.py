@@ -85,6 +85,7 @@ def test_checkpoint_closes_the_log_interval_so_resume_loses_no_metrics(tmp_path)
     assert read_scalars(part / "tb")["train/loss"] == full  # same steps, same values, each once
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_checkpoint_rotation_keeps_last_k_and_best(tmp_path):
     ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "checkpoint.every_n_steps=10", "checkpoint.keep_last=2",
                             "progress=none"], run_dir=tmp_path))
@@ -139,6 +140,7 @@ def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------ bad input
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
     ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none"], run_dir=tmp_path / "a"))
     ck = tmp_path / "a" / "checkpoints" / "last.pt"
@@ -154,6 +156,7 @@ def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
         ddplab.run(compose_cfg(["model=convnet", "num_epochs=1", f"resume={ck}"], run_dir=tmp_path / "c"))
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
     args = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "+model.fault_call=7",
             "+model.fault_rank=0", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
@@ -345,6 +348,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
         manager(ema, counter).register("ema", ema)
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tmp_path):
     from ddplab.config import ConfigError
 

@@ -256,6 +256,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a process of its own or a model built: seconds
 def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp_path):
     """The stand-in's answer is the real get_optimize_ddp_mode()'s in a process that has not changed dynamo's
     config; a DDP built under it neither imports torch._dynamo nor leaves the stand-in behind."""

@@ -31,7 +31,8 @@ def test_every_group_has_its_documented_options():
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
 # The image classifiers; vae and gpt belong to their tasks (tests/test_tasks.py trains each), hf to token
 # data (tests/test_hf.py).
-@pytest.mark.parametrize("model", [m for m in options("model") if m not in ("vae", "gpt", "hf")])
+@pytest.mark.parametrize("model", [pytest.param(m, marks=[pytest.mark.slow] if m in ("resnet34", "resnet50") else [])
+                                   for m in options("model") if m not in ("vae", "gpt", "hf")])  # slow: 2 s each
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     if model == "keras_convnet" and importlib.util.find_spec("keras") is None:
         pytest.skip("keras not installed")

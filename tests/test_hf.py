@@ -147,6 +147,7 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
 
 
 @pytest.mark.parametrize("pretrained", [False, True])
+@pytest.mark.slow  # a process of its own or a model built: seconds
 def test_a_vocabulary_below_the_datas_ids_is_one_config_error_for_an_hf_model(tmp_path, pretrained):
     """Issue 45: model.config.vocab_size (or a pretrained folder's) below the data's ids was an IndexError
     traceback at step 1 (a device-side assert on GPU), where model=gpt got one line."""

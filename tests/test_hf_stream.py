@@ -142,10 +142,10 @@ def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a
     assert_ok(ranks(2, args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240))
     two = result_of(tmp_path / "two")
     assert one["step"] == two["step"] == 2 * 54 and two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
-    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, timeout=240,
-                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=63))
+    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, timeout=240,
+                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=63))
     assert crashed.returncode != 0
-    assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed'}", "resume=auto"], tmp_path, timeout=240))
+    assert_ok(ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed'}", "resume=auto"], tmp_path, timeout=240))
     assert "1 epoch(s), 60 step(s) done" in (tmp_path / "killed" / "train.log").read_text()
     assert_same_checkpoint(tmp_path / "two" / "checkpoints" / "last.pt", tmp_path / "killed" / "checkpoints" / "last.pt",
                            entries=("model", "optimizer", "scheduler", "loop", "data"))
@@ -167,6 +167,7 @@ def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streamin
     assert len(list(s.train)) == len(s.train) > 0 and dialled == []
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_a_num_samples_the_files_do_not_hold_is_one_line_naming_it(tmp_path):
     from ddplab.data.streams import StreamEnded
 

@@ -77,6 +77,7 @@ def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_work
                                  "sha256": hashlib.sha256((a / "tokenizer.json").read_bytes()).hexdigest()}
 
 
+@pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_a_local_tokenizer_json_is_used_as_it_is_and_a_run_trains_on_its_ids(tmp_path, monkeypatch):
     """The user's tokenizer learnt across lines (tokens like "\\n\\n", "\\n  "): the file is cut only where its
     ids cannot change (4 KB chunks: some 20 cuts), and equals the text encoded whole."""
