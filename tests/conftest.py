@@ -19,6 +19,12 @@ import helpers.jobs  # registers ddplab's configs (as train.py does) before any 
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # once, in the process that starts xdist's workers
         _compile_bytecode()
+    import torch
+
+    # In-process jobs run with one intra-op thread, as the jobs the tests launch do (helpers.jobs.job_env sets
+    # OMP_NUM_THREADS=1): two threads a worker, beside the other worker and both workers' jobs on 2 cores,
+    # spin-wait for cores that are busy.
+    torch.set_num_threads(1)
     # Under `-n 2 --dist loadgroup` a test that is in no xdist_group is a unit of its own, handed to whichever
     # worker is free: the tests of a module that share a module-scoped run (test_resume_world_sizes' reference
     # runs, 13 processes) land on both workers, between other modules' tests, and pytest builds the run again
