@@ -178,14 +178,13 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
     for n in (2, 3):
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash, its run dir copied: each copy resumes at another world size.
-    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
-                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
+                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
     assert crashed.returncode != 0
     shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
     for resumed_at in (2, 3):
         run = tmp_path / f"killed_then_{resumed_at}"
-        assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
-                          timeout=240))
+        assert_ok(ranks(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
         if resumed_at == 2:
             assert_same_checkpoint(tmp_path / "2" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",

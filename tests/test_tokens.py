@@ -157,15 +157,14 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash (rank 1 SIGKILLed), its run dir copied: each copy resumes at another world size.
-    crashed = torchrun(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
-                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
+                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
     fired = json.loads((tmp_path / "fault" / "fired").read_text())
     assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
     shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
     for resumed_at, ref in ((2, "2"), (3, "1")):
         run = tmp_path / f"killed_then_{resumed_at}"
-        assert_ok(torchrun(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path,
-                          timeout=240))
+        assert_ok(ranks(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
         if resumed_at == 2:
             assert_same_checkpoint(last(tmp_path / ref), last(run))
@@ -261,10 +260,10 @@ def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwis
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
     assert metrics(tmp_path / "2")["val/loss"] == pytest.approx(metrics(tmp_path / "1")["val/loss"], rel=1e-5)
     run = tmp_path / "killed"
-    crashed = torchrun(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
-                      extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
+                   extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
     assert crashed.returncode != 0
-    assert_ok(torchrun(2, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
+    assert_ok(ranks(2, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
     assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
     assert_same_checkpoint(last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data"))
     assert metrics(run)["step"] == metrics(tmp_path / "2")["step"]

@@ -94,15 +94,16 @@ def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300
     return run_cmd(cmd, cwd, timeout, extra_env)
 
 
-def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300,
+          extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one, its
     self-launch for more (``distributed.nproc_per_node=n``: ranks forked from one pre-imported server, where
     torchrun starts n + 1 interpreters, ~4 CPU-s each; past the machine's cores, CI's 2, the ranks share them:
     ``distributed.oversubscribe_cpu``)."""
     if n == 1:
-        return python_train(script_args, cwd, timeout)
+        return python_train(script_args, cwd, timeout, extra_env)
     return python_train([*script_args, f"distributed.nproc_per_node={n}", "distributed.oversubscribe_cpu=true"],
-                        cwd, timeout)
+                        cwd, timeout, extra_env)
 
 
 def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
