@@ -3,7 +3,8 @@
 After ``torch._dynamo`` is imported (a compile does; torch did at the first ``Optimizer(...)`` before
 compat.defer_dynamo), Python spends 0.7-0.9 s of every process's exit (on the 2-core development VM) in
 the cyclic collections it runs while tearing its modules down: each walks the millions of objects
-torch's modules keep alive, none of which is garbage. A whole one-step job takes 3.5 s; that is a quarter of it, on every rank and every sweep job.
+torch's modules keep alive, none of which is garbage. A whole one-step job takes 3.5 s; that is a
+quarter of it, on every rank and every sweep job.
 """
 
 from __future__ import annotations
