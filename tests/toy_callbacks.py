@@ -352,3 +352,17 @@ class LeavesAWriterBehind:
         import subprocess
 
         subprocess.Popen(["sh", "-c", "sleep 2; echo written-after-the-job-exited"], start_new_session=True)
+
+
+class NotesItsProcess:
+    """Adds, per rank and job, a line to ``{out}/rank{rank}``: this process's command line, a tab, its parent's
+    (a self-launch's rank server: ``-c from multiprocessing.forkserver ...`` where it is a fresh one)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def setup(self, state):
+        own, parent = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().replace("\n", " ")
+                       for pid in (os.getpid(), os.getppid()))
+        with open(Path(self.out, f"rank{state.dist.rank}"), "a") as f:
+            f.write(f"{own}\t{parent}\n")

@@ -74,7 +74,13 @@ def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run to completion; on timeout kill the whole process group (torchrun's workers too)."""
+    """Run to completion; on timeout kill the whole process group (torchrun's workers too). ``python train.py``
+    and ``python -m torch.distributed.run`` are forked from this worker's pre-imported server where the job's
+    environment allows (helpers/zygote.py), with their processes' spares (helpers/spares.py)."""
+    if _servable(args) and os.environ.get("DDPLAB_TEST_FRESH") != "1":
+        done = _zygote().run(args[1:], cwd, {**job_env(), **(extra_env or {})}, timeout)
+        if done is not None:
+            return done
     proc = subprocess.Popen(args, cwd=cwd, env={**job_env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -84,6 +90,11 @@ def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _servable(args: list[str]) -> bool:
+    return len(args) > 1 and args[0] == sys.executable and (
+        args[1:3] == ["-m", "torch.distributed.run"] or Path(args[1]).name == "train.py")
 
 
 def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
@@ -121,10 +132,6 @@ def python_train(args: list[str], cwd: Path, timeout: float = 300,
                  extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python train.py ARGS``: forked from this worker's pre-imported server where the job's environment
     allows (helpers/zygote.py), else a fresh interpreter."""
-    if extra_env is None and os.environ.get("DDPLAB_TEST_FRESH") != "1":
-        done = _zygote().run([str(TRAIN), *args], cwd, job_env(), timeout)
-        if done is not None:
-            return done
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout, extra_env)
 
 

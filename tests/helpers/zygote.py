@@ -7,7 +7,8 @@ pid, session, working dir, environment, and stdout and stderr pipes the caller r
 
 Only ``helpers.jobs.python_train`` uses it, and only where nothing the job reads at import time can differ:
 the job's environment must be the one the server started with (``MAY_DIFFER`` aside). Launchers (torchrun,
-SLURM, the self-launch's ranks), signals and process-tree tests start real interpreters.
+SLURM), signals and process-tree tests start real interpreters; a self-launch's rank server is a fork too
+(helpers/rank_server.py).
 ``DDPLAB_TEST_FRESH=1`` makes every job a fresh interpreter again."""
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ class Zygote:
         self.proc.stdout.close()
 
     def fits(self, env: dict[str, str]) -> bool:
-        strip = lambda e: {k: v for k, v in e.items() if k not in MAY_DIFFER}  # noqa: E731
+        # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's processes
+        # by the SOAK_TRIAL_ID in /proc/PID/environ, which shows what a process was exec'd with: not a fork's
+        soak = '"target": "all"' not in env.get("SOAK_FAULT", "")
+
+        def strip(e: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items() if k not in MAY_DIFFER and not (soak and k.startswith("SOAK_"))}
+
         return self.ready and self.proc.poll() is None and strip(env) == strip(self.env)
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
@@ -145,6 +152,7 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
         import hydra  # noqa: F401
         import torch  # noqa: F401
         import torch.utils.tensorboard  # noqa: F401
+        import torch.distributed.run  # noqa: F401  (torchrun's launcher)
         from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
         import ddplab.cli  # noqa: F401
@@ -152,6 +160,7 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
         import ddplab.train.assemble  # noqa: F401
         import ddplab.train.loop  # noqa: F401
         import ddplab.train.preload  # noqa: F401  (last: its wrappers, as a rank server's)
+        import helpers.spares  # noqa: F401
 
     gc.freeze()  # what it imported stays out of the children's collections (and their pages shared)
     server = socket.socket(socket.AF_UNIX)
@@ -187,7 +196,8 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
 
 
 def become(request: dict, fds: list[int], said: list) -> None:
-    """The child: a process of its own, as ``subprocess.Popen(..., start_new_session=True)`` makes one."""
+    """The child: a process of its own, as ``subprocess.Popen(..., start_new_session=True)`` makes one. Before
+    it runs anything, the spares of the processes it will start (helpers/spares.py): it may return as one."""
     import multiprocessing.process
     import warnings
 
@@ -202,20 +212,63 @@ def become(request: dict, fds: list[int], said: list) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # what a fresh interpreter records at start
     env._PARENT_AT_START = os.getppid()  # read at import (in the server): this process's parent is the server
-    sys.argv = list(request["argv"])
-    sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python train.py` sets it
     for w in said:  # what the imports warned, on this job's stderr as a fresh interpreter prints it
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    argv = list(request["argv"])
+    if os.environ.get("DDPLAB_TEST_FRESH") != "1":
+        from helpers import spares
+
+        if argv[:2] == ["-m", "torch.distributed.run"]:
+            argv = (spares.offer_workers(_workers(argv), said) or {"argv": argv})["argv"]
+        else:
+            spares.offer_a_rank_server(said)
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # what a fresh interpreter records at start
+    sys.argv = argv
+    # as `python train.py` sets it, or `python -m` (runpy then puts the module's file in argv[0])
+    sys.path[0] = os.getcwd() if argv[0] == "-m" else str(Path(argv[0]).resolve().parent)
+
+
+def _workers(argv: list[str]) -> int:
+    """The workers torchrun may start for ``argv``: per node, once per attempt (its restarts)."""
+    got = {"nproc_per_node": "1", "max_restarts": "0"}
+    for i, a in enumerate(argv):
+        key, _, value = a.lstrip("-").replace("-", "_").partition("=")
+        if key in got and a.startswith("--"):
+            got[key] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    try:
+        return int(got["nproc_per_node"]) * (int(got["max_restarts"]) + 1)
+    except ValueError:  # "auto", "cpu": none
+        return 0
+
+
+def run_as_main(argv: list[str]) -> None:
+    """``python SCRIPT`` or ``python -m MODULE``: the code runs as ``__main__``, and an uncaught exception's
+    traceback starts where a fresh interpreter's does (at the script, or at runpy's frames for ``-m``)."""
+    import runpy
+    import types
+
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.modules.pop(argv[1], None)  # imported by the server (what it imports is), not yet run as __main__
+            sys.modules["__main__"] = types.ModuleType("__main__")  # the module's own namespace, as `python -m`
+            runpy._run_module_as_main(argv[1])  # noqa: SLF001  (what `python -m` calls: its frames, its argv)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+    except Exception as e:  # noqa: BLE001  (SystemExit and KeyboardInterrupt end the process as they would)
+        tb = e.__traceback__.tb_next  # this function's frame
+        while argv[0] != "-m" and tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
+            tb = tb.tb_next  # runpy's run_path frames, which a fresh `python train.py` has not
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # (Python's own hook prints the exception's)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
     job = serve(sys.argv[1], int(sys.argv[2]))
-    # Only a forked child gets here: it runs train.py as `python train.py` would, and ends as an interpreter
-    # does (an uncaught exception printed, exit 1; SystemExit's code; threads joined; atexit handlers).
+    # Only a forked child gets here: it runs train.py as `python train.py` would (or a module as `python -m`),
+    # and ends as an interpreter does (an uncaught exception printed, exit 1; SystemExit's code; threads
+    # joined; atexit handlers).
     become(*job)
     del job
-    import runpy
-
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_as_main(list(sys.argv))
