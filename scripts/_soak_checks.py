@@ -164,7 +164,11 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
         if not record.exists():
             problems.append(f"{run.name}: no mlflow.json: the run never reached its MLflow run")
             continue
-        run_id = json.loads(record.read_text())["run_id"]
+        try:
+            run_id = json.loads(record.read_text())["run_id"]
+        except (ValueError, KeyError) as e:
+            problems.append(f"{run.name}: mlflow.json unreadable ({type(e).__name__}): a resume loses its MLflow run")
+            continue
         for key, points in read_scalars(events_dir(run)).items():
             if key.startswith("vitals/"):
                 continue

@@ -94,6 +94,41 @@ def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, ml
 
 
 @pytest.mark.slow
+def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_run(tmp_path, mlflow_server,
+                                                                                  monkeypatch, caplog):
+    """The soak's seed 753188260: a full disk met `mlflow.json`'s write, which left it empty; the resume could
+    not read it and MLflow logging stopped. Here the disk is full at exactly that write (the file truncated, as
+    a write would leave it, then ENOSPC), the job crashes after step 11, and the resume meets the record as a
+    ddplab that wrote in place left it (empty): the MLflow run still holds each step once and FINISHED."""
+    args = BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.every_n_steps=4", "mlflow.log_model=false"]
+    ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    real = Path.write_text
+
+    def full_at_the_record(self, *a, **k):
+        if "mlflow.json" in self.name:
+            self.open("w").close()
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full_at_the_record)
+    run = tmp_path / "run"
+    run_killed_after_step(compose_cfg(args, run), 11)
+    monkeypatch.undo()
+    client = MlflowClient(mlflow_server)
+    mine = client.search_runs([client.get_experiment_by_name("ddplab").experiment_id],
+                              f"tags.`ddplab.run_dir` = '{run}'")
+    assert len(mine) == 1 and history(client, mine[0], "train/loss")[-1][0] == 10  # logging went on
+    (run / "mlflow.json").write_text("")
+    ddplab.run(compose_cfg(args + ["resume=auto"], run))
+    got, ref = run_of(run, mlflow_server)[1], run_of(tmp_path / "ref", mlflow_server)[1]
+    assert got.info.run_id == mine[0].info.run_id and got.info.status == "FINISHED"
+    for key in ref.data.metrics:
+        if not key.startswith("vitals/"):
+            assert history(client, got, key) == history(client, ref, key), key
+    assert not [r for r in caplog.records if r.name == "ddplab.tracking" and r.levelno >= 30]
+
+
+@pytest.mark.slow
 def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
                            f"mlflow.tracking_uri={mlflow_server}", "mlflow.log_model=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],

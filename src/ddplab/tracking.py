@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from ddplab.writers import NullWriter
 
 log = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
+RUN_DIR_TAG = "ddplab.run_dir"  # each MLflow run's run dir: a resume finds its run by it when mlflow.json is gone
 THREAD = "ddplab-mlflow"
 
 
@@ -74,6 +76,8 @@ class MLflowWriter(NullWriter):
         self.run_id: str | None = None
         self._mlflow: Any = None  # the MlflowClient, the thread's alone
         self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
+        # Checkpoints before the first step: a resume, decided here, before this run can write one of its own.
+        self._resuming = any((run_dir / "checkpoints").glob("*.pt"))
         self._q: queue.Queue = queue.Queue()
         self._failed: str | None = None
         self._hurried = False  # close's wait shortened by hurry (a stop signal)
@@ -147,19 +151,53 @@ class MLflowWriter(NullWriter):
         return self._mlflow
 
     def _open(self) -> None:
-        client, id_file = self._client(), self.run_dir / ID_FILE
-        if id_file.is_file():  # a resume (or a rerun in the same dir): the same MLflow run
-            self.run_id = json.loads(id_file.read_text())["run_id"]
+        client = self._client()
+        self.run_id = self._recorded_run() or (self._interrupted_run() if self._resuming else None)
+        if self.run_id is not None:  # a resume (or a rerun in the same dir): the same MLflow run
             client.update_run(self.run_id, status="RUNNING")
             for key in client.get_run(self.run_id).data.metrics:
                 self._sent[key] = max(m.step for m in client.get_metric_history(self.run_id, key))
-            return
-        exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
-        run = client.create_run(exp_id, run_name=self.run_dir.name, tags={"ddplab.run_dir": str(self.run_dir)})
-        self.run_id = run.info.run_id
-        id_file.write_text(json.dumps({"run_id": self.run_id, "experiment": self.experiment,
+        else:
+            exp = client.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
+            tags = {RUN_DIR_TAG: str(self.run_dir)}
+            self.run_id = client.create_run(exp_id, run_name=self.run_dir.name, tags=tags).info.run_id
+        if self._recorded_run() != self.run_id:
+            self._record()
+
+    def _recorded_run(self) -> str | None:
+        """The MLflow run id in ``mlflow.json``; None where there is none or it cannot be read (a file emptied by
+        a full disk before writes were atomic)."""
+        try:
+            return str(json.loads((self.run_dir / ID_FILE).read_text())["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _interrupted_run(self) -> str | None:
+        """A resume whose ``mlflow.json`` is missing or unreadable (its write met a full disk): the newest
+        unfinished run of the experiment tagged with this run dir, so the resume still continues it."""
+        if "'" in str(self.run_dir):  # MLflow's filter strings have no escape for a quote
+            return None
+        exp = self._client().get_experiment_by_name(self.experiment)
+        if exp is None:
+            return None
+        found = self._client().search_runs(
+            [exp.experiment_id], f"tags.`{RUN_DIR_TAG}` = '{self.run_dir}' and attributes.status != 'FINISHED'",
+            max_results=1, order_by=["attributes.start_time DESC"])
+        return found[0].info.run_id if found else None
+
+    def _record(self) -> None:
+        """``mlflow.json``, whole or not at all (a temp file renamed over it). A failed write (a full disk) loses
+        nothing now: the run id is held here, and a resume finds the run by its run dir tag."""
+        id_file = self.run_dir / ID_FILE
+        tmp = id_file.with_name(f".{ID_FILE}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"run_id": self.run_id, "experiment": self.experiment,
                                        "tracking_uri": self.shown_uri}) + "\n")
+            os.replace(tmp, id_file)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.debug("mlflow: could not write %s: %s", id_file, e)
 
     def _metrics(self, values: dict[str, float], step: int, ms: int) -> None:
         from mlflow.entities import Metric
