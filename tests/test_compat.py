@@ -269,3 +269,30 @@ def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[:3] == ["deferred False False False", "real True", "after module"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
+    """torchdata's state layout: the workers a state was saved with, and the request count set to the samples
+    consumed (the raw count runs ahead by the requests a worker whose stream ended wasted), leaving the loader's own state untouched;
+    a loader restored from it yields the rest."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Numbers(torch.utils.data.IterableDataset):  # worker 1's stream ends after 2 numbers
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            return iter([1, 3] if info and info.id == 1 else [n for n in range(40) if not info or n not in (1, 3)])
+
+    loader = StatefulDataLoader(Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
+    it = iter(loader)
+    head = [next(it) for _ in range(10)]
+    raw = loader.state_dict()
+    state = compat.stream_state(raw)
+    assert compat.loader_workers(state) == workers
+    if workers:
+        assert raw["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] > 10  # wasted requests counted
+        assert state["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] == 10
+        assert loader.state_dict() == raw  # the loader's own state as it was
+    again = StatefulDataLoader(Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
+    again.load_state_dict(state)
+    assert head + list(again) == list(range(40))

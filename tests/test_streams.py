@@ -75,6 +75,34 @@ def test_a_checkpointed_position_continues_where_it_stopped(stateful, workers):
             assert rest == [b[8:12] for b in ids(whole)[3:]]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow  # a second or more: loader workers start
+def test_a_position_saves_the_same_state_whether_or_not_the_loader_was_resumed_on_the_way(workers):
+    """The soak's seed 569002207 (verify_resume failed: checkpoints differed only in torchdata's count of the
+    requests sent to the workers, which a resume restarts with a fresh batch in flight and a worker whose stream
+    ended wastes): the state at a position is the same for a loader that ran there and one resumed on the way
+    (after 1 to 4 batches), with one worker's stream ending long before the other's, so a resumed run's
+    checkpoints are bitwise those of the run it replaces; and it yields the same batches."""
+    def run(batches: int, resumed_at: int | None) -> tuple[list, dict]:
+        x = torch.arange(200, dtype=torch.float32)[:, None]
+        make = lambda: loader(toy.UnevenDigitStream(x, torch.arange(200), short=10), 2, 1, workers)  # noqa: E731
+        first, got = make(), []
+        first.set_epoch(1)
+        it = iter(first)
+        if resumed_at is not None:
+            got += [next(it)[1].tolist() for _ in range(resumed_at)]
+            saved = json.loads(json.dumps(first.state_dict()))
+            first = make()
+            first.load_state_dict(saved)
+            first.set_epoch(1, skip=resumed_at)
+            it = iter(first)
+        got += [next(it)[1].tolist() for _ in range(batches - len(got))]
+        return got, json.loads(json.dumps(first.state_dict()))
+
+    ref = run(6, None)
+    assert [run(6, k) for k in (1, 2, 3, 4)] == [ref] * 4
+
+
 def test_a_short_stream_says_so_and_a_resume_without_its_position_is_refused():
     short = toy.DigitStream(torch.zeros(50, 1), torch.arange(50), short_on_rank=0, short=20)
     with pytest.raises(StreamEnded, match=r"DigitStream ended after 2 global batches of 12 in epoch 1, but its "

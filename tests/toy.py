@@ -10,7 +10,7 @@ are the very lists the toys append to:
 
 * ``toy_models``    — models and a task: UnusedParamMLP, FaultyMLP, SlowMLP, AbortAtExitMLP, BadTask;
 * ``toy_data``      — datasets and streams: slow_synthetic, ragged_digits, noisy_digits, torch_noisy_digits,
-  DigitStream, StatefulDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
+  DigitStream, StatefulDigitStream, UnevenDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
 * ``toy_callbacks`` — a user's callbacks: Recorder, TrainingOnlyRecorder, SignalJobAtLastSave,
   KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
   NotesTheFreeze, CountsPageFaults.
@@ -42,6 +42,7 @@ from toy_data import (  # noqa: F401
     DigitStream,
     RankDependentStream,
     StatefulDigitStream,
+    UnevenDigitStream,
     ValStream,
     _Noisy,
     _Slow,

@@ -127,6 +127,23 @@ class StatefulDigitStream(DigitStream):
         self.epoch, self.pos = sd["epoch"], sd["pos"]
 
 
+
+class UnevenDigitStream(StatefulDigitStream):
+    """Worker 1's share is the first ``short`` samples, worker 0's the rest: one worker's stream ends long before
+    the other's (a folder whose files differ in size, split by file over the workers)."""
+
+    def __init__(self, x, y, short=10):
+        super().__init__(x, y)
+        self.short_share = short
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = range(self.short_share) if info and info.id == 1 else range(self.short_share, len(self.y))
+        while self.pos < len(mine):
+            i = mine[self.pos]
+            self.pos += 1
+            yield self.x[i], self.y[i]
+
 def digit_stream(stateful=True, short_on_rank=None, short=0, **kw):
     """digits' training set as a (Stateful)DigitStream; validation a stream too, in stored order."""
     from ddplab.data import digits

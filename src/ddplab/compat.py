@@ -19,6 +19,7 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | run_exit_handlers       | ``atexit._run_exitfuncs`` (Python's)                      | a fork's exit skips atexit   |
 | defer_dynamo            | ``torch._compile._disable_dynamo``'s cache ``__dynamo_disable``, ``optimizer._use_grad_for_differentiable`` | both import dynamo |
 | ddp_reducer_without_dynamo | ``torch._dynamo.utils.get_optimize_ddp_mode`` (DDP's constructor calls it) | DDP imports dynamo |
+| loader_workers, stream_state | torchdata ``StatefulDataLoader.state_dict()``'s ``_snapshot`` layout | the format is undocumented |
 """
 
 from __future__ import annotations
@@ -306,3 +307,24 @@ class _DynamoWatch(importlib.abc.MetaPathFinder):
                 if getattr(fn, _CACHE, None) is fn:
                     delattr(fn, _CACHE)
         return None
+
+
+def loader_workers(state: dict[str, Any]) -> int:
+    """The loader workers a ``StatefulDataLoader`` state was saved with (torchdata keeps a snapshot only with
+    workers: 0 without one)."""
+    snapshot = state.get("_snapshot")
+    return int(snapshot["_main_snapshot"]["_num_workers"]) if snapshot else 0
+
+
+def stream_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An iterable dataset's ``StatefulDataLoader`` state as a function of its position alone. With workers,
+    torchdata counts the requests it sent them (``_sampler_iter_yielded``), consumed or still in flight, and
+    a resume starts that count from the saved one with a fresh batch in flight: the count then depends on the
+    resumes on the way (and on when a worker's stream ended), not on the position. For an iterable dataset
+    the sampler yields only None and the count skips nothing on restore, so it is set to the samples the
+    snapshot had consumed: a resumed run's checkpoints are then bitwise those of the run it replaces."""
+    snapshot = state.get("_snapshot")
+    if not snapshot or snapshot["_main_snapshot"].get("_sampler_iter_state") is not None:
+        return state
+    main = {**snapshot["_main_snapshot"], "_sampler_iter_yielded": snapshot["_snapshot_step"]}  # the loader's own
+    return {**state, "_snapshot": {**snapshot, "_main_snapshot": main}}  # dicts stay as they are

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, default_collate
 
+from ddplab import compat
 from ddplab.errors import ConfigError
 from ddplab.data.batches import move
 from ddplab.data.sampling import ShardedGlobalSampler, eval_span
@@ -131,8 +132,7 @@ class StreamLoader:
 
     def _check_same_workers(self, state: dict[str, Any], epoch: int, skip: int) -> None:
         """A mid-epoch position holds only with the loader workers it was saved with."""
-        snapshot = state.get("_snapshot")  # torchdata keeps one only with workers
-        old = int(snapshot["_main_snapshot"]["_num_workers"]) if snapshot else 0
+        old = compat.loader_workers(state)
         if old != self.num_workers:
             raise ConfigError(
                 f"perf.num_workers={self.num_workers}: the checkpoint stopped mid-epoch (epoch {epoch + 1}, micro-batch "
@@ -153,7 +153,7 @@ class StreamLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint entry ``data``: where this epoch's stream is, the loader's (and workers') state."""
-        state = self._loader.state_dict() if self._loader is not None else None
+        state = compat.stream_state(self._loader.state_dict()) if self._loader is not None else None
         return {"epoch": self._epoch, "micro_batches": self._served, "loader": state}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
