@@ -37,10 +37,14 @@ CASES = {
     # (a SIGTERM under torchrun is not here: which rank torchrun's agent finds exited first, and whether the
     # other then dies of its SIGTERM or exits 143 itself, varies from run to run in fresh interpreters too)
     "torchrun, config error": ["model=mlp", "num_epochs=0"],
+    # verify_resume: its three legs spares of the job, a 2-rank leg's rank server a spare of the leg
+    "verify_resume, 2 ranks": ["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
+                               "distributed.nproc_per_node=2"],
 }
 EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
          "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
-         "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1}
+         "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
+         "verify_resume, 2 ranks": 0}
 
 
 def words(text: str, run: str) -> list[str]:
@@ -76,11 +80,13 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
             monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # every process a fresh interpreter
             proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120)
         result = json.loads((tmp_path / how / "result.json").read_text()) if (tmp_path / how / "result.json").exists() else {}
+        legs = {p.name: words(p.read_text(), str(tmp_path / how)) for p in (tmp_path / how).glob("verify_resume/*.log")}
         ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
-                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")})
+                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")}, legs)
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
     assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
+    assert len(ends["forked"][4]) == (2 if case.startswith("verify_resume") else 0)  # its legs' logs compared
 
 
 def processes(out) -> list[list[tuple[str, str]]]:
@@ -104,6 +110,23 @@ def test_a_self_launch_forks_its_ranks_from_a_spare_of_the_job_and_a_second_laun
     spare, fresh = servers[0]
     assert "helpers.zygote" in spare and "multiprocessing.forkserver import main" in fresh, servers
 
+
+@pytest.mark.slow
+def test_verify_resumes_legs_are_spares_of_the_job_and_their_rank_servers_spares_of_the_legs(tmp_path):
+    """mode=verify_resume's three legs (`python -m ddplab.verify`, config on stdin) each take a spare of the
+    forked job, and a 2-rank leg's ranks come from a spare of that leg; it passes as with fresh legs (the
+    verify_resume case above: the same lines, legs' logs, exit code and result)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = jobs.python_train(["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
+                              "progress=none", "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}",
+                              "+callbacks.note._target_=toy_callbacks.NotesItsProcess", f"+callbacks.note.out={out}"],
+                             tmp_path)
+    jobs.assert_ok(proc)
+    assert "verify_resume: PASS" in proc.stdout + proc.stderr
+    ranks = processes(out)
+    assert [len(r) for r in ranks] == [3, 3], ranks  # the uninterrupted leg, the one stopped, the resumed one
+    assert all("helpers.zygote" in own and "helpers.zygote" in server for rank in ranks for own, server in rank), ranks
 
 @pytest.mark.slow
 def test_torchruns_workers_are_spares_of_the_forked_launcher_restarts_included(tmp_path):

@@ -202,6 +202,52 @@ def _become_worker(spare: Spare, said: list) -> dict:
     return spare.request
 
 
+def offer_module_runs(count: int, module: str, said: list) -> dict | None:
+    """``count`` spares for children started as ``subprocess.Popen([sys.executable, "-m", module, ...])``
+    (verify_resume's legs; Popen's ``_execute_child`` is wrapped): the spare gets the child's stdin, stdout and
+    stderr, and the Popen its pid, as if it had forked and exec'd. In a spare given a start: its request."""
+    import inspect
+
+    started_with, spares = dict(os.environ), []
+    for _ in range(count):
+        spare = Spare(spares)
+        if spare.pid == 0:
+            return _become_child(spare, said)
+        spares.append(spare)
+    execute = subprocess.Popen._execute_child
+    params = inspect.signature(execute)
+
+    def _execute_child(self, *args):
+        a = params.bind(self, *args).arguments
+        cmd, env = [str(x) for x in a["args"]] if isinstance(a["args"], list) else [], a["env"] or dict(os.environ)
+        ours = (cmd[:3] == [sys.executable, "-m", module] and not a["shell"] and a["executable"] is None
+                and a["preexec_fn"] is None and not a["pass_fds"] and a["uid"] is None and a["gid"] is None
+                and imports_alike(started_with, dict(env)))
+        std = [(t, fd) for t, fd in ((0, a["p2cread"]), (1, a["c2pwrite"]), (2, a["errwrite"])) if fd != -1]
+        request = {"argv": cmd[1:], "env": {str(k): str(v) for k, v in env.items()}, "cwd": str(a["cwd"] or os.getcwd()),
+                   "std": [t for t, _ in std], "setsid": bool(a["start_new_session"])}
+        if not ours or not spares or not (spare := spares.pop(0)).hand(request, [fd for _, fd in std]):
+            return execute(self, *args)
+        self.pid, self._child_created = spare.pid, True
+        self._close_pipe_fds(*(a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")))
+
+    subprocess.Popen._execute_child = _execute_child
+    return None
+
+
+def _become_child(spare: Spare, said: list) -> dict:
+    import warnings
+
+    if spare.request["setsid"]:
+        os.setsid()
+    for fd, target in zip(spare.fds, spare.request["std"]):  # the pipes and files Popen set up for the child
+        os.dup2(fd, target)
+        os.close(fd)
+    spare.take_over()
+    for w in said:  # the imports' warnings, which a fresh interpreter prints too
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return spare.request
+
 class Started(subprocess.Popen):
     """A ``Popen`` for a child already running (a spare that took the start): wait, poll and signals work as
     for one Popen started, since it is this process's own child."""

@@ -222,7 +222,11 @@ def become(request: dict, fds: list[int], said: list) -> None:
         if argv[:2] == ["-m", "torch.distributed.run"]:
             argv = (spares.offer_workers(_workers(argv), said) or {"argv": argv})["argv"]
         else:
-            spares.offer_a_rank_server(said)
+            if "mode=verify_resume" in argv:  # its three legs, each `python -m ddplab.verify`
+                argv = (spares.offer_module_runs(3, "ddplab.verify", said) or {"argv": argv})["argv"]
+            if argv[0] == "-m":  # as in a fresh `python -m`: not yet imported (its rank server re-runs it)
+                sys.modules.pop(argv[1], None)
+            spares.offer_a_rank_server(said)  # the job's, or the leg's (a spare of the job, now a leg)
     multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # what a fresh interpreter records at start
     sys.argv = argv
     # as `python train.py` sets it, or `python -m` (runpy then puts the module's file in argv[0])
