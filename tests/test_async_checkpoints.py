@@ -237,7 +237,7 @@ def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_b
             f"+callbacks.disk.signal={sig}", "+callbacks.disk.to=launcher"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
            *DDP2, *ASYNC, *disk, f"hydra.run.dir={run}"]
-    proc = start(cmd, tmp_path, log)
+    proc = start(cmd, tmp_path, log, fresh=True)  # ranks_of reads /proc/PID/environ
     wait_for(run / "provenance.json", proc, log)  # both ranks are up
     ranks = list(ranks_of(proc.pid).values())
     assert len(ranks) == 2, ranks

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import jobs
 from helpers.jobs import TRAIN, assert_ok, job_env, read_scalars, run_cmd
 
 pytestmark = pytest.mark.dist
@@ -28,10 +29,11 @@ SLOW = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.01", "num_e
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
 
 
-def start(cmd: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    """Start in its own session (so a kill reaches torchrun's workers too), output to ``log``."""
+def start(cmd: list[str], cwd: Path, log: Path, fresh: bool = False) -> subprocess.Popen:
+    """Start in its own session (so a kill reaches torchrun's workers too), output to ``log``; forked from the
+    job server where it allows (helpers.jobs.start), a real interpreter where ``fresh``."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return jobs.start(cmd, cwd, out, subprocess.STDOUT, fresh=fresh)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -131,7 +133,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bi
 def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """A signal that reaches one rank only (SLURM's --signal=USR1 to a task, a user's kill)."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log)
+    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log, fresh=True)  # ranks_of reads environ
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
     os.kill(ranks_of(proc.pid)[1], signal.SIGUSR1)
     took = finish(proc, log)

@@ -154,7 +154,7 @@ def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
             "num_epochs=3", "log_every_n_steps=50", "progress=log", f"hydra.run.dir={run}"]
     cmd = TORCHRUN + args if launcher == "torchrun" else [sys.executable, str(TRAIN), *args,
                                                            "distributed.nproc_per_node=2"]
-    proc = start(cmd, tmp_path, log)
+    proc = start(cmd, tmp_path, log, fresh=True)  # its ranks are found by their command lines
     wait_until(lambda: len(traced(trace)) >= 3, proc, log)
     ranks = [p for p in children(proc.pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_text()
              or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()]

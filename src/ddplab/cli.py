@@ -118,11 +118,10 @@ class OwnRunDir(Callback):
             files.append(Path(str(hc.sweep.dir)) / "multirun.yaml")
         for f in files:
             if f.is_file():
-                text = f.read_text()
-                masked = OmegaConf.to_yaml(OmegaConf.create(redact.node(OmegaConf.to_container(
-                    OmegaConf.create(text), resolve=False), keys)))
-                if masked != OmegaConf.to_yaml(OmegaConf.create(text)):
-                    f.write_text(masked)
+                plain = OmegaConf.to_container(OmegaConf.create(f.read_text()), resolve=False)
+                masked = redact.node(plain, keys)
+                if masked != plain:  # most configs hold no secret: their copies are left as Hydra wrote them
+                    f.write_text(OmegaConf.to_yaml(OmegaConf.create(masked)))
 
     def on_run_end(self, config: DictConfig, **kwargs: object) -> None:
         rundir.release_held()  # what no Session took over (a self-launch parent's lock)

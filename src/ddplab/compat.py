@@ -244,7 +244,7 @@ def defer_dynamo(imports: tuple[str, ...] = ()) -> None:
     if "fn" not in code.co_freevars:  # torch changed its wrapper: leave it as it is (only slower)
         return
     cell = code.co_freevars.index("fn")
-    for wrapper in gc.get_objects():
+    for wrapper in gc.get_referrers(code):  # each wrapper refers to it: found in C, not a Python loop over all
         if type(wrapper) is types.FunctionType and wrapper.__code__ is code:
             fn = wrapper.__closure__[cell].cell_contents
             if getattr(fn, _CACHE, None) is None:

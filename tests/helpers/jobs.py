@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -90,6 +90,21 @@ def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
+          extra_env: dict[str, str] | None = None, fresh: bool = False) -> Any:
+    """Started, not waited for, in a session of its own (so a signal to the group reaches torchrun's workers
+    too): a ``subprocess.Popen``, or where it is ``python train.py`` or torchrun and the environment allows, the
+    job forked from this worker's server (a Popen-like ``helpers.zygote.Job``: its pid, poll, wait, communicate,
+    signals). ``fresh``: a real interpreter whatever the job (a test that reads its processes' command lines or
+    ``/proc/PID/environ``, which show what a process was exec'd with)."""
+    env = {**job_env(), **(extra_env or {})}
+    if not fresh and _servable(args) and os.environ.get("DDPLAB_TEST_FRESH") != "1":
+        job = _zygote().start(args[1:], cwd, env, stdout, stderr)
+        if job is not None:
+            return job
+    return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
 
 
 def _servable(args: list[str]) -> bool:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import optuna
 
-from helpers.jobs import TRAIN, job_env
+from helpers import jobs
+from helpers.jobs import TRAIN
 from ddplab.rundir import read_result
 
 # Small trials: 2 epochs of 4 steps on the digits default, an MLP.
@@ -26,8 +27,7 @@ def load(d: Path, name: str = "digits_lr_wd", url: str | None = None) -> optuna.
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, env=job_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return jobs.start([sys.executable, str(TRAIN), *args], cwd)
 
 
 def finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:

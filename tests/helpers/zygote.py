@@ -22,9 +22,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 # Entries a job may have that the server did not: read at run time only (tempfile's cache is reset; inductor
 # reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
@@ -33,7 +33,7 @@ MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST
 
 class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
-        self.env, self.lock, self.served = env, threading.Lock(), 0  # jobs it forked
+        self.env, self.served = env, 0  # jobs it forked
         self.cpu = 0.0  # their CPU seconds (a forked job is the server's child: the caller's rusage misses it)
         self.dir = Path(tempfile.mkdtemp(prefix="ddpz-"))
         self.path = self.dir / "s"
@@ -54,48 +54,53 @@ class Zygote:
 
         return self.ready and self.proc.poll() is None and strip(env) == strip(self.env)
 
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Any = subprocess.PIPE,
+              stderr: Any = subprocess.PIPE) -> Job | None:
+        """The job forked, as ``subprocess.Popen(..., stdout=, stderr=, start_new_session=True)`` starts it
+        (``subprocess.PIPE``, ``subprocess.STDOUT`` for stderr, or a file); None where the server cannot take
+        it (not fitting, gone, or a working dir Popen would refuse): the caller starts a fresh interpreter."""
+        if not self.fits(env) or not Path(cwd).is_dir():
+            return None
+        ours, theirs = {}, []  # our ends of PIPEs; the descriptors the job gets as its stdout and stderr
+        for name, given in (("stdout", stdout), ("stderr", stderr)):
+            if given == subprocess.PIPE:
+                ours[name], w = os.pipe()
+                theirs.append(w)
+            else:
+                fd = theirs[0] if given == subprocess.STDOUT else given.fileno()
+                theirs.append(os.dup(fd))
+        conn = socket.socket(socket.AF_UNIX)
+        try:
+            conn.connect(str(self.path))
+            socket.send_fds(conn, [b"F"], theirs)
+            conn.sendall((json.dumps({"argv": argv, "cwd": str(cwd), "env": env}) + "\n").encode())
+            pid = int(_line(conn, 30))
+        except (OSError, ValueError):  # the server is gone: nothing started
+            conn.close()
+            for fd in ours.values():
+                os.close(fd)
+            return None
+        finally:
+            for fd in theirs:  # the job holds its own copies
+                os.close(fd)
+        self.served += 1
+        return Job(self, conn, pid, [sys.executable, *argv], ours)
+
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-        """The job's CompletedProcess; None where the server cannot take it (busy in another thread, not fitting,
-        gone, or a working dir Popen would refuse): the caller starts a fresh interpreter."""
-        if not self.fits(env) or not Path(cwd).is_dir() or not self.lock.acquire(blocking=False):
+        """The job's CompletedProcess (its output read to the end, as ``communicate()`` reads it); None where
+        the server cannot take it."""
+        job = self.start(argv, cwd, env)
+        if job is None:
             return None
         try:
-            return self._run(argv, cwd, env, timeout)
-        finally:
-            self.lock.release()
-
-    def _run(self, argv, cwd, env, timeout):
-        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-        with socket.socket(socket.AF_UNIX) as conn:
-            try:
-                conn.connect(str(self.path))
-                socket.send_fds(conn, [b"F"], [out_w, err_w])
-                conn.sendall((json.dumps({"argv": argv, "cwd": str(cwd), "env": env}) + "\n").encode())
-                pid = int(_line(conn, 30))
-            except (OSError, ValueError):  # the server is gone: nothing started
-                pid = None
-            finally:
-                os.close(out_w)  # the job holds its own copies
-                os.close(err_w)
-            try:
-                if pid is None:
-                    return None
-                self.served += 1
-                deadline = time.monotonic() + timeout
-                pipes: dict[int, list[bytes]] = {out_r: [], err_r: []}
-                if not _read_to_end(pipes, deadline):  # until every holder closed them, as communicate() waits
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
-                    _read_to_end(pipes, time.monotonic() + 30)
-                    out, err = _texts(pipes)
-                    raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n"
-                                         f"--- stderr\n{err[-3000:]}")
-                rc, cpu = _line(conn, max(1.0, deadline - time.monotonic()) + 30).split()
-            finally:
-                os.close(out_r)
-                os.close(err_r)
-        self.cpu += float(cpu)
-        return subprocess.CompletedProcess([sys.executable, *argv], int(rc), *_texts(pipes))
+            out, err = job.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate(30)
+            raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n"
+                                 f"--- stderr\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -104,6 +109,68 @@ class Zygote:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Job:
+    """A forked job as ``subprocess.Popen`` shows one: ``pid`` (signal it, or its session, as any process),
+    ``poll``, ``wait``, ``communicate`` (text), ``send_signal``/``terminate``/``kill``, ``returncode``. Its exit
+    code comes from the server, whose child it is (a signal's: minus its number, as Popen says)."""
+
+    def __init__(self, server: Zygote, conn: socket.socket, pid: int, args: list[str], pipes: dict[str, int]):
+        self.server, self.conn, self.pid, self.args = server, conn, pid, args
+        self.returncode: int | None = None
+        self.stdout = self.stderr = None  # communicate() returns what the pipes held
+        self._pipes = pipes
+        self._read: dict[int, list[bytes]] = {fd: [] for fd in pipes.values()}
+        self._got = b""  # the server's reply so far: "<exit code> <CPU seconds>\n"
+
+    def poll(self) -> int | None:
+        return self._reply(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._reply(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not _read_to_end(self._read, deadline):  # until every holder closed them, as communicate() waits
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 30)
+        texts = {name: b"".join(self._read[fd]).decode(errors="replace") for name, fd in self._pipes.items()}
+        for fd in self._pipes.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pipes = {name: -1 for name in self._pipes}
+        return texts.get("stdout"), texts.get("stderr")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never a pid the server reaped, which may be another process's by now
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _reply(self, timeout: float | None) -> int | None:
+        """The exit code, once the server has sent it (within ``timeout``: 0 looks, None waits)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None and not self._got.endswith(b"\n"):
+            self.conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            try:
+                chunk = self.conn.recv(64)
+            except (TimeoutError, BlockingIOError):
+                return None
+            if not chunk:
+                raise OSError(f"the job server closed the connection of job {self.pid}")
+            self._got += chunk
+        if self.returncode is None:
+            rc, cpu = self._got.split()
+            self.conn.close()
+            self.returncode, self.server.cpu = int(rc), self.server.cpu + float(cpu)
+        return self.returncode
 
 
 def _line(conn: socket.socket, timeout: float) -> str:
@@ -118,14 +185,14 @@ def _line(conn: socket.socket, timeout: float) -> str:
     return got.decode()
 
 
-def _read_to_end(pipes: dict[int, list[bytes]], deadline: float) -> bool:
-    """Read both pipes into their lists until EOF (True), or until the deadline (False)."""
+def _read_to_end(pipes: dict[int, list[bytes]], deadline: float | None) -> bool:
+    """Read the pipes into their lists until EOF (True), or until the deadline (False; None: no deadline)."""
     with selectors.DefaultSelector() as sel:
         for fd in pipes:
             sel.register(fd, selectors.EVENT_READ)
         while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return False
             for key, _ in sel.select(left):
                 chunk = os.read(key.fd, 65536)
@@ -134,11 +201,6 @@ def _read_to_end(pipes: dict[int, list[bytes]], deadline: float) -> bool:
                 else:
                     sel.unregister(key.fd)
     return True
-
-
-def _texts(pipes: dict[int, list[bytes]]) -> tuple[str, str]:
-    out, err = (b"".join(parts).decode(errors="replace") for parts in pipes.values())
-    return out, err
 
 
 def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
@@ -162,37 +224,71 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
         import ddplab.train.preload  # noqa: F401  (last: its wrappers, as a rank server's)
         import helpers.spares  # noqa: F401
 
+        ddplab.config.register_configs()  # as train.py does first (a job's call then finds them stored)
     gc.freeze()  # what it imported stays out of the children's collections (and their pages shared)
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen()
     print("ready", flush=True)
-    server.settimeout(5)
+    return (*_serve_jobs(server, parent, Path(path).parent), said)
+
+
+def _serve_jobs(server: socket.socket, parent: int, home: Path) -> tuple[dict, list[int]]:
+    """A child per request, any number running at once; each answered with its pid, then, once it exited, its
+    exit code and CPU seconds. Returns only in a child: its request and its stdout and stderr fds."""
+    woken, wake = os.pipe()  # SIGCHLD's wakeup: a child exited
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the signal reaches the wakeup fd
+    jobs: dict[int, socket.socket] = {}
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    sel.register(woken, selectors.EVENT_READ)
+    while True:
+        if os.getppid() != parent:  # its pytest process died without closing it: nothing will call again
+            import shutil
+
+            shutil.rmtree(home, ignore_errors=True)
+            os._exit(0)
+        for key, _ in sel.select(5):
+            if key.fileobj is woken:
+                os.read(woken, 4096)
+                continue
+            conn, _ = server.accept()
+            _, fds, _, _ = socket.recv_fds(conn, 1, 2)
+            request = json.loads(conn.makefile().readline())
+            pid = os.fork()
+            if pid == 0:  # a process as a fresh one starts: no handler, no wakeup fd, none of the server's sockets
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sel.close()
+                for sock in (server, conn, *jobs.values()):
+                    sock.close()
+                os.close(woken)
+                os.close(wake)
+                return request, fds
+            for fd in fds:  # the child's now: the caller sees EOF once the job (and whatever it started) closed them
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            jobs[pid] = conn
+        _reap(jobs)
+
+
+def _reap(jobs: dict[int, socket.socket]) -> None:
+    """Tell each exited job's caller its exit code and CPU (its own and its reaped children's: not the caller's
+    to see, the job being the server's child)."""
     while True:
         try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            if os.getppid() != parent:  # its pytest process died without closing it: nothing will call again
-                import shutil
-
-                shutil.rmtree(Path(path).parent, ignore_errors=True)
-                os._exit(0)
-            continue
-        conn.settimeout(None)
-        _, fds, _, _ = socket.recv_fds(conn, 1, 2)
-        request = json.loads(conn.makefile().readline())
-        pid = os.fork()
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
         if pid == 0:
-            server.close()
+            return
+        conn = jobs.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime}\n".encode())
             conn.close()
-            return request, fds, said
-        for fd in fds:  # the child's now: the caller sees EOF once the job (and whatever it started) closed them
-            os.close(fd)
-        conn.sendall(f"{pid}\n".encode())
-        _, status, usage = os.wait4(pid, 0)  # the child's CPU, and its reaped children's: not the caller's to see
-        with contextlib.suppress(OSError):
-            conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime}\n".encode())
-        conn.close()
 
 
 def become(request: dict, fds: list[int], said: list) -> None:

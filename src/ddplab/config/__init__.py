@@ -20,6 +20,7 @@ from ddplab.config.schema import DistributedConfig, TrainConfig
 from ddplab.config.validate import validate
 
 __all__ = ["ConfigError", "InputError", "register_configs", "validate"]
+_REGISTERED = False
 
 
 def register_configs() -> None:
@@ -29,6 +30,10 @@ def register_configs() -> None:
     resolver that conf/model/resnet*.yaml uses for ``small_input``, and ``fresh_dir``
     (conf/train.yaml's default run and sweep dirs).
     """
+    global _REGISTERED
+    if _REGISTERED:  # storing converts every schema again: a tenth of a job's start (a multirun's every job)
+        return
+    _REGISTERED = True
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/distributed", name="distributed", node=DistributedConfig)
