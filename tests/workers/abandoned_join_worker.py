@@ -28,5 +28,6 @@ t0 = time.monotonic()
 try:
     group.init(cfg)
 except Preempted as e:
-    print(f"LEFT after {time.monotonic() - t0:.1f}s: {e.signal_name}", flush=True)
+    # when it left the wait, on the clock the test reads too (its exit, torch's teardown included, comes after)
+    print(f"LEFT after {time.monotonic() - t0:.1f}s at {time.time():.3f}: {e.signal_name}", flush=True)
     sys.exit(e.exit_code)
