@@ -25,7 +25,7 @@ def pytest_configure(config):
     # OMP_NUM_THREADS=1): two threads a worker, beside the other worker and both workers' jobs on 2 cores,
     # spin-wait for cores that are busy.
     torch.set_num_threads(1)
-    # Under `-n 2 --dist loadgroup` a test that is in no xdist_group is a unit of its own, handed to whichever
+    # Under `-n 3 --dist loadgroup` a test that is in no xdist_group is a unit of its own, handed to whichever
     # worker is free: the tests of a module that share a module-scoped run (test_resume_world_sizes' reference
     # runs, 13 processes) land on both workers, between other modules' tests, and pytest builds the run again
     # each time its module comes back. Those tests are one group each (one worker, one after another). xdist
@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    # The soak plan (12 minutes, the longest test by far) first: under `-n 2` one worker runs it while the other
+    # The soak plan (12 minutes, the longest test by far) first: under `-n 3` one worker runs it while the others
     # takes the rest, instead of it starting last and running alone; then the slurm tests, whose jobs mostly
     # wait on SLURM (one worker takes them in turn, beside the rest).
     items.sort(key=lambda item: (item.name != "test_the_pairwise_soak_plan_holds_every_invariant",

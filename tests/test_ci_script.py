@@ -89,6 +89,6 @@ def test_the_slurm_tests_run_beside_the_suite_and_their_failure_fails_ci_before_
     rc, calls = run_ci(tmp_path, "-m slurm", 1)
     assert rc == 1, calls
     tests = [c for c in calls if c.startswith("python -m pytest")]
-    assert sorted(tests) == ["python -m pytest -q -n 2 --dist loadgroup",
+    assert sorted(tests) == ["python -m pytest -q -n 3 --dist loadgroup",
                              "python -m pytest -q -p no:cacheprovider -m slurm"], calls
     assert not any(c.startswith("mkdocs") for c in calls), calls
