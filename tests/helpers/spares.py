@@ -162,12 +162,10 @@ def offer_workers(count: int, said: list) -> dict | None:
     worker: that worker's request (argv, the rest already taken over), which the caller then runs; else None."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
 
-    started_with, spares = dict(os.environ), []
-    for _ in range(count):
-        spare = Spare(spares)
-        if spare.pid == 0:
-            return _become_worker(spare, said)
-        spares.append(spare)
+    started_with = dict(os.environ)
+    request, spares = _fork_spares(count, said)
+    if request is not None:
+        return request
     popen = sh.SubprocessHandler._popen
 
     def _popen(self, args, env):
@@ -177,8 +175,8 @@ def offer_workers(count: int, said: list) -> dict | None:
             return popen(self, args, env)
         spare = spares.pop(0)
         outs = [f.fileno() for f in (self._stdout, self._stderr) if f is not None]
-        request = {"argv": [str(a) for a in args[2:]], "env": dict(env), "cwd": os.getcwd(),
-                   "out": [t for t, f in ((1, self._stdout), (2, self._stderr)) if f is not None]}
+        request = {"argv": [str(a) for a in args[2:]], "env": dict(env), "cwd": os.getcwd(), "setsid": True,
+                   "std": [t for t, f in ((1, self._stdout), (2, self._stderr)) if f is not None]}
         if not spare.hand(request, outs):
             return popen(self, args, env)
         return Started(spare.pid, args)
@@ -187,33 +185,16 @@ def offer_workers(count: int, said: list) -> dict | None:
     return None
 
 
-def _become_worker(spare: Spare, said: list) -> dict:
-    import warnings
-
-    os.setsid()  # SubprocessHandler starts each worker in a session of its own
-    for fd, target in zip(spare.fds, spare.request["out"]):  # its output files, where torchrun redirects
-        os.dup2(fd, target)
-        os.close(fd)
-    spare.take_over()
-    # (Popen's child puts SIGPIPE and SIGXFSZ back to the default before its exec; Python then ignores both
-    # again at start, as they are here.)
-    for w in said:  # the imports' warnings, which a fresh worker prints too
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return spare.request
-
-
 def offer_module_runs(count: int, module: str, said: list) -> dict | None:
     """``count`` spares for children started as ``subprocess.Popen([sys.executable, "-m", module, ...])``
     (verify_resume's legs; Popen's ``_execute_child`` is wrapped): the spare gets the child's stdin, stdout and
     stderr, and the Popen its pid, as if it had forked and exec'd. In a spare given a start: its request."""
     import inspect
 
-    started_with, spares = dict(os.environ), []
-    for _ in range(count):
-        spare = Spare(spares)
-        if spare.pid == 0:
-            return _become_child(spare, said)
-        spares.append(spare)
+    started_with = dict(os.environ)
+    request, spares = _fork_spares(count, said)
+    if request is not None:
+        return request
     execute = subprocess.Popen._execute_child
     params = inspect.signature(execute)
 
@@ -235,7 +216,23 @@ def offer_module_runs(count: int, module: str, said: list) -> dict | None:
     return None
 
 
-def _become_child(spare: Spare, said: list) -> dict:
+def _fork_spares(count: int, said: list) -> tuple[dict | None, list[Spare]]:
+    """``count`` spares of this process; in a spare once it is given a start: (its request, []) with the start
+    taken over (``_become``); here: (None, the spares)."""
+    spares: list[Spare] = []
+    for _ in range(count):
+        spare = Spare(spares)
+        if spare.pid == 0:
+            return _become(spare, said), []
+        spares.append(spare)
+    return None, spares
+
+
+def _become(spare: Spare, said: list) -> dict:
+    """The process Popen would have started: its session (SubprocessHandler starts each torchrun worker in one
+    of its own), its stdin, stdout and stderr, then environment, working dir and signal state. (Popen's child
+    puts SIGPIPE and SIGXFSZ back to the default before its exec; Python then ignores both again at start, as
+    they are here.)"""
     import warnings
 
     if spare.request["setsid"]:
