@@ -170,6 +170,7 @@ def test_early_stopping_mode_says_which_way_is_better(tmp_path):
     assert down["note"].startswith("stopped early at epoch 2: val/acc did not improve by more than 0.0 for 1 checks")
 
 
+@pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_early_stopping_divergence_threshold_stops_at_the_first_check_past_it(tmp_path):
     """mode=max: a value below the threshold has diverged (for mode=min, above it)."""
     res = _early_stop(tmp_path, "callbacks.early_stopping.mode=max", "callbacks.early_stopping.divergence_threshold=0.999")

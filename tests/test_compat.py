@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ddplab import compat
 
 
+@pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_found_inf_reads_the_flag_unscale_set_per_device():
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([w], lr=0.1)

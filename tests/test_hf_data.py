@@ -42,6 +42,7 @@ def lm_args(tmp_path: Path) -> list[str]:
             "batch_size=12", "progress=none", f"dataset.cache_dir={tmp_path / 'cache'}"] + GPT
 
 
+@pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_text_rows_become_the_windows_of_their_ids_joined_in_row_order(tmp_path):
     train, val, texts = corpus(tmp_path)
     s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,

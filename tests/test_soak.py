@@ -80,6 +80,7 @@ def test_srun_is_drawn_as_a_launcher_only_with_slurm_and_never_for_what_it_canno
     assert e.value.code == 2 and "the --pairwise plan is fixed: drop one of them" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
     """The soak's final check reads an FSDP checkpoint's model and optimizer back from its shards: its step file
     has none (``sharded`` names the shards' dir), so comparing the step files alone compared nothing."""

@@ -256,6 +256,7 @@ def test_bad_task_output_or_batch_is_a_clear_error_naming_the_task(tmp_path, ove
                                 *overrides], tmp_path / "r"))
 
 
+@pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_a_nan_from_a_task_names_the_task_and_the_step(tmp_path):
     from ddplab.metrics import NonFiniteLossError
 
