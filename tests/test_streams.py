@@ -119,7 +119,8 @@ def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
 
     sample = {"x": torch.randn(3, 2)[:, 1], "ids": [torch.arange(4), np.arange(3, dtype=np.int16)],
               "half": (torch.ones(2, dtype=torch.bfloat16), torch.tensor([True, False])),
-              "p": Pair(torch.tensor(7, dtype=torch.uint8), "text"), "n": 5}
+              "p": Pair(torch.tensor(7, dtype=torch.uint8), "text"), "n": 5,
+              "conj": torch.conj(torch.tensor([1 + 2j]))}  # a lazy view numpy() refuses: sent as torch sends it
     sent = pickle.loads(pickle.dumps(_by_value(sample)))  # as the loader's queue carries it
     assert "_ByValue" in repr(type(sent["x"])) and not isinstance(sent["half"][0], np.ndarray)
     got, want = _unwrapped(sent), default_convert(sample)

@@ -184,7 +184,8 @@ def _by_value(sample: Any) -> Any:
     each plain CPU tensor wrapped as its numpy array; other tensors (bfloat16, ...) go as torch sends them."""
     def wrap(x: Any) -> Any:
         if isinstance(x, Tensor):
-            plain = x.device.type == "cpu" and x.layout == torch.strided and not x.requires_grad
+            plain = (x.device.type == "cpu" and x.layout == torch.strided and not x.requires_grad
+                     and not x.is_conj() and not x.is_neg())  # lazy views numpy() refuses
             return _ByValue(x.numpy()) if plain and x.dtype in _NUMPY_DTYPES else x
         if isinstance(x, dict):
             return {k: wrap(v) for k, v in x.items()}
