@@ -31,10 +31,10 @@ def register_configs() -> None:
     (conf/train.yaml's default run and sweep dirs).
     """
     global _REGISTERED
-    if _REGISTERED:  # storing converts every schema again: a tenth of a job's start (a multirun's every job)
-        return
-    _REGISTERED = True
     cs = ConfigStore.instance()
+    if _REGISTERED and "train_schema.yaml" in cs.repo:  # storing converts every schema again: a tenth of a
+        return  # job's start (a multirun's every job); a store emptied since is filled again
+    _REGISTERED = True
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="schema/distributed", name="distributed", node=DistributedConfig)
     for group, schemas in GROUPS.items():
