@@ -18,6 +18,7 @@ from ddplab.config import schema  # noqa: E402
 from ddplab.config.groups import GROUPS  # noqa: E402
 
 rendered = functools.cache(config_reference.render)  # composes every option of conf/ (seconds): once a session
+pytestmark = pytest.mark.xdist_group("config_reference")  # both tests on one worker: they share that one render
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)

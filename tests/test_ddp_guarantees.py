@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from helpers.jobs import (REPO, TRAIN, assert_ok, compose_cfg, free_port, job_dirs, job_env, ranks, read_scalars,
-                          run_cmd, torchrun)
+from helpers.jobs import (REPO, TRAIN, assert_ok, compose_cfg, free_port, job_dirs, ranks, read_scalars, run_cmd,
+                          start, torchrun)
 from ddplab.data import ShardedGlobalSampler
 
 pytestmark = pytest.mark.dist
@@ -153,18 +153,17 @@ def test_init_methods(tmp_path, scheme):
     plain.mkdir()
     url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous2"
     args = ["model=mlp", "num_epochs=1", "progress=log", "distributed.timeout_s=60"]
-    procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"], cwd=plain,
-                              env={**job_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [start([sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"], plain,
+                   stderr=subprocess.STDOUT, extra_env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
+             for r in (0, 1)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "2 rank(s) on cpu (gloo)" in outs[0]
     assert read_scalars(job_dirs(plain)[0] / "tb")["val/num_samples"][-1][1] == 359
     if scheme == "file":
         return  # the control below is the same for both schemes: run once
-    control = subprocess.run([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], cwd=plain,
-                             env={**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
-                             capture_output=True, text=True, timeout=120)
+    control = run_cmd([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], plain, timeout=120,
+                      extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert control.returncode != 0 and "MASTER_ADDR" in control.stdout + control.stderr
 
 
@@ -176,10 +175,9 @@ def test_two_nodes_form_one_job(tmp_path, rdzv):
     # agents agree on node ranks through the store at the endpoint (one of them hosts it).
     how = {"static": lambda n: [f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}"],
            "c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]}[rdzv]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", *how(n), "--nproc_per_node=1",
-         str(TRAIN), "model=mlp", "num_epochs=1", "progress=log"],
-        cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    procs = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", *how(n), "--nproc_per_node=1",
+                    str(TRAIN), "model=mlp", "num_epochs=1", "progress=log"], tmp_path, stderr=subprocess.STDOUT)
+             for n in (0, 1)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     node0 = next(o for o in outs if "ranks: 0@" in o)  # under c10d either agent may become node 0
@@ -229,11 +227,10 @@ def test_crashed_rank_fails_the_job_naming_it(tmp_path):
 
 def test_rank_that_never_arrives_times_out(tmp_path):
     port = free_port()
-    env = {**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
-                           "distributed.timeout_s=5"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
+                    "distributed.timeout_s=5"], tmp_path, timeout=120,
+                   extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert proc.returncode != 0 and time.perf_counter() - t0 < 60  # not forever (start-up on 2 loaded cores)
     err = proc.stdout + proc.stderr
     assert "rank 0/2: could not join the process group" in err and "1/2 clients joined" in err
@@ -243,24 +240,30 @@ def test_rank_that_never_arrives_times_out(tmp_path):
     assert waited <= 5 + 2, waited
 
 
-def srun_tasks(worker: str, cwd) -> list[subprocess.Popen]:
+def srun_tasks(worker: str, cwd) -> list:
     """tests/workers/<worker> as the 2 tasks of an srun step (SLURM's task variables, no launcher's store: rank 0
-    serves the rendezvous store), on a free port; stdout and stderr together, as text."""
+    serves the rendezvous store), on a free port; stdout and stderr together into ``cwd/task<rank>.log``."""
     port, procs = free_port(), []
     for r in (0, 1):
-        env = {**job_env(), "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
+        env = {"SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
                "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / worker)], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        with open(cwd / f"task{r}.log", "w") as log:
+            procs.append(start([sys.executable, str(REPO / "tests" / "workers" / worker)], cwd, log,
+                               subprocess.STDOUT, extra_env=env))
     return procs
+
+
+def task_output(proc, cwd, rank: int, timeout: float) -> str:
+    proc.wait(timeout)
+    return (cwd / f"task{rank}.log").read_text()
 
 
 def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing_store(tmp_path):
     """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn while
     rank 0 is slow to close each one's store: every group forms (each used to race a peer into the closing one)."""
     procs = srun_tasks("regroup_worker.py", tmp_path)
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [task_output(p, tmp_path, r, 120) for r, p in enumerate(procs)]
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "RESULT ok" in out, out[-3000:]
 
@@ -270,11 +273,14 @@ def test_a_rank_waiting_for_a_group_that_never_forms_leaves_on_sigterm_at_once(t
     launcher tearing the job down — ends the wait within a second, exit 143, instead of after the launcher's
     grace (30 s, then SIGKILL: no cleanup) or distributed.timeout_s."""
     procs = srun_tasks("abandoned_join_worker.py", tmp_path)
-    assert procs[1].stdout.readline().strip() == "WAITING"
+    t0 = time.monotonic()
+    while not (tmp_path / "task1.log").read_text().startswith("WAITING\n"):
+        assert time.monotonic() - t0 < 90 and procs[1].poll() is None, (tmp_path / "task1.log").read_text()
+        time.sleep(0.05)
     time.sleep(2)  # well inside the wait
     signalled, signalled_at = time.monotonic(), time.time()
     procs[1].send_signal(15)
-    out = procs[1].communicate(timeout=90)[0]
+    out = task_output(procs[1], tmp_path, 1, 90)
     took = time.monotonic() - signalled
     procs[0].kill()
     procs[0].wait()
@@ -290,10 +296,9 @@ def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        env = {**job_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-        proc = subprocess.run([sys.executable, str(TRAIN), "model=mlp",
-                               f"distributed.init_method=tcp://127.0.0.1:{port}", "distributed.timeout_s=5"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
+                        "distributed.timeout_s=5"], tmp_path, timeout=120,
+                       extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
     assert "port is taken" in err and "--standalone" in err

@@ -107,9 +107,15 @@ def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any
     return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
 
 
+# `python -m` modules the job server runs: torch's launchers (the current one and the legacy one) and ddplab's
+# commands; scripts: train.py and the tests' own hand-launched ranks (tests/workers).
+SERVED_MODULES = ("torch.distributed.run", "torch.distributed.launch", "ddplab")
+
+
 def _servable(args: list[str]) -> bool:
     return len(args) > 1 and args[0] == sys.executable and (
-        args[1:3] == ["-m", "torch.distributed.run"] or Path(args[1]).name == "train.py")
+        (args[1] == "-m" and len(args) > 2 and args[2] in SERVED_MODULES) or Path(args[1]).name == "train.py"
+        or Path(args[1]).parent == REPO / "tests" / "workers")
 
 
 def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,

@@ -185,6 +185,19 @@ def offer_workers(count: int, said: list) -> dict | None:
     return None
 
 
+def torchrun_workers(argv: list[str]) -> int:
+    """The workers torchrun may start for ``argv``: per node, once per attempt (its restarts)."""
+    got = {"nproc_per_node": "1", "max_restarts": "0"}
+    for i, a in enumerate(argv):
+        key, _, value = a.lstrip("-").replace("-", "_").partition("=")
+        if key in got and a.startswith("--"):
+            got[key] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    try:
+        return int(got["nproc_per_node"]) * (int(got["max_restarts"]) + 1)
+    except ValueError:  # "auto", "cpu": none
+        return 0
+
+
 def offer_module_runs(count: int, module: str, said: list) -> dict | None:
     """``count`` spares for children started as ``subprocess.Popen([sys.executable, "-m", module, ...])``
     (verify_resume's legs; Popen's ``_execute_child`` is wrapped): the spare gets the child's stdin, stdout and

@@ -1,21 +1,22 @@
-"""``python train.py ARGS`` for the tests without an interpreter's start-up each time: a process per pytest
-worker imports what every job imports (torch, Hydra, ddplab, TensorBoard, with train.preload: ~2 of the ~3
-CPU-seconds a one-step job costs) once, then forks a child per job. The child is a process of its own (its own
-pid, session, working dir, environment, and stdout and stderr pipes the caller reads to their end, as
-``communicate()`` does) that runs train.py as ``__main__`` and ends through the interpreter's own exit
-(threads joined, atexit handlers, exit code), as a fresh one does.
+"""The tests' jobs without an interpreter's start-up each time: a process per pytest worker imports what every
+job imports (torch, Hydra, ddplab, TensorBoard, with train.preload: ~2 of the ~3 CPU-seconds a one-step job
+costs) once, then forks a child per job (``helpers.jobs._servable``: train.py, torch's launchers, ``python -m
+ddplab``, tests/workers). The child is a process of its own (pid, session, working dir, environment, stdout and
+stderr pipes the caller reads to their end, as ``communicate()`` does) that runs the script as ``__main__`` and
+ends through the interpreter's own exit (threads joined, atexit handlers, exit code), as a fresh one does.
 
-Only ``helpers.jobs.python_train`` uses it, and only where nothing the job reads at import time can differ:
-the job's environment must be the one the server started with (``MAY_DIFFER`` aside). Launchers (torchrun,
-SLURM), signals and process-tree tests start real interpreters; a self-launch's rank server is a fork too
-(helpers/rank_server.py).
-``DDPLAB_TEST_FRESH=1`` makes every job a fresh interpreter again."""
+Only where nothing the job reads at import time can differ: its environment is the server's but for
+``MAY_DIFFER``, what a launcher gives a rank (``LAUNCHER_KEYS``) and PYTHONPATH entries before the server's
+that shadow none of its imports (the child puts them on ``sys.path``). Tests that read a process's exec'd
+command line or ``/proc/PID/environ`` ask for a real interpreter (``helpers.jobs.start(fresh=True)``);
+``DDPLAB_TEST_FRESH=1`` makes every job one."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -28,7 +29,11 @@ from typing import Any
 
 # Entries a job may have that the server did not: read at run time only (tempfile's cache is reset; inductor
 # reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
-MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU", "TORCHINDUCTOR_CACHE_DIR")
+MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU", "TORCHINDUCTOR_CACHE_DIR",
+              "COUNT_OUT")
+# What a launcher gives a rank the tests start by hand (plain processes with an init_method, srun's tasks): read
+# when the process group forms, never at import (not OMP_NUM_THREADS: the OpenMP runtime reads it at load).
+LAUNCHER_KEYS = re.compile(r"RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|SLURM_\w+")
 
 
 class Zygote:
@@ -43,6 +48,8 @@ class Zygote:
                                          stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         self.ready = "ready\n" in iter(self.proc.stdout.readline, "")  # up to "ready", or EOF: it died
         self.proc.stdout.close()
+        # the top-level modules the server imported: a job's own PYTHONPATH entry must not hold one of them
+        self.modules = set((self.dir / "modules").read_text().split()) if self.ready else set()
 
     def fits(self, env: dict[str, str]) -> bool:
         # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's processes
@@ -50,9 +57,14 @@ class Zygote:
         soak = '"target": "all"' not in env.get("SOAK_FAULT", "")
 
         def strip(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k not in MAY_DIFFER and not (soak and k.startswith("SOAK_"))}
+            return {k: v for k, v in e.items() if k not in MAY_DIFFER and not (soak and k.startswith("SOAK_"))
+                    and not (k not in self.env and LAUNCHER_KEYS.fullmatch(k)) and k != "PYTHONPATH"}
 
-        return self.ready and self.proc.poll() is None and strip(env) == strip(self.env)
+        more = more_path(self.env.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
+        shadows = more is not None and any(p.name.split(".")[0] in self.modules
+                                           for d in more if Path(d).is_dir() for p in Path(d).iterdir())
+        return (self.ready and self.proc.poll() is None and strip(env) == strip(self.env) and more is not None
+                and not shadows)
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Any = subprocess.PIPE,
               stderr: Any = subprocess.PIPE) -> Job | None:
@@ -109,6 +121,13 @@ class Zygote:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def more_path(served: str, job: str) -> list[str] | None:
+    """The entries a job's PYTHONPATH puts before the server's (a user's package dir), which its fork puts on
+    ``sys.path`` as the interpreter would have; None where it differs otherwise (a fresh interpreter then)."""
+    head, sep, tail = job.rpartition(os.pathsep + served) if served else (job, "", "")
+    return [] if job == served else head.split(os.pathsep) if head and (sep or not served) and not tail else None
 
 
 class Job:
@@ -229,6 +248,7 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen()
+    (Path(path).parent / "modules").write_text("\n".join(sorted({m.partition(".")[0] for m in sys.modules})))
     print("ready", flush=True)
     return (*_serve_jobs(server, parent, Path(path).parent), said)
 
@@ -305,8 +325,10 @@ def become(request: dict, fds: list[int], said: list) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    served_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[1:1] = [os.path.abspath(d) for d in more_path(served_path, os.environ.get("PYTHONPATH", "")) or ()]
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     env._PARENT_AT_START = os.getppid()  # read at import (in the server): this process's parent is the server
     for w in said:  # what the imports warned, on this job's stderr as a fresh interpreter prints it
@@ -315,13 +337,13 @@ def become(request: dict, fds: list[int], said: list) -> None:
     if os.environ.get("DDPLAB_TEST_FRESH") != "1":
         from helpers import spares
 
-        if argv[:2] == ["-m", "torch.distributed.run"]:
-            argv = (spares.offer_workers(_workers(argv), said) or {"argv": argv})["argv"]
+        if argv[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+            argv = (spares.offer_workers(spares.torchrun_workers(argv), said) or {"argv": argv})["argv"]
         else:
             if "mode=verify_resume" in argv:  # its three legs, each `python -m ddplab.verify`
                 argv = (spares.offer_module_runs(3, "ddplab.verify", said) or {"argv": argv})["argv"]
             if argv[0] == "-m":  # as in a fresh `python -m`: not yet imported (its rank server re-runs it)
-                sys.modules.pop(argv[1], None)
+                _not_yet_run(argv[1])
             spares.offer_a_rank_server(said)  # the job's, or the leg's (a spare of the job, now a leg)
     multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # what a fresh interpreter records at start
     sys.argv = argv
@@ -329,17 +351,11 @@ def become(request: dict, fds: list[int], said: list) -> None:
     sys.path[0] = os.getcwd() if argv[0] == "-m" else str(Path(argv[0]).resolve().parent)
 
 
-def _workers(argv: list[str]) -> int:
-    """The workers torchrun may start for ``argv``: per node, once per attempt (its restarts)."""
-    got = {"nproc_per_node": "1", "max_restarts": "0"}
-    for i, a in enumerate(argv):
-        key, _, value = a.lstrip("-").replace("-", "_").partition("=")
-        if key in got and a.startswith("--"):
-            got[key] = value or (argv[i + 1] if i + 1 < len(argv) else "")
-    try:
-        return int(got["nproc_per_node"]) * (int(got["max_restarts"]) + 1)
-    except ValueError:  # "auto", "cpu": none
-        return 0
+def _not_yet_run(module: str) -> None:
+    """Forget the module `python -m` runs, so runpy runs it anew: a package's ``__main__`` (the package itself,
+    ``ddplab``, stays: a fresh ``python -m ddplab`` imports it as one too)."""
+    package = hasattr(sys.modules.get(module), "__path__")
+    sys.modules.pop(f"{module}.__main__" if package else module, None)
 
 
 def run_as_main(argv: list[str]) -> None:
@@ -351,7 +367,7 @@ def run_as_main(argv: list[str]) -> None:
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
-            sys.modules.pop(argv[1], None)  # imported by the server (what it imports is), not yet run as __main__
+            _not_yet_run(argv[1])  # imported by the server (what it imports is), not yet run as __main__
             sys.modules["__main__"] = types.ModuleType("__main__")  # the module's own namespace, as `python -m`
             runpy._run_module_as_main(argv[1])  # noqa: SLF001  (what `python -m` calls: its frames, its argv)
         else:
