@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-import helpers.jobs  # registers ddplab's configs (as train.py does) before any test composes; JOBS_ON_GPU
+# Bytecode written as modules are first imported, by this process and every one it starts (xdist's workers, the
+# jobs): the README's install skips pip's compiling of every installed file (--no-compile: ~130 of its CPU-s,
+# for 20,000 files the tests mostly never import), and where PYTHONDONTWRITEBYTECODE is set (the development VM
+# and CI) no process would write it, so every fresh interpreter (torchrun's ranks, study workers, scripts)
+# compiled torch's and ddplab's modules anew. Before helpers.jobs: the job server starts with this environment.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+import helpers.jobs  # noqa: E402  (registers ddplab's configs as train.py does, before any test composes)
 
 # Markers (pyproject.toml registers them; --strict-markers refuses others):
 #   slow  — seconds or more: whole training runs, real processes. `pytest -m "not slow"` is the inner loop.
@@ -17,8 +26,6 @@ import helpers.jobs  # registers ddplab's configs (as train.py does) before any 
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # once, in the process that starts xdist's workers
-        _compile_bytecode()
     import torch
 
     # In-process jobs run with one intra-op thread, as the jobs the tests launch do (helpers.jobs.job_env sets
@@ -35,18 +42,6 @@ def pytest_configure(config):
     if config.getvalue("dist") == "loadgroup" and _drops_xdist_groups():
         raise pytest.UsageError(f"--dist loadgroup: pytest {pytest.__version__} drops the xdist_group of every test "
                                 "(pytest-dev/pytest-xdist#1386). Fix: pip install 'pytest<9.2'")
-
-
-def _compile_bytecode() -> None:
-    """Bytecode for ddplab and the tests' helpers, written once: where PYTHONDONTWRITEBYTECODE is set (it is on
-    the development VM and CI) no process writes it, so every fresh interpreter the tests start (torchrun's
-    ranks, rank servers, study workers, scripts) compiled ddplab's modules anew: 0.4 of its ~4.5 CPU-s to reach
-    a step. Python checks each file's bytecode against its source as it imports, so a stale one is never used."""
-    import compileall
-    from pathlib import Path
-
-    for d in ("src/ddplab", "tests"):
-        compileall.compile_dir(Path(__file__).resolve().parents[1] / d, quiet=2)
 
 
 def _drops_xdist_groups() -> bool:

@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = ("pip", "python", "mkdocs", "apt-get", "sinfo")
 
 
-def _fake(bin_dir: Path, name: str, fail_on: str, code: int) -> None:
+def _fake(bin_dir: Path, name: str, fail_on: str, code: int, says: str = "") -> None:
     script = bin_dir / name
     script.write_text(f'#!/bin/sh\necho "{name} $*" >> "$CALLS"\n'
-                      f'case "{name} $*" in *"{fail_on}"*) exit {code};; esac\nexit 0\n')
+                      f'case "{name} $*" in *"{fail_on}"*) exit {code};; esac\necho "{says}"\nexit 0\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
@@ -32,7 +32,7 @@ def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]
         _fake(bin_dir, name, fail_on, code)
     (repo / "scripts").mkdir()
     for name in ("slurm_local.sh", "netns_cluster.sh"):  # the clusters, faked the same way
-        _fake(repo / "scripts", name, fail_on, code)
+        _fake(repo / "scripts", name, fail_on, code, "already up")  # as a second `up` says
     calls = tmp_path / "calls"
     calls.touch()
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls)}
@@ -40,21 +40,28 @@ def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]
     return proc.returncode, calls.read_text().splitlines()
 
 
-@pytest.mark.parametrize("fail_on", ["pip install torch==", "pip install -e", "pip install --no-deps hydra-optuna"])
+@pytest.mark.parametrize("fail_on", ["pip install --no-compile torch==", "pip install --no-compile -e",
+                                     "pip install --no-compile --no-deps hydra-optuna"])
 def test_a_failed_install_fails_ci_before_the_suite(tmp_path, fail_on):
     rc, calls = run_ci(tmp_path, fail_on)
     assert rc != 0
-    steps = [c for c in calls if c != "slurm_local.sh up"]  # the cluster starts beside the installs
+    # the cluster starts beside the installs; the exit trap takes the two-host one down (a no-op where not up)
+    steps = [c for c in calls if c not in ("slurm_local.sh up", "netns_cluster.sh down")]
     assert steps[-1].startswith(fail_on), calls  # nothing ran after the failed install
     assert not any(c.startswith(("python", "mkdocs")) for c in calls)
 
 
 @pytest.mark.parametrize("code", [1, 5])  # 5: pytest collected no test
-def test_a_failed_or_empty_suite_fails_ci_before_the_docs(tmp_path, code):
-    rc, calls = run_ci(tmp_path, "python -m pytest", code)
-    assert rc == code
-    assert calls[-1].startswith("python -m pytest -q"), calls
-    assert not any(c.startswith("mkdocs") for c in calls)
+def test_a_failed_or_empty_suite_fails_ci_with_its_code_once_what_runs_beside_it_ended(tmp_path, code):
+    rc, calls = run_ci(tmp_path, "python -m pytest -q -n 3", code)
+    assert rc == code, calls
+    assert "python -m pytest -q -n 3 --dist loadgroup" in calls, calls
+    # the slurm tests, the docs and the two-host phase ran beside it, to their end (clusters taken down)
+    order = [next(i for i, c in enumerate(calls) if c.startswith(step)) for step in (
+        "python -m pytest -q -p no:cacheprovider -m slurm", "mkdocs build --strict", "netns_cluster.sh up",
+        "python -m pytest -q -p no:cacheprovider -m netns tests/test_multihost.py")]
+    assert order == sorted(order), calls
+    assert calls[-1] == "netns_cluster.sh down", calls
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
@@ -91,4 +98,22 @@ def test_the_slurm_tests_run_beside_the_suite_and_their_failure_fails_ci_before_
     tests = [c for c in calls if c.startswith("python -m pytest")]
     assert sorted(tests) == ["python -m pytest -q -n 3 --dist loadgroup",
                              "python -m pytest -q -p no:cacheprovider -m slurm"], calls
-    assert not any(c.startswith("mkdocs") for c in calls), calls
+    assert not any(c.startswith(("mkdocs", "netns_cluster.sh up")) for c in calls), calls
+
+
+def test_a_failed_two_host_test_fails_ci_and_its_cluster_is_taken_down(tmp_path):
+    """The two-host phase runs beside the suite too, after the slurm tests and the docs."""
+    rc, calls = run_ci(tmp_path, "-m netns", 1)
+    assert rc == 1, calls
+    assert calls.index("netns_cluster.sh up") > calls.index("python -m pytest -q -p no:cacheprovider -m slurm")
+    assert calls[-1] == "netns_cluster.sh down", calls  # by the exit trap: the phase stopped at its failure
+
+
+def test_ci_runs_the_readmes_test_command_step_by_step():
+    """.ci/run is the README's test command (one step a line, the suite with the slurm tests set apart)."""
+    command = next(line for line in (REPO / "README.md").read_text().splitlines()
+                   if line.startswith("pip install") and "pytest" in line)
+    *installs, suite = command.split(" && ")
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert all(step in ci for step in installs), installs
+    assert any(line.startswith(f"DDPLAB_SLURM_APART=1 {suite} ") for line in ci), suite
