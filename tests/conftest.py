@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,13 +98,27 @@ def _leaves_no_signal_state():
     assert state() == before, f"this test left signal state behind: {before} -> {state()}"
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """One real `mlflow server` on loopback for the session's MLflow tests (helpers/tracking.py); its URI."""
-    pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
-    from helpers.tracking import serve
+def _session_root(config) -> Path:
+    """The session's temp root: xdist's workers each have a dir under it, the process that starts them has it."""
+    base = config._tmp_path_factory.getbasetemp()  # noqa: SLF001  (pytest's own tmp_path_factory)
+    return base.parent if hasattr(config, "workerinput") else base
 
-    yield from serve(tmp_path_factory.mktemp("mlflow"))
+
+@pytest.fixture(scope="session")
+def mlflow_server(request):
+    """One real `mlflow server` on loopback for the session's MLflow tests, shared by the workers
+    (helpers/tracking.py); its URI."""
+    pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'ddplab[mlflow]'")
+    from helpers.tracking import shared
+
+    return shared(_session_root(request.config))
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the process that started the workers (or the only one)
+        from helpers.tracking import stop
+
+        stop(_session_root(session.config))
 
 
 @pytest.fixture

@@ -1,10 +1,13 @@
 """A real MLflow tracking server for the tests: `mlflow server` on 127.0.0.1 (a free port) with a SQLite
-backend and a local artifact store, started once per session (tests/conftest.py: the ``mlflow_server`` fixture)
-and killed after, whatever happened."""
+backend and a local artifact store, one for the whole session (tests/conftest.py: the ``mlflow_server``
+fixture): the first pytest worker that needs it starts it, the others find it (a server's start is ~13 CPU-s
+and, on 2 loaded cores, ~45 s its caller waits); the process that started the workers kills it at the end."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +15,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 from helpers.jobs import free_port
 
@@ -24,8 +26,33 @@ class ServerURI(str):
     pid: int  # the server's process (its process group's leader)
 
 
-def serve(folder: Path) -> Iterator[str]:
-    """Start the server, yield its URI once /health answers, kill it (SIGKILL: nothing of it is kept)."""
+def shared(root: Path) -> ServerURI:
+    """The session's server, started here if no worker has yet (``root``: the session's temp root, which
+    every xdist worker's temp dir is under)."""
+    with open(root / "mlflow.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; the others wait for it, then read what it wrote
+        record = root / "mlflow.json"
+        if not record.exists():
+            folder = root / "mlflow"
+            folder.mkdir()
+            uri, pid = _start(folder)
+            record.write_text(json.dumps({"uri": uri, "pid": pid, "folder": str(folder)}))
+        got = json.loads(record.read_text())
+    served = ServerURI(got["uri"])
+    served.folder, served.pid = Path(got["folder"]), got["pid"]
+    return served
+
+
+def stop(root: Path) -> None:
+    """Kill the session's server, if one was started (SIGKILL: nothing of it is kept)."""
+    record = root / "mlflow.json"
+    if record.exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
+
+
+def _start(folder: Path) -> tuple[str, int]:
+    """Start the server; its URI and pid once /health answers (killed if it does not within 120 s)."""
     port = free_port()
     with open(folder / "server.log", "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
@@ -36,20 +63,14 @@ def serve(folder: Path) -> Iterator[str]:
                                 # session) for GenAI jobs that tracking never uses
                                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri, deadline = f"http://127.0.0.1:{port}", time.time() + 120
-    try:
-        while True:
-            try:
-                if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        served = ServerURI(uri)
-        served.folder, served.pid = folder, proc.pid
-        yield served
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # a test (or a soak fault) may have killed it already
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    while True:
+        try:
+            if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
+                return uri, proc.pid
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)

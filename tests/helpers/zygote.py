@@ -48,8 +48,10 @@ class Zygote:
                                          stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         self.ready = "ready\n" in iter(self.proc.stdout.readline, "")  # up to "ready", or EOF: it died
         self.proc.stdout.close()
-        # the top-level modules the server imported: a job's own PYTHONPATH entry must not hold one of them
-        self.modules = set((self.dir / "modules").read_text().split()) if self.ready else set()
+        # the top-level modules the server imported, and those an interpreter runs as it starts: a job's own
+        # PYTHONPATH entry holding one of them would have changed the job's start (a fork's is done)
+        self.modules = {"sitecustomize", "usercustomize"} | (
+            set((self.dir / "modules").read_text().split()) if self.ready else set())
 
     def fits(self, env: dict[str, str]) -> bool:
         # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's processes
