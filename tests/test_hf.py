@@ -126,7 +126,6 @@ def test_world_sizes_1_and_3_train_the_same_hf_model_and_fsdp_over_its_blocks_to
 
 @pytest.mark.slow
 def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_path):
-    import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -135,8 +134,7 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
 
     args = LM + token_file(tmp_path) + ["num_epochs=1", "limit_train_steps=4"]
     ddplab.run(compose_cfg(args, tmp_path / "run"))
-    proc = subprocess.run([sys.executable, "-m", "ddplab", "export", str(tmp_path / "run"), "--to", "hf"],
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = run_cmd([sys.executable, "-m", "ddplab", "export", str(tmp_path / "run"), "--to", "hf"], tmp_path)
     assert proc.returncode == 0 and proc.stdout.endswith("from_pretrained loads the folder\n"), proc.stderr[-2000:]
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "export"), local_files_only=True).eval()
     ours = rebuild(read(tmp_path / "run" / "checkpoints" / "best.pt"), "auto")[0].eval()

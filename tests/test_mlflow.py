@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +19,7 @@ import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.events import read_scalars
 from helpers.compare import load, same
-from helpers.jobs import REPO, assert_ok, compose_cfg, job_env, run_killed_after_step
+from helpers.jobs import REPO, assert_ok, compose_cfg, run_cmd, run_killed_after_step
 from helpers.tracking import free_port
 from helpers.extras import lazy
 
@@ -130,9 +129,9 @@ def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_ru
 
 @pytest.mark.slow
 def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
-                           f"mlflow.tracking_uri={mlflow_server}", "mlflow.log_model=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
+    proc = run_cmd([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
+                    f"mlflow.tracking_uri={mlflow_server}", "mlflow.log_model=false",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
     assert_ok(proc)
     client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
@@ -231,9 +230,8 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
     from helpers.study import load, study_args
 
     d = tmp_path / "study"
-    assert_ok(subprocess.run([sys.executable, str(REPO / "train.py"), *study_args(d, 2), "logger=[tensorboard,mlflow]",
-                              f"mlflow.tracking_uri={mlflow_server}"], cwd=tmp_path, env=job_env(),
-                             capture_output=True, text=True, timeout=300))
+    assert_ok(run_cmd([sys.executable, str(REPO / "train.py"), *study_args(d, 2), "logger=[tensorboard,mlflow]",
+                       f"mlflow.tracking_uri={mlflow_server}"], tmp_path))
     client, study = MlflowClient(mlflow_server), load(d)
     runs = client.search_runs([client.get_experiment_by_name("study digits_lr_wd").experiment_id])
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}

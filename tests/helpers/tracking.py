@@ -1,7 +1,8 @@
 """A real MLflow tracking server for the tests: `mlflow server` on 127.0.0.1 (a free port) with a SQLite
 backend and a local artifact store, one for the whole session (tests/conftest.py: the ``mlflow_server``
 fixture): the first pytest worker that needs it starts it, the others find it (a server's start is ~13 CPU-s
-and, on 2 loaded cores, ~45 s its caller waits); the process that started the workers kills it at the end."""
+and, on 2 loaded cores, ~45 s its caller waits); the process that started the workers kills it at the end.
+``serve``: a server of one's own (scripts/soak.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 from helpers.jobs import free_port
 
@@ -35,12 +37,26 @@ def shared(root: Path) -> ServerURI:
         if not record.exists():
             folder = root / "mlflow"
             folder.mkdir()
-            uri, pid = _start(folder)
-            record.write_text(json.dumps({"uri": uri, "pid": pid, "folder": str(folder)}))
+            uri, proc = _start(folder)
+            record.write_text(json.dumps({"uri": uri, "pid": proc.pid, "folder": str(folder)}))
         got = json.loads(record.read_text())
     served = ServerURI(got["uri"])
     served.folder, served.pid = Path(got["folder"]), got["pid"]
     return served
+
+
+def serve(folder: Path) -> Iterator[ServerURI]:
+    """A server of the caller's own (scripts/soak.py: the soak run's, and a trial's that its fault kills):
+    started, yielded once /health answers, killed after (SIGKILL: nothing of it is kept) and reaped."""
+    uri, proc = _start(folder)
+    try:
+        served = ServerURI(uri)
+        served.folder, served.pid = folder, proc.pid
+        yield served
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a soak fault may have killed it already
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def stop(root: Path) -> None:
@@ -51,8 +67,8 @@ def stop(root: Path) -> None:
             os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
 
 
-def _start(folder: Path) -> tuple[str, int]:
-    """Start the server; its URI and pid once /health answers (killed if it does not within 120 s)."""
+def _start(folder: Path) -> tuple[str, subprocess.Popen]:
+    """Start the server; its URI and process once /health answers (killed if it does not within 120 s)."""
     port = free_port()
     with open(folder / "server.log", "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
@@ -66,11 +82,12 @@ def _start(folder: Path) -> tuple[str, int]:
     while True:
         try:
             if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
-                return uri, proc.pid
+                return uri, proc
         except OSError:
             pass
         if proc.poll() is not None or time.time() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
             raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
         time.sleep(0.5)
