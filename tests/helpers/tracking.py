@@ -68,7 +68,8 @@ def stop(root: Path) -> None:
 
 
 def _start(folder: Path) -> tuple[str, subprocess.Popen]:
-    """Start the server; its URI and process once /health answers (killed if it does not within 120 s)."""
+    """Start the server; its URI and process once /health answers (killed if it does not within 300 s: beside
+    the suite's three workers and two soak trials, a soak trial's own server once took over 120 s)."""
     port = free_port()
     with open(folder / "server.log", "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
@@ -78,7 +79,7 @@ def _start(folder: Path) -> tuple[str, subprocess.Popen]:
                                 # no job runner: MLflow 3 starts four huey consumers (~250 MB each, polling all
                                 # session) for GenAI jobs that tracking never uses
                                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    uri, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+    uri, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     while True:
         try:
             if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
