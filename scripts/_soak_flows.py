@@ -85,7 +85,7 @@ def after_fault(t: Trial, tdir: Path, run: Path, notes: list[str]) -> None:
 def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[str], list[str], bool]:
     """The faulted run, then resumes until it completes (at most 3): problems, notes, resumed at the last epoch's end."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
-    timeout = 180 + 3 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
+    timeout = attempt_timeout(t, runs=1, laps=3)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
     problems = check_fault(t, attempts[0], run, tdir, notes) + check_preempted(run, "the faulted run")
     after_fault(t, tdir, run, notes)
@@ -105,6 +105,11 @@ def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[s
     return problems, notes, final_eval_resume
 
 
+def attempt_timeout(t: Trial, runs: int, laps: int) -> float:
+    """Seconds an attempt may take before it counts as hung: 180 s for each run it starts (their processes' start,
+    ~60 s each beside CI's suite; a verify_resume attempt starts three: CI at 888992b killed one 181 s into its
+    third), and ``laps`` times the training's own time."""
+    return 180 * runs + laps * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
 
 
 def unreadable(t: Trial, a: Attempt) -> bool:
@@ -137,7 +142,7 @@ def study_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pat
     3); each trial then bitwise its uninterrupted study's, told once, with the same value. storage_loss: the
     worker ends in one line, and there is no study left to finish."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
-    timeout = 180 + 6 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
+    timeout = attempt_timeout(t, runs=2, laps=6)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
     fired = json.loads((tdir / "fired").read_text()) if (tdir / "fired").exists() else {}
     hit = Path(fired.get("run_dir") or run / "0")
@@ -179,7 +184,7 @@ def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pa
     on the job (a FAIL would blame the user's code for an outside fault), in one line; run again, it says PASS.
     The uninterrupted leg of the run that passed is bitwise the plain training run."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
-    timeout = 180 + 8 * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
+    timeout = attempt_timeout(t, runs=3, laps=8)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
     a, problems, passed = attempts[0], [], run
     if not (tdir / "fired").exists():
