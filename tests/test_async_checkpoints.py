@@ -36,13 +36,17 @@ def _step_files(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").glob("*.pt"))
 
 
-def test_async_saves_write_the_sync_saves_bitwise_and_hold_the_loop_a_fraction_as_long(tmp_path):
-    """About 75 MB of state (a 3072-wide layer and its momentum): the loop's pause per save is compared with
-    a synchronous save of the same state, as a ratio (no absolute time)."""
+def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_they_write(tmp_path):
+    """About 75 MB of state (a 3072-wide layer and its momentum). Async: each step file's write is held until
+    the loop has taken two more steps, so the loop went on while it was written (a synchronous save holds the
+    loop for the whole write: the held disk lets it go only by its clock). How much shorter the loop's pause
+    is, is a benchmark's figure (scripts/bench_checkpoint.py, docs/performance.md), not a timed test's."""
     big = BASE + ["model.hidden=[3072,3072]", "checkpoint.every_n_steps=4", "num_epochs=1", "checkpoint.keep_last=9",
                   "+callbacks.stall._target_=toy.StallRecorder"]
+    held = ["+callbacks.disk._target_=toy.DiskHeldForTwoSteps", "+callbacks.disk.steps=[4,8,12,16,20]"]
     stalls = {}
-    for mode, extra in (("sync", []), ("async", ASYNC)):
+    toy.HELD.clear()
+    for mode, extra in (("sync", []), ("async", ASYNC + held)):
         toy.STALLS.clear()
         ddplab.run(compose_cfg(big + extra, tmp_path / mode))
         stalls[mode] = [s for _, s in toy.STALLS]
@@ -50,8 +54,7 @@ def test_async_saves_write_the_sync_saves_bitwise_and_hold_the_loop_a_fraction_a
     assert _step_files(tmp_path / "sync") == _step_files(tmp_path / "async")
     for name in _step_files(tmp_path / "sync"):
         assert_same_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name)
-    mean = {m: sum(v[1:]) / len(v[1:]) for m, v in stalls.items()}  # the first async save allocates its buffers
-    assert mean["async"] < 0.35 * mean["sync"], stalls
+    assert toy.HELD == [(f"step-{k:08d}.pt", True) for k in (4, 8, 12, 16, 20)]  # each let go by the loop's steps
     # The run waits for its last write: result.json says completed only with last.pt on disk.
     assert load(tmp_path / "async" / "checkpoints" / "last.pt")["meta"] is not None
 

@@ -5,6 +5,7 @@ interpreter does â€” exit code, its words on stdout and stderr, what it writes â
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -40,16 +41,26 @@ CASES = {
     # verify_resume: its three legs spares of the job, a 2-rank leg's rank server a spare of the leg
     "verify_resume, 2 ranks": ["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
                                "distributed.nproc_per_node=2"],
+    # a rank started by hand (the launcher's variables, absent from the server's environment, read at run time)
+    "a rank started by hand": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
+    # a user's package before the server's PYTHONPATH: the fork puts it on sys.path where an interpreter would
+    "a user's package on PYTHONPATH": ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none",
+                                       "+callbacks.mine._target_=users_callbacks.SaysWhere"],
+    # `python -m ddplab`: the package's __main__ run as a fresh `python -m` runs it (see export_argv)
+    "python -m ddplab export": [],
 }
+ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": "29431", "SLURM_JOB_NAME": "by-hand"}}
 EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
          "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
          "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
-         "verify_resume, 2 ranks": 0}
+         "verify_resume, 2 ranks": 0, "a rank started by hand": 0, "a user's package on PYTHONPATH": 0,
+         "python -m ddplab export": 0}
 
 
 def words(text: str, run: str) -> list[str]:
     """The lines less what differs between any two runs: clock times, durations, rates, the run dir."""
-    text = text.replace(run, "RUN").replace(run.rsplit("/", 1)[1], "RUN")
+    text = re.sub(rf"\b{re.escape(run.rsplit('/', 1)[1])}\b", "RUN", text.replace(run, "RUN"))  # not in tmp_path's name
     text = re.sub(r"\d\d:\d\d:\d\d", "T", text)
     text = re.sub(r"[\d,]+(\.\d+)? ?(s|ms|samples/s|it/s)\b", "N", text)
     text = re.sub(r"\(max [\d.]+\)", "(max N)", text)  # the slowest step's milliseconds
@@ -59,18 +70,46 @@ def words(text: str, run: str) -> list[str]:
     return [line for line in text.splitlines() if "cfg=" not in line]  # the rank table's config hash names the dir
 
 
+def users_package(tmp_path) -> dict[str, str]:
+    """A user's package dir first on PYTHONPATH, then the server's: their callback says where Python found it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "users_callbacks.py").write_text(
+        "import sys\n\n\nclass SaysWhere:\n    def on_fit_start(self, state):\n"
+        "        print('users_callbacks:', __file__, 'first on sys.path:', sys.path[:3], flush=True)\n")
+    return {"PYTHONPATH": os.pathsep.join([str(pkg), jobs.job_env()["PYTHONPATH"]])}
+
+
+def weights_and_metadata(path) -> tuple[dict, dict]:
+    """What a safetensors file holds (its bytes differ from run to run: the Rust library writes the metadata's
+    keys in a hash map's order, random in each process)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
+
+
+def job_argv(case: str, tmp_path, how: str) -> list[str]:
+    if case == "python -m ddplab export":  # the run trained before both legs, exported into each leg's folder
+        return ["-m", "ddplab", "export", str(tmp_path / "trained"), "--out", str(tmp_path / how)]
+    argv = [str(jobs.TRAIN), *CASES[case], f"hydra.run.dir={tmp_path / how}"]
+    if case.startswith("torchrun"):
+        argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
+    return argv
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path, monkeypatch):
-    ends = {}
+    ends, extra = {}, users_package(tmp_path) if "PYTHONPATH" in case else ENVS.get(case, {})
+    if case == "python -m ddplab export":
+        jobs.assert_ok(jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'trained'}"], tmp_path))
     for how in ("forked", "fresh"):
-        argv = [str(jobs.TRAIN), *CASES[case], f"hydra.run.dir={tmp_path / how}"]
-        if case.startswith("torchrun"):
-            argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
+        argv = job_argv(case, tmp_path, how)
         if how == "forked":
             server = jobs._zygote()
             served = server.served
-            proc = server.run(argv, tmp_path, jobs.job_env(), 120)
+            proc = server.run(argv, tmp_path, {**jobs.job_env(), **extra}, 120)
             from helpers.zygote import MAY_DIFFER
 
             now = jobs.job_env()
@@ -78,17 +117,23 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
             assert proc is not None and server.served == served + 1, f"not taken; environment entries changed: {changed}"
         else:
             monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # every process a fresh interpreter
-            proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120)
+            proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120, extra)
         result = json.loads((tmp_path / how / "result.json").read_text()) if (tmp_path / how / "result.json").exists() else {}
         # a leg's log holds both ranks' lines: which of two ranks' lines written at once comes first varies
         legs = {p.name: sorted(words(p.read_text(), str(tmp_path / how)))
                 for p in (tmp_path / how).glob("verify_resume/*.log")}
+        exported = {p.name: weights_and_metadata(p) for p in (tmp_path / how).glob("*.safetensors")}
         ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
-                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")}, legs)
+                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")}, legs, exported)
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
     assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
     assert len(ends["forked"][4]) == (2 if case.startswith("verify_resume") else 0)  # its legs' logs compared
+    assert len(ends["forked"][5]) == (case == "python -m ddplab export")  # the weights it wrote, compared
+    said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
+    where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]  # the script's dir, then PYTHONPATH
+    assert said == (words(f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
+                          str(tmp_path / "forked")) if "PYTHONPATH" in case else []), ends["forked"][1]
 
 
 def processes(out) -> list[list[tuple[str, str]]]:
@@ -193,3 +238,14 @@ def test_what_an_in_process_run_sets_in_the_environment_does_not_reach_the_next_
     proc = jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert server.served == served + 1
+
+
+def test_a_jobs_own_pythonpath_entries_are_those_before_the_servers():
+    from helpers.zygote import more_path
+
+    assert more_path("/t:/u", "/t:/u") == [] and more_path("", "") == []
+    assert more_path("/t:/u", "/pkg:/t:/u") == ["/pkg"] and more_path("/t", "/a:/b:/t") == ["/a", "/b"]
+    assert more_path("", "/pkg") == ["/pkg"]
+    # another path, the server's entries in another order or only in part, or an empty entry (the working dir)
+    for job in ("/x", "/u:/t", "/pkg:/t", "/t:/u:/pkg", ":/t:/u"):
+        assert more_path("/t:/u", job) is None, job

@@ -12,7 +12,7 @@ are the very lists the toys append to:
 * ``toy_data``      — datasets and streams: slow_synthetic, ragged_digits, noisy_digits, torch_noisy_digits,
   DigitStream, StatefulDigitStream, UnevenDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
 * ``toy_callbacks`` — a user's callbacks: Recorder, TrainingOnlyRecorder, SignalJobAtLastSave,
-  KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
+  KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, DiskHeldForTwoSteps, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
   NotesTheFreeze, CountsPageFaults.
 """
 
@@ -20,6 +20,8 @@ from toy_callbacks import (  # noqa: F401
     RECORDED,
     STALLS,
     DiesMidWrite,
+    DiskHeldForTwoSteps,
+    HELD,
     FailsOnRank,
     FillsDiskAtFitEnd,
     CountsPageFaults,

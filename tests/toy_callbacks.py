@@ -2,8 +2,13 @@
 job at chosen points, slow the disk under the checkpoints, load each save, fail on one rank, or die mid-write.
 Named by `_target_=toy.X` (toy.py re-exports them)."""
 
+import gc
 import os
+import re
+import resource
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +143,39 @@ class SlowDisk:
 
     def on_exception(self, state, exc):
         self._restore()
+
+
+HELD: list[tuple[str, bool]] = []  # (step file, let go by the loop rather than by the clock), in-process runs
+
+
+class DiskHeldForTwoSteps(SlowDisk):
+    """A disk that holds the write of each step file in ``steps`` until the loop has taken two more optimizer
+    steps, or ``wait_s`` went by: a write running beside the loop is let go by the loop; one the loop waits for
+    (a synchronous save) only by the clock. HELD records which, per file."""
+
+    def __init__(self, steps=(), wait_s: float = 60.0):
+        super().__init__()
+        self.steps, self.wait_s, self._reached, self._lock = set(steps), wait_s, {}, threading.Lock()
+
+    def _reached_step(self, step):
+        with self._lock:  # the loop's thread and the writer's both ask
+            return self._reached.setdefault(step, threading.Event())
+
+    def setup(self, state):
+        from ddplab.checkpoint import files
+
+        real = self._real = files.save_atomic
+
+        def held(obj, path):
+            named = re.fullmatch(r"step-(\d+)\.pt", path.name)
+            if named and int(named[1]) in self.steps:
+                HELD.append((path.name, self._reached_step(int(named[1]) + 2).wait(self.wait_s)))
+            real(obj, path)
+
+        files.save_atomic = held
+
+    def on_step_end(self, state, step):
+        self._reached_step(state.loop.step).set()
 
 
 class LoadsEachSave:
@@ -305,8 +343,6 @@ class NotesTheFreeze:
         self.dir = dir
 
     def on_fit_end(self, state, metrics):
-        import gc
-
         freeze, path = gc.freeze, os.path.join(self.dir, f"frozen-rank{_rank()}")
 
         def noted():
@@ -325,8 +361,6 @@ class CountsPageFaults:
         self.dir, self.first, self.last, self.at = dir, first, last, {}
 
     def on_step_end(self, state, step):
-        import resource
-
         if step in (self.first, self.last):
             self.at[step] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if step == self.last:
@@ -349,8 +383,6 @@ class LeavesAWriterBehind:
     later, after the job has exited: a reader of the job's output to its end (``communicate()``) waits for it."""
 
     def on_fit_end(self, state, metrics):
-        import subprocess
-
         subprocess.Popen(["sh", "-c", "sleep 2; echo written-after-the-job-exited"], start_new_session=True)
 
 

@@ -128,8 +128,14 @@ class Zygote:
 def more_path(served: str, job: str) -> list[str] | None:
     """The entries a job's PYTHONPATH puts before the server's (a user's package dir), which its fork puts on
     ``sys.path`` as the interpreter would have; None where it differs otherwise (a fresh interpreter then)."""
-    head, sep, tail = job.rpartition(os.pathsep + served) if served else (job, "", "")
-    return [] if job == served else head.split(os.pathsep) if head and (sep or not served) and not tail else None
+    if job == served:
+        return []
+    if not served:
+        return job.split(os.pathsep)
+    ending = os.pathsep + served
+    if job == ending or not job.endswith(ending):  # an empty entry (the working dir) first, or another path
+        return None
+    return job[:-len(ending)].split(os.pathsep)
 
 
 class Job:
