@@ -48,6 +48,8 @@ CASES = {
                                        "+callbacks.mine._target_=users_callbacks.SaysWhere"],
     # `python -m ddplab`: the package's __main__ run as a fresh `python -m` runs it (see export_argv)
     "python -m ddplab export": [],
+    # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for byte
+    "scripts/make_tokens.py": ["--generated-mb", "0.01"],
 }
 ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": "29431", "SLURM_JOB_NAME": "by-hand"}}
@@ -55,7 +57,7 @@ EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a proc
          "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
          "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
          "verify_resume, 2 ranks": 0, "a rank started by hand": 0, "a user's package on PYTHONPATH": 0,
-         "python -m ddplab export": 0}
+         "python -m ddplab export": 0, "scripts/make_tokens.py": 0}
 
 
 def words(text: str, run: str) -> list[str]:
@@ -92,6 +94,8 @@ def weights_and_metadata(path) -> tuple[dict, dict]:
 def job_argv(case: str, tmp_path, how: str) -> list[str]:
     if case == "python -m ddplab export":  # the run trained before both legs, exported into each leg's folder
         return ["-m", "ddplab", "export", str(tmp_path / "trained"), "--out", str(tmp_path / how)]
+    if case == "scripts/make_tokens.py":
+        return [str(jobs.REPO / case), *CASES[case], "--out", str(tmp_path / how)]
     argv = [str(jobs.TRAIN), *CASES[case], f"hydra.run.dir={tmp_path / how}"]
     if case.startswith("torchrun"):
         argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
@@ -123,13 +127,14 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
         legs = {p.name: sorted(words(p.read_text(), str(tmp_path / how)))
                 for p in (tmp_path / how).glob("verify_resume/*.log")}
         exported = {p.name: weights_and_metadata(p) for p in (tmp_path / how).glob("*.safetensors")}
+        exported |= {p.name: p.read_bytes() for p in (tmp_path / how).glob("*.bin")}  # token files
         ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
                      {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")}, legs, exported)
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
     assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
     assert len(ends["forked"][4]) == (2 if case.startswith("verify_resume") else 0)  # its legs' logs compared
-    assert len(ends["forked"][5]) == (case == "python -m ddplab export")  # the weights it wrote, compared
+    assert len(ends["forked"][5]) == {"python -m ddplab export": 1, "scripts/make_tokens.py": 2}.get(case, 0)
     said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
     where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]  # the script's dir, then PYTHONPATH
     assert said == (words(f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",

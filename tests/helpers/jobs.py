@@ -108,14 +108,16 @@ def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any
 
 
 # `python -m` modules the job server runs: torch's launchers (the current one and the legacy one) and ddplab's
-# commands; scripts: train.py and the tests' own hand-launched ranks (tests/workers).
+# commands; scripts: train.py, the tests' own hand-launched ranks (tests/workers) and the token files' maker
+# (a corpus a fixture writes: ~4 CPU-s of imports in a fresh interpreter, nine times a suite).
 SERVED_MODULES = ("torch.distributed.run", "torch.distributed.launch", "ddplab")
+SERVED_SCRIPTS = (REPO / "scripts" / "make_tokens.py",)
 
 
 def _servable(args: list[str]) -> bool:
     return len(args) > 1 and args[0] == sys.executable and (
         (args[1] == "-m" and len(args) > 2 and args[2] in SERVED_MODULES) or Path(args[1]).name == "train.py"
-        or Path(args[1]).parent == REPO / "tests" / "workers")
+        or Path(args[1]).parent == REPO / "tests" / "workers" or Path(args[1]) in SERVED_SCRIPTS)
 
 
 def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
