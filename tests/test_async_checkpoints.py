@@ -43,7 +43,8 @@ def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_the
     is, is a benchmark's figure (scripts/bench_checkpoint.py, docs/performance.md), not a timed test's."""
     big = BASE + ["model.hidden=[3072,3072]", "checkpoint.every_n_steps=4", "num_epochs=1", "checkpoint.keep_last=9",
                   "+callbacks.stall._target_=toy.StallRecorder"]
-    held = ["+callbacks.disk._target_=toy.DiskHeldForTwoSteps", "+callbacks.disk.steps=[4,8,12,16,20]"]
+    held = ["+callbacks.disk._target_=toy.DiskHeldForTwoSteps", "+callbacks.disk.steps=[4,8,12,16,20]",
+            "+callbacks.disk.wait_s=20"]  # a write the loop waited for: 20 s each, then False
     stalls = {}
     toy.HELD.clear()
     for mode, extra in (("sync", []), ("async", ASYNC + held)):

@@ -52,7 +52,7 @@ CASES = {
     "scripts/make_tokens.py": ["--generated-mb", "0.01"],
 }
 ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": "29431", "SLURM_JOB_NAME": "by-hand"}}
+                                   "MASTER_PORT": "29431"}}  # (one rank forms no group: provenance records them)
 EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
          "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
          "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
@@ -91,6 +91,21 @@ def weights_and_metadata(path) -> tuple[dict, dict]:
         return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
 
 
+def written(case: str, folder) -> dict:
+    """What the job wrote that is compared: verify_resume's legs' logs (a leg's log holds both ranks' lines, and
+    which of two written at once comes first varies), an export's files (its weights as read, the rest as words),
+    make_tokens.py's files byte for byte, and for a rank started by hand its launcher as provenance records it."""
+    out = {f"legs/{p.name}": sorted(words(p.read_text(), str(folder))) for p in folder.glob("verify_resume/*.log")}
+    if case == "python -m ddplab export":
+        out |= {p.name: weights_and_metadata(p) if p.suffix == ".safetensors" else words(p.read_text(), str(folder))
+                for p in folder.iterdir() if p.is_file()}
+    if case == "scripts/make_tokens.py":
+        out |= {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    if case in ENVS:
+        out["launcher"] = json.loads((folder / "provenance.json").read_text())["launcher"]
+    return out
+
+
 def job_argv(case: str, tmp_path, how: str) -> list[str]:
     if case == "python -m ddplab export":  # the run trained before both legs, exported into each leg's folder
         return ["-m", "ddplab", "export", str(tmp_path / "trained"), "--out", str(tmp_path / how)]
@@ -123,18 +138,18 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
             monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # every process a fresh interpreter
             proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120, extra)
         result = json.loads((tmp_path / how / "result.json").read_text()) if (tmp_path / how / "result.json").exists() else {}
-        # a leg's log holds both ranks' lines: which of two ranks' lines written at once comes first varies
-        legs = {p.name: sorted(words(p.read_text(), str(tmp_path / how)))
-                for p in (tmp_path / how).glob("verify_resume/*.log")}
-        exported = {p.name: weights_and_metadata(p) for p in (tmp_path / how).glob("*.safetensors")}
-        exported |= {p.name: p.read_bytes() for p in (tmp_path / how).glob("*.bin")}  # token files
         ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
-                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")}, legs, exported)
+                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")},
+                     written(case, tmp_path / how))
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
     assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
-    assert len(ends["forked"][4]) == (2 if case.startswith("verify_resume") else 0)  # its legs' logs compared
-    assert len(ends["forked"][5]) == {"python -m ddplab export": 1, "scripts/make_tokens.py": 2}.get(case, 0)
+    files = ends["forked"][4]  # none of what is compared missing
+    assert len([k for k in files if k.startswith("legs/")]) == (2 if case.startswith("verify_resume") else 0)
+    assert ("model.safetensors" in files) == (case == "python -m ddplab export")
+    assert ({"train.bin", "val.bin"} <= set(files)) == (case == "scripts/make_tokens.py")
+    assert files.get("launcher") == ({"kind": "python", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29431",
+                                      "WORLD_SIZE": "1"} if case in ENVS else None)
     said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
     where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]  # the script's dir, then PYTHONPATH
     assert said == (words(f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
