@@ -42,11 +42,22 @@ def test_module_and_function_sizes(path):
     assert not long, f"{path.name}: functions over 60 lines: {long}"
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:``: an import a type checker alone reads is no edge."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def imports_of(path: Path) -> set[str]:
-    """ddplab modules ``path`` imports, at module level or inside functions (a lazy import is still an edge)."""
+    """ddplab modules ``path`` imports, at module level or inside functions (a lazy import is still an edge;
+    one under ``if TYPE_CHECKING:`` is not)."""
     me = module_name(path)
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -76,6 +87,36 @@ def test_no_import_cycles():
             visit(m, [m])
     assert not cycles, cycles
     assert "ddplab.job" not in graph["ddplab.runtime.launch"]  # self-launch takes an entry callable
+
+
+def room(module: str) -> str:
+    """A module's place in the house: its top-level subpackage (``train``, ``data``, ...) or itself."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_every_import_runs_down_a_floor():
+    """The rooms (top-level modules and subpackages) import each other without a loop: each can stand on a
+    floor above all it imports, so no import runs from a lower room up to a higher one (the hook protocol,
+    resuming and reporting live in ``train/``, which the shipped callbacks and the jobs stand on)."""
+    edges = {(room(m), room(n)) for m, p in NAMES.items() if m != "ddplab" for n in imports_of(p)}
+    edges = {(a, b) for a, b in edges if a != b and b != "ddplab"}  # the package face hands names on
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return a == b or any(x == a and y not in seen and reaches(y, b, seen | {y}) for x, y in edges)
+
+    looped = sorted(f"{a} -> {b}" for a, b in edges if reaches(b, a, {b}))  # an arrow inside a loop of rooms
+    assert looped == [], looped
+    floor: dict[str, int] = {}
+    for _ in range(len(edges)):  # each room one floor above the highest it imports
+        floor = {a: 1 + max((floor.get(y, 0) for x, y in edges if x == a), default=0) for a, _ in edges}
+    assert floor["cli"] > floor["train"] > floor["checkpoint"] > floor["runtime"] > floor["config"]
+
+
+def test_type_checking_imports_are_no_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "def f():\n    import c\n")
+    seen = {a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert seen == {"b", "c"}
 
 
 def _outside(*owners: str) -> list[Path]:

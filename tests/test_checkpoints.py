@@ -160,7 +160,7 @@ def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
 def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
     args = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "+model.fault_call=7",
             "+model.fault_rank=0", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
-    from ddplab.metrics import NonFiniteLossError
+    from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 7 .*Fix: lower optimizer.lr"):
         ddplab.run(compose_cfg(args, run_dir=tmp_path / "stop"))

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from helpers.jobs import CONF, compose_cfg, torchrun
 from ddplab import build
 from ddplab.config import ConfigError, validate
-from ddplab.batch_size import global_batch_size
+from ddplab.train.batch_size import global_batch_size
 
 
 def options(group: str) -> list[str]:

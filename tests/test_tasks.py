@@ -258,7 +258,7 @@ def test_bad_task_output_or_batch_is_a_clear_error_naming_the_task(tmp_path, ove
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_a_nan_from_a_task_names_the_task_and_the_step(tmp_path):
-    from ddplab.metrics import NonFiniteLossError
+    from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 1 .*task BadTask"):
         ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "task._target_=toy.BadTask",

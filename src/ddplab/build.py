@@ -149,7 +149,7 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
     """The dataset on its device (the fast path where it fits), this rank's sampler and loader,
     and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
     data, augment = dataset(cfg)
-    per_step = global_batch * accum  # samples per optimizer step (ddplab.batch_size)
+    per_step = global_batch * accum  # samples per optimizer step (ddplab.train.batch_size)
     if is_stream(data.train):
         return _stream_data(cfg, dist, data, augment, global_batch, accum)
     if cfg.get("overfit_batches"):

@@ -16,7 +16,7 @@ from ddplab import rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
 from ddplab.errors import RecordWriteError, ResourceError, mark_said
 from ddplab.runtime.console import job_tag
-from ddplab.resuming import eval_config
+from ddplab.train.resuming import eval_config
 from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.checkpoint.compare import first_difference
 from ddplab.config import ConfigError, validate
 from ddplab.runtime import env

@@ -6,7 +6,7 @@ import logging
 import math
 from typing import Any
 
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.train.state import State
 from ddplab.config.errors import ConfigError
 

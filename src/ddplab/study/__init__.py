@@ -230,7 +230,7 @@ def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
 def _check_objective(cfg: DictConfig) -> bool:
     """The trainer's check, before any trial: an objective nothing logs would fail every trial. Minimised?"""
     from ddplab import build
-    from ddplab.callbacks import Callbacks
+    from ddplab.train.hooks import Callbacks
     from ddplab.task import check_objective
 
     return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ddplab import rundir, sweep
-from ddplab.reporting import hparams_of, shown
+from ddplab.train.reporting import hparams_of, shown
 from ddplab.study.worker import Worker, ask_lock
 
 log = logging.getLogger("ddplab")

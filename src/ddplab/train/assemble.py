@@ -18,14 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ddplab import build, compat, rundir, strategy
-from ddplab.batch_size import global_batch_size
-from ddplab.callbacks import Callbacks, Hook
+from ddplab.train.batch_size import global_batch_size
+from ddplab.train.hooks import Callbacks, Hook
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.data.batches import in_memory_format
-from ddplab.evaluation import Evaluator
+from ddplab.train.evaluation import Evaluator
 from ddplab.optim import make_optimizer
 from ddplab.precision import Precision
-from ddplab.resuming import ResumeGuard, checkpoint_manager, register_entries, resume
+from ddplab.train.resuming import ResumeGuard, checkpoint_manager, register_entries, resume
 from ddplab.runtime import env
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ddplab.callbacks import Hook
+from ddplab.train.hooks import Hook
 from ddplab.data.batches import first_tensor
-from ddplab.evaluation import derived
-from ddplab.metrics import TrainMetrics
+from ddplab.train.evaluation import derived
+from ddplab.train.metrics import TrainMetrics
 from ddplab.perf import FlopRate
-from ddplab.reporting import Progress
+from ddplab.train.reporting import Progress
 from ddplab.runtime.stopping import StopAgreement
 from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.task import name_of

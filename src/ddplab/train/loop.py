@@ -25,9 +25,9 @@ import torch
 from torch.nn.utils import clip_grad_norm_
 
 from ddplab import build
-from ddplab.callbacks import Hook
+from ddplab.train.hooks import Hook
 from ddplab.checkpoint.rng import seed_everything, streams_kept
-from ddplab.reporting import announce, run_summary, wrap
+from ddplab.train.reporting import announce, run_summary, wrap
 from ddplab.runtime import collectives, env
 from ddplab.runtime.signals import Preempted
 from ddplab.runtime.stopping import StopAgreement, slow_save_warning

@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import batch_size, redact
-from ddplab.callbacks import Hook
+from ddplab import redact
+from ddplab.train import batch_size
+from ddplab.train.hooks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddplab.data import Splits, eval_batches
 from ddplab.data.sampling import eval_span
-from ddplab.metrics import SumMeter
+from ddplab.train.metrics import SumMeter
 from ddplab.precision import Precision
 from ddplab.runtime.group import Dist
 from ddplab.task import check_batch, check_output, name_of
