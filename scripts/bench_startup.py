@@ -37,7 +37,7 @@ PHASES = {
     "ddplab: optimizer, schedule": "ddplab/optim.py:*(make_optimizer)",
     "ddplab: checkpoints registered, resume looked for": "ddplab/train/resuming.py:*(resume)",
     "ddplab: first words (config, HParams, charts to TensorBoard)": "ddplab/train/reporting.py:*(announce)",
-    "ddplab: the first step (incl. its checks)": "ddplab/train/loop.py:*(_first_step)",
+    "ddplab: the first step (incl. its checks)": "ddplab/train/first_step.py:*(__call__)",
     "ddplab: the whole State (build_state: parts, setup, resume)": "ddplab/train/assemble.py:*(build_state)",
     "ddplab: the Session's end (result.json, process group torn down)": "ddplab/session.py:*(__exit__)",
     "hydra + ddplab: the whole job function": "hydra/core/utils.py:*(run_job)",

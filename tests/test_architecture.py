@@ -236,3 +236,16 @@ def test_train_step_reads_in_one_screen():
              "zero_grad(", "scheduler.step()"]
     at = [body.find(w) for w in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))
+    # Only the step: how long it waited for data and where a stall is are the interval's StepProbe's, the first
+    # step's checks FirstStep's (a wrapper, not attributes swapped), when to evaluate the Validation's.
+    assert not re.findall(r"perf_counter|time\.|watch|phase|data_time|step_fn|after_backward|check_", body), body
+
+
+def test_the_trainer_only_loops():
+    """The Trainer is the loop over a State, about 200 lines; what it used to carry has owners of its own."""
+    tree = ast.parse((SRC / "train" / "loop.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 200, trainer.end_lineno - trainer.lineno + 1
+    methods = {n.name for n in trainer.body if isinstance(n, ast.FunctionDef)}
+    assert not methods & {"_first_step", "_checked_step", "_first_backward", "_eval_due", "_evaluate_all",
+                          "_evaluate_and_record", "_seed_epoch", "_hurry_writer"}, methods

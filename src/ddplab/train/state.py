@@ -153,6 +153,15 @@ class Results:
     # This invocation's first logged train/loss, the barely trained model's: the summary's yardstick (not saved).
     first_train_loss: float | None = None
 
+    def final(self, objective: str, loop: LoopState, seconds: float) -> dict[str, float]:
+        """What the run returns: the last train and val metrics (the checkpoint's record when this invocation
+        trained nothing), where it ended, how long it took, and the best objective."""
+        out = {**self.last_train, **self.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
+               "time_s": seconds}
+        if self.best is not None:
+            out[best_name(objective)] = self.best
+        return out
+
     def update(self, val: dict[str, float], objective: str, epoch: int = 0, step: int = 0) -> bool:
         """Record an evaluation; True if it improved the objective."""
         self.last_val = val
