@@ -249,3 +249,33 @@ def test_the_trainer_only_loops():
     methods = {n.name for n in trainer.body if isinstance(n, ast.FunctionDef)}
     assert not methods & {"_first_step", "_checked_step", "_first_backward", "_eval_due", "_evaluate_all",
                           "_evaluate_and_record", "_seed_epoch", "_hurry_writer"}, methods
+
+
+def test_private_apis_of_other_packages_are_named_in_compat_alone():
+    """A leading-underscore name of torch, Hydra, Optuna or Python's own modules — imported, or reached as an
+    attribute of such a module — appears only in ``ddplab.compat``, where each has a test (tests/test_compat.py)."""
+    def private(dotted: str) -> bool:
+        return not dotted.startswith("ddplab") and any(p.startswith("_") and not p.startswith("__")
+                                                         for p in dotted.split("."))
+
+    hits = []
+    for p in _outside("compat.py"):
+        tree = ast.parse(p.read_text())
+        names = {}  # local name -> the module it stands for
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names |= {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0])
+                          for a in n.names}
+                hits += [f"{p.relative_to(SRC)}:{n.lineno} import {a.name}" for a in n.names if private(a.name)]
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                hits += [f"{p.relative_to(SRC)}:{n.lineno} from {n.module} import {a.name}" for a in n.names
+                         if private(f"{n.module}.{a.name}")]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                root = n.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in names and not names[root.id].startswith("ddplab"):
+                    hits.append(f"{p.relative_to(SRC)}:{n.lineno} {ast.unparse(n)}")
+    documented = ("os._exit",)  # public despite the underscore (the docs of os)
+    assert [h for h in hits if h.rsplit(" ", 1)[-1] not in documented] == [], hits
