@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # what SyncBatchNorm subclasses too
+
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm  # what BatchNorm1d/2d/3d and SyncBatchNorm subclass
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from ddplab import job, verify
 from ddplab.config import ConfigError, validate
+from ddplab.config.typed import typed
 
 
 def _study(cfg: DictConfig) -> dict[str, float]:
@@ -46,14 +47,16 @@ MODES: dict[str, Mode] = {
 
 def entry(cfg: DictConfig) -> Callable[[DictConfig], dict[str, float]]:
     """What train.py runs for ``cfg.mode`` (the schema allows only the table's modes)."""
-    return MODES[str(cfg.get("mode") or "train")].entry
+    return MODES[str(cfg.mode)].entry
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """``ddplab.run(cfg)``: the job ``cfg`` describes (mode=train or eval); its final metrics, the same dict
-    on every rank. Rank 0 also leaves ``result.json`` in the run dir (status, metrics or the error)."""
+    on every rank. Rank 0 also leaves ``result.json`` in the run dir (status, metrics or the error). A config
+    made from plain data is put on the schema first (its defaults, its types)."""
+    cfg = typed(cfg, "ddplab.run(cfg)")
     validate(cfg)  # bad values fail here, before any process group exists
-    mode = str(cfg.get("mode") or "train")
+    mode = str(cfg.mode)
     if not MODES[mode].in_process:  # each runs jobs of its own, in processes of their own
         raise ConfigError(f"mode={mode} is run by train.py (or {MODES[mode].runner}(cfg)), not by ddplab.run. "
                           f"Fix: python train.py mode={mode} ...")

@@ -306,7 +306,7 @@ def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
     """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or ddplab."""
     if cfg.mlflow.get("experiment"):
         return str(cfg.mlflow.experiment)
-    if "study" in (cfg.get("callbacks") or {}):
+    if "study" in (cfg.callbacks or {}):
         return f"study {cfg.study.name}"
     if multirun:
         return f"sweep {run_dir.parent.resolve()}"
@@ -344,4 +344,4 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = Tru
     # so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the server's health.
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
     return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
-                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and log_model)
+                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.log_model) and log_model)

@@ -122,10 +122,10 @@ class PerfConfig:
                 f"path would be {sock} bytes, over the 107 a socket path may have (the job would hang)",
                 f"a shorter TMPDIR (at most {107 - (sock - len(tempfile.gettempdir()))} characters), or "
                 f"{key}.num_workers=0")
-        require(pf.get("prefetch_factor", 2) >= 1, f"{key}.prefetch_factor", pf.get("prefetch_factor"), "must be >= 1",
+        require(pf.prefetch_factor >= 1, f"{key}.prefetch_factor", pf.prefetch_factor, "must be >= 1",
                 f"pass {key}.prefetch_factor=2")
-        require(str(pf.get("host_allocator", "tuned")) in ("tuned", "system"), f"{key}.host_allocator",
-                pf.get("host_allocator"), "unknown choice", f"use {key}.host_allocator=tuned or system")
+        require(str(pf.host_allocator) in ("tuned", "system"), f"{key}.host_allocator",
+                pf.host_allocator, "unknown choice", f"use {key}.host_allocator=tuned or system")
         require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
                 "must be > 0 or null", f"pass {key}.peak_tflops=null")
 
@@ -284,7 +284,7 @@ class TrainConfig:
 
     @staticmethod
     def check(c: Any, key: str = "") -> None:
-        loggers = list(c.get("logger") or [])
+        loggers = list(c.logger or [])
         require(set(loggers) <= set(LOGGERS) and "tensorboard" in loggers, "logger", loggers,
                 f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
                 "pass logger=[tensorboard,mlflow]")
@@ -296,10 +296,10 @@ class TrainConfig:
                                ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
         for k, example in (("num_epochs", 10), ("max_steps", 1000)):
-            require(c.get(k) is None or c[k] >= 1, k, c.get(k), "must be > 0 or null", f"pass {k}={example}")
-        require(c.get("num_epochs") is not None or c.get("max_steps") is not None, "num_epochs", None,
+            require(c[k] is None or c[k] >= 1, k, c[k], "must be > 0 or null", f"pass {k}={example}")
+        require(c.num_epochs is not None or c.max_steps is not None, "num_epochs", None,
                 "with max_steps=null too, the run would never end", "pass num_epochs=10 or max_steps=1000")
-        require(c.get("eval_every_n_steps", 0) >= 0, "eval_every_n_steps", c.get("eval_every_n_steps"),
+        require(c.eval_every_n_steps >= 0, "eval_every_n_steps", c.eval_every_n_steps,
                 "must be >= 0 (0: at epoch ends)", "pass eval_every_n_steps=500")
         # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
         require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
@@ -309,8 +309,8 @@ class TrainConfig:
         require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
                 "must be > 0 or null", "drop the override")
         for k in ("limit_train_steps", "limit_val_batches"):
-            require(c.get(k) is None or c[k] > 0, k, c.get(k), "must be > 0 or null", f"pass {k}=null")
-        require(c.get("overfit_batches", 0) >= 0, "overfit_batches", c.get("overfit_batches"), "must be >= 0",
+            require(c[k] is None or c[k] > 0, k, c[k], "must be > 0 or null", f"pass {k}=null")
+        require(c.overfit_batches >= 0, "overfit_batches", c.overfit_batches, "must be >= 0",
                 "pass overfit_batches=0 (off)")
-        require(c.get("mode", "train") != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
+        require(str(c.mode) != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
                 "mode=eval evaluates a checkpoint: name it", "pass resume=<checkpoint .pt or run dir>")

@@ -158,8 +158,9 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     if not saved:
         raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
     from ddplab.config import trust
+    from ddplab.config.typed import typed
 
-    merged = OmegaConf.create(saved)  # parsing YAML builds nothing
+    merged = typed(OmegaConf.create(saved), f"resume={cfg.resume}'s stored config")  # parsing YAML builds nothing
     if not cfg.trust_stored_config:  # nothing the checkpoint names is imported before this check passes
         refused = trust.refusal(f"mode=eval resume={cfg.resume}", {k: merged.get(k) for k in _BUILT}, cfg)
         if refused:

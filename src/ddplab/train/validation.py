@@ -23,7 +23,7 @@ log = logging.getLogger("ddplab")
 class Validation:
     def __init__(self, state: State, stopper: StopAgreement):
         self.state, self.stopper = state, stopper
-        self.step_cadence = int(state.cfg.get("eval_every_n_steps") or 0)  # 0: the epochs' cadence
+        self.step_cadence = int(state.cfg.eval_every_n_steps)  # 0: the epochs' cadence
 
     def due(self, at_epoch_end: bool) -> bool:
         s = self.state
