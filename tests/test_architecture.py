@@ -168,7 +168,7 @@ def test_the_architecture_page_names_every_script():
 
 def test_no_module_outside_the_trainer_reads_trainer_attributes():
     """Callbacks, reporting and resuming see the job's State (ddplab.train.state), not the Trainer: only job.py makes
-    one, and it asks only train() and evaluate(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
+    one, and it asks only fit() and evaluate_checkpoint(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
 as reporting and resuming did)."""
     named, takes = [], []
     for p in MODULES:
@@ -185,7 +185,7 @@ as reporting and resuming did)."""
     job = ast.parse((SRC / "job.py").read_text())
     used = {n.attr for n in ast.walk(job) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "trainer"}
-    assert used == {"train", "evaluate"}, used
+    assert used == {"fit", "evaluate_checkpoint"}, used
 
 
 def test_a_state_is_complete_when_build_state_returns_it():

@@ -76,8 +76,8 @@ def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], s
     session.report_failures_at(state.position)
     trainer = Trainer(state)
     if evaluating:
-        return trainer.evaluate(), None, None
-    return trainer.train(), state.stop_reason, {"name": state.cfg.objective, "minimize": state.results.minimize}
+        return trainer.evaluate_checkpoint(), None, None
+    return trainer.fit(), state.stop_reason, {"name": state.cfg.objective, "minimize": state.results.minimize}
 
 
 def _check_room(cfg: DictConfig) -> None:

@@ -3,9 +3,9 @@ look here; nothing below it asks for the mode again (a job is told whether it ev
 
     mode            runs                                   ddplab.run(cfg)
     train           ddplab.job.train: ranks, Session,      yes
-                    build_state, Trainer.train
+                    build_state, Trainer.fit
     eval            ddplab.job.evaluate: the checkpoint's   yes
-                    config, Trainer.evaluate
+                    config, Trainer.evaluate_checkpoint
     verify_resume   ddplab.verify.verify_resume: two runs   no: train.py (fresh processes of its own)
                     and their comparison
     study           ddplab.study.run_study: a worker that   no: train.py (its trials are jobs)
@@ -31,17 +31,17 @@ def _study(cfg: DictConfig) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class Mode:
+class ModeEntry:
     entry: Callable[[DictConfig], dict[str, float]]  # what runs it; returns the metrics (the objective among them)
     in_process: bool  # ddplab.run(cfg) runs it; False: only train.py does (it starts processes of its own)
     runner: str  # where a user calls it from Python
 
 
-MODES: dict[str, Mode] = {
-    "train": Mode(job.train, True, "ddplab.run"),
-    "eval": Mode(job.evaluate, True, "ddplab.run"),
-    "verify_resume": Mode(verify.verify_resume, False, "ddplab.verify.verify_resume"),
-    "study": Mode(_study, False, "ddplab.study.run_study"),
+MODES: dict[str, ModeEntry] = {
+    "train": ModeEntry(job.train, True, "ddplab.run"),
+    "eval": ModeEntry(job.evaluate, True, "ddplab.run"),
+    "verify_resume": ModeEntry(verify.verify_resume, False, "ddplab.verify.verify_resume"),
+    "study": ModeEntry(_study, False, "ddplab.study.run_study"),
 }
 
 

@@ -151,18 +151,18 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
         return decide()
     from ddplab.runtime import collectives, group
 
-    st = group.init(cfg.distributed)
+    dist = group.init(cfg.distributed)
     answer: Any = None
     failure: BaseException | None = None
     try:
-        if st.is_main:
+        if dist.is_main:
             try:
                 answer = ("ok", decide())
             except ConfigError as e:
                 answer, failure = ("config", str(e)), e
             except Exception as e:
                 answer, failure = ("storage" if storage.failed(e) else "error", f"{type(e).__name__}: {e}"), e
-        answer = collectives.broadcast_object(answer, st)
+        answer = collectives.broadcast_object(answer, dist)
     finally:
         group.teardown(clean=True)
     if failure is not None:

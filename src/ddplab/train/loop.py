@@ -1,12 +1,12 @@
 """The loop, and only the loop, over a State that ``build_state`` made (``ddplab.train.assemble``).
 
-    train():       train_epoch until the RunLength (or a stop) ends the run; the summary
+    fit():         train_epoch until the RunLength (or a stop) ends the run; the summary
     train_epoch(): for each step: train_step → step hooks → LogInterval.after_step (→ stop agreed?)
                    → a step evaluation when due (eval_every_n_steps) or a checkpoint when due;
                    then the epoch's evaluation and checkpoint
     train_step():  accum × (autocast forward → backward, no_sync but the last) → unscale → clip → step
                    → zero_grad → schedule
-    evaluate():    mode=eval: the resumed checkpoint's exact evaluation
+    evaluate_checkpoint(): mode=eval: the resumed checkpoint's exact evaluation
 
 What differs between none/dp/ddp/fsdp is the Strategy's; what a batch means is the Task's; what is saved
 and when is the CheckpointManager's; how long the run is, the RunLength's; when an evaluation is due and what
@@ -50,7 +50,7 @@ class Trainer:
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
 
     # ------------------------------------------------------------------- the run
-    def train(self) -> dict[str, float]:
+    def fit(self) -> dict[str, float]:
         """Train until the RunLength (or a stop) ends it; the final metrics."""
         s = self.state
         loop = s.loop
@@ -78,7 +78,7 @@ class Trainer:
             self.interval.watch.close()
         return self._finish(time.perf_counter() - t0)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate_checkpoint(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
         s = self.state
         announce(s)

@@ -93,16 +93,16 @@ def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
 def announce(s: State) -> None:
     """The job's first words: the config, HParams and the Custom Scalars
     charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
-    cfg, st = s.cfg, s.dist
+    cfg, dist = s.cfg, s.dist
     s.writer.text("config", redact.config_yaml(cfg))  # secrets masked: TensorBoard and MLflow keep it
     if "study" not in (cfg.callbacks or {}):  # a study's worker writes a trial's row with its end state
-        s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
+        s.writer.hparams(hparams_of(cfg, s.run_dir, dist.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))
     per_step = s.samples_per_step
     lines = [f"run dir: {shown(s.run_dir)}",
-             f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
+             f"{dist.world_size} rank(s) on {dist.device} ({dist.backend or 'no process group'}) | "
              f"{s.precision.describe()} | {s.length.describe()}",
-             *wrap("batch:", [f"{per_step} samples per optimizer step = {st.world_size} rank(s) x "
+             *wrap("batch:", [f"{per_step} samples per optimizer step = {dist.world_size} rank(s) x "
                               f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"]),
              *wrap("data:", [s.train_loader.describe()]),
              *wrap("model:", _describe_model(s), ", ")]
