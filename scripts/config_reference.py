@@ -34,8 +34,8 @@ PRESETS = ("experiment", "debug", "hparams_search")  # options that set keys els
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in its class's source (a base class's for a field it defines): the comment lines
-    right above it — a block that also covers the fields after it, up to a blank line — else the one after it."""
+    """Each field's own comment in its class's source (a base class's for a field it defines): the comment lines
+    right above it, else the one on its line. A comment says what one key means: it covers no field after it."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         out.update({k: v for k, v in _own_comments(klass).items() if v or k not in out})
@@ -47,7 +47,7 @@ def _own_comments(cls: type) -> dict[str, str]:
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     lines = source.splitlines()
-    out, block, last = {}, "", 0
+    out = {}
     for node in ast.parse(source).body[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
@@ -55,13 +55,21 @@ def _own_comments(cls: type) -> dict[str, str]:
         while n >= 1 and n in comments and lines[n - 1].strip().startswith("#"):
             above.insert(0, comments[n])
             n -= 1
-        if above:
-            block = " ".join(above)
-        elif any(not lines[i - 1].strip() for i in range(last + 1, node.lineno)):
-            block = ""  # a blank line ends the block above
-        out[node.target.id] = comments.get(node.end_lineno, "") if not above and node.end_lineno in comments \
-            else block
-        last = node.end_lineno
+        out[node.target.id] = " ".join(above) if above else comments.get(node.end_lineno, "")
+    return out
+
+
+def unmeant(page: str) -> list[str]:
+    """The rows of ``page``'s key tables whose meaning is empty, or the same as another key's in that table."""
+    out, seen = [], {}
+    for line in page.splitlines():
+        if not line.startswith("| `") or line.count(" | ") < 2:
+            seen = {} if not line.startswith("|") else seen  # a new table starts after any other line
+            continue
+        key, meaning = line.split(" | ")[0].strip("| `"), line.rsplit(" | ", 1)[1].rstrip(" |")
+        if not meaning or meaning in seen:
+            out.append(f"{key}: {'no meaning' if not meaning else 'the meaning of ' + seen[meaning]}")
+        seen.setdefault(meaning, key)
     return out
 
 

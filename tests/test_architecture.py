@@ -42,11 +42,22 @@ def test_module_and_function_sizes(path):
     assert not long, f"{path.name}: functions over 60 lines: {long}"
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:``: an import a type checker alone reads is no edge."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def imports_of(path: Path) -> set[str]:
-    """ddplab modules ``path`` imports, at module level or inside functions (a lazy import is still an edge)."""
+    """ddplab modules ``path`` imports, at module level or inside functions (a lazy import is still an edge;
+    one under ``if TYPE_CHECKING:`` is not)."""
     me = module_name(path)
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -76,6 +87,36 @@ def test_no_import_cycles():
             visit(m, [m])
     assert not cycles, cycles
     assert "ddplab.job" not in graph["ddplab.runtime.launch"]  # self-launch takes an entry callable
+
+
+def room(module: str) -> str:
+    """A module's place in the house: its top-level subpackage (``train``, ``data``, ...) or itself."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_every_import_runs_down_a_floor():
+    """The rooms (top-level modules and subpackages) import each other without a loop: each can stand on a
+    floor above all it imports, so no import runs from a lower room up to a higher one (the hook protocol,
+    resuming and reporting live in ``train/``, which the shipped callbacks and the jobs stand on)."""
+    edges = {(room(m), room(n)) for m, p in NAMES.items() if m != "ddplab" for n in imports_of(p)}
+    edges = {(a, b) for a, b in edges if a != b and b != "ddplab"}  # the package face hands names on
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return a == b or any(x == a and y not in seen and reaches(y, b, seen | {y}) for x, y in edges)
+
+    looped = sorted(f"{a} -> {b}" for a, b in edges if reaches(b, a, {b}))  # an arrow inside a loop of rooms
+    assert looped == [], looped
+    floor: dict[str, int] = {}
+    for _ in range(len(edges)):  # each room one floor above the highest it imports
+        floor = {a: 1 + max((floor.get(y, 0) for x, y in edges if x == a), default=0) for a, _ in edges}
+    assert floor["cli"] > floor["train"] > floor["checkpoint"] > floor["runtime"] > floor["config"]
+
+
+def test_type_checking_imports_are_no_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "def f():\n    import c\n")
+    seen = {a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert seen == {"b", "c"}
 
 
 def _outside(*owners: str) -> list[Path]:
@@ -127,7 +168,7 @@ def test_the_architecture_page_names_every_script():
 
 def test_no_module_outside_the_trainer_reads_trainer_attributes():
     """Callbacks, reporting and resuming see the job's State (ddplab.train.state), not the Trainer: only job.py makes
-    one, and it asks only train() and evaluate(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
+    one, and it asks only fit() and evaluate_checkpoint(). No function elsewhere takes a trainer (``trainer``, or ``t: Any``
 as reporting and resuming did)."""
     named, takes = [], []
     for p in MODULES:
@@ -144,7 +185,7 @@ as reporting and resuming did)."""
     job = ast.parse((SRC / "job.py").read_text())
     used = {n.attr for n in ast.walk(job) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "trainer"}
-    assert used == {"train", "evaluate"}, used
+    assert used == {"fit", "evaluate_checkpoint"}, used
 
 
 def test_a_state_is_complete_when_build_state_returns_it():
@@ -195,3 +236,46 @@ def test_train_step_reads_in_one_screen():
              "zero_grad(", "scheduler.step()"]
     at = [body.find(w) for w in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))
+    # Only the step: how long it waited for data and where a stall is are the interval's StepProbe's, the first
+    # step's checks FirstStep's (a wrapper, not attributes swapped), when to evaluate the Validation's.
+    assert not re.findall(r"perf_counter|time\.|watch|phase|data_time|step_fn|after_backward|check_", body), body
+
+
+def test_the_trainer_only_loops():
+    """The Trainer is the loop over a State, about 200 lines; what it used to carry has owners of its own."""
+    tree = ast.parse((SRC / "train" / "loop.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 200, trainer.end_lineno - trainer.lineno + 1
+    methods = {n.name for n in trainer.body if isinstance(n, ast.FunctionDef)}
+    assert not methods & {"_first_step", "_checked_step", "_first_backward", "_eval_due", "_evaluate_all",
+                          "_evaluate_and_record", "_seed_epoch", "_hurry_writer"}, methods
+
+
+def test_private_apis_of_other_packages_are_named_in_compat_alone():
+    """A leading-underscore name of torch, Hydra, Optuna or Python's own modules — imported, or reached as an
+    attribute of such a module — appears only in ``ddplab.compat``, where each has a test (tests/test_compat.py)."""
+    def private(dotted: str) -> bool:
+        return not dotted.startswith("ddplab") and any(p.startswith("_") and not p.startswith("__")
+                                                         for p in dotted.split("."))
+
+    hits = []
+    for p in _outside("compat.py"):
+        tree = ast.parse(p.read_text())
+        names = {}  # local name -> the module it stands for
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names |= {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0])
+                          for a in n.names}
+                hits += [f"{p.relative_to(SRC)}:{n.lineno} import {a.name}" for a in n.names if private(a.name)]
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                hits += [f"{p.relative_to(SRC)}:{n.lineno} from {n.module} import {a.name}" for a in n.names
+                         if private(f"{n.module}.{a.name}")]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                root = n.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in names and not names[root.id].startswith("ddplab"):
+                    hits.append(f"{p.relative_to(SRC)}:{n.lineno} {ast.unparse(n)}")
+    documented = ("os._exit",)  # public despite the underscore (the docs of os)
+    assert [h for h in hits if h.rsplit(" ", 1)[-1] not in documented] == [], hits

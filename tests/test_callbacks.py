@@ -14,19 +14,11 @@ import torch
 
 import ddplab
 from helpers.counting import assert_quiet_between_log_steps, count_steps
-from helpers.jobs import (CONF, TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd,
-    run_killed_after_step)
+from helpers.compare import load
+from helpers.jobs import (CONF, TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, run_killed_after_step,
+                          torchrun_cmd)
 
 BASE = ["model=mlp", "progress=none"]  # digits: 22 steps per epoch
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def torchrun_cmd(nproc: int, args: list[str], script: Path = TRAIN) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-            *args]
 
 
 # ------------------------------------------------------------------------------------- EMA

@@ -160,7 +160,7 @@ def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
 def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
     args = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "+model.fault_call=7",
             "+model.fault_rank=0", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
-    from ddplab.metrics import NonFiniteLossError
+    from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 7 .*Fix: lower optimizer.lr"):
         ddplab.run(compose_cfg(args, run_dir=tmp_path / "stop"))
@@ -307,6 +307,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     from omegaconf import OmegaConf
 
     from ddplab.checkpoint import CheckpointManager
+    from ddplab.config.schema import CheckpointConfig
     from ddplab.runtime.group import Dist
 
     class Counter:  # any object with state_dict/load_state_dict
@@ -323,7 +324,7 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
         def check(self, ck, path):
             raise RuntimeError(f"resume: {path} does not suit Picky")
 
-    policy = OmegaConf.create({"every_n_steps": 0, "keep_last": 2, "save_best": True})
+    policy = OmegaConf.structured(CheckpointConfig)  # every_n_steps 0, keep_last 2, save_best: the defaults
 
     def manager(ema, counter):
         m = CheckpointManager(tmp_path / "checkpoints", policy, Dist(), {"config": "x"})

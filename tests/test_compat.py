@@ -297,3 +297,25 @@ def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
     again = StatefulDataLoader(Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
     again.load_state_dict(state)
     assert head + list(again) == list(range(40))
+
+
+def test_answer_hydra_mode_answers_unset_without_composing_only_where_nothing_can_set_it(monkeypatch):
+    """Hydra's ``Hydra.get_mode(self, config_name, overrides)``: the shortcut stands in for it where the
+    predicate says nothing can set ``hydra.mode`` (None: unset), and calls it otherwise; installed once."""
+    from hydra._internal.hydra import Hydra
+
+    assert list(inspect.signature(Hydra.get_mode).parameters) == ["self", "config_name", "overrides"]
+    composed: list[list[str]] = []
+    monkeypatch.setattr(Hydra, "get_mode", lambda self, name, overrides: composed.append(overrides) or "MULTIRUN")
+    compat.answer_hydra_mode(lambda overrides: "hydra.mode=MULTIRUN" in overrides)
+    assert Hydra.get_mode(None, "train", ["model=mlp"]) is None and composed == []
+    assert Hydra.get_mode(None, "train", ["hydra.mode=MULTIRUN"]) == "MULTIRUN"
+    assert composed == [["hydra.mode=MULTIRUN"]]
+    compat.answer_hydra_mode(lambda overrides: False)  # a second install keeps the first
+    assert Hydra.get_mode(None, "train", ["hydra.mode=MULTIRUN"]) == "MULTIRUN"
+
+
+def test_batch_norm_base_is_what_every_batch_norm_subclasses():
+    for kind in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm):
+        assert issubclass(kind, compat.BatchNormBase), kind
+    assert not issubclass(torch.nn.LayerNorm, compat.BatchNormBase)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from helpers.jobs import CONF, compose_cfg, torchrun
+from helpers.jobs import CONF, assert_ok, compose_cfg, python_train, torchrun
 from ddplab import build
 from ddplab.config import ConfigError, validate
-from ddplab.batch_size import global_batch_size
+from ddplab.train.batch_size import global_batch_size
 
 
 def options(group: str) -> list[str]:
@@ -269,3 +269,66 @@ def test_a_folder_named_like_an_extra_is_not_the_extra(tmp_path, monkeypatch):
     assert importlib.util.find_spec("ddplab_absent_extra") is not None  # what the check was fooled by
     assert not schema._installed("ddplab_absent_extra")
     assert schema._installed("omegaconf")
+
+
+def test_a_default_lives_in_the_schema_alone():
+    """No use site restates a schema key's default (``cfg.get("key", default)``): every config arrives typed
+    (``ddplab.config.typed``), so the schema's default is the one. The reads left are of other data that
+    shares a key's name, each with its reason."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from ddplab.config import schema
+
+    keys = {f.name for obj in vars(schema).values() if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+            for f in dataclasses.fields(obj)}
+    src = Path(schema.__file__).parents[1]
+    found = {f"{p.relative_to(src)}:{n.args[0].value}" for p in src.rglob("*.py")
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+             and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys}
+    assert found == {
+        "rundir.py:params",  # a study trial's JSON record
+        "train/resuming.py:batch_size_scope", "train/resuming.py:grad_accum_steps",  # a checkpoint's flat config,
+        "study/worker.py:seed",  # a sampler's spec                                  # maybe an older ddplab's
+        "study/space.py:name",  # a search-space entry
+    }, found
+
+
+def test_a_config_from_plain_data_is_typed_by_the_schema(caplog):
+    """A checkpoint's stored config, a rank's copy: a key it lacks gets the schema's default, a key the schema
+    no longer has is dropped and named, a value of the wrong type is one ConfigError naming key and value."""
+    from omegaconf import OmegaConf
+
+    from ddplab.config.schema import PerfConfig
+    from ddplab.config.typed import typed
+
+    plain = OmegaConf.to_container(compose_cfg(["model=mlp"]), resolve=True, enum_to_str=True)
+    del plain["perf"]["prefetch_factor"], plain["eval_every_n_steps"]  # stored by an older ddplab
+    plain["perf"]["retired_key"] = 3
+    with caplog.at_level("WARNING", logger="ddplab"):
+        cfg = typed(plain, "resume=x.pt's stored config")
+    assert OmegaConf.get_type(cfg.perf) is PerfConfig and cfg.perf.prefetch_factor == 2
+    assert cfg.eval_every_n_steps == 0 and str(cfg.mode) == "train"
+    assert "resume=x.pt's stored config: keys this ddplab does not know, ignored: perf.retired_key" in caplog.text
+    plain["batch_size"] = "many"
+    with pytest.raises(ConfigError, match=r"^resume=x.pt's stored config: batch_size='many': Value 'many' of type"):
+        typed(plain, "resume=x.pt's stored config")
+
+
+def test_every_rank_trains_on_the_typed_config(tmp_path):
+    """Self-launched ranks (the parent's config travels to them) and torchrun's (each composes, then takes rank 0's
+    values) hold the config as the schema types it: each node its schema's, an option's too (MLPConfig)."""
+    import json
+
+    want = {"perf": "PerfConfig", "checkpoint": "CheckpointConfig", "model": "MLPConfig", "optimizer": "SGDConfig",
+            "(root)": "TrainConfig"}
+    args = ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none", "checkpoint.enabled=false",
+            "+callbacks.types._target_=toy.NotesConfigTypes"]
+    launch = ["distributed.nproc_per_node=3", "distributed.oversubscribe_cpu=true"]
+    assert_ok(python_train(args + launch + [f"hydra.run.dir={tmp_path / 'self'}"], tmp_path))
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'torchrun'}"], tmp_path))
+    seen = {f"{d}/{r}": json.loads((tmp_path / d / f"types-{r}.json").read_text())
+            for d, n in (("self", 3), ("torchrun", 2)) for r in range(n)}
+    assert seen == {k: want for k in seen}, seen

@@ -37,8 +37,25 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
             assert (f"`{group}={path.stem}`" in text or f"`callbacks=[{path.stem}]`" in text
                     or f"| `{path.stem}` |" in text), (group, path.stem)
     assert set(GROUPS) >= {"model", "dataset", "optimizer", "scheduler", "task", "callbacks"}
-    blank = [line for line in text.splitlines() if line.startswith("| `") and line.rstrip().endswith("|  |")]
-    assert blank == [], f"keys without a meaning (give the schema field a comment): {blank[:5]}"
+    # Every key its own meaning (give the schema field a comment of its own), every option its description.
+    assert config_reference.unmeant(text) == [], config_reference.unmeant(text)
+    assert "\n(conf/" not in text, "an option's yaml without its opening comment"
+
+
+def test_a_comment_means_the_one_key_under_it():
+    """A comment block above one field does not also describe the fields after it (the rank timeout's comment
+    was the meaning of four DDP keys); a field's trailing comment is its own."""
+    @dataclasses.dataclass
+    class Example:
+        # the first key's meaning
+        first: int = 0
+        second: int = 0
+        third: int = 0  # the third's own
+
+    assert config_reference.field_comments(Example) == {"first": "the first key's meaning", "second": "",
+                                                         "third": "the third's own"}
+    table = "| key | default | meaning |\n| --- | --- | --- |\n| `a` | `1` | x |\n| `b` | `2` | x |\n| `c` | `3` |  |\n"
+    assert config_reference.unmeant(table) == ["b: the meaning of a", "c: no meaning"]
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.jobs import assert_ok, python_train
 from ddplab.events import events_in, read_hparams, read_scalars
-from ddplab.reporting import wrap
+from ddplab.train.reporting import wrap
 from ddplab.rundir import label, swept
 from ddplab.sweep import summarize, to_console
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 PROBE = REPO / "tests" / "workers" / "probe_worker.py"
 
 
-def result(proc) -> dict:
+def printed_result(proc) -> dict:
     assert_ok(proc)
     return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
 
@@ -307,9 +307,9 @@ def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
 # ---------------------------------------- 7. accumulation, 8. set_epoch
 def test_accumulation_equals_the_big_batch_and_skips_allreduce_on_micro_steps(tmp_path):
     common = ["model=mlp", "model.dropout=0", "num_epochs=2", "progress=none"]
-    acc = result(torchrun(2, [str(tmp_path / "acc"), *common, "batch_size=32", "grad_accum_steps=3"],
+    acc = printed_result(torchrun(2, [str(tmp_path / "acc"), *common, "batch_size=32", "grad_accum_steps=3"],
                           tmp_path, script=PROBE))
-    big = result(torchrun(2, [str(tmp_path / "big"), *common, "batch_size=96"], tmp_path, script=PROBE))
+    big = printed_result(torchrun(2, [str(tmp_path / "big"), *common, "batch_size=96"], tmp_path, script=PROBE))
     assert acc["steps"] == big["steps"] == 2 * (1438 // 96)
     # One all-reduce per optimizer step (the mlp fits one bucket), none on the 2 no_sync micro-steps.
     assert acc["micro_batches"] == 3 * acc["steps"]
@@ -322,7 +322,7 @@ def test_accumulation_equals_the_big_batch_and_skips_allreduce_on_micro_steps(tm
 
 
 def test_set_epoch_every_epoch_disjoint_covering_reshuffled_reproducible(tmp_path):
-    res = result(torchrun(2, [str(tmp_path / "run"), "model=mlp", "num_epochs=3", "batch_size=64",
+    res = printed_result(torchrun(2, [str(tmp_path / "run"), "model=mlp", "num_epochs=3", "batch_size=64",
                               "progress=none", "seed=7"], tmp_path, script=PROBE))
     per_rank = {r["rank"]: {int(e): sum(b, []) for e, b in r["seen"].items()} for r in res["ranks"]}
     n_used = (1438 // 64) * 64

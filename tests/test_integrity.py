@@ -20,15 +20,12 @@ import yaml
 
 import ddplab
 from helpers.jobs import (TRAIN, assert_ok, compose_cfg, free_port, job_env, python_train, read_scalars, tmpfs, torchrun)
+from helpers.compare import load
 from ddplab.checkpoint import files
 from ddplab.runtime.watch import GRACE_S
 from ddplab.config import ConfigError
 
 BASE = ["model=mlp", "num_epochs=2", "progress=none"]  # digits: 22 steps per epoch
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # ------------------------------------------------------------------ config drift on resume

@@ -264,3 +264,29 @@ def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_
     want = load_file(export(run_dir, "safetensors", tmp_path / "want")[0] / "model.safetensors")
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
     assert [s for s, _ in history(client, run, "train/loss")] == [s for s, _ in read_scalars(run_dir / "tb")["train/loss"]]
+
+
+@pytest.mark.slow  # a fresh interpreter that imports MLflow: seconds
+def test_mlflow_is_imported_with_its_usage_telemetry_off(tmp_path):
+    """Outside CI (a user's run: no CI variable, no pytest) MLflow's telemetry starts a thread at import that
+    fetches its config from the internet and then writes os.environ, racing the requests ddplab's writer thread
+    sends: a KeyError ('_MLFLOW_TELEMETRY_SESSION_ID') ended MLflow logging for the soak's trial 1864753826. The
+    writer sets MLFLOW_DISABLE_TELEMETRY=true before MLflow is imported, where the user has not set it."""
+    from mlflow.telemetry import utils  # the variables that count as CI for MLflow, read from its own code
+
+    ci_like = {"CI", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD",
+               "TRAVIS", "CIRCLECI", "TEAMCITY_VERSION", "CODEBUILD_BUILD_ARN", "BITBUCKET_BUILD_NUMBER",
+               "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID",
+               "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"}
+    assert "PYTEST_CURRENT_TEST" in __import__("inspect").getsource(utils._is_ci_env_or_testing)
+    probe = ("import os, threading\n"
+             f"for k in {sorted(ci_like)!r}: os.environ.pop(k, None)\n"
+             "from ddplab.tracking import mlflow_environment\n"
+             "mlflow_environment()\n"
+             "import mlflow\n"
+             "from mlflow.telemetry.utils import is_telemetry_disabled\n"
+             "print(is_telemetry_disabled(), os.environ['MLFLOW_DISABLE_TELEMETRY'],\n"
+             "      sorted(t.name for t in threading.enumerate() if 'Telemetry' in t.name))\n")
+    proc = run_cmd([sys.executable, "-c", probe], tmp_path, timeout=120)
+    assert_ok(proc)
+    assert proc.stdout.split("\n")[-2] == "True true []", proc.stdout

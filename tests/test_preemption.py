@@ -20,6 +20,7 @@ import torch
 
 from helpers import jobs
 from helpers.jobs import TRAIN, assert_ok, job_env, read_scalars, run_cmd
+from helpers.compare import result
 
 pytestmark = pytest.mark.dist
 
@@ -56,11 +57,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 60) -> float:
     return time.monotonic() - t0
 
 
-def result(run: Path) -> dict:
-    return json.loads((run / "result.json").read_text())
-
-
-def weights(run: Path) -> dict:
+def weights_and_momentum(run: Path) -> dict:
     ck = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     return {**{f"model.{k}": v for k, v in ck["model"].items()},
             **{f"momentum.{i}": s["momentum_buffer"] for i, s in ck["optimizer"]["state"].items()}}
@@ -123,7 +120,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bi
     assert_ok(run_cmd(TORCHRUN + SLOW + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=180))
     assert result(run)["status"] == "completed"
     assert_ok(run_cmd(TORCHRUN + SLOW + [f"hydra.run.dir={ref}"], tmp_path, timeout=180))
-    a, b = weights(run), weights(ref)
+    a, b = weights_and_momentum(run), weights_and_momentum(ref)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
     # One TensorBoard history: each step logged once, with the uninterrupted run's values.
     s, r = read_scalars(run / "tb")["train/loss"], read_scalars(ref / "tb")["train/loss"]

@@ -1,19 +1,14 @@
 """Stop after epoch 1, resume=auto continues at epoch 2 with the same optimizer/scheduler state."""
 
 import pytest
-import torch
 
 import ddplab
-from helpers.compare import assert_same_checkpoint
+from helpers.compare import assert_same_checkpoint, load
 from helpers.jobs import assert_ok, compose_cfg, job_dirs, python_train, read_scalars, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs, stopped and resumed
 
 ARGS = ["model=mlp", "num_epochs=2", "log_every_n_steps=10", "progress=none"]  # mlp has dropout
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def assert_same_state(a, b):

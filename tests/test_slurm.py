@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers.jobs import TRAIN, job_env, read_scalars, run_cmd
+from helpers.compare import last_weights, result
 from soak_toy import check_intervals
 
 # One xdist worker takes them in turn (--dist loadgroup): the one-node cluster runs one 2-task job at a time,
@@ -87,14 +88,6 @@ def wait_job(job: str, tmp_path: Path, timeout: float = 240) -> dict[str, str]:
             logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("slurm-*.out"))
             raise AssertionError(f"job {job} still {info.get('JobState')} after {timeout}s\n{logs}")
         time.sleep(0.5)
-
-
-def result(run: Path) -> dict:
-    return json.loads((run / "result.json").read_text())
-
-
-def weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def srun_train(args: list[str]) -> str:
@@ -185,7 +178,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _assert_same_as_uninterrupted(run: Path, ref: Path) -> None:
-    w, r = weights(run), weights(ref)
+    w, r = last_weights(run), last_weights(ref)
     assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)  # bitwise
     s, t = read_scalars(run)["train/loss"], read_scalars(ref)["train/loss"]
     # A stop between log steps logs the interval so far before its checkpoint: the run's log steps are the

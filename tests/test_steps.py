@@ -118,7 +118,7 @@ def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus
 def test_the_eta_is_the_training_left_at_the_slowest_ranks_pace():
     """The step time is measured, so a test cannot know which of the three forms a real run prints (a loaded CI
     machine made 12 s into 1m24s): each form, from a given pace."""
-    from ddplab.reporting import Progress
+    from ddplab.train.reporting import Progress
 
     p = Progress("none", length=RunLength(1, None, 250))
     assert [p._eta(step, {"vitals/step_time_ms_max": ms}) for step, ms in

@@ -9,7 +9,6 @@ from collections import namedtuple
 import pickle
 import re
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 
 import ddplab
 import toy
-from helpers.compare import assert_same_checkpoint
+from helpers.compare import assert_same_checkpoint, result
 from helpers.jobs import (assert_ok, compose_cfg, python_train, rank_kills_itself, ranks, run_killed_after_step,
                           torchrun)
 from ddplab import build
@@ -105,7 +104,6 @@ def test_a_position_saves_the_same_state_whether_or_not_the_loader_was_resumed_o
 
     ref = run(6, None)
     assert [run(6, k) for k in (1, 2, 3, 4)] == [ref] * 4
-
 
 
 def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
@@ -220,11 +218,6 @@ def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
             (tmp_path / "ref", tmp_path / "run")]
     assert_same_checkpoint(*last, entries=("model", "optimizer", "scheduler", "loop", "data"))
     assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"] == 2 * (1438 // 48)
-
-
-
-def result(run: Path) -> dict:
-    return json.loads((run / "result.json").read_text())
 
 
 @pytest.mark.dist

@@ -16,16 +16,9 @@ import torch
 
 import ddplab
 from helpers.counting import assert_quiet_between_log_steps, count_steps
-from helpers.jobs import REPO, TRAIN, assert_ok, compose_cfg, ranks, read_scalars, run_cmd, run_killed_after_step
+from helpers.jobs import REPO, TRAIN, assert_ok, torchrun_cmd, compose_cfg, ranks, read_scalars, run_cmd, run_killed_after_step
+from helpers.compare import last_weights
 from ddplab.task import TaskError
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def weights(run: Path) -> dict[str, torch.Tensor]:
-    return load(run / "checkpoints" / "last.pt")["model"]
 
 
 def assert_close_weights(a: dict, b: dict, rel: float = 1e-5) -> None:
@@ -33,11 +26,6 @@ def assert_close_weights(a: dict, b: dict, rel: float = 1e-5) -> None:
     for k in a:
         scale = b[k].abs().max().clamp_min(1e-12)
         assert ((a[k] - b[k]).abs().max() / scale).item() <= rel, k
-
-
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-            *args]
 
 
 # --------------------------------------------------------------------------- shipped examples
@@ -71,7 +59,7 @@ def test_regression_is_exact_over_world_sizes_1_2_3_and_minimises_its_objective(
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = json.loads((tmp_path / str(n) / "result.json").read_text())["metrics"]
     for n in (2, 3):
-        assert_close_weights(weights(tmp_path / str(n)), weights(tmp_path / "1"))
+        assert_close_weights(last_weights(tmp_path / str(n)), last_weights(tmp_path / "1"))
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"] == 88  # every val sample once
         for m in ("val/mse", "val/mae", "val/loss"):
             assert runs[n][m] == pytest.approx(runs[1][m], rel=1e-5), (n, m)
@@ -100,7 +88,7 @@ def test_lm_kill_and_resume_is_bitwise(tmp_path):
 
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
-    a, b = weights(tmp_path / "run"), weights(tmp_path / "ref")
+    a, b = last_weights(tmp_path / "run"), last_weights(tmp_path / "ref")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rest["val/loss"] == ref["val/loss"] and rest["val/perplexity"] == ref["val/perplexity"]
 
@@ -211,7 +199,7 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
         runs[n] = json.loads((tmp_path / str(n) / "result.json").read_text())["metrics"]
     assert "data: DataLoader" in proc.stdout + proc.stderr  # a user's Dataset class goes through their collate_fn
     for n in (2, 3):
-        assert_close_weights(weights(tmp_path / str(n)), weights(tmp_path / "1"))
+        assert_close_weights(last_weights(tmp_path / str(n)), last_weights(tmp_path / "1"))
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"] == 61
         for m in ("val/sq_err", "val/abs_err", "val/within_half", "train/sq_err"):
             assert runs[n][m] == pytest.approx(runs[1][m], rel=1e-5), (n, m)
@@ -258,7 +246,7 @@ def test_bad_task_output_or_batch_is_a_clear_error_naming_the_task(tmp_path, ove
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_a_nan_from_a_task_names_the_task_and_the_step(tmp_path):
-    from ddplab.metrics import NonFiniteLossError
+    from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 1 .*task BadTask"):
         ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "task._target_=toy.BadTask",

@@ -13,8 +13,11 @@ are the very lists the toys append to:
   DigitStream, StatefulDigitStream, UnevenDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
 * ``toy_callbacks`` — a user's callbacks: Recorder, TrainingOnlyRecorder, SignalJobAtLastSave,
   KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, DiskHeldForTwoSteps, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
-  NotesTheFreeze, CountsPageFaults.
+  NotesTheFreeze, CountsPageFaults;
+* and here: NotesConfigTypes.
 """
+
+import json
 
 from toy_callbacks import (  # noqa: F401
     RECORDED,
@@ -65,3 +68,14 @@ from toy_models import (  # noqa: F401
     UnusedParamMLP,
     _rank,
 )
+
+
+class NotesConfigTypes:
+    """Writes the schema types this rank's config arrived with: ``<run dir>/types-<rank>.json``."""
+
+    def setup(self, state):
+        from omegaconf import OmegaConf
+
+        kinds = {k: OmegaConf.get_type(state.cfg[k]).__name__ for k in ("perf", "checkpoint", "model", "optimizer")}
+        kinds["(root)"] = OmegaConf.get_type(state.cfg).__name__
+        (state.run_dir / f"types-{state.dist.rank}.json").write_text(json.dumps(kinds))

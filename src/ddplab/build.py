@@ -149,10 +149,10 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
     """The dataset on its device (the fast path where it fits), this rank's sampler and loader,
     and the optimizer steps per epoch (``limit_train_steps``, ``overfit_batches`` applied)."""
     data, augment = dataset(cfg)
-    per_step = global_batch * accum  # samples per optimizer step (ddplab.batch_size)
+    per_step = global_batch * accum  # samples per optimizer step (ddplab.train.batch_size)
     if is_stream(data.train):
         return _stream_data(cfg, dist, data, augment, global_batch, accum)
-    if cfg.get("overfit_batches"):
+    if cfg.overfit_batches:
         keep = min(len(data.train), cfg.overfit_batches * per_step)
         data.train = _head(data.train, keep)
         data.val = data.train  # learning at all shows first on the very batches it trains on
@@ -169,9 +169,9 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
             f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
     shield = signals.WorkerShield()  # a preemption signal is the rank's, not its loader workers'
     loader = TrainLoader(data.train, sampler, dist.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
-                         indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.get("prefetch_factor", 2),
+                         indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.prefetch_factor,
                          worker_init_fn=shield, starting_workers=shield.starting)
-    steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
+    steps = min(sampler.steps_per_epoch, cfg.limit_train_steps or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
 
@@ -190,7 +190,7 @@ def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_
         except TypeError:
             raise ConfigError(f"{name}: its {part} IterableDataset has no __len__. Fix: give it __len__ (the samples "
                               "one epoch yields): the lr schedule and every rank's step count come from it") from None
-    for key, on in (("overfit_batches", cfg.get("overfit_batches")), ("dataset.augment", augment is not None and
+    for key, on in (("overfit_batches", cfg.overfit_batches), ("dataset.augment", augment is not None and
                                                                        augment.enabled)):
         if on:
             raise ConfigError(f"{key}: not for an IterableDataset ({name}). Fix: drop {key}, or augment inside "
@@ -203,8 +203,8 @@ def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_
     rows = functools.partial(collectives.all_ranks_rows, dist=dist) if dist.world_size > 1 else None
     shield = signals.WorkerShield()
     loader = StreamLoader(data.train, sampler, dist.device, cfg.perf.num_workers, cfg.perf.pin_memory,
-                          data.collate_fn, cfg.perf.get("prefetch_factor", 2), shield, rows, name, shield.starting)
-    steps = min(sampler.steps_per_epoch, cfg.get("limit_train_steps") or sampler.steps_per_epoch)
+                          data.collate_fn, cfg.perf.prefetch_factor, shield, rows, name, shield.starting)
+    steps = min(sampler.steps_per_epoch, cfg.limit_train_steps or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
 

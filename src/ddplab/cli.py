@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import modes, redact, rundir, verify
+from ddplab import compat, modes, redact, rundir, verify
 from ddplab.config import ConfigError, InputError
 from ddplab.errors import RecordWriteError, ResourceError, was_said
 from ddplab.runtime import env, group, launch, requeue, watch
@@ -262,20 +262,9 @@ def skip_needless_mode_lookup(conf: Path) -> None:
     ``hydra.mode`` (run or multirun): about 0.15 s of every start, on every rank. Where nothing the command
     line selects can set it — no ``hydra...`` override, no option file of ``conf`` that sets it (or pulls in
     one that does), no other config dir — Hydra's look-up can only find it unset; it is answered so without
-    composing (``tests/test_cli.py`` checks the answer against Hydra's for every option in ``conf``)."""
-    from hydra._internal.hydra import Hydra
-
-    lookup = Hydra.get_mode
-    if getattr(lookup, "ddplab_fast", False):
-        return
-
-    def get_mode(self: Any, config_name: str | None, overrides: list[str]) -> Any:
-        if mode_may_be_set(conf, overrides, sys.argv):
-            return lookup(self, config_name, overrides)
-        return None
-
-    get_mode.ddplab_fast = True  # type: ignore[attr-defined]
-    Hydra.get_mode = get_mode  # type: ignore[method-assign]
+    composing (``compat.answer_hydra_mode``; ``tests/test_mode_lookup.py`` checks the answer against Hydra's
+    for every option in ``conf``)."""
+    compat.answer_hydra_mode(lambda overrides: mode_may_be_set(conf, overrides, sys.argv))
 
 
 def mode_may_be_set(conf: Path, overrides: list[str], argv: list[str]) -> bool:

@@ -1,4 +1,4 @@
-"""Every private torch (and Optuna) API ddplab relies on, in one place.
+"""Every private torch (and Optuna, Hydra, Python) API ddplab relies on, in one place.
 
 Each is a leading-underscore name torch may change or drop in any release. Keeping them here means a
 torch upgrade breaks one module, and ``tests/test_compat.py`` names which entry broke (each entry has a
@@ -20,6 +20,8 @@ test that calls it for real). Where a public equivalent appears, replace the bod
 | defer_dynamo            | ``torch._compile._disable_dynamo``'s cache ``__dynamo_disable``, ``optimizer._use_grad_for_differentiable`` | both import dynamo |
 | ddp_reducer_without_dynamo | ``torch._dynamo.utils.get_optimize_ddp_mode`` (DDP's constructor calls it) | DDP imports dynamo |
 | loader_workers, stream_state | torchdata ``StatefulDataLoader.state_dict()``'s ``_snapshot`` layout | the format is undocumented |
+| BatchNormBase           | ``torch.nn.modules.batchnorm._BatchNorm``                 | BatchNorm1d/2d/3d's base     |
+| answer_hydra_mode       | ``hydra._internal.hydra.Hydra.get_mode`` (``@hydra.main`` composes once more to read it) | no hook |
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm  # what BatchNorm1d/2d/3d and SyncBatchNorm subclass
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -328,3 +332,20 @@ def stream_state(state: dict[str, Any]) -> dict[str, Any]:
         return state
     main = {**snapshot["_main_snapshot"], "_sampler_iter_yielded": snapshot["_snapshot_step"]}  # the loader's own
     return {**state, "_snapshot": {**snapshot, "_main_snapshot": main}}  # dicts stay as they are
+
+
+def answer_hydra_mode(may_be_set: Callable[[list[str]], bool]) -> None:
+    """``@hydra.main`` composes the whole config once more, before the job's own compose, only to read
+    ``hydra.mode``: answered "unset" without composing where ``may_be_set(overrides)`` says nothing can set it
+    (Hydra's own look-up otherwise). Installed once a process."""
+    from hydra._internal.hydra import Hydra
+
+    lookup = Hydra.get_mode
+    if getattr(lookup, "ddplab_answered", False):
+        return
+
+    def get_mode(self: Any, config_name: str | None, overrides: list[str]) -> Any:
+        return lookup(self, config_name, overrides) if may_be_set(overrides) else None
+
+    get_mode.ddplab_answered = True  # type: ignore[attr-defined]
+    Hydra.get_mode = get_mode  # type: ignore[method-assign]

@@ -10,13 +10,14 @@ import logging
 import time
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ddplab import rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
+from ddplab.config.typed import resolved_copy
 from ddplab.errors import RecordWriteError, ResourceError, mark_said
 from ddplab.runtime.console import job_tag
-from ddplab.resuming import eval_config
+from ddplab.train.resuming import eval_config
 from ddplab.runtime import env, group, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
@@ -75,8 +76,8 @@ def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], s
     session.report_failures_at(state.position)
     trainer = Trainer(state)
     if evaluating:
-        return trainer.evaluate(), None, None
-    return trainer.train(), state.stop_reason, {"name": state.cfg.objective, "minimize": state.results.minimize}
+        return trainer.evaluate_checkpoint(), None, None
+    return trainer.fit(), state.stop_reason, {"name": state.cfg.objective, "minimize": state.results.minimize}
 
 
 def _check_room(cfg: DictConfig) -> None:
@@ -105,11 +106,10 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
 
     run_dir = rundir.own_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # Resolved here, where Hydra's resolvers (${now:}, ${hydra:}) still work.
-    job = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-           "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided here, where Hydra's config is
+    config = resolved_copy(cfg)  # here, where Hydra's resolvers (${now:}, ${hydra:}) still work; typed
+    config.run_dir = str(run_dir)
+    job = {"config": config, "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided where Hydra's config is
            "log_tag": job_tag(), "evaluating": evaluating}
-    job["config"]["run_dir"] = str(run_dir)
     from ddplab.runtime.launch import RankRefusedConfig, RankSaid
 
     started = time.time()
@@ -151,13 +151,11 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
-    """One self-launched rank: the resolved config as a plain dict → the parent's job (train or evaluate)."""
+    """One self-launched rank: the parent's resolved, typed config → its job (train or evaluate)."""
     from ddplab.runtime.launch import CONFIG_EXIT, SAID_EXIT, let_rank_zero_report
 
-    cfg = OmegaConf.create(job["config"])
-    OmegaConf.set_struct(cfg, True)
     try:
-        return _job(cfg, job["search_earlier_runs"], job["evaluating"])
+        return _job(job["config"], job["search_earlier_runs"], job["evaluating"])
     except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
         let_rank_zero_report()
         raise SystemExit(CONFIG_EXIT) from None

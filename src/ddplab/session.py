@@ -66,13 +66,13 @@ class Session:
         return self
 
     def _agree(self) -> None:
-        st = self.dist
-        if not st.is_main:
+        dist = self.dist
+        if not dist.is_main:
             logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something is wrong
-        self.cfg = collectives.sync_config(self.cfg, st)  # a sweeper may have sampled per rank
+        self.cfg = collectives.sync_config(self.cfg, dist)  # a sweeper may have sampled per rank
         # One dir per job: rank 0's (Hydra made it); other ranks never make their own.
-        self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), st))
-        if not st.is_main:  # submitit runs Hydra in every task: only rank 0 writes the job's train.log
+        self.run_dir = Path(collectives.broadcast_object(str(rundir.own_run_dir(self.cfg)), dist))
+        if not dist.is_main:  # submitit runs Hydra in every task: only rank 0 writes the job's train.log
             for h in [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]:
                 if Path(h.baseFilename).parent == self.run_dir.absolute():
                     logging.getLogger().removeHandler(h)
@@ -80,7 +80,7 @@ class Session:
         if self.search_earlier_runs is None:  # not decided by a self-launching parent
             self.search_earlier_runs = rundir.is_hydras_default(self.cfg)
         # Rank 0's verdict goes to every rank, so all stop together instead of waiting on rank 0.
-        problem = collectives.broadcast_object(self._hold_run_dir() if st.is_main else None, st)
+        problem = collectives.broadcast_object(self._hold_run_dir() if dist.is_main else None, dist)
         if problem:
             raise RuntimeError(problem)
         restarts = env.restarts()
@@ -89,11 +89,11 @@ class Session:
                      ", ".join(f"{why} {n}" for why, n in restarts.items()))
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
-        table, rows = collectives.rank_table(st, collectives.rank_config_digest(self.cfg))
+        table, rows = collectives.rank_table(dist, collectives.rank_config_digest(self.cfg))
         log.info("ranks: %s", table)
         self.hosts = {int(r["rank"]): str(r["host"]) for r in rows}
         # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
-        prov = provenance.collect(rows, st.backend, redact.keys_of(self.cfg)) if st.is_main else None
+        prov = provenance.collect(rows, dist.backend, redact.keys_of(self.cfg)) if dist.is_main else None
         self.provenance = provenance.write(self.run_dir, prov) if prov is not None else ""
 
     def _hold_run_dir(self) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ddplab.reporting import shown
+from ddplab.train.reporting import shown
 from ddplab.rundir import label, read_overrides, read_result, swept
 from ddplab.train.state import best_name
 

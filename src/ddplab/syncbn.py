@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddplab import compat
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -33,7 +34,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
-class GlobalBatchNorm(_BatchNorm):
+class GlobalBatchNorm(compat.BatchNormBase):
     """BatchNorm{1,2,3}d whose training statistics span every rank's batch."""
 
     def _check_input_dim(self, x: Tensor) -> None:
@@ -83,7 +84,7 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
 
 def _swap(module: nn.Module) -> nn.Module:
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
+    if isinstance(module, compat.BatchNormBase) and not isinstance(module, GlobalBatchNorm):
         out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                               module.track_running_stats)
         with torch.no_grad():

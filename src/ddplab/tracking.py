@@ -306,7 +306,7 @@ def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
     """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or ddplab."""
     if cfg.mlflow.get("experiment"):
         return str(cfg.mlflow.experiment)
-    if "study" in (cfg.get("callbacks") or {}):
+    if "study" in (cfg.callbacks or {}):
         return f"study {cfg.study.name}"
     if multirun:
         return f"sweep {run_dir.parent.resolve()}"
@@ -326,6 +326,7 @@ def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: boo
 
 
 def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = True) -> MLflowWriter:
+    mlflow_environment()
     try:
         import mlflow  # noqa: F401
     except ImportError:
@@ -333,15 +334,24 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = Tru
 
         raise ConfigError("logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
                           "'ddplab[mlflow]', or logger=[tensorboard]") from None
-    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each,
-    # backoff doubling from 2 s).
+    return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
+                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.log_model) and log_model)
+
+
+def mlflow_environment() -> None:
+    """MLflow's switches that ddplab sets where the user has not, before MLflow is imported (it reads some then)."""
     from ddplab.runtime import env
 
+    # Its usage telemetry (on by default outside CI): a thread MLflow starts at import fetches a config from the
+    # internet, then writes os.environ, while this writer's thread sends (requests reads the environment for
+    # proxies): one KeyError ended MLflow logging for a run (the soak's trial 1864753826). Offline clusters gain
+    # nothing from it. MLFLOW_DISABLE_TELEMETRY=false keeps it.
+    env.library_default("MLFLOW_DISABLE_TELEMETRY", "true")
+    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each,
+    # backoff doubling from 2 s).
     env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     # No jitter: urllib3 and MLflow draw it from Python's global `random`, from this writer's thread at any moment,
     # so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the server's health.
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
-    return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
-                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.get("log_model", True)) and log_model)

@@ -34,8 +34,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import rundir, strategy
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.checkpoint.compare import first_difference
+from ddplab.config.typed import typed
 from ddplab.config import ConfigError, validate
 from ddplab.runtime import env
 from ddplab.runtime.launch import CONFIG_EXIT
@@ -271,9 +272,8 @@ def _child_main(refusal: str) -> int:
     from ddplab.job import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfg = OmegaConf.create(json.loads(sys.stdin.read()))
-    OmegaConf.set_struct(cfg, True)
     try:
+        cfg = typed(json.loads(sys.stdin.read()), "verify_resume's run")
         train(cfg, search_earlier_runs=False)
     except Preempted as e:
         return e.exit_code

@@ -11,10 +11,24 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from ddplab.errors import ResourceError
 from ddplab.runtime.group import Dist
+
+
+class Writer(Protocol):
+    """Where a job's scalars, texts and images go: what the loop, callbacks and tasks call (``state.writer``)."""
+
+    def scalars(self, values: dict[str, float], step: int) -> None: ...
+    def text(self, tag: str, value: str) -> None: ...
+    def hparams(self, hparams: dict[str, Any], trial: str) -> None: ...
+    def charts(self, categories: dict[str, dict[str, list[str]]]) -> None: ...
+    def image(self, tag: str, image: Any, step: int) -> None: ...
+    def purge_after(self, step: int) -> None: ...
+    def close(self) -> None: ...
+    def hurry(self, seconds: float) -> None: ...
+    def drain(self) -> None: ...
 
 
 class NullWriter:
@@ -199,5 +213,5 @@ def _after_earlier_event_files(log_dir: str) -> None:
         time.sleep(0.05)
 
 
-def make_writer(dist: Dist, log_dir: str) -> Any:
+def make_writer(dist: Dist, log_dir: str) -> Writer:
     return TensorBoardWriter(log_dir) if dist.is_main else NullWriter()

@@ -1,7 +1,9 @@
-"""One bitwise comparison, for checkpoints and anything nested in them (the tests' and the soak's)."""
+"""One bitwise comparison, for checkpoints and anything nested in them (the tests' and the soak's), and what a
+run leaves read back: its checkpoints, their weights, its result.json."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,20 @@ def same(a: Any, b: Any, where: str = "") -> str | None:
     return first_difference(a, b, where)
 
 
-def load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def load(path: Path, converted: bool = False) -> dict[str, Any]:
+    """A checkpoint, read as ddplab reads one (``weights_only``: tensors and plain data, nothing that runs code);
+    ``converted``: a file torch's DCP converter wrote for this test (its entries are not all plain)."""
+    return torch.load(path, map_location="cpu", weights_only=not converted)
+
+
+def last_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The model entry of a run's last checkpoint."""
+    return load(run / "checkpoints" / "last.pt")["model"]
+
+
+def result(run: Path) -> dict[str, Any]:
+    """A run's result.json."""
+    return json.loads((run / "result.json").read_text())
 
 
 def load_whole(path: Path) -> dict[str, Any]:
@@ -30,7 +44,7 @@ def load_whole(path: Path) -> dict[str, Any]:
     if "sharded" in ck:
         with tempfile.TemporaryDirectory() as tmp:
             dcp_to_torch_save(str(Path(path).parent / ck.pop("sharded")["sidecar"]), Path(tmp) / "whole.pt")
-            ck.update(load(Path(tmp) / "whole.pt"))
+            ck.update(load(Path(tmp) / "whole.pt", converted=True))
     return ck
 
 

@@ -123,9 +123,12 @@ def _servable(args: list[str]) -> bool:
 def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
              script: Path = TRAIN, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N script ARGS` (a free port each time)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *script_args]
-    return run_cmd(cmd, cwd, timeout, extra_env)
+    return run_cmd(torchrun_cmd(nproc, script_args, script), cwd, timeout, extra_env)
+
+
+def torchrun_cmd(nproc: int, script_args: list[str], script: Path = TRAIN) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+            *script_args]
 
 
 def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300,

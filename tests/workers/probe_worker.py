@@ -60,7 +60,7 @@ def count_forward(module, args):
 
 
 trainer.state.module.register_forward_pre_hook(count_forward)
-out = trainer.train()
+out = trainer.fit()
 everyone = [None] * state.world_size
 dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
 if state.is_main:

@@ -9,7 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from ddplab.metrics import SumMeter, TrainMetrics
+from ddplab.train.metrics import SumMeter, TrainMetrics
 from ddplab.runtime import group
 from ddplab.task import ClassificationTask, TaskOutput
 from omegaconf import OmegaConf

@@ -37,7 +37,7 @@ report = {
     "bucket_cap_bytes": int(data.get("bucket_cap_bytes", -1)),
     "comm_hook": data.get("comm_hook", ""),
 }
-out = trainer.train()
+out = trainer.fit()
 report["val_acc"] = out["val/acc"]
 report["losses"] = [out["train/loss"]]
 if state.is_main:

@@ -6,7 +6,7 @@ import logging
 import math
 from typing import Any
 
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.train.state import State
 from ddplab.config.errors import ConfigError
 
@@ -56,7 +56,7 @@ class EarlyStopping(Callback):
 
     def _check(self, state: State, value: float) -> None:
         epoch = state.loop.epoch  # where the check is, said by the run's evaluation cadence
-        at = f"step {state.loop.step}" if state.cfg.get("eval_every_n_steps") else f"epoch {epoch}"
+        at = f"step {state.loop.step}" if state.cfg.eval_every_n_steps else f"epoch {epoch}"
         sign = 1.0 if self.mode == "min" else -1.0
         if self.check_finite and not math.isfinite(value):
             return state.request_stop(f"stopped early at {at}: {self.monitor}={value} is not finite")

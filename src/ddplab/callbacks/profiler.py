@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ddplab import compat
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")

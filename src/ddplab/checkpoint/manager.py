@@ -45,7 +45,7 @@ class CheckpointManager:
         self.dir, self.policy, self.dist, self.meta = ckpt_dir, policy, dist, meta
         self.check_meta, self._stop, self._saved = check_meta, stop, saved
         self._every = int(policy.every_n_steps)  # read once: save(mid_epoch=...) runs every step
-        self._enabled = bool(policy.get("enabled", True))  # checkpoint.enabled=false: debug runs write nothing
+        self._enabled = bool(policy.enabled)  # checkpoint.enabled=false: debug runs write nothing
         self.components: dict[str, Stateful] = {}
         self._optional: set[str] = set()
         self._step = 0
@@ -55,7 +55,7 @@ class CheckpointManager:
         self.last_save_s = 0.0
         self.resumed_save_s = 0.0
         # checkpoint.async_save: the loop pauses for last_stall_s only; a writer thread does the rest.
-        self._writer = background.Writer() if policy.get("async_save", False) and self._enabled else None
+        self._writer = background.Writer() if policy.async_save and self._enabled else None
         self._staging = background.Staging()
         self._group: Any = None  # a side group for sharded background writes (made at the first one)
         self.last_stall_s = 0.0

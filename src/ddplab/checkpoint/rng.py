@@ -81,6 +81,15 @@ class RNGStreams:
         self.saved_world_size = len(ranks)
         self._staged = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else None
 
+    def start_epoch(self, seed: int, epoch: int, mid_epoch: bool) -> None:
+        """Random streams for dropout and augmentation as (a part of) epoch ``epoch`` starts: per rank, from
+        (seed, epoch, rank) only, so a resumed run replays them; mid-epoch (a resume), the saved streams
+        continued exactly, if there are any for this world size."""
+        if mid_epoch:
+            self.restore()
+            return
+        seed_everything(seed + 1_000_003 * (epoch + 1) + self.dist.rank)
+
     def restore(self) -> bool:
         """Continue the saved streams exactly; False if there are none for this world size."""
         staged, self._staged = self._staged, None

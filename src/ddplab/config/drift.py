@@ -82,9 +82,9 @@ def describe(diffs: list[tuple[str, Any, Any]]) -> str:
 
 def check_diffs(diffs: list[tuple[str, Any, Any]], current: Any, source: str) -> list[tuple[str, Any, Any]]:
     """``diffs`` (see :func:`differences`) when the user opted in to apply them; ConfigError otherwise."""
-    if diffs and not current.get("resume_apply_changes", False):
+    if diffs and not current.resume_apply_changes:
         raise ConfigError(
-            f"resume={current.get('resume')}: {source} was trained with a different config; resuming would "
+            f"resume={current.resume}: {source} was trained with a different config; resuming would "
             f"silently keep its values for:\n{describe(diffs)}\nFix: drop these overrides to continue that run "
             "as it was, start a new run (resume=null, another run dir), or pass resume_apply_changes=true to "
             "continue from the checkpoint with the new values (recorded in the run dir's config_changes.yaml)")

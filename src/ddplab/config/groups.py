@@ -49,6 +49,7 @@ class ResNetConfig(ModelConfig):
     # pooled away to 1x1 before layer2. Only conv1's kernel shape changes, so
     # state_dict keys stay torchvision's.
     small_input: bool = False
+    # Each residual block's last BatchNorm starts at zero: every block starts as the identity (helps large batches).
     zero_init_residual: bool = False
 
 
@@ -171,10 +172,9 @@ class DigitsConfig:
     _target_: str = "ddplab.data.digits"
     val_fraction: float = 0.2  # held out for validation, once, by split_seed
     split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
-    # Read by the model configs through interpolation; fixed by the data.
-    num_classes: int = 10
-    in_channels: int = 1
-    image_size: int = 8
+    num_classes: int = 10  # read by the model configs through interpolation; fixed by the data
+    in_channels: int = 1  # image channels (grey: 1); the models read it through interpolation
+    image_size: int = 8  # image width and height in pixels; the models read it through interpolation
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -223,8 +223,8 @@ class CIFARConfig(FilesConfig):
     """CIFAR-10/100 python batches."""
 
     _target_: str = "ddplab.data.cifar10"
-    in_channels: int = 3
-    image_size: int = 32
+    in_channels: int = 3  # RGB
+    image_size: int = 32  # width and height
     augment: AugmentConfig = field(default_factory=lambda: AugmentConfig(crop_padding=4, hflip=True))
 
 
@@ -234,7 +234,7 @@ class ImageFolderConfig(FilesConfig):
 
     _target_: str = "ddplab.data.imagefolder"
     num_classes: Optional[int] = None  # null: the number of class folders; a value is checked against them
-    in_channels: int = 3
+    in_channels: int = 3  # decoded as RGB
     image_size: int = 224  # short side resized to this, centre crop to square
     train_dir: str = "train"  # under root: one folder per class
     val_dir: str = "val"  # under root: the same class folders
@@ -249,10 +249,9 @@ class DiabetesConfig:
     _target_: str = "ddplab.data.diabetes"
     val_fraction: float = 0.2  # held out for validation, once, by split_seed
     split_seed: int = 0  # fixed, independent of `seed`: the val set never moves
-    # Read by the model configs through interpolation: 10 features = a 1x1 "image" of 10 channels.
-    num_classes: int = 1
-    in_channels: int = 10
-    image_size: int = 1
+    num_classes: int = 1  # one output: the disease progression
+    in_channels: int = 10  # the 10 features, as channels of a 1x1 "image" (the models read it so)
+    image_size: int = 1  # a 1x1 "image": the features are its channels
 
 
 @dataclass

@@ -38,9 +38,14 @@ class DistributedConfig:
     # A rank that never arrives or dies fails the job after this many seconds
     # instead of hanging forever (torch's own default is 30 min for gloo).
     timeout_s: float = 300.0
+    # DDP: a parameter may get no gradient in a step (a branch not taken); costs a graph walk per step. Off,
+    # such a parameter is named at step 1 (DDP would otherwise fail cryptically at step 2).
     find_unused_parameters: bool = False
+    # BatchNorm layers normalize with the statistics of the global batch (all ranks), not each rank's shard.
     sync_batchnorm: bool = False
+    # DDP: the size of a gradient bucket, the unit all-reduced while the backward still runs.
     bucket_cap_mb: float = 25.0
+    # DDP: rank 0's buffers (BatchNorm's running statistics) copied to every rank at each forward.
     broadcast_buffers: bool = True
     gradient_as_bucket_view: bool = True  # grads alias DDP buckets: one copy less
     # >1: `python train.py` starts this many local ranks itself (free port per
@@ -92,7 +97,7 @@ class PerfConfig:
     # torch.compile the model (before the DDP wrap). First steps pay the compile.
     compile: bool = False
     compile_mode: Optional[CompileMode] = None  # null: torch's default
-    compile_backend: str = "inductor"
+    compile_backend: str = "inductor"  # torch.compile's backend (inductor; eager or aot_eager to debug)
     # auto: fused optimizer kernels where the optimizer and device support
     # them (one kernel for all parameters), else torch's default.
     fused_optimizer: str = "auto"  # auto | true | false
@@ -122,10 +127,10 @@ class PerfConfig:
                 f"path would be {sock} bytes, over the 107 a socket path may have (the job would hang)",
                 f"a shorter TMPDIR (at most {107 - (sock - len(tempfile.gettempdir()))} characters), or "
                 f"{key}.num_workers=0")
-        require(pf.get("prefetch_factor", 2) >= 1, f"{key}.prefetch_factor", pf.get("prefetch_factor"), "must be >= 1",
+        require(pf.prefetch_factor >= 1, f"{key}.prefetch_factor", pf.prefetch_factor, "must be >= 1",
                 f"pass {key}.prefetch_factor=2")
-        require(str(pf.get("host_allocator", "tuned")) in ("tuned", "system"), f"{key}.host_allocator",
-                pf.get("host_allocator"), "unknown choice", f"use {key}.host_allocator=tuned or system")
+        require(str(pf.host_allocator) in ("tuned", "system"), f"{key}.host_allocator",
+                pf.host_allocator, "unknown choice", f"use {key}.host_allocator=tuned or system")
         require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
                 "must be > 0 or null", f"pass {key}.peak_tflops=null")
 
@@ -176,6 +181,8 @@ class StudyConfig:
     # key -> expression, the Hydra Optuna sweeper's grammar: interval(lo, hi), tag(log, interval(lo, hi)),
     # tag(int, interval(lo, hi)), range(lo, hi[, step]), choice(a, b, ...)
     params: Any = field(default_factory=dict)
+    # The Optuna sampler that proposes each trial's params (any optuna.samplers class by _target_; its seed is
+    # the study's seed plus the worker's number).
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "n_startup_trials": 5})
     pruner: Any = None  # e.g. {_target_: optuna.pruners.MedianPruner, n_warmup_steps: 1}; null: never prune
     max_retries: int = 2  # a trial whose worker died (no result recorded) is resumed this many times, then failed
@@ -232,14 +239,18 @@ class TrainConfig:
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
-    # The run's length (and the lr schedule's): epochs, optimizer steps, or both (whichever ends first, said at
-    # start-up); num_epochs=null max_steps=N trains by steps alone (ddplab.train.length).
+    # The run's length in epochs (and the lr schedule's); with max_steps too, whichever ends first (said at
+    # start-up); null: by max_steps alone (ddplab.train.length).
     num_epochs: Optional[int] = 20
+    # The run's length in optimizer steps (and the lr schedule's), or null: by num_epochs alone;
+    # num_epochs=null max_steps=N trains by steps alone.
     max_steps: Optional[int] = None
     # Samples per optimizer micro-step summed over all ranks. Kept global so a
     # run means the same thing on 1 or 8 GPUs; each rank gets batch_size /
     # world_size. Set batch_size_scope=per_rank for the DDP-tutorial meaning.
     batch_size: int = 64
+    # What batch_size counts: global (all ranks together: the same run on any world size) or per_rank (each
+    # rank's own batch, as the DDP tutorials write it: the global batch grows with the world size).
     batch_size_scope: BatchScope = BatchScope["global"]
     grad_accum_steps: int = 1  # optimizer step every k micro-batches
     grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
@@ -267,11 +278,12 @@ class TrainConfig:
     # schedule still spans num_epochs: for time-limited jobs and tests.
     stop_after_epochs: Optional[int] = None
     run_dir: Optional[str] = None  # null: Hydra's output dir (or outputs/<date>/<time>)
-    # Debugging (debug=fast_dev_run, debug=overfit): at most this many optimizer steps per epoch,
-    # at most this many evaluation batches per rank, and training/evaluating on the first N
-    # global batches only (the same ones each epoch, shuffled). null / 0: off.
+    # Debugging (debug=fast_dev_run): at most this many optimizer steps per epoch. null: every step.
     limit_train_steps: Optional[int] = None
+    # Debugging (debug=fast_dev_run): at most this many evaluation batches per rank. null: the whole split.
     limit_val_batches: Optional[int] = None
+    # Debugging (debug=overfit): train on the first N optimizer steps' samples only (the same ones each epoch,
+    # shuffled) and evaluate on them too: a model that cannot fit them has a bug. 0: off.
     overfit_batches: int = 0
     progress: ProgressMode = ProgressMode.auto  # auto: a bar on a terminal, log lines otherwise
     # The validation metric that picks best.pt and is returned to sweepers; higher is
@@ -284,7 +296,7 @@ class TrainConfig:
 
     @staticmethod
     def check(c: Any, key: str = "") -> None:
-        loggers = list(c.get("logger") or [])
+        loggers = list(c.logger or [])
         require(set(loggers) <= set(LOGGERS) and "tensorboard" in loggers, "logger", loggers,
                 f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
                 "pass logger=[tensorboard,mlflow]")
@@ -296,10 +308,10 @@ class TrainConfig:
                                ("eval_every_n_epochs", 1, 1)):
             require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
         for k, example in (("num_epochs", 10), ("max_steps", 1000)):
-            require(c.get(k) is None or c[k] >= 1, k, c.get(k), "must be > 0 or null", f"pass {k}={example}")
-        require(c.get("num_epochs") is not None or c.get("max_steps") is not None, "num_epochs", None,
+            require(c[k] is None or c[k] >= 1, k, c[k], "must be > 0 or null", f"pass {k}={example}")
+        require(c.num_epochs is not None or c.max_steps is not None, "num_epochs", None,
                 "with max_steps=null too, the run would never end", "pass num_epochs=10 or max_steps=1000")
-        require(c.get("eval_every_n_steps", 0) >= 0, "eval_every_n_steps", c.get("eval_every_n_steps"),
+        require(c.eval_every_n_steps >= 0, "eval_every_n_steps", c.eval_every_n_steps,
                 "must be >= 0 (0: at epoch ends)", "pass eval_every_n_steps=500")
         # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
         require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
@@ -309,8 +321,8 @@ class TrainConfig:
         require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
                 "must be > 0 or null", "drop the override")
         for k in ("limit_train_steps", "limit_val_batches"):
-            require(c.get(k) is None or c[k] > 0, k, c.get(k), "must be > 0 or null", f"pass {k}=null")
-        require(c.get("overfit_batches", 0) >= 0, "overfit_batches", c.get("overfit_batches"), "must be >= 0",
+            require(c[k] is None or c[k] > 0, k, c[k], "must be > 0 or null", f"pass {k}=null")
+        require(c.overfit_batches >= 0, "overfit_batches", c.overfit_batches, "must be >= 0",
                 "pass overfit_batches=0 (off)")
-        require(c.get("mode", "train") != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
+        require(str(c.mode) != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
                 "mode=eval evaluates a checkpoint: name it", "pass resume=<checkpoint .pt or run dir>")

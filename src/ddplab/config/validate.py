@@ -16,13 +16,10 @@ from omegaconf.errors import InterpolationResolutionError
 
 from ddplab.config.errors import ConfigError, require
 from ddplab.config.groups import AugmentConfig
-from ddplab.config.schema import (CheckpointConfig, DistributedConfig, MLflowConfig, PerfConfig, StudyConfig,
-                                  TrainConfig, VerifyConfig)
 
-# Checked by path, not by node type, so a self-launched rank's untyped copy is checked the same way.
-_OWN_CHECKS = {"": TrainConfig.check, "distributed": DistributedConfig.check, "perf": PerfConfig.check,
-               "checkpoint": CheckpointConfig.check, "verify": VerifyConfig.check,
-               "study": StudyConfig.check, "mlflow": MLflowConfig.check}
+# The order the checks run in (the first problem found is the one said): the run's own keys, then each part.
+_ORDER = ("", "distributed", "perf", "checkpoint", "verify", "study", "mlflow", "model", "dataset", "optimizer",
+          "scheduler", "task")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -33,11 +30,9 @@ def validate(cfg: DictConfig) -> None:
         why = str(e.msg).splitlines()[0]
         raise ConfigError(f"{e.full_key}: {why}. Fix: give {e.full_key} a value, or choose options that fit "
                           "together (task=lm goes with dataset=text model=gpt)") from None
-    for key, check in _OWN_CHECKS.items():
-        check(cfg.get(key) if key else cfg, key)
-    nodes = {key: cfg.get(key) for key in ("model", "dataset", "optimizer", "scheduler", "task")}
+    nodes = {key: cfg.get(key) if key else cfg for key in _ORDER}
     nodes.update({f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()})
-    for key, node in nodes.items():  # the option's schema, if it has one
+    for key, node in nodes.items():  # each node's check is its schema's (every config arrives typed: config.typed)
         if isinstance(node, DictConfig) and hasattr(OmegaConf.get_type(node), "check"):
             OmegaConf.get_type(node).check(node, key)
     _any_option_keys(cfg)

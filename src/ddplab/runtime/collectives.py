@@ -110,20 +110,20 @@ def sync_config(cfg: Any, dist: Dist) -> Any:
     from omegaconf import OmegaConf
 
     from ddplab.config import drift
+    from ddplab.config.typed import resolved_copy, typed
 
     mine = OmegaConf.to_container(cfg, resolve=True)  # also fails early on a bad interpolation
     if not dist.is_distributed:
         return cfg
     ref = broadcast_object(mine, dist)
-    if ref != mine:
-        a, b = drift.flatten(ref), drift.flatten(mine)
-        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        logging.getLogger("ddplab").warning(
-            "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
-            dist.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
-    out = OmegaConf.create(ref)
-    OmegaConf.set_struct(out, True)
-    return out
+    if ref == mine:
+        return resolved_copy(cfg)  # rank 0's values, this rank's types
+    a, b = drift.flatten(ref), drift.flatten(mine)
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    logging.getLogger("ddplab").warning(
+        "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
+        dist.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
+    return typed(ref, "rank 0's config")
 
 
 def rank_config_digest(cfg: Any) -> str:

@@ -6,7 +6,7 @@ torchrun forwarding its own SIGTERM), SIGUSR1 (SLURM's ``--signal=USR1@N`` warni
 before the time limit; ddplab then requeues the job, see :mod:`.requeue`), SIGUSR2
 (submitit's warning) or SIGINT (Ctrl-C). The handler only sets a flag: the trainer
 reads it where it already synchronises, so a normal step pays nothing (see
-:class:`ddplab.metrics.TrainMetrics`, which carries the flag in the log interval's
+:class:`ddplab.train.metrics.TrainMetrics`, which carries the flag in the log interval's
 one collective). A second signal, a second or more after the first, exits at once
 without a checkpoint: the way out when the graceful stop itself is stuck. (Ctrl-C
 in a terminal reaches torchrun's workers twice, from the terminal and forwarded

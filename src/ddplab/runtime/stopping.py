@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
+from ddplab.runtime import env
 from ddplab.runtime.collectives import all_ranks_rows
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
@@ -31,6 +33,7 @@ from ddplab.runtime.signals import StopSignal
 log = logging.getLogger("ddplab")
 
 PERIOD_S = 1.0  # target time between two agreements; the issue's budget is one per ~second
+EXIT_MARGIN_S = 5.0  # of the launcher's grace, kept for the exit itself after a tracker's last sends
 _MAX_INTERVAL = 1_000_000
 
 
@@ -56,6 +59,7 @@ class StopAgreement:
         self.agreed = False
         self.checks = 0  # agreements held outside log steps (what the counting tests budget)
         self._train, self._eval = _Cadence(), _Cadence()
+        self.grace_s = env.launcher_grace_s()  # how long a launcher waits for a stopping rank (None: forever)
 
     @property
     def requested(self) -> bool:
@@ -65,6 +69,15 @@ class StopAgreement:
     @property
     def reason(self) -> str:
         return self.signal.reason() or "a signal to another rank"
+
+    def hurry(self, writer: Any, stopped: bool = False) -> None:
+        """After a stop signal (this rank's, or a peer's the ranks ``stopped`` on) the launcher's grace bounds the
+        job's end (none known: no one kills the job, nothing to hurry): the checkpoint came first, and a tracking
+        server still being sent to gets what is left of it but EXIT_MARGIN_S (a dead server otherwise held the
+        exit for ``mlflow.close_timeout_s``, past the grace)."""
+        if self.grace_s is not None and (stopped or self.signal.requested):
+            since = time.monotonic() - self.signal.at if self.signal.requested else 0.0
+            writer.hurry(max(1.0, self.grace_s - since - EXIT_MARGIN_S))
 
     # ----------------------------------------------------------- training steps
     def after_step(self) -> bool:

@@ -33,12 +33,12 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        d, st = self.d, self.dist
+        d, dist = self.d, self.dist
         compiled = self._compiled(module)
         with compat.ddp_reducer_without_dynamo():  # DDP asks torch's compiler config: 2 s of CPU to import
             ddp = DDP(
                 compiled,
-                device_ids=[st.device.index] if st.device.type == "cuda" else None,
+                device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
                 find_unused_parameters=d.find_unused_parameters,
                 bucket_cap_mb=d.bucket_cap_mb,
                 gradient_as_bucket_view=d.gradient_as_bucket_view,
@@ -48,17 +48,17 @@ class DDPStrategy(Strategy):
         if d.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            if d.comm_hook == "bf16" and st.backend != "nccl":
+            if d.comm_hook == "bf16" and dist.backend != "nccl":
                 raise ConfigError(f"distributed.comm_hook=bf16: torch's bf16 compression needs NCCL (CUDA), this "
-                                  f"job runs {st.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none")
+                                  f"job runs {dist.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none")
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[d.comm_hook]
             ddp.register_comm_hook(state=None, hook=hook)  # state=None: the default process group
         # The buckets the whole run reduces in, fixed before step 1 in every process: a restarted one then
         # adds the ranks' gradients in the order the process it replaces did (bitwise resume at 3+ ranks).
-        if not compat.settle_ddp_buckets(ddp) and d.static_graph and st.world_size >= 3:
+        if not compat.settle_ddp_buckets(ddp) and d.static_graph and dist.world_size >= 3:
             log.warning("distributed.static_graph=true: DDP learns its gradient buckets in the first step, so a "
                         "run resumed at %d ranks equals the uninterrupted one to rounding (~1e-7), not bitwise. "
-                        "Fix: distributed.static_graph=false for bitwise resume", st.world_size)
+                        "Fix: distributed.static_graph=false for bitwise resume", dist.world_size)
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:

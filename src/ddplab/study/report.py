@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ddplab.callbacks import Callback
+from ddplab.train.callback import Callback
 from ddplab.runtime import collectives
 from ddplab.train.state import State
 

@@ -84,7 +84,7 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
     plain JSON values. Two workers whose records differ would report numbers the pruner must not compare."""
     import json
 
-    from ddplab import batch_size
+    from ddplab.train import batch_size
     from ddplab.config.drift import flatten, trajectory
 
     def searched_key(k: str) -> bool:

@@ -6,19 +6,44 @@ from __future__ import annotations
 import logging
 import math
 import shlex
+import contextlib
+import fcntl
+import os
 from collections import Counter
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
 from ddplab import rundir, sweep
-from ddplab.reporting import hparams_of, shown
-from ddplab.study.worker import Worker, ask_lock
+from ddplab.train.reporting import hparams_of, shown
 
 log = logging.getLogger("ddplab")
 
 
-def finish(w: Worker) -> dict[str, float]:
+class Opened(Protocol):
+    """What the summary reads of a worker whose study is open (a ``StudyWorker``)."""
+
+    cfg: DictConfig
+    dir: Path  # study.dir, absolute
+    url: str
+    study: Any  # optuna.Study
+    minimize: bool
+
+
+@contextlib.contextmanager
+def ask_lock(study_dir: Path) -> Iterator[None]:
+    """Workers sharing ``study_dir`` take turns to write its summary (a dead holder's lock goes with it)."""
+    fd = os.open(study_dir / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def finish(w: Opened) -> dict[str, float]:
     """This worker is done: the study's table as it stands (workers still running trials add theirs when
     they end; the last to end writes the whole table). The best trial's objective."""
     objective = str(w.cfg.objective)
@@ -40,7 +65,7 @@ def finish(w: Worker) -> dict[str, float]:
     return best(w)
 
 
-def headline(w: Worker, trials: list[Any], counts: Counter) -> str:
+def headline(w: Opened, trials: list[Any], counts: Counter) -> str:
     states = ", ".join(f"{counts[s]} {s.lower()}" for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING") if counts[s])
     head = f"study {w.study.study_name}: {len(trials)} of {w.cfg.study.n_trials} trials ({states or 'none yet'})"
     done = [t for t in trials if t.state.name == "COMPLETE"]
@@ -71,7 +96,7 @@ def _world(cfg: DictConfig) -> int:
     return env.world_size() if env.is_launched() else strategy.ranks_started(cfg)
 
 
-def best(w: Worker) -> dict[str, float]:
+def best(w: Opened) -> dict[str, float]:
     try:
         return {str(w.cfg.objective): float(w.study.best_value)}
     except ValueError:  # no trial completed

@@ -1,255 +1,394 @@
-"""One worker of a study: claim a trial (a RUNNING one whose worker let go or died, else a new one asked of
-the sampler), train it as a normal ddplab run in its run dir (``<study.dir>/<number>/`` of the worker that
-asked it, recorded in the study), tell its result once, repeat.
+"""One worker of a study, as one object whose methods are its life: :meth:`StudyWorker.run` loops — the last
+trial told, the next one claimed (:meth:`~StudyWorker.claim`: a RUNNING one whose worker let go or died,
+:meth:`~StudyWorker.resume_dead`, else a new one asked of the sampler), trained as a normal ddplab run in its
+run dir (:meth:`~StudyWorker.train`; the trial's ReportToStudy callback reports each evaluation), told once
+(:meth:`~StudyWorker.tell`) — until the study needs no more.
 
-Who holds a trial lives in the storage, not in a directory (ddplab.study.owner): workers given different
-``study.dir``s share nothing else. A trial is taken over only when its owner was preempted (the record says
-where; no death) or is provably gone (its process is dead on this machine, or its lease ran out), and then
-resumed in its own run dir from its last checkpoint (resume=auto), and told once. A takeover of a trial
-whose worker died counts a death; past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat
-is not used: it would fail a preempted trial that is about to resume. Asking and claiming happen under the
-storage's lock (owner.claim_lock), so ``study.n_trials`` is exact however many workers start at once.
+Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens the
+study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a trial
+lives in the storage, not in a directory (``ddplab.study.owner``): workers given different ``study.dir``s share
+nothing else. A trial is taken over only when its owner was preempted (the record says where; no death) or is
+provably gone (its process is dead on this machine, or its lease ran out), and then resumed in its own run dir
+from its last checkpoint (resume=auto), and told once. A takeover of a trial whose worker died counts a death;
+past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat is not used: it would fail a preempted
+trial that is about to resume. Asking and claiming happen under the storage's lock (owner.claim_lock), so
+``study.n_trials`` is exact however many workers start at once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import fcntl
 import json
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, NamedTuple
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
-from ddplab import rundir
+from ddplab import compat, rundir
 from ddplab.config.errors import ConfigError
-from ddplab.study import owner
+from ddplab.errors import ResourceError
+from ddplab.runtime import env, group, signals
+from ddplab.runtime.console import log_file_formatter, quiet_log_files
+from ddplab.runtime.signals import Preempted
+from ddplab.study import owner, space, storage, summary
+from ddplab.study.ranks import agree, trial_world_size
+from ddplab.study.report import PRUNED
+from ddplab.study.trials import TRIAL_FILE, make_sampler, objective_value, trial_config, where
 
 log = logging.getLogger("ddplab")
 
 DEATHS = "ddplab:deaths"  # trial user attr: how often its worker died before recording anything
-TRIAL_FILE = "trial.json"  # in the trial's run dir: study, number, params (rundir.swept reads it)
+# How a trained trial ended, to be told: its config, run dir, outcome, objective value and metrics.
+Ended = tuple[DictConfig, Path, str, "float | None", dict[str, float]]
 
 
-@dataclass
-class Worker:
-    cfg: DictConfig
-    dir: Path  # study.dir, absolute
-    url: str
-    study: Any  # optuna.Study
-    space: dict[str, Any]
-    minimize: bool
-    limit: int  # trials to ask for: study.n_trials, at most a GridSampler's grid
-    holds: dict[int, owner.Hold] = field(default_factory=dict)  # trials this worker holds, until told
-    unreachable: set[int] = field(default_factory=set)  # trials whose run dir it cannot see (said once)
+class Pending(NamedTuple):
+    """The last trial trained, told at the ranks' next agreement: then its claim is let go."""
+
+    trial: Any
+    hold: owner.Hold
+    ended: Ended | None  # None: told already (it failed)
 
 
-@contextlib.contextmanager
-def ask_lock(study_dir: Path) -> Iterator[None]:
-    """Workers sharing ``study_dir`` take turns to write its summary (a dead holder's lock goes with it)."""
-    fd = os.open(study_dir / ".ask.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+class StudyWorker:
+    """A worker, on every rank of it. Rank 0 opens the study (:meth:`open`: its handle ``study``, the ``space``,
+    ``limit``, ...); the trials it holds until told are ``holds``; ``pending`` is the last trial trained, told at
+    the ranks' next agreement (a storage lost there stops every rank alike)."""
 
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.study: Any = None  # optuna.Study, rank 0's once opened
+        self.dir, self.url = Path(), ""  # study.dir (absolute) and the storage's URL
+        self.space: dict[str, Any] = {}
+        self.minimize = False
+        self.limit = 0  # trials to ask for: study.n_trials, at most a GridSampler's grid
+        self.holds: dict[int, owner.Hold] = {}  # trials this worker holds, until told
+        self.unreachable: set[int] = set()  # trials whose run dir it cannot see (said once)
+        self.pending: Pending | None = None
+        self.taken: tuple[Any, owner.Hold] | None = None  # rank 0: the trial this round claimed
 
-def next_trial(w: Worker) -> tuple[Any, owner.Hold] | None:
-    """The trial this worker takes next (held until told), or None when the study needs no more."""
-    from optuna.trial import TrialState
+    def open(self) -> None:
+        """Rank 0, before any trial is asked: the objective, the space, sampler and pruner checked, the storage
+        and the study opened (refused when its trials would train or report otherwise than this worker's)."""
+        cfg = self.cfg
+        self.minimize = _check_objective(cfg)
+        self.space = space.parse(cfg.study.params, cfg)
+        self.dir, self.url = where(cfg)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
+            _check_target(cfg, key, self.space)
+        with owner.claim_lock(self.url, cfg.study.timeout_s, self.dir):
+            store = storage.open_storage(self.url, cfg.study.timeout_s)
+            self.study = storage.open_study(store, self.url, str(cfg.study.name),
+                                            "minimize" if self.minimize else "maximize", space.signature(self.space),
+                                            str(cfg.objective), storage.training(cfg, self.space, trial_world_size(cfg)))
+        log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, self.url, cfg.study.n_trials,
+                 "minimizing" if self.minimize else "maximizing", cfg.objective, self.dir)
+        self.limit = int(cfg.study.n_trials)
+        if str((cfg.study.sampler or {}).get("_target_", "")).endswith("GridSampler"):
+            grid = math.prod(len(getattr(d, "choices", ())) for d in self.space.values())
+            self.limit = min(self.limit, grid)  # as Hydra's sweeper does: a grid point is not run twice
 
-    from ddplab import compat
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, float]:
+        """Trials until the study needs no more; the best trial's objective (``{objective: value}``)."""
+        agree(self.cfg, self.open)
+        try:
+            while (picked := self._next_agreed()) is not None:
+                if self.taken is None:  # a rank other than 0: train the trial rank 0 picked, with it
+                    from ddplab.job import train
 
-    with owner.claim_lock(w.url, w.cfg.study.timeout_s, w.dir):
-        trials = w.study.get_trials(deepcopy=False)
-        for t in trials:
-            if t.state == TrialState.RUNNING:
-                hold = _take_over(w, t)
-                if hold is not None:
-                    return t, hold
-        if len(trials) >= w.limit:
+                    train(trial_config(self.cfg, *picked), search_earlier_runs=False)
+                    continue
+                self.train(*self.taken)
+        finally:
+            self._tell_last()
+        return summary.finish(self) if self.study is not None else {}
+
+    def _next_agreed(self) -> tuple[int, dict[str, Any], str] | None:
+        """The trial every rank trains next (number, params, run dir), as rank 0 decided it; None: no more."""
+        gone = env.launcher_gone()
+        if gone is not None:  # torchrun's agent died as the last trial ended: nobody would stop these ranks
+            log.warning("launcher died (pid %d): this worker takes no further trial (start it again to go on)", gone)
+            raise Preempted(f"launcher died (pid {gone})", -1, None)  # the last trial is told on the way out
+        self.taken = None
+        picked = agree(self.cfg, self._decide)
+        if picked is not None and picked[0] == "stop":
+            log.warning("%s arrived between trials: this worker takes no further trial (start it again to go on)",
+                        picked[1])
+            raise Preempted(picked[1], -1, None)
+        return None if picked is None else picked[1:]
+
+    def _decide(self) -> tuple[Any, ...] | None:
+        """Rank 0, inside the ranks' agreement: the last trial told first (a storage lost there stops every rank
+        alike), then the next one claimed, or a stop held since the last trial."""
+        self._tell_pending()
+        if signals.held():  # preempted between trials: take none (the last one was told)
+            return ("stop", signals.held())
+        self.taken = self.claim()
+        if self.taken is None:
             return None
-        w.study.sampler = make_sampler(w.cfg, w.space, len(trials))
-        trial = w.study.ask(w.space)
-        tdir = w.dir / str(trial.number)
-        tdir.mkdir(parents=True, exist_ok=True)
-        # trial.json first: a dir recorded in the storage must be one a resumer can recognise (owner.reachable),
-        # even if this worker dies right after recording it.
-        (tdir / TRIAL_FILE).write_text(json.dumps({"study": w.study.study_name, "number": trial.number,
-                                                  "params": trial.params}, indent=2))
-        trial.set_user_attr(owner.DIR, str(tdir))
-        w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
-        return w.study.get_trials(deepcopy=False)[trial.number], w.holds[trial.number]
+        trial = self.taken[0]
+        return ("trial", trial.number, dict(trial.params), str(self.trial_dir(trial)))
 
+    def _tell_last(self) -> None:
+        """The last trial completed: told even when the next agreement failed."""
+        try:
+            self._tell_pending()
+        except Exception as e:  # the worker's own failure is what it reports; this is said beside it
+            log.error("the last trial could not be told (%s: %s): it stays RUNNING, and the next worker resumes "
+                      "it from its checkpoint", type(e).__name__, group.plain_message(e))
 
-def trial_dir(w: Worker, trial: Any) -> Path:
-    """The trial's run dir, as recorded in the study when it was asked (whichever worker asked it)."""
-    return Path(trial.user_attrs.get(owner.DIR) or w.dir / str(trial.number))
+    # ------------------------------------------------------------------------------------------ claim
+    def claim(self) -> tuple[Any, owner.Hold] | None:
+        """The trial this worker takes next (held until told), or None when the study needs no more."""
+        from optuna.trial import TrialState
 
+        with owner.claim_lock(self.url, self.cfg.study.timeout_s, self.dir):
+            trials = self.study.get_trials(deepcopy=False)
+            for t in trials:
+                if t.state == TrialState.RUNNING:
+                    hold = self.resume_dead(t)
+                    if hold is not None:
+                        return t, hold
+            if len(trials) >= self.limit:
+                return None
+            self.study.sampler = make_sampler(self.cfg, self.space, len(trials))
+            trial = self.study.ask(self.space)
+            tdir = self.dir / str(trial.number)
+            tdir.mkdir(parents=True, exist_ok=True)
+            # trial.json first: a dir recorded in the storage must be one a resumer can recognise
+            # (owner.reachable), even if this worker dies right after recording it.
+            (tdir / TRIAL_FILE).write_text(json.dumps({"study": self.study.study_name, "number": trial.number,
+                                                       "params": trial.params}, indent=2))
+            trial.set_user_attr(owner.DIR, str(tdir))
+            hold = self._hold(trial.number)
+            return self.study.get_trials(deepcopy=False)[trial.number], hold
 
-def count_death(w: Worker, number: int) -> int:
-    """One more death of trial ``number`` (its worker, or a rank of its job, killed before it recorded a
-    result), read and written in the storage, where every worker counts them; the count now."""
-    from ddplab import compat
-
-    live = compat.optuna_trial(w.study, number)
-    deaths = int(compat.frozen_trial(live).user_attrs.get(DEATHS, 0)) + 1
-    live.set_user_attr(DEATHS, deaths)
-    return deaths
-
-
-def _take_over(w: Worker, trial: Any) -> owner.Hold | None:
-    """Hold a RUNNING trial whose worker let go or is gone (counting a death, failing it past
-    ``study.max_retries``); None while its worker is alive, or where its run dir cannot be reached."""
-    from ddplab import compat
-
-    v = owner.verdict(trial.user_attrs.get(owner.OWNER), time.time())
-    if not v.free:
-        return None
-    tdir = trial_dir(w, trial)
-    if not owner.reachable(tdir, w.study.study_name, trial.number):
-        if trial.number not in w.unreachable:
-            w.unreachable.add(trial.number)
-            log.warning("trial %d: %s, but this worker cannot reach its run dir %s, so it leaves the trial to a "
-                        "worker that can. Fix: give every worker a study.dir on a file system they all see",
-                        trial.number, v.why, tdir)
-        return None
-    why = v.why
-    if v.death:
-        why += f" {owner.progress(tdir)}"
-        deaths = count_death(w, trial.number)
-        if deaths > w.cfg.study.max_retries:
-            error = (f"its worker died {deaths} times without recording a result (study.max_retries="
-                     f"{w.cfg.study.max_retries}); the last time: {why}")
-            log.error("trial %d: failed: %s", trial.number, error)
-            tell(w, trial, "FAIL", None, error)
+    def resume_dead(self, trial: Any) -> owner.Hold | None:
+        """Hold a RUNNING trial whose worker let go or is gone (counting a death, failing it past
+        ``study.max_retries``); None while its worker is alive, or where its run dir cannot be reached."""
+        v = owner.verdict(trial.user_attrs.get(owner.OWNER), time.time())
+        if not v.free:
             return None
-        why += f"; death {deaths} of study.max_retries={w.cfg.study.max_retries}"
-    w.holds[trial.number] = owner.Hold(compat.optuna_trial(w.study, trial.number)).start()
-    log.info("trial %d: resuming it in %s (%s)", trial.number, tdir, why)
-    return w.holds[trial.number]
+        tdir = self.trial_dir(trial)
+        if not owner.reachable(tdir, self.study.study_name, trial.number):
+            if trial.number not in self.unreachable:
+                self.unreachable.add(trial.number)
+                log.warning("trial %d: %s, but this worker cannot reach its run dir %s, so it leaves the trial to "
+                            "a worker that can. Fix: give every worker a study.dir on a file system they all see",
+                            trial.number, v.why, tdir)
+            return None
+        why, retries = v.why, self.cfg.study.max_retries
+        if v.death:
+            why += f" {owner.progress(tdir)}"
+            deaths = self.count_death(trial.number)
+            if deaths > retries:
+                error = (f"its worker died {deaths} times without recording a result (study.max_retries="
+                         f"{retries}); the last time: {why}")
+                log.error("trial %d: failed: %s", trial.number, error)
+                self.tell(trial, "FAIL", None, error)
+                return None
+            why += f"; death {deaths} of study.max_retries={retries}"
+        hold = self._hold(trial.number)
+        log.info("trial %d: resuming it in %s (%s)", trial.number, tdir, why)
+        return hold
+
+    def _hold(self, number: int) -> owner.Hold:
+        self.holds[number] = owner.Hold(compat.optuna_trial(self.study, number)).start()
+        return self.holds[number]
+
+    def trial_dir(self, trial: Any) -> Path:
+        """The trial's run dir, as recorded in the study when it was asked (whichever worker asked it)."""
+        return Path(trial.user_attrs.get(owner.DIR) or self.dir / str(trial.number))
+
+    def count_death(self, number: int) -> int:
+        """One more death of trial ``number`` (its worker, or a rank of its job, killed before it recorded a
+        result), read and written in the storage, where every worker counts them; the count now."""
+        live = compat.optuna_trial(self.study, number)
+        deaths = int(compat.frozen_trial(live).user_attrs.get(DEATHS, 0)) + 1
+        live.set_user_attr(DEATHS, deaths)
+        return deaths
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self, trial: Any, hold: owner.Hold) -> None:
+        """Rank 0: train the trial it claimed; it is told (and its claim let go) at the next agreement, before the
+        next trial is asked. A trial that ends otherwise is told, or left for the next worker, here."""
+        try:
+            self.pending = Pending(trial, hold, self._trained(trial))
+        except BaseException as e:
+            try:
+                if isinstance(e, Preempted):
+                    hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+                elif isinstance(e, ResourceError) and not storage.failed(e):
+                    hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
+            finally:
+                hold.release()
+            raise
+
+    def _tell_pending(self) -> None:
+        if self.pending is None:
+            return
+        done, self.pending = self.pending, None
+        try:
+            if done.ended is not None:
+                self._tell_trained(done.trial, *done.ended)
+        finally:
+            done.hold.release()  # only once told: a claim let go before would let another worker take it over
+
+    def _trained(self, trial: Any) -> Ended | None:
+        """Train ``trial``; how it ended, to be told once (None: told already, it failed). A preemption leaves it
+        RUNNING for a resume (the worker exits)."""
+        tdir = self.trial_dir(trial)
+        log.info("trial %d (%s): %s", trial.number, rundir.label({k: str(v) for k, v in trial.params.items()}), tdir)
+        handler = _log_to(tdir)
+        try:
+            cfg = trial_config(self.cfg, trial.number, trial.params, str(tdir))  # a trial that cannot be composed: told
+            metrics = self._through_rank_deaths(trial.number, cfg)
+        except Preempted:
+            log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again",
+                        trial.number)
+            raise
+        except Exception as e:
+            if self._failed(trial, e):
+                raise
+            return None
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        note = str((rundir.read_result(tdir) or {}).get("note") or "")
+        value = objective_value(metrics, str(cfg.objective))
+        outcome = "PRUNED" if note.startswith(PRUNED) else "COMPLETE" if value is not None else "FAIL"
+        return cfg, tdir, outcome, value, metrics
+
+    def _failed(self, trial: Any, e: Exception) -> bool:
+        """A trial's job ended with ``e``: told FAIL, or left RUNNING for the next worker (its worker stops: True,
+        ``e`` propagates), or told FAIL with the study going on (False)."""
+        if isinstance(e, ConfigError):  # every trial would fail alike: fail this one and stop the worker
+            self._tell_or_keep(trial, "FAIL", None, f"config error: {e}")
+            return True
+        if isinstance(e, group.PeerLost):  # a rank of it died without a word: its death, the next worker counts
+            log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a "
+                        "death", trial.number)
+            return True
+        lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
+        if isinstance(e, ResourceError) and not lost:  # a full disk: not the params' fault; every next trial too
+            log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is "
+                        "room (this worker stops)", trial.number)
+            return True
+        # A rank that only lost its peer carries the peer's error: the trial's cause, not the lost connection.
+        cause = e.report if isinstance(e, group.PeerFailed) else f"{type(e).__name__}: {e}"
+        self._tell_or_keep(trial, "FAIL", None, storage.innermost(e) if lost else cause)
+        if lost:
+            raise storage.StorageLost(self.url, e, f"trial {trial.number} told FAIL") from None
+        if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
+            return True
+        log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
+        return False
+
+    def _through_rank_deaths(self, number: int, cfg: DictConfig) -> dict[str, float]:
+        """The trial's job; a rank of it killed (the OOM killer, a SIGKILL) is a death of the trial as its
+        worker's would be — counted in the storage, and the trial resumed from its checkpoint, here, up to
+        ``study.max_retries`` times — not a failure of the trial's params."""
+        from ddplab.job import train
+        from ddplab.runtime.launch import RankFailed
+
+        retries = self.cfg.study.max_retries
+        while True:
+            try:
+                return train(cfg, search_earlier_runs=False)
+            except RankFailed as e:
+                if e.killed_by is None or not self.holds[number].still_mine():  # lapsed: another worker has it
+                    raise
+                deaths = self.count_death(number)
+                if deaths > retries:
+                    raise RankFailed(f"{e} (death {deaths}, past study.max_retries={retries})") from None
+                log.warning("trial %d: a rank was killed by %s: death %d of study.max_retries=%d, resuming it from "
+                            "its checkpoint", number, e.killed_by, deaths, retries)
+
+    # ------------------------------------------------------------------------------------------ tell
+    def _tell_trained(self, trial: Any, cfg: DictConfig, tdir: Path, outcome: str, value: float | None,
+                      metrics: dict[str, float]) -> None:
+        why = "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}"
+        self._tell_or_keep(trial, outcome, value, why)
+        try:
+            summary.write_hparams(cfg, tdir, trial, outcome)
+        except OSError as e:  # told already; rank 0 alone writes it, while its peers wait for the next trial
+            log.error("trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e)
+        log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
+
+    def _tell_or_keep(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
+        """:meth:`tell`; where the storage cannot take it, the trial stays RUNNING and the line says so (the next
+        worker, on a mended storage, resumes it as one whose worker died)."""
+        try:
+            self.tell(trial, outcome, value, error)
+        except Exception as e:
+            if not storage.failed(e):
+                raise
+            raise storage.StorageLost(self.url, e, f"trial {trial.number} stays RUNNING in the study: the storage "
+                                      "cannot be written") from None
+
+    def tell(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
+        """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in its
+        run dir (result.json's ``trial``)."""
+        from optuna.trial import TrialState
+
+        hold = self.holds.pop(trial.number, None)
+        if hold is not None:
+            hold.release()
+            if not hold.still_mine():  # its lease ran out while this worker was away: the new holder tells it
+                log.error("trial %d: another worker took it over while this one worked on it (this worker's hold "
+                          "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, outcome)
+                return
+        if error:
+            compat.optuna_trial(self.study, trial.number).set_user_attr("error", error[:1000])
+        try:
+            if outcome == "COMPLETE":
+                self.study.tell(trial.number, value)
+            else:
+                self.study.tell(trial.number, state=TrialState[outcome])
+        except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
+            if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit stops us instead
+                raise
+        tdir = self.trial_dir(trial)
+        result = rundir.read_result(tdir) or {"status": "failed", "error": error}
+        result["trial"] = {"study": self.study.study_name, "number": trial.number, "state": outcome, "value": value,
+                           "params": trial.params}
+        rundir.write_result(tdir, result)
 
 
-def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
-    """``study.sampler`` seeded for trial number ``n`` (the same study samples the same params whichever
-    worker asks); a GridSampler without a ``search_space`` gets the choices of ``study.params``, as in
-    Hydra's Optuna sweeper."""
+def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
+    spec = cfg.study.get(key)
+    if not spec:
+        return
     from hydra.utils import instantiate
 
-    spec = dict(OmegaConf.to_container(cfg.study.sampler, resolve=True))  # type: ignore[arg-type]
-    spec["seed"] = int(spec.get("seed", cfg.seed)) + n
-    if str(spec.get("_target_", "")).endswith("GridSampler") and "search_space" not in spec:
-        spec["search_space"] = {k: list(getattr(d, "choices", ())) for k, d in space.items()}
-        ranges = [k for k, d in space.items() if not hasattr(d, "choices")]
-        if ranges:
-            raise ConfigError(f"study.sampler=GridSampler needs choices: study.params.{ranges[0]} is a range. Fix: "
-                              f"choice(...) or range(lo, hi, step) for it, or another sampler")
-    return instantiate(spec)
-
-
-def tell(w: Worker, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
-    """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in its run
-    dir (result.json's ``trial``)."""
-    from optuna.trial import TrialState
-
-    from ddplab import compat
-
-    hold = w.holds.pop(trial.number, None)
-    if hold is not None:
-        hold.release()
-        if not hold.still_mine():  # its lease ran out while this worker was away: the new holder tells it
-            log.error("trial %d: another worker took it over while this one worked on it (this worker's hold "
-                      "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, outcome)
-            return
-    if error:
-        compat.optuna_trial(w.study, trial.number).set_user_attr("error", error[:1000])
     try:
-        if outcome == "COMPLETE":
-            w.study.tell(trial.number, value)
-        else:
-            w.study.tell(trial.number, state=TrialState[outcome])
-    except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
-        if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit below stops us instead
-            raise
-    tdir = trial_dir(w, trial)
-    result = rundir.read_result(tdir) or {"status": "failed", "error": error}
-    result["trial"] = {"study": w.study.study_name, "number": trial.number, "state": outcome, "value": value,
-                       "params": trial.params}
-    rundir.write_result(tdir, result)
+        make_sampler(cfg, searched, 0) if key == "sampler" else instantiate(spec)
+    except ConfigError:
+        raise
+    except Exception as e:
+        why = " ".join(str(e).split())[:300]
+        raise ConfigError(f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "
+                          f"{'optuna.samplers.TPESampler' if key == 'sampler' else 'optuna.pruners.MedianPruner'} "
+                          f"and its arguments, or study.{key}=null") from None
 
 
-def where(cfg: DictConfig) -> tuple[Path, str]:
-    """The study's dir (absolute) and its storage URL, as every worker and rank computes them."""
-    from ddplab.study.storage import default_url
+def _check_objective(cfg: DictConfig) -> bool:
+    """The trainer's check, before any trial: an objective nothing logs would fail every trial. Minimised?"""
+    from ddplab import build
+    from ddplab.task import check_objective
+    from ddplab.train.hooks import Callbacks
 
-    study_dir = Path(str(cfg.study.dir)).absolute()
-    return study_dir, str(cfg.study.storage or default_url(study_dir))
-
-
-def trial_config(cfg: DictConfig, number: int, params: dict[str, Any], tdir: str) -> DictConfig:
-    """The worker's config with trial ``number``'s params, as a normal run in the trial's dir ``tdir`` that
-    reports to the study. Recomposed by Hydra where it runs (a param may pick a group option: model=mlp)."""
-    url = where(cfg)[1]
-    settings = {"mode": "train", "run_dir": str(tdir), "resume": "auto"}
-    out = _compose(params, settings) or _updated(cfg, params, settings)
-    with open_dict(out):
-        out.callbacks = out.get("callbacks") or {}
-        out.callbacks.study = {"_target_": "ddplab.study.report.ReportToStudy", "storage": url,
-                               "study_name": str(cfg.study.name), "trial": number, "objective": out.objective,
-                               "pruner": OmegaConf.to_container(out.study.pruner) if out.study.pruner else None,
-                               "timeout_s": out.study.timeout_s}
-    return out
+    return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())
 
 
-def _compose(params: dict[str, Any], settings: dict[str, Any]) -> DictConfig | None:
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    if not (GlobalHydra.instance().is_initialized() and HydraConfig.initialized()):
-        return None
-    from hydra import compose
-
-    hc = HydraConfig.get()
-    ours = {k: _override_value(v) for k, v in {**params, **settings}.items()}
-    given = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in ours]
-    return compose(config_name=hc.job.config_name, overrides=given + [f"{k}={v}" for k, v in ours.items()])
-
-
-def _override_value(v: Any) -> str:
-    """``v`` in Hydra's override grammar, meaning exactly ``v``: a string is quoted (a space, ``#``, ``,`` or
-    ``=`` in a path is grammar otherwise) and its ``${`` escaped (OmegaConf would interpolate it)."""
-    from hydra.core.override_parser.types import Quote, QuotedString
-
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, str):
-        return QuotedString(text=v.replace("${", "\\${"), quote=Quote.single).with_quotes()
-    return str(v)
-
-
-def _updated(cfg: DictConfig, params: dict[str, Any], settings: dict[str, Any]) -> DictConfig:
-    """Without Hydra (ddplab.study called from Python): set the values in a copy; a group option cannot be."""
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        for k, v in {**params, **settings}.items():
-            if isinstance(OmegaConf.select(out, k), DictConfig):
-                raise ConfigError(f"study.params.{k}: choosing a group option needs train.py (Hydra composes it). "
-                                  "Fix: run the study through train.py mode=study")
-            OmegaConf.update(out, k, v, merge=False)
-    return out
-
-
-def objective_value(metrics: dict[str, Any], objective: str) -> float | None:
-    v = metrics.get(objective)
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+def _log_to(tdir: Path) -> logging.Handler:
+    """The trial's own train.log, beside the worker's."""
+    handler = logging.FileHandler(tdir / "train.log")
+    handler.setFormatter(log_file_formatter())
+    logging.getLogger().addHandler(handler)
+    quiet_log_files()
+    return handler

@@ -18,14 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ddplab import build, compat, rundir, strategy
-from ddplab.batch_size import global_batch_size
-from ddplab.callbacks import Callbacks, Hook
+from ddplab.train.batch_size import global_batch_size
+from ddplab.train.hooks import Callbacks, Hook
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.data.batches import in_memory_format
-from ddplab.evaluation import Evaluator
+from ddplab.train.evaluation import Evaluator
 from ddplab.optim import make_optimizer
 from ddplab.precision import Precision
-from ddplab.resuming import ResumeGuard, checkpoint_manager, register_entries, resume
+from ddplab.train.resuming import ResumeGuard, checkpoint_manager, register_entries, resume
 from ddplab.runtime import env
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
@@ -62,12 +62,12 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
     precision = Precision(cfg.amp, cfg.amp_dtype, dist.device)
     optimizer = make_optimizer(instantiate(cfg.optimizer, _convert_="all"), params,
                                strat.fused_mode(cfg.perf.fused_optimizer), scaled=precision.scaler is not None)
-    length = RunLength(spe, cfg.num_epochs, cfg.get("max_steps"))
+    length = RunLength(spe, cfg.num_epochs, cfg.max_steps)
     scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=length.total_steps,
                                                             steps_per_epoch=spe)
     memory_format = functools.partial(in_memory_format, fmt=torch.channels_last if cfg.perf.channels_last else None)
     evaluator = Evaluator(task, module, data, dist, precision, strat, max(sampler.per_rank_batch, 256),
-                          memory_format, cfg.get("limit_val_batches"))
+                          memory_format, cfg.limit_val_batches)
     events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
     stop = stop or StopSignal()
     guard = ResumeGuard(cfg, dist.world_size)  # a checkpoint of another config is refused

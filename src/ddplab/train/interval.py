@@ -6,23 +6,76 @@ reduced with every rank's stop flag in the same row, the callbacks' ``on_log``, 
 line) or counts down to the stop agreement's next check. It returns whether every rank agreed to stop at
 this step. :meth:`close` logs the steps since the last log step (before a checkpoint, an evaluation or an
 epoch's end: none is lost on resume); :meth:`restart` starts timing again after such a pause.
+
+What the step itself shows no line of, its :class:`StepProbe` keeps: the time it waited for data and where
+it is (for the stall watch), told at the three points the step passes anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from ddplab.callbacks import Hook
+from ddplab.train.hooks import Hook
 from ddplab.data.batches import first_tensor
-from ddplab.evaluation import derived
-from ddplab.metrics import TrainMetrics
+from ddplab.train.evaluation import derived
+from ddplab.train.metrics import TrainMetrics
 from ddplab.perf import FlopRate
-from ddplab.reporting import Progress
+from ddplab.train.reporting import Progress
 from ddplab.runtime.stopping import StopAgreement
 from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.task import name_of
 from ddplab.train.state import State
+
+
+class StepProbe:
+    """The step's points, as the rest of the loop sees them (attribute writes: no sync): each batch's fetch
+    (timed: the interval's data time; the stall watch told the step waits for data, then runs its forward),
+    the task's call (the watch told the backward comes next), the optimizer's step (its pre-hook: the watch
+    told so), and the gradients made ready for it (nothing but in the first step: its checks,
+    :class:`ddplab.train.first_step.FirstStep`, which also puts the checked task in ``task`` for that step)."""
+
+    def __init__(self, task: Any, watch: StallWatch, optimizer: Any):
+        self.task, self.watch = task, watch
+        self.waited = 0.0  # seconds this step waited for its batches
+        self.gradients_ready: Callable[[], None] = _nothing  # after the last backward, before any update
+        optimizer.register_step_pre_hook(self._optimizing)
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        watch, clock = self.watch, time.perf_counter
+        while True:
+            watch.phase = "data loading"
+            t = clock()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += clock() - t
+            watch.phase = "forward"
+            yield batch
+
+    def forward(self, model: Any, batch: Any) -> Any:
+        out = self.task(model, batch)
+        self.watch.phase = "backward"  # DDP's gradients all-reduce in it: a phase that waits for peers
+        return out
+
+    @contextlib.contextmanager
+    def checked(self, task: Callable[[Any, Any], Any], gradients_ready: Callable[[], None]) -> Iterator[None]:
+        """For one step (the first): the task called through its checks, the gradients checked when ready."""
+        plain = self.task
+        self.task, self.gradients_ready = task, gradients_ready
+        try:
+            yield
+        finally:
+            self.task, self.gradients_ready = plain, _nothing
+
+    def _optimizing(self, *_: Any) -> None:
+        self.watch.phase = "optimizer"
+
+
+def _nothing() -> None:
+    """StepProbe.gradients_ready but in the first step."""
 
 
 class LogInterval:
@@ -37,6 +90,7 @@ class LogInterval:
                               cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (keep)
         self.tokens_per_sample = 0  # a task that counts tokens: the first batch's sequence length
         self.bar = Progress("none")  # each epoch draws its own (new_bar)
+        self.probe = StepProbe(s.task, self.watch, s.optimizer)  # the step's data time and stall phases
         self._t = time.perf_counter()
 
     def keep(self, batch: Any) -> None:
@@ -55,10 +109,11 @@ class LogInterval:
         self._t = time.perf_counter()
         self.watch.mark(self.state.loop.step + 1, self._t)
 
-    def after_step(self, data_time: float) -> bool:
+    def after_step(self) -> bool:
         """After optimizer step ``state.loop.step``: True when every rank agreed to stop here."""
         now = time.perf_counter()
-        self.metrics.add_step(now - self._t, data_time)
+        self.metrics.add_step(now - self._t, self.probe.waited)
+        self.probe.waited = 0.0
         self._t = now
         step = self.state.loop.step
         self.watch.mark(step + 1, now)

@@ -1,16 +1,17 @@
 """The loop, and only the loop, over a State that ``build_state`` made (``ddplab.train.assemble``).
 
-    train():       train_epoch until the RunLength (or a stop) ends the run; the summary
+    fit():         train_epoch until the RunLength (or a stop) ends the run; the summary
     train_epoch(): for each step: train_step → step hooks → LogInterval.after_step (→ stop agreed?)
                    → a step evaluation when due (eval_every_n_steps) or a checkpoint when due;
                    then the epoch's evaluation and checkpoint
     train_step():  accum × (autocast forward → backward, no_sync but the last) → unscale → clip → step
                    → zero_grad → schedule
-    evaluate():    mode=eval: the resumed checkpoint's exact evaluation
+    evaluate_checkpoint(): mode=eval: the resumed checkpoint's exact evaluation
 
 What differs between none/dp/ddp/fsdp is the Strategy's; what a batch means is the Task's; what is saved
-and when is the CheckpointManager's; how long the run is, the RunLength's; the log interval's bookkeeping
-(metrics, stop agreement, stall watch, progress, FLOPs), the LogInterval's.
+and when is the CheckpointManager's; how long the run is, the RunLength's; when an evaluation is due and what
+it records, the Validation's; the log interval's bookkeeping (metrics, stop agreement, stall watch, progress,
+FLOPs) and the step's data time and stall phases, the LogInterval's; the first step's checks, FirstStep's.
 """
 
 from __future__ import annotations
@@ -21,40 +22,35 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
 from torch.nn.utils import clip_grad_norm_
 
-from ddplab import build
-from ddplab.callbacks import Hook
-from ddplab.checkpoint.rng import seed_everything, streams_kept
-from ddplab.reporting import announce, run_summary, wrap
-from ddplab.runtime import collectives, env
 from ddplab.runtime.signals import Preempted
 from ddplab.runtime.stopping import StopAgreement, slow_save_warning
-from ddplab.task import check_batch, check_output
+from ddplab.train.first_step import FirstStep
+from ddplab.train.hooks import Hook
 from ddplab.train.interval import LogInterval
-from ddplab.train.state import State, best_name
+from ddplab.train.reporting import announce, run_summary
+from ddplab.train.state import State
+from ddplab.train.validation import Validation
 
 log = logging.getLogger("ddplab")
-EXIT_MARGIN_S = 5.0  # of the launcher's grace, kept for the exit itself after a tracker's last sends
 
 
 class Trainer:
     def __init__(self, state: State):
         self.state = s = state
         self.stopper = StopAgreement(s.stop, s.dist)  # when every rank stops together (a signal, a dead launcher)
-        self.grace_s = env.launcher_grace_s()  # how long a launcher waits for a stopping rank (None: forever)
         # Read once: a config node's access costs microseconds, and these are read every step.
         self.grad_clip = float(s.cfg.grad_clip)
         self.skip_nonfinite = s.cfg.nonfinite_loss == "skip"
-        self.eval_every_n_steps = int(s.cfg.get("eval_every_n_steps") or 0)
         self.interval = LogInterval(s, self.stopper)  # metrics, stop agreement, stall watch, progress, FLOPs
-        self.step_fn = self._checked_step  # the task, checked on the first step (then s.task itself)
-        self.after_backward = self._first_backward  # every micro-batch's backward done (then nothing)
+        self.probe = self.interval.probe  # the step's batches (timed), its task call, its gradients ready
+        self.validation = Validation(s, self.stopper)  # when an evaluation is due; running and recording it
+        self.first_step: FirstStep | None = FirstStep(s, self.interval)  # this invocation's first step: checked
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
 
     # ------------------------------------------------------------------- the run
-    def train(self) -> dict[str, float]:
+    def fit(self) -> dict[str, float]:
         """Train until the RunLength (or a stop) ends it; the final metrics."""
         s = self.state
         loop = s.loop
@@ -75,28 +71,18 @@ class Trainer:
             s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, s, e)
             with contextlib.suppress(Exception):  # what was queued for a tracking server is sent (within its timeout)
-                self._hurry_writer(isinstance(e, Preempted))
+                self.stopper.hurry(s.writer, isinstance(e, Preempted))
                 s.writer.drain()
             raise
         finally:
             self.interval.watch.close()
         return self._finish(time.perf_counter() - t0)
 
-    def _hurry_writer(self, stopped: bool = False) -> None:
-        """After a stop signal (this rank's, or a peer's the ranks ``stopped`` on) the launcher's grace bounds the
-        job's end (``env.launcher_grace_s``; none known: no one kills the job, nothing to hurry): the checkpoint
-        came first, and a tracking server still being sent to gets what is left of it but EXIT_MARGIN_S (a dead
-        server otherwise held the exit for ``mlflow.close_timeout_s``, past the grace)."""
-        s = self.state
-        if self.grace_s is not None and (stopped or s.stop.requested):
-            since = time.monotonic() - s.stop.at if s.stop.requested else 0.0
-            s.writer.hurry(max(1.0, self.grace_s - since - EXIT_MARGIN_S))
-
-    def evaluate(self) -> dict[str, float]:
+    def evaluate_checkpoint(self) -> dict[str, float]:
         """mode=eval: the resumed checkpoint's exact evaluation (and the callbacks', e.g. val_ema/*)."""
         s = self.state
         announce(s)
-        val = self._evaluate_all()
+        val = self.validation.metrics()
         s.writer.scalars(val, s.loop.step)
         s.writer.close()
         log.info("evaluation of %s: %s", s.cfg.resume, "  ".join(f"{k}={v:.6g}" for k, v in val.items()))
@@ -105,13 +91,9 @@ class Trainer:
     def _finish(self, seconds: float) -> dict[str, float]:
         """The run's metrics (the checkpoint's record when this invocation trained nothing), its summary."""
         s = self.state
-        self._hurry_writer()
+        self.stopper.hurry(s.writer)
         s.writer.close()
-        res, loop = s.results, s.loop
-        out = {**res.last_train, **res.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
-               "time_s": seconds}
-        if res.best is not None:
-            out[best_name(s.cfg.objective)] = res.best
+        out = s.results.final(s.cfg.objective, s.loop, seconds)
         for line in run_summary(s, out):  # rank 0's last words: how it went, where things are
             log.info("%s", line)
         s.callbacks(Hook.ON_FIT_END, s, out)
@@ -133,20 +115,19 @@ class Trainer:
         s.model.train()
         # New global permutation each epoch; after a mid-epoch resume, skip what was consumed.
         s.train_loader.set_epoch(loop.epoch, skip=loop.batches_in_epoch * s.accum)
-        self._seed_epoch()
+        s.rng.start_epoch(s.cfg.seed, loop.epoch, mid_epoch=loop.batches_in_epoch > 0)
         iv.new_bar()
-        batches = iter(s.train_loader)
+        batches = self.probe.batches(iter(s.train_loader))
         iv.restart()
         try:
             while loop.batches_in_epoch < spe and not s.length.done(loop.epoch, loop.step):
-                data_time = self.train_step(batches) if self.step_fn is s.task else self._first_step(batches)
-                if data_time is None:  # nonfinite_loss=skip dropped it on every rank
+                if not self._step(batches):  # nonfinite_loss=skip dropped it on every rank
                     continue
                 for hook in self._step_hooks:  # device-only work (EMA); none by default
                     hook(s, loop.step)
-                agreed = iv.after_step(data_time)
+                agreed = iv.after_step()
                 at_end = loop.batches_in_epoch == spe  # the epoch's end: _next_epoch evaluates, saves, stops
-                loop.eval_pending = not at_end and self._eval_due(at_epoch_end=False)  # saved with a stop
+                loop.eval_pending = not at_end and self.validation.due(at_epoch_end=False)  # saved with a stop
                 if agreed and not at_end:
                     self._preempt()
                 if loop.eval_pending:
@@ -159,28 +140,27 @@ class Trainer:
         finally:
             iv.bar.close()
 
-    def train_step(self, batches: Iterator[Any]) -> float | None:
-        """One optimizer step of ``accum`` micro-batches: seconds spent waiting for data (None: skipped, NaN/Inf)."""
-        s, watch, metrics = self.state, self.interval.watch, self.interval.metrics  # watch.phase: where a stall is
-        data_time = 0.0
+    def _step(self, batches: Iterator[Any]) -> bool:
+        if self.first_step is None:
+            return self.train_step(batches)
+        first, self.first_step = self.first_step, None
+        return first(self.train_step, batches)
+
+    def train_step(self, batches: Iterator[Any]) -> bool:
+        """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, NaN/Inf on a rank)."""
+        s, probe, metrics = self.state, self.probe, self.interval.metrics
         for micro in range(s.accum):
-            t = time.perf_counter()
-            watch.phase = "data loading"
             batch = s.memory_format(next(batches))
-            data_time += time.perf_counter() - t
             # Gradients all-reduce in the last micro-batch's backward only.
             with s.strategy.no_sync(s.model) if micro < s.accum - 1 else contextlib.nullcontext():
-                watch.phase = "forward"
                 with s.precision.autocast():
-                    out = self.step_fn(s.model, batch)
-                watch.phase = "backward"
+                    out = probe.forward(s.model, batch)  # the task
                 s.precision.backward(out.loss / s.accum if s.accum > 1 else out.loss)  # fp16: scaled
             metrics.add_micro(out)
         s.loop.batches_in_epoch += 1  # consumed, whether or not the update below is taken
-        self.after_backward()
-        if self.skip_nonfinite and self._nonfinite_on_any_rank():
-            return None
-        watch.phase = "optimizer"
+        probe.gradients_ready()  # the first step's checks (FirstStep); nothing after
+        if self.skip_nonfinite and self._drop_nonfinite():
+            return False
         s.precision.unscale(s.optimizer)  # fp16: clip the real gradients, not the scaled ones
         if self.grad_clip > 0:  # the norm stays on the device until the next log step
             metrics.add_grad_norm(s.strategy.grad_norm(clip_grad_norm_(s.params, self.grad_clip)))
@@ -188,7 +168,7 @@ class Trainer:
         s.optimizer.zero_grad(set_to_none=True)
         s.scheduler.step()
         s.loop.stepped()
-        return data_time
+        return True
 
     def _next_epoch(self) -> None:
         """An epoch's training is done: count it, then its evaluation and checkpoint (a stop agreed in its
@@ -201,64 +181,9 @@ class Trainer:
             self._preempt()
         self._end_epoch()
 
-    def _seed_epoch(self) -> None:
-        """Random streams for dropout/augmentation at the start of (a part of) an epoch."""
-        s = self.state
-        if s.loop.batches_in_epoch:
-            s.rng.restore()  # mid-epoch resume: continue the saved streams exactly, if there are any
-            return
-        # Per-rank stream: differs between ranks and depends only on (seed, epoch, rank), so a resumed run
-        # replays it.
-        seed_everything(s.cfg.seed + 1_000_003 * (s.loop.epoch + 1) + s.dist.rank)
-
-    def _first_step(self, batches: Iterator[Any]) -> float | None:
-        """The first step: its batch and the task's output checked, and after its backward the strategy's look
-        at which parameters got a gradient (DDP: all must), whether the step then updates or is dropped
-        (nonfinite_loss=skip, fp16's scaler): the next step's forward would fail on it cryptically. A model
-        that cannot take the data's shapes fails here, said plainly."""
-        s = self.state
-        updating: list[bool] = []
-        hook = s.optimizer.register_step_pre_hook(lambda *_: updating.append(True))
-        try:
-            data_time = self.train_step(batches)
-        except RuntimeError as e:
-            refusal = None if updating else build.shape_mismatch(s.cfg, e)  # the config's fault: a model the data
-            if refusal is None:                                             # cannot go through
-                raise
-            raise refusal from e
-        finally:
-            hook.remove()
-        self.step_fn = s.task  # later steps call the task itself
-        return data_time
-
-    def _first_backward(self) -> None:
-        s = self.state
-        s.strategy.after_first_backward(s.module)
-        self.after_backward = _nothing
-
-
-    def _checked_step(self, model: Any, batch: Any) -> Any:
-        """The task's step with its batch and output checked (host metadata, no sync)."""
-        s = self.state
-        check_batch(s.task, batch)
-        self.interval.keep(batch)  # never the dataset: calling it would draw from the user's random streams
-        return check_output(s.task, s.task(model, batch))
-
-    def _nonfinite_on_any_rank(self) -> bool:
-        """nonfinite_loss=skip: drop this step on every rank if any rank's loss (any micro-batch) is NaN/Inf."""
-        s, metrics = self.state, self.interval.metrics
-        bad = (~torch.isfinite(metrics.last_step_losses())).any()
-        if not collectives.any_rank(bad, s.dist):  # sync + collective: skip mode's cost
-            return False
-        s.optimizer.zero_grad(set_to_none=True)
-        metrics.skipped += 1
-        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", s.loop.step + 1)
-        return True
-
-    # ------------------------------------------------------------------- evaluations and checkpoints
     def _end_epoch(self) -> None:
         """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
-        improved = self._evaluate_and_record() if self._eval_due(at_epoch_end=True) else False
+        improved = self._evaluate() if self.validation.due(at_epoch_end=True) else False
         self.state.loop.eval_pending = False
         self._save(is_best=improved)
 
@@ -268,50 +193,18 @@ class Trainer:
         pending: the resumed run evaluates first, then trains on from the same batch."""
         s = self.state
         self.interval.close()
-        improved = self._evaluate_and_record()
+        improved = self._evaluate()
         s.loop.eval_pending = False
         self._save(is_best=improved)
         s.model.train()
         self.interval.restart()
 
-    def _eval_due(self, at_epoch_end: bool) -> bool:
-        s = self.state
-        loop = s.loop
-        if s.length.done(loop.epoch, loop.step):  # the run's last step is always evaluated
-            return True
-        if self.eval_every_n_steps:  # a step cadence replaces the epochs'
-            return loop.step % self.eval_every_n_steps == 0
-        return at_epoch_end and loop.epoch % s.cfg.eval_every_n_epochs == 0
-
-    def _evaluate_and_record(self) -> bool:
-        """Evaluate (a stop agreed during it: checkpoint and leave), record, draw and say it; True if the
-        objective improved."""
-        s = self.state
-        cfg, loop = s.cfg, s.loop
-        val = self._evaluate_all(interruptible=True)
-        if val is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
+    def _evaluate(self) -> bool:
+        """The evaluation now due (a stop agreed during it: checkpoint and leave); True if the objective improved."""
+        improved = self.validation.run()
+        if improved is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
             self._preempt()
-        improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
-        best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
-        epoch = loop.epoch + loop.batches_in_epoch / s.steps_per_epoch  # a step evaluation: part-way through one
-        s.writer.scalars({**val, **best, "vitals/epoch": epoch}, loop.step)  # the best so far: a curve
-        s.evaluator.visualize(s.writer, loop.step)
-        head = (f"step {loop.step}/{s.length.total_steps} " if self.eval_every_n_steps or loop.batches_in_epoch
-                else f"epoch {loop.epoch}/{s.length.epochs} ")
-        for line in wrap(head, [f"{k}={v:.4g}" for k, v in val.items()]):
-            log.info("%s", line)
-        return improved
-
-    def _evaluate_all(self, interruptible: bool = False) -> dict[str, float] | None:
-        """The evaluation plus what callbacks add to it (e.g. val_ema/*). ``interruptible``: None when
-        every rank agreed to stop during it (a preemption signal)."""
-        with streams_kept():  # evaluating never moves training's random streams
-            val = self.state.evaluator.evaluate(self.stopper if interruptible else None)
-            if val is None:
-                return None
-            for extra in self.state.callbacks(Hook.ON_EVAL_END, self.state, val):
-                val.update(extra or {})
-        return val
+        return bool(improved)
 
     def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False) -> str:
         """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or "".
@@ -319,7 +212,7 @@ class Trainer:
         s = self.state
         path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self.interval.close, now=now)
         if path:
-            slow_save_warning(s.checkpoints.last_save_s, self.grace_s, f"checkpoint {Path(path).name}")
+            slow_save_warning(s.checkpoints.last_save_s, self.stopper.grace_s, f"checkpoint {Path(path).name}")
         return path
 
     def _preempt(self) -> None:
@@ -327,6 +220,3 @@ class Trainer:
         leave with status preempted."""
         raise Preempted(self.stopper.reason, self.state.loop.step, self._save(now=True))
 
-
-def _nothing() -> None:
-    """Trainer.after_backward after the first step."""

@@ -4,7 +4,7 @@ evaluations; both checkpointed). ``ddplab.train.assemble.build_state`` makes a S
 before any hook sees it; the Trainer (``ddplab.train.loop``) runs over it; nothing outside ``ddplab.train``
 reads the Trainer (``tests/test_architecture.py`` keeps it so).
 
-Callbacks receive it as their first argument (``ddplab.callbacks.Hook`` says when)::
+Callbacks receive it as their first argument (``ddplab.train.hooks.Hook`` says when)::
 
     def on_log(self, state, values, step):
         if values["train/loss"] > 10:
@@ -29,15 +29,19 @@ if TYPE_CHECKING:  # types only: importing these here would make state.py import
 
     from ddplab.checkpoint import CheckpointManager
     from ddplab.checkpoint.rng import RNGStreams
+    from ddplab.data import Splits
     from ddplab.data.loaders import TrainLoader
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.streams import StreamLoader
-    from ddplab.evaluation import Evaluator
+    from ddplab.train.evaluation import Evaluator
     from ddplab.precision import Precision
     from ddplab.runtime.group import Dist
     from ddplab.runtime.signals import StopSignal
     from ddplab.strategy.base import Strategy
+    from ddplab.task import Task
+    from ddplab.train.hooks import Callbacks
     from ddplab.train.length import RunLength
+    from ddplab.writers import Writer
 
 log = logging.getLogger("ddplab")
 
@@ -47,16 +51,16 @@ class State:
     cfg: DictConfig                      # the composed config (rank 0's, on every rank)
     dist: Dist                           # rank, world size, device, backend of this process
     run_dir: Path                        # the job's run dir (rank 0 writes it)
-    task: Any                            # batch -> loss + named (sum, count) metrics
+    task: Task                           # batch -> loss + named (sum, count) metrics (or any class alike)
     strategy: Strategy                   # none | dp | ddp | fsdp: wraps, syncs, checkpoints the model
     module: torch.nn.Module              # the model itself: evaluation, checkpoints, EMA
     model: torch.nn.Module               # what the step calls: ``module`` wrapped by the strategy
     params: list[torch.nn.Parameter]     # the trainable parameters
     optimizer: torch.optim.Optimizer
-    scheduler: Any                       # learning-rate schedule, stepped once per optimizer step
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # learning-rate schedule, stepped once per optimizer step
     precision: Precision                 # autocast dtype and the fp16 GradScaler, if any
     memory_format: Callable[[Any], Any]  # a batch in the model's memory format (channels_last images)
-    data: Any                            # the dataset's splits (``.train``, ``.val``)
+    data: Splits                         # the dataset's splits (``.train``, ``.val``)
     sampler: ShardedGlobalSampler        # this rank's share of each global micro-batch
     train_loader: TrainLoader | StreamLoader
     steps_per_epoch: int                 # optimizer steps per epoch
@@ -67,9 +71,9 @@ class State:
     results: Results                     # evaluations: the last, the first, the best of the objective
     rng: RNGStreams                      # every rank's random streams (checkpointed)
     evaluator: Evaluator                 # the exact evaluation
-    callbacks: Any                       # ddplab.callbacks.Callbacks (a type import would be a cycle)
+    callbacks: Callbacks                 # the job's callbacks, called per hook
     stop: StopSignal                     # the preemption flag a signal (or a dead launcher) sets
-    writer: Any                          # rank 0's TensorBoard writer (a do-nothing one elsewhere)
+    writer: Writer                       # rank 0's TensorBoard writer (a do-nothing one elsewhere)
     events_dir: Path                     # where the TensorBoard events go
     checkpoints: CheckpointManager       # saves and loads every stateful part (callbacks' entries included)
     search_earlier_runs: bool = False    # resume=auto may continue an earlier run of the same command
@@ -148,6 +152,15 @@ class Results:
     first_val: dict[str, float] = field(default_factory=dict)  # the run's first evaluation (for the summary)
     # This invocation's first logged train/loss, the barely trained model's: the summary's yardstick (not saved).
     first_train_loss: float | None = None
+
+    def final(self, objective: str, loop: LoopState, seconds: float) -> dict[str, float]:
+        """What the run returns: the last train and val metrics (the checkpoint's record when this invocation
+        trained nothing), where it ended, how long it took, and the best objective."""
+        out = {**self.last_train, **self.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
+               "time_s": seconds}
+        if self.best is not None:
+            out[best_name(objective)] = self.best
+        return out
 
     def update(self, val: dict[str, float], objective: str, epoch: int = 0, step: int = 0) -> bool:
         """Record an evaluation; True if it improved the objective."""

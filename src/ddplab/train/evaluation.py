@@ -12,7 +12,7 @@ from torch import nn
 
 from ddplab.data import Splits, eval_batches
 from ddplab.data.sampling import eval_span
-from ddplab.metrics import SumMeter
+from ddplab.train.metrics import SumMeter
 from ddplab.precision import Precision
 from ddplab.runtime.group import Dist
 from ddplab.task import check_batch, check_output, name_of
@@ -51,16 +51,16 @@ class Evaluator:
     def evaluate(self, stopper: Any = None) -> dict[str, float] | None:
         """``stopper`` (a runtime.stopping.StopAgreement): None is returned on every rank when all
         agreed to stop part-way (a preemption signal during a long evaluation)."""
-        st, task = self.dist, self.task
+        dist, task = self.dist, self.task
         self.strategy.before_eval(self.module)
         self.module.eval()
-        meter = SumMeter(st.device, getattr(task, "metric_names", ()))
+        meter = SumMeter(dist.device, getattr(task, "metric_names", ()))
         done, first = 0, None
         common = 0
         if stopper is not None:
             stopper.start_eval()
             common = self._common_batches()
-        for batch in self._batches(st.world_size, st.rank, self.batch_size):
+        for batch in self._batches(dist.world_size, dist.rank, self.batch_size):
             if self.max_batches is not None and done >= self.max_batches:
                 break
             batch = self.to_memory_format(batch)
@@ -82,10 +82,10 @@ class Evaluator:
             with self.precision.autocast():
                 self.step(self.module, self.sample)
 
-        needed = math.ceil(len(eval_span(len(self.data.val), st.world_size, 0)) / self.batch_size)  # rank 0's
+        needed = math.ceil(len(eval_span(len(self.data.val), dist.world_size, 0)) / self.batch_size)  # rank 0's
         needed = min(needed, self.max_batches) if self.max_batches is not None else needed
         self.strategy.finish_eval(self.module, done, needed, forward)
-        values = meter.reduce(st, f"evaluation; task {name_of(task)}")
+        values = meter.reduce(dist, f"evaluation; task {name_of(task)}")
         values.update(derived(task, values, "val/"))
         return values
 

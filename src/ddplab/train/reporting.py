@@ -61,7 +61,7 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
         "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
         "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
         "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "max_steps": cfg.get("max_steps"), "amp": cfg.amp,
+        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "max_steps": cfg.max_steps, "amp": cfg.amp,
         "seed": cfg.seed, "world_size": world_size,
     }
     keys = redact.keys_of(cfg)  # an override's value is the config's: secrets masked here (ddplab.redact)
@@ -93,16 +93,16 @@ def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
 def announce(s: State) -> None:
     """The job's first words: the config, HParams and the Custom Scalars
     charts into TensorBoard; the run's ranks, batch, data path and model on the console."""
-    cfg, st = s.cfg, s.dist
+    cfg, dist = s.cfg, s.dist
     s.writer.text("config", redact.config_yaml(cfg))  # secrets masked: TensorBoard and MLflow keep it
-    if "study" not in (cfg.get("callbacks") or {}):  # a study's worker writes a trial's row with its end state
-        s.writer.hparams(hparams_of(cfg, s.run_dir, st.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
+    if "study" not in (cfg.callbacks or {}):  # a study's worker writes a trial's row with its end state
+        s.writer.hparams(hparams_of(cfg, s.run_dir, dist.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))
     per_step = s.samples_per_step
     lines = [f"run dir: {shown(s.run_dir)}",
-             f"{st.world_size} rank(s) on {st.device} ({st.backend or 'no process group'}) | "
+             f"{dist.world_size} rank(s) on {dist.device} ({dist.backend or 'no process group'}) | "
              f"{s.precision.describe()} | {s.length.describe()}",
-             *wrap("batch:", [f"{per_step} samples per optimizer step = {st.world_size} rank(s) x "
+             *wrap("batch:", [f"{per_step} samples per optimizer step = {dist.world_size} rank(s) x "
                               f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"]),
              *wrap("data:", [s.train_loader.describe()]),
              *wrap("model:", _describe_model(s), ", ")]
@@ -119,7 +119,7 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
     cfg, res, obj = s.cfg, s.results, s.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
     samples = (steps - s.loop.start_step) * s.samples_per_step
-    done = (f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps" if cfg.get("max_steps") is None else
+    done = (f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps" if cfg.max_steps is None else
             f"{steps}/{s.length.total_steps} steps ({steps / s.steps_per_epoch:.3g} epochs)")
     lines = [f"done: {done}, {secs:.1f} s this run"
              + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
@@ -127,7 +127,7 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
         lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step})")
         lines += wrap("final:", [f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")])
     where = shown(s.run_dir / "checkpoints")
-    lines.append(f"checkpoints: {where}" if cfg.checkpoint.get("enabled", True) else "checkpoints: none written")
+    lines.append(f"checkpoints: {where}" if cfg.checkpoint.enabled else "checkpoints: none written")
     lines.append(f"events: {shown(s.events_dir)}")
     lines.append(f"open: tensorboard --logdir {shown(s.run_dir)}")
     last = res.last_val.get("val/loss")

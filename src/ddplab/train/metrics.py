@@ -12,15 +12,18 @@ in the row; this module never needs to know them in advance.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterable
 
 import torch
 from torch import Tensor
 
-from ddplab.runtime.collectives import all_ranks_rows
+from ddplab.runtime.collectives import all_ranks_rows, any_rank
 from ddplab.runtime.group import Dist
 from ddplab.task import TaskError, TaskOutput
+
+log = logging.getLogger("ddplab")
 
 
 class Slots:
@@ -170,6 +173,15 @@ class TrainMetrics:
     def last_step_losses(self) -> Tensor:
         """The current step's micro-batch losses (device tensor), for nonfinite_loss=skip."""
         return self.losses[len(self.sizes) - self.accum: len(self.sizes)]
+
+    def nonfinite_on_any_rank(self, step: int) -> bool:
+        """nonfinite_loss=skip: whether any rank's loss in step ``step`` (any micro-batch) is NaN/Inf (a sync and
+        a collective: that mode's cost); such a step is counted and said, and every rank drops it."""
+        if not any_rank((~torch.isfinite(self.last_step_losses())).any(), self.dist):
+            return False
+        self.skipped += 1
+        log.warning("non-finite loss at step %d: step skipped (nonfinite_loss=skip)", step)
+        return True
 
     def reset(self) -> None:
         self.sizes: list[int] = []

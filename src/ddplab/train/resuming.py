@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import batch_size, redact
-from ddplab.callbacks import Hook
+from ddplab import redact
+from ddplab.train import batch_size
+from ddplab.train.hooks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
@@ -157,8 +158,9 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     if not saved:
         raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
     from ddplab.config import trust
+    from ddplab.config.typed import typed
 
-    merged = OmegaConf.create(saved)  # parsing YAML builds nothing
+    merged = typed(OmegaConf.create(saved), f"resume={cfg.resume}'s stored config")  # parsing YAML builds nothing
     if not cfg.trust_stored_config:  # nothing the checkpoint names is imported before this check passes
         refused = trust.refusal(f"mode=eval resume={cfg.resume}", {k: merged.get(k) for k in _BUILT}, cfg)
         if refused:
