@@ -291,7 +291,7 @@ def test_a_default_lives_in_the_schema_alone():
     assert found == {
         "rundir.py:params",  # a study trial's JSON record
         "train/resuming.py:batch_size_scope", "train/resuming.py:grad_accum_steps",  # a checkpoint's flat config,
-        "study/worker.py:seed",  # a sampler's spec                                  # maybe an older ddplab's
+        "study/trials.py:seed",  # a sampler's spec                                  # maybe an older ddplab's
         "study/space.py:name",  # a search-space entry
     }, found
 
@@ -324,7 +324,7 @@ def test_every_rank_trains_on_the_typed_config(tmp_path):
 
     want = {"perf": "PerfConfig", "checkpoint": "CheckpointConfig", "model": "MLPConfig", "optimizer": "SGDConfig",
             "(root)": "TrainConfig"}
-    args = ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none", "checkpoint.enabled=false",
+    args = ["model=mlp", "batch_size=48", "num_epochs=1", "limit_train_steps=1", "progress=none", "checkpoint.enabled=false",
             "+callbacks.types._target_=toy.NotesConfigTypes"]
     launch = ["distributed.nproc_per_node=3", "distributed.oversubscribe_cpu=true"]
     assert_ok(python_train(args + launch + [f"hydra.run.dir={tmp_path / 'self'}"], tmp_path))

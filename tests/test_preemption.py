@@ -327,11 +327,11 @@ def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
     from ddplab.runtime.signals import Preempted
     from helpers.jobs import compose_cfg
 
-    def stopped_while_opening(cfg):
+    def stopped_while_opening(worker):
         os.kill(os.getpid(), signal.SIGTERM)  # held, not fatal: the worker's hold is in place
         raise Preempted("SIGTERM", -1, None) if ends == "stopped" else RuntimeError("the storage said no")
 
-    monkeypatch.setattr(study, "setup", stopped_while_opening)
+    monkeypatch.setattr(study.StudyWorker, "open", stopped_while_opening)
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

@@ -343,7 +343,7 @@ def mlflow_environment() -> None:
     from ddplab.runtime import env
 
     # Its usage telemetry (on by default outside CI): a thread MLflow starts at import fetches a config from the
-    # internet, then writes os.environ, while this writer's thread sends (requests reads the environment for
+    # internet, then changes the process environment while this writer's thread sends (requests reads it for
     # proxies): one KeyError ended MLflow logging for a run (the soak's trial 1864753826). Offline clusters gain
     # nothing from it. MLFLOW_DISABLE_TELEMETRY=false keeps it.
     env.library_default("MLFLOW_DISABLE_TELEMETRY", "true")

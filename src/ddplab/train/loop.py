@@ -181,6 +181,14 @@ class Trainer:
             self._preempt()
         self._end_epoch()
 
+    def _drop_nonfinite(self) -> bool:
+        """nonfinite_loss=skip: a NaN/Inf loss on any rank drops this step, its gradients too, on every rank."""
+        if not self.interval.metrics.nonfinite_on_any_rank(self.state.loop.step + 1):
+            return False
+        self.state.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    # ------------------------------------------------------------------- evaluations and checkpoints
     def _end_epoch(self) -> None:
         """The epoch-end evaluation (when due) and checkpoint; a stop agreed during it saves and leaves."""
         improved = self._evaluate() if self.validation.due(at_epoch_end=True) else False

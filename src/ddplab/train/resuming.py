@@ -160,16 +160,14 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     from ddplab.config import trust
     from ddplab.config.typed import typed
 
-    merged = typed(OmegaConf.create(saved), f"resume={cfg.resume}'s stored config")  # parsing YAML builds nothing
+    stored = OmegaConf.create(saved)  # parsing YAML builds nothing
     if not cfg.trust_stored_config:  # nothing the checkpoint names is imported before this check passes
-        refused = trust.refusal(f"mode=eval resume={cfg.resume}", {k: merged.get(k) for k in _BUILT}, cfg)
+        refused = trust.refusal(f"mode=eval resume={cfg.resume}", {k: stored.get(k) for k in _BUILT}, cfg)
         if refused:
             raise ConfigError(refused)
+    plain = OmegaConf.to_container(stored, resolve=False)
     mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for key in _EVAL_OWN:
-        if key in mine:
-            merged[key] = mine[key]
-    merged.callbacks = {**(merged.get("callbacks") or {}), **(mine.get("callbacks") or {})}
-    merged.resume = str(path)
-    OmegaConf.set_struct(merged, True)
-    return merged
+    plain.update({key: mine[key] for key in _EVAL_OWN if key in mine})
+    plain["callbacks"] = {**(plain.get("callbacks") or {}), **(mine.get("callbacks") or {})}
+    plain["resume"] = str(path)
+    return typed(plain, f"resume={cfg.resume}'s stored config")
