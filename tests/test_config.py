@@ -317,6 +317,7 @@ def test_a_config_from_plain_data_is_typed_by_the_schema(caplog):
         typed(plain, "resume=x.pt's stored config")
 
 
+@pytest.mark.slow  # real processes: a self-launch of 3 ranks and torchrun's 2
 def test_every_rank_trains_on_the_typed_config(tmp_path):
     """Self-launched ranks (the parent's config travels to them) and torchrun's (each composes, then takes rank 0's
     values) hold the config as the schema types it: each node its schema's, an option's too (MLPConfig)."""
