@@ -9,17 +9,17 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import compat, modes, redact, rundir, verify
-from ddplab.config import ConfigError, InputError
-from ddplab.errors import RecordWriteError, ResourceError, was_said
-from ddplab.runtime import env, group, launch, requeue, watch
+from ddplab import compat, failure, modes, redact, rundir
+from ddplab.runtime import env, requeue, watch
 from ddplab.runtime.console import quiet_log_files
+from ddplab.runtime.group import plain_message
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -80,9 +80,8 @@ def _check_writable(argv: list[str]) -> None:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        sys.stderr.write(f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
-                         f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}\n")
-        raise SystemExit(2)
+        failure.refuse(f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
+                       f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}")
 
 
 class OwnRunDir(Callback):
@@ -143,17 +142,15 @@ def _no_secret_for_submitit(config: DictConfig) -> None:
         # The sweep dir as written, unresolved: resolving ${fresh_dir:...} would make the dir of a refused sweep.
         sweep_dir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"])
         into = "the sweep dir's .submitit/" if "${" in sweep_dir else f"{sweep_dir}/.submitit/"
-        sys.stderr.write(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
-                         f"into {into}. Fix: keep it in the environment: a tracking URI's "
-                         "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
-                         "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}\n")
-        raise SystemExit(2)
+        failure.refuse(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
+                       f"into {into}. Fix: keep it in the environment: a tracking URI's "
+                       "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
+                       "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}")
 
 
 def _hold(target: Path, holder: str | None, key: str = "hydra.run.dir (or run_dir)") -> None:
     if holder:
-        sys.stderr.write(f"error: {rundir.in_use(target, holder, key)}\n")
-        raise SystemExit(2)
+        failure.refuse(f"error: {rundir.in_use(target, holder, key)}")
 
 
 def _remove_orphans() -> None:
@@ -193,64 +190,41 @@ def _gone(pid: int) -> bool:
 def main(cfg: DictConfig) -> float | None:
     """Body of train.py's ``@hydra.main``: run the job, hand the objective to the sweeper.
 
-    In a sweep (``-m``) a failing job is recorded (its ``result.json`` and the
-    log say why) and reported to the sweeper as NaN, so the other jobs still
-    run; a single run fails loudly with a non-zero exit. Exception: a sweep
-    *inside* torchrun stops at a failed job — its ranks may have failed at
-    different points (one mid-collective), and continuing would pair them up
-    on different jobs; self-launched jobs (distributed.nproc_per_node) survive.
+    A failure ends as ``ddplab.failure.of`` says: one line, result.json, the exit code. In a sweep (``-m``) a
+    failing job is recorded and reported to the sweeper as NaN, so the other jobs still run. Exceptions: a
+    stop signal ends the sweep (the machine is going away), and so does any failure in a sweep *inside*
+    torchrun — its ranks may have failed at different points (one mid-collective), and continuing would pair
+    them up on different jobs; self-launched jobs (distributed.nproc_per_node) survive.
     """
     watch.own_the_process()  # a join that outlives its deadline may end this process (runtime.watch)
     quiet_log_files()  # Hydra's train.log on a full disk: one line, not a traceback per record
     try:
         metrics = modes.entry(cfg)(cfg)  # the mode's table: ddplab.modes
-    except verify.VerifyFailed as e:  # the comparison's verdict, not a crash: one line, no traceback
-        log.error("verify_resume: %s", e)
-        raise SystemExit(1) from None
-    except Preempted as e:  # checkpointed; stop here, sweep or not: the machine is going away
-        requeue.after_preemption(e)  # SLURM time limit: back in the queue; submitit: its own protocol
-        raise SystemExit(e.exit_code) from None
-    except ConfigError as e:
-        _record_failure(cfg, f"config error: {e}")
-        if not rundir.is_multirun():  # one short message, from rank 0 alone, no traceback: nothing crashed
-            if env.rank() == 0:
-                log.error("config error: %s", e)
-            else:
-                launch.let_rank_zero_report()
-            raise SystemExit(2) from None
-        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, e)
-        return float("nan")
     except Exception as e:
-        if not rundir.is_multirun():
-            if isinstance(e, (InputError, ResourceError, group.PeerFailed)):  # one line, no traceback
-                if not (was_said(e) or isinstance(e, group.PeerFailed)):  # met outside a Session (mode=eval's load)
-                    log.error("error: %s", e)
-                if getattr(e, "alike_on_every_rank", False):  # rank 0 says it: the others let it, like a config error
-                    launch.let_rank_zero_report()
-                raise SystemExit(launch.CONFIG_EXIT if isinstance(e, InputError) else 1) from None
-            if isinstance(e, launch.RankFailed):  # the rank said it, traceback and all; the parent names it once
-                log.error("%s", e)
-                raise SystemExit(1) from None
-            raise
-        if env.is_launched() and not env.is_self_launched():
+        ended = failure.of(e, env.rank())
+        if isinstance(e, Preempted):  # checkpointed; SLURM time limit: back in the queue; submitit: its protocol
+            requeue.after_preemption(e)
+        if not rundir.is_multirun() or not ended.sweep_goes_on:
+            _record_failure(cfg, ended)
+            failure.leave(ended, e)
+        if env.is_launched() and not env.is_self_launched() and ended.kind != "config":
             log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
                       "use distributed.nproc_per_node=N without torchrun for sweeps that outlive failures")
-            # Hydra would catch an exception and start the next job; leave instead,
-            # so torchrun ends the other ranks (a peer may be blocked mid-collective).
-            raise SystemExit(1) from e
-        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, group.plain_message(e))
-        if not isinstance(e, RecordWriteError):  # a record in place of the one the disk refused would be wrong
-            _record_failure(cfg, f"{type(e).__name__}: {group.plain_message(e)}")
+            # Hydra would catch an exception and start the next job; leave instead, so torchrun ends the
+            # other ranks (a peer may be blocked mid-collective): exit 1, the line above the only one.
+            failure.leave(replace(ended, code=failure.CRASH_EXIT, line=None, waits=False, traceback=False), e)
+        log.error("job failed, the sweep goes on: %s: %s", type(e).__name__, plain_message(e))
+        _record_failure(cfg, ended)
         return float("nan")
     return metrics.get(cfg.objective)
 
 
-def _record_failure(cfg: DictConfig, error: str) -> None:
+def _record_failure(cfg: DictConfig, ended: failure.Failure) -> None:
     """A job that failed before its Session (a bad value, a refused launch) has no result.json yet:
     rank 0 writes one, so ``resume=auto`` and a sweep's summary see it failed, and why."""
     run_dir = rundir.own_run_dir(cfg)
-    if env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
-        rundir.write_result(run_dir, {"status": "failed", "error": error})
+    if ended.record and env.rank() == 0 and run_dir.is_dir() and rundir.read_result(run_dir) is None:
+        rundir.write_result(run_dir, ended.record)
 
 
 # ---------------------------------------------------------------- Hydra's mode look-up, where it cannot matter

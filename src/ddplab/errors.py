@@ -31,6 +31,11 @@ class RecordWriteError(ResourceError):
     alike_on_every_rank = True
 
 
+class VerifyFailed(RuntimeError):
+    """verify_resume's verdict: the resumed run ended somewhere else than the uninterrupted one (the message
+    says where and why). One line and exit 1, not a crash."""
+
+
 def mark_said(e: BaseException) -> BaseException:
     """``e`` has been said to the user in its one line (by the Session of the rank that met it): the entry
     point exits with its code and says nothing more."""

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from ddplab import rundir, strategy
+from ddplab import failure, rundir, strategy
 from ddplab.config import ConfigError, InputError, validate
 from ddplab.config.typed import resolved_copy
 from ddplab.errors import RecordWriteError, ResourceError, mark_said
-from ddplab.runtime.console import job_tag
-from ddplab.train.resuming import eval_config
 from ddplab.runtime import env, group, signals
+from ddplab.runtime.console import job_tag
 from ddplab.runtime.signals import Preempted
 from ddplab.session import Session
+from ddplab.train.resuming import eval_config
 
 log = logging.getLogger("ddplab")
 
@@ -67,7 +68,9 @@ def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], s
     direction (for sweep summaries; none for an evaluation)."""
     # A function of its own: if it raises, its frame (holding the trainer and
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
-    from ddplab.train.assemble import build_state  # after setup: a bad config costs no model build
+    from ddplab.train.assemble import (
+        build_state,  # after setup: a bad config costs no model build
+    )
     from ddplab.train.loop import Trainer
 
     state = build_state(session.cfg, session.dist, session.run_dir, evaluating=evaluating,
@@ -110,57 +113,61 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
     config.run_dir = str(run_dir)
     job = {"config": config, "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided where Hydra's config is
            "log_tag": job_tag(), "evaluating": evaluating}
-    from ddplab.runtime.launch import RankRefusedConfig, RankSaid
-
     started = time.time()
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir,
                       strategy.rank_imports(cfg) + RANK_IMPORTS)
-    except RankRefusedConfig:  # found while building (a callback's value): rank 0 recorded it, the caller says it
-        noted = (rundir.read_result(run_dir, since=started) or {}).get(
-            "error", "config error: a rank refused the config (see its log)")  # not an earlier run's result.json
-        if not noted.startswith("config error: "):  # an input file, said by the rank that met it
-            raise mark_said(InputError(noted)) from None
-        raise ConfigError(noted.removeprefix("config error: ")) from None
-    except RankSaid:  # a full disk, said by the rank that met it: the caller gets it to decide (a study)
-        noted = (rundir.read_result(run_dir, since=started) or {}).get("error")
-        if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
-            raise mark_said(RecordWriteError(f"a rank failed and {run_dir / rundir.RESULT} could not be written "
-                                             "(see the ranks' lines above)")) from None
-        raise mark_said(ResourceError(noted)) from None
-    except Preempted as e:  # rank 0 recorded where it stopped: keep its result.json, tell the caller
-        noted = rundir.read_result(run_dir) or {}
-        done = rundir.read_result(run_dir, since=started) or {}
-        if done.get("status") == "completed":  # the signal came after the last stop check: the job finished
+    except Exception as e:
+        done = rundir.read_result(run_dir, since=started) or {}  # rank 0's record of this job (not an earlier one's)
+        if isinstance(e, Preempted) and done.get("status") == "completed":
+            # The signal came after the last stop check: the job finished.
             log.warning("%s arrived after the job completed: it stays completed", e.signal_name)
             if e.signal_name.startswith("SIG"):  # this process's own (torch's agent took it): not a rank's exit code
                 signals.hand_on(e.signal_name)
             return done.get("metrics", {})
-        raise Preempted(noted.get("signal", e.signal_name), noted.get("step", e.step),
-                        noted.get("checkpoint")) from None
-    except Exception as e:
-        noted = rundir.read_result(run_dir, since=started) or {}
-        if noted.get("status") == "preempted" and noted.get("checkpoint"):
-            # Rank 0 records a stop only after every rank's part of its checkpoint is in: a rank that died
-            # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
-            log.warning("%s, after every rank checkpointed at step %s: the job stays preempted", e, noted.get("step"))
-            raise Preempted(noted.get("signal", "SIGTERM"), noted.get("step", -1), noted["checkpoint"]) from None
-        if noted.get("status") != "failed":  # rank 0's record of the first real error stays
-            rundir.write_result(run_dir, {"status": "failed", "error": str(e)})
-        raise
+        raise _as_the_jobs(e, done, run_dir) from None
+
+
+def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception:
+    """The self-launched ranks' failure ``e`` (``runtime.launch``: their exit codes) as the job's own, for the
+    entry to end with (``ddplab.failure``), with rank 0's record ``done`` as its words: marked said where a
+    rank said it. Writes result.json where no rank recorded how the job ended."""
+    from ddplab.runtime.launch import RankRefusedConfig, RankSaid
+
+    noted = done.get("error")
+    if isinstance(e, RankRefusedConfig):  # found while building (a callback's value): rank 0 recorded it
+        noted = noted or "config error: a rank refused the config (see its log)"
+        if not noted.startswith("config error: "):  # an input file, said by the rank that met it
+            return mark_said(InputError(noted))
+        return ConfigError(noted.removeprefix("config error: "))  # the caller says it, once
+    if isinstance(e, RankSaid):  # a full disk, said by the rank that met it: the caller gets it to decide (a study)
+        if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
+            return mark_said(RecordWriteError(f"a rank failed and {run_dir / rundir.RESULT} could not be written "
+                                              "(see the ranks' lines above)"))
+        return mark_said(ResourceError(noted))
+    stopped = done.get("status") == "preempted"
+    if isinstance(e, Preempted):  # rank 0 recorded where it stopped (and said so): its result.json stays
+        out = Preempted(done.get("signal", e.signal_name), done.get("step", e.step), done.get("checkpoint"))
+        return mark_said(out) if stopped else out
+    if stopped and done.get("checkpoint"):
+        # Rank 0 records a stop only after every rank's part of its checkpoint is in: a rank that died
+        # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
+        log.warning("%s, after every rank checkpointed at step %s: the job stays preempted", e, done.get("step"))
+        return mark_said(Preempted(done.get("signal", "SIGTERM"), done.get("step", -1), done["checkpoint"]))
+    record = failure.of(e).record
+    if done.get("status") != "failed" and record:  # rank 0's record of the first real error stays
+        rundir.write_result(run_dir, record)
+    return e
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
-    """One self-launched rank: the parent's resolved, typed config → its job (train or evaluate)."""
-    from ddplab.runtime.launch import CONFIG_EXIT, SAID_EXIT, let_rank_zero_report
-
+    """One self-launched rank: the parent's resolved, typed config → its job (train or evaluate). A failure the
+    rank said ends it with the exit code its parent reads (``ddplab.failure``); a crash and a stop propagate
+    (torch's agent records the traceback; ``runtime.launch`` exits 128 + the signal)."""
     try:
         return _job(job["config"], job["search_earlier_runs"], job["evaluating"])
-    except ConfigError:  # rank 0's Session recorded it; the parent says it once, no traceback per rank
-        let_rank_zero_report()
-        raise SystemExit(CONFIG_EXIT) from None
-    except (InputError, ResourceError, group.PeerFailed) as e:  # said by this rank's Session in one line
-        if isinstance(e, InputError) or getattr(e, "alike_on_every_rank", False):  # rank 0's record and line first
-            let_rank_zero_report()
-        raise SystemExit(CONFIG_EXIT if isinstance(e, InputError) else SAID_EXIT if isinstance(e, ResourceError)
-                         else 1) from None  # 2: the input's fault
+    except Exception as e:
+        ended = failure.of(e, env.rank(), in_rank=True)
+        if ended.kind in ("crash", "preempted"):
+            raise
+        failure.leave(ended, e)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from ddplab import provenance, redact, rundir
+from ddplab import failure, provenance, redact, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.errors import RecordWriteError, mark_said
 from ddplab.runtime import allocator, collectives, env, group
@@ -142,30 +142,10 @@ class Session:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        said = report = None  # this rank's line, when it only lost its connection to a rank that failed first
-        silent_peer = False  # ... or to one that said nothing (killed)
+        lost: group.PeerFailed | None = None
         try:
-            if isinstance(exc, Preempted):  # every rank stopped at the same step, after its checkpoint
-                log.warning("preempted: %s", exc)
-                if self._lock is not None:
-                    rundir.write_result(self.run_dir, {"status": "preempted", "signal": exc.signal_name,
-                                                       "step": exc.step, "checkpoint": exc.checkpoint,
-                                                       "resume": "run the same command with resume=auto"})
-            elif isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
-                if self._lock is not None:
-                    rundir.write_result(self.run_dir, {"status": "failed", "error": f"config error: {exc}"})
-            elif isinstance(exc, Exception) and getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main:
-                mark_said(exc)  # the same file met by every rank (a checkpoint): rank 0 says it and records it
-            elif isinstance(exc, Exception):
-                report, says, silent_peer = group.describe_failure(self.dist, exc, self._where(), str(self.run_dir),
-                                                                   self.cfg.distributed.timeout_s, self.hosts)
-                log.error(says)
-                mark_said(exc)
-                said = says if says != report or silent_peer else None
-                # Never into a run dir another job holds; a record that just failed is not tried again, and
-                # one of a completion stays (a peer lost after rank 0 recorded it takes nothing away).
-                if self._lock is not None and not isinstance(exc, RecordWriteError) and not self._recorded:
-                    rundir.write_result(self.run_dir, {"status": "failed", "error": report})
+            if isinstance(exc, Exception):
+                lost = self._say_and_record(exc)
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -177,6 +157,36 @@ class Session:
             self._where = lambda: "after the job"
             self.stop.uninstall()
             group.teardown(clean=exc is None or isinstance(exc, Preempted))
-        if said:  # the peer's error is the job's; this rank's lost connection needs no traceback
+        if lost is not None:  # the peer's error is the job's; this rank's lost connection needs no traceback
             time.sleep(group.PEER_EXIT_GRACE_S)
-            raise (group.PeerLost if silent_peer else group.PeerFailed)(said, report) from None
+            raise mark_said(lost) from None
+
+    def _say_and_record(self, exc: Exception) -> group.PeerFailed | None:
+        """Say ``exc`` on this rank and record it in result.json, as ``ddplab.failure`` words it, here where it
+        happened (the entry that ends the process says nothing more). What this rank ends with instead when it
+        only lost its connection to a rank that failed first (or to one killed without a word)."""
+        if isinstance(exc, ConfigError) or (getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main):
+            if isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
+                self._record(failure.of(exc, self.dist.rank))
+            else:  # the same file met by every rank (a checkpoint): rank 0 says it and records it
+                mark_said(exc)
+            return None
+        report = says = None
+        silent_peer = False
+        if not isinstance(exc, Preempted):  # where, on which rank, and which rank failed first
+            report, says, silent_peer = group.describe_failure(self.dist, exc, self._where(), str(self.run_dir),
+                                                               self.cfg.distributed.timeout_s, self.hosts)
+        ended = failure.of(exc, self.dist.rank, report=report)
+        (log.warning if isinstance(exc, Preempted) else log.error)("%s", says or ended.line)
+        mark_said(exc)
+        # A completion recorded stays: a peer lost after rank 0 recorded it takes nothing away.
+        if not self._recorded:
+            self._record(ended)
+        if says is not None and (says != report or silent_peer):
+            return (group.PeerLost if silent_peer else group.PeerFailed)(says, str(report))
+        return None
+
+    def _record(self, ended: failure.Failure) -> None:
+        """Never into a run dir another job holds; a record that just failed is not tried again."""
+        if self._lock is not None and ended.record is not None:
+            rundir.write_result(self.run_dir, ended.record)

@@ -33,13 +33,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddplab import rundir, strategy
+from ddplab import failure, rundir, strategy
 from ddplab.train.callback import Callback
 from ddplab.checkpoint.compare import first_difference
 from ddplab.config.typed import typed
 from ddplab.config import ConfigError, validate
+from ddplab.errors import VerifyFailed
 from ddplab.runtime import env
-from ddplab.runtime.launch import CONFIG_EXIT
 from ddplab.runtime.signals import Preempted
 
 log = logging.getLogger("ddplab")
@@ -65,10 +65,6 @@ RESTARTS_FROM_SEED = ("state outside the checkpoint restarts on resume: a genera
 
 
 WALL_CLOCK = ("vitals/",)  # metric names that measure time, not the trajectory
-
-
-class VerifyFailed(RuntimeError):
-    """The resumed run ended somewhere else than the uninterrupted one (the message says where and why)."""
 
 
 class Stopped(Preempted):
@@ -268,18 +264,20 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
 
 def _child_main(refusal: str) -> int:
     """A verify_resume run in this fresh process (self-launching its ranks when there are several), its config
-    read from stdin; a refusal of it is written to ``refusal`` for the parent to say."""
+    read from stdin; a refusal of it is written to ``refusal`` for the parent to say. A failure ends it as
+    ``ddplab.failure`` says (the parent reads the leg's result.json)."""
     from ddplab.job import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = typed(json.loads(sys.stdin.read()), "verify_resume's run")
         train(cfg, search_earlier_runs=False)
-    except Preempted as e:
-        return e.exit_code
-    except ConfigError as e:  # refused, perhaps before its Session could record it: the parent says it once
-        Path(refusal).write_text(f"config error: {e}")
-        return CONFIG_EXIT
+    except Exception as e:
+        ended = failure.of(e)
+        if ended.kind == "config" and ended.record:  # refused, perhaps before its Session could record it
+            Path(refusal).write_text(ended.record["error"])  # the parent says it, once
+            return ended.code
+        failure.leave(ended, e)
     return 0
 
 

@@ -19,8 +19,10 @@ import logging
 
 from omegaconf import DictConfig
 
+from ddplab import failure
 from ddplab.config import ConfigError, validate
-from ddplab.runtime import signals
+from ddplab.errors import mark_said, was_said
+from ddplab.runtime import env, signals
 from ddplab.runtime.signals import Preempted
 from ddplab.study import storage
 from ddplab.study.trials import where
@@ -47,8 +49,11 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
     except Exception as e:
         if not storage.failed(e):
             raise
-        log.error("%s", e if isinstance(e, storage.StorageLost) else storage.StorageLost(where(cfg)[1], e))
-        raise SystemExit(storage.STORAGE_EXIT) from None
+        lost = e if isinstance(e, storage.StorageLost) else storage.StorageLost(where(cfg)[1], e)
+        if not was_said(lost):  # in the storage's own words (its key first), once, by rank 0
+            log.error("%s", lost)
+            mark_said(lost)
+        failure.leave(failure.of(lost, env.rank()), lost)  # exit storage.STORAGE_EXIT, not a sweep's NaN
     finally:
         signals.end_hold_for_life()
 

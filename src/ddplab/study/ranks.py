@@ -7,8 +7,10 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from ddplab.config.errors import ConfigError
+from ddplab.errors import mark_said
 from ddplab.runtime import env
 from ddplab.study import storage
+from ddplab.study.trials import where
 
 
 def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
@@ -36,11 +38,8 @@ def agree(cfg: DictConfig, decide: Callable[[], Any]) -> Any:
         raise failure
     if answer[0] == "config":
         raise ConfigError(answer[1])
-    if answer[0] == "storage":  # rank 0 says it (run_study), every rank ends alike
-        from ddplab.runtime.launch import let_rank_zero_report
-
-        let_rank_zero_report()
-        raise SystemExit(storage.STORAGE_EXIT)
+    if answer[0] == "storage":  # rank 0 says it (run_study), every rank ends alike (ddplab.failure)
+        raise mark_said(storage.StorageLost(where(cfg)[1], RuntimeError(answer[1]), alike=True))
     if answer[0] == "error":
         raise RuntimeError(f"rank 0 of this study worker failed: {answer[1]}")
     return answer[1]

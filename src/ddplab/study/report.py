@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ddplab.train.callback import Callback
 from ddplab.runtime import collectives
+from ddplab.train.callback import Callback
 from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")

@@ -84,8 +84,8 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
     plain JSON values. Two workers whose records differ would report numbers the pruner must not compare."""
     import json
 
-    from ddplab.train import batch_size
     from ddplab.config.drift import flatten, trajectory
+    from ddplab.train import batch_size
 
     def searched_key(k: str) -> bool:
         return any(k == s or k.startswith(f"{s}.") for s in searched)
@@ -148,10 +148,14 @@ def _trained_apart(study: dict[str, Any], here: dict[str, Any], shown: int = 8) 
 class StorageLost(ResourceError):
     """The study's storage failed under a running worker (a full disk, a file made read-only or deleted, a
     database gone): one line naming the storage, the innermost cause, and what became of the trial in hand.
-    A resource the machine refused: a self-launched rank that meets it says it and exits like a full disk."""
+    A resource the machine refused: a self-launched rank that meets it says it and exits like a full disk; the
+    worker exits :data:`STORAGE_EXIT` (``ddplab.failure``). ``alike``: every rank of the worker ends with it."""
 
-    def __init__(self, url: str, error: BaseException, trial: str = ""):
+    exit_code = STORAGE_EXIT
+
+    def __init__(self, url: str, error: BaseException, trial: str = "", alike: bool = False):
         self.url, self.cause = url, innermost(error)
+        self.alike_on_every_rank = alike
         super().__init__(f"study.storage={url}: it failed under this worker ({self.cause}){'; ' + trial if trial else ''}"
                          ". Fix: free space on it, make it writable or restore it, then start the workers again")
 

@@ -3,12 +3,12 @@ on the console and as ``summary.md``/``summary.csv`` in the study dir, and one H
 
 from __future__ import annotations
 
-import logging
-import math
-import shlex
 import contextlib
 import fcntl
+import logging
+import math
 import os
+import shlex
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path

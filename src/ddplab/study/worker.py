@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
 
-from ddplab import compat, rundir
+from ddplab import compat, failure, rundir
 from ddplab.config.errors import ConfigError
 from ddplab.errors import ResourceError
 from ddplab.runtime import env, group, signals
@@ -35,7 +35,13 @@ from ddplab.runtime.signals import Preempted
 from ddplab.study import owner, space, storage, summary
 from ddplab.study.ranks import agree, trial_world_size
 from ddplab.study.report import PRUNED
-from ddplab.study.trials import TRIAL_FILE, make_sampler, objective_value, trial_config, where
+from ddplab.study.trials import (
+    TRIAL_FILE,
+    make_sampler,
+    objective_value,
+    trial_config,
+    where,
+)
 
 log = logging.getLogger("ddplab")
 
@@ -265,21 +271,22 @@ class StudyWorker:
 
     def _failed(self, trial: Any, e: Exception) -> bool:
         """A trial's job ended with ``e``: told FAIL, or left RUNNING for the next worker (its worker stops: True,
-        ``e`` propagates), or told FAIL with the study going on (False)."""
-        if isinstance(e, ConfigError):  # every trial would fail alike: fail this one and stop the worker
-            self._tell_or_keep(trial, "FAIL", None, f"config error: {e}")
+        ``e`` propagates), or told FAIL with the study going on (False). The trial's error is the job's record
+        (``ddplab.failure``): a rank that only lost its peer carries the peer's error, not the lost connection."""
+        ended = failure.of(e)
+        cause = (ended.record or {}).get("error") or f"{type(e).__name__}: {e}"
+        if ended.kind == "config":  # every trial would fail alike: fail this one and stop the worker
+            self._tell_or_keep(trial, "FAIL", None, cause)
             return True
         if isinstance(e, group.PeerLost):  # a rank of it died without a word: its death, the next worker counts
             log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a "
                         "death", trial.number)
             return True
         lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
-        if isinstance(e, ResourceError) and not lost:  # a full disk: not the params' fault; every next trial too
+        if ended.kind == "resource" and not lost:  # a full disk: not the params' fault; every next trial too
             log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is "
                         "room (this worker stops)", trial.number)
             return True
-        # A rank that only lost its peer carries the peer's error: the trial's cause, not the lost connection.
-        cause = e.report if isinstance(e, group.PeerFailed) else f"{type(e).__name__}: {e}"
         self._tell_or_keep(trial, "FAIL", None, storage.innermost(e) if lost else cause)
         if lost:
             raise storage.StorageLost(self.url, e, f"trial {trial.number} told FAIL") from None
