@@ -280,6 +280,9 @@ def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp
     [t0] = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
     store.engine.dispose()
     assert t0.state.name == "RUNNING", t0
+    # The trial's record says how its job ended (ddplab.failure): the death, as rank 0 said it.
+    record = read_result(d / "0")
+    assert record["status"] == "failed" and record["error"] == said[0].split("ERROR: ", 1)[1], record
     again = torchrun(2, study_args(d, 2, "checkpoint.every_n_steps=2"), tmp_path)
     assert_ok(again)
     store = optuna.storages.RDBStorage(url)

@@ -51,6 +51,13 @@ CASES = {
     # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for byte
     "scripts/make_tokens.py": ["--generated-mb", "0.01"],
 }
+# How the failing cases end in result.json (ddplab.failure): the status and the error's start.
+RECORDS = {"config error": ("failed", "config error: num_epochs=0"),
+           "a callback's exception": ("failed", "rank 0/1 failed in epoch 1, step 3: RuntimeError: FailsOnRank"),
+           "SIGTERM after step 1": ("preempted", None),
+           "self-launched, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+           "torchrun, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+           "torchrun, config error": ("failed", "config error: num_epochs=0")}
 ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": "29431"}}  # (one rank forms no group: provenance records them)
 EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
@@ -143,6 +150,10 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
                      written(case, tmp_path / how))
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
+    if case in RECORDS:
+        status, error = RECORDS[case]
+        record = ends["forked"][3]
+        assert record["status"] == status and (error is None or record["error"].startswith(error)), record
     assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
     files = ends["forked"][4]  # none of what is compared missing
     assert len([k for k in files if k.startswith("legs/")]) == (2 if case.startswith("verify_resume") else 0)

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from ddplab import rundir
 from ddplab.config.errors import ConfigError, InputError
 from ddplab.config.groups import GROUPS
-from ddplab.config.schema import DistributedConfig, TrainConfig
+from ddplab.config.schema import TrainConfig
+from ddplab.config.system import DistributedConfig
 from ddplab.config.validate import validate
 
 __all__ = ["ConfigError", "InputError", "register_configs", "validate"]

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from ddplab.config.errors import ConfigError, require
-from ddplab.config.groups import AugmentConfig
+from ddplab.config.datasets import AugmentConfig
 
 # The order the checks run in (the first problem found is the one said): the run's own keys, then each part.
 _ORDER = ("", "distributed", "perf", "checkpoint", "verify", "study", "mlflow", "model", "dataset", "optimizer",

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from ddplab import compat, failure, rundir
 from ddplab.config.errors import ConfigError
-from ddplab.errors import ResourceError
+from ddplab.errors import ResourceError, was_said
 from ddplab.runtime import env, group, signals
 from ddplab.runtime.console import log_file_formatter, quiet_log_files
 from ddplab.runtime.signals import Preempted
@@ -292,7 +292,11 @@ class StudyWorker:
             raise storage.StorageLost(self.url, e, f"trial {trial.number} told FAIL") from None
         if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
             return True
-        log.error("trial %d failed, the study goes on: %s: %s", trial.number, type(e).__name__, e)
+        if was_said(e):  # by the trial's job, where it happened
+            log.warning("trial %d failed (its error is above, and in %s), the study goes on", trial.number,
+                        self.trial_dir(trial) / rundir.RESULT)
+        else:
+            log.error("trial %d failed, the study goes on: %s", trial.number, cause)
         return False
 
     def _through_rank_deaths(self, number: int, cfg: DictConfig) -> dict[str, float]:
