@@ -1,6 +1,6 @@
 """The soak's checks of one trial (scripts/soak.py): run an attempt to its end and find every process of the
-trial gone, then the invariants its docstring numbers — the fault's effect (3, 6), the final state (1, 2, 3), the
-files (4, 5) — and the one-line errors a fault that is not a signal must end in."""
+trial gone, then the invariants its docstring numbers — the fault's effect (3, 6), the final state (1, 2, 3),
+the files (4, 5) — and the one-line errors a fault that is not a signal must end in."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class Attempt:
 
 
 def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Attempt:
-    """Run to the end; then wait up to 30 s for the rest of the trial's processes, killing (by pid) any left."""
+    """Run to the end; then wait up to 30 s for the rest of the trial's processes, killing (by pid) any
+    left."""
     trial_id = env["SOAK_TRIAL_ID"]
     start = log.stat().st_size if log.exists() else 0
     with open(log, "a") as out:
@@ -48,7 +49,8 @@ def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeo
         raise
     ended = time.time()
     if "SLURM_JOB_NAME" in env and (proc.returncode or 0) < 0:  # srun killed: its job allocation outlives it
-        # (InactiveLimit=0, SLURM's default), holding the node's CPUs from every later srun: cancelled, as its user would
+        # (InactiveLimit=0, SLURM's default), holding the node's CPUs from every later srun: cancelled, as its
+        # user would
         subprocess.run(["scancel", "--name", env["SLURM_JOB_NAME"]], capture_output=True, timeout=30)
     while time.time() - ended < GRACE_S:
         left = trial_pids(trial_id)
@@ -101,7 +103,8 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
         return check_one_line(t, a, notes)
     res = read_result(run)
     if t.signal == "SIGKILL" or t.launcher == "slurm" and t.target in ("launcher", "all") and t.signal == "SIGTERM":
-        # srun, sent SIGTERM, cancels its step: SLURM kills the ranks at once, as SIGKILL does (SLURM's choice)
+        # srun, sent SIGTERM, cancels its step: SLURM kills the ranks at once, as SIGKILL does (SLURM's
+        # choice)
         notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
         return []
     problems = []
@@ -114,7 +117,8 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
     if status == "completed" and (a.rc == 0 or t.mode == "study"):  # a worker signalled ends after telling it
         notes.append(f"completed: the signal came after the last stop check (exit {a.rc})")
     elif status == "completed" and t.launcher == "torchrun" and t.target in ("launcher", "all"):
-        # torchrun's agent, signalled, exits 1 (its SignalException) whatever its ranks did: its code, not ours.
+        # torchrun's agent, signalled, exits 1 (its SignalException) whatever its ranks did: its code, not
+        # ours.
         notes.append(f"completed: the signal came after the last stop check (torchrun's agent exit {a.rc})")
     elif status == "preempted" and a.rc != 0:
         notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
@@ -126,9 +130,9 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
 
 
 def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
-    """Invariants 1 and 3 (the end): completed, and the final state bitwise the uninterrupted run's. ``skip_rng``:
-    the streams were not restored (RNGStreams restores only mid-epoch: each epoch reseeds them), so the last
-    checkpoint's ``rng`` entry is the fresh process's, not the reference's."""
+    """Invariants 1 and 3 (the end): completed, and the final state bitwise the uninterrupted run's.
+    ``skip_rng``: the streams were not restored (RNGStreams restores only mid-epoch: each epoch reseeds them),
+    so the last checkpoint's ``rng`` entry is the fresh process's, not the reference's."""
     res = read_result(run)
     if res.get("status") != "completed":
         return [f"never completed: result.json {json.dumps(res)[:300]}"]
@@ -148,8 +152,8 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
     scalars (as TensorBoard rounds them) at the same steps, each step once: a resume continues the same MLflow
     run and sends no step twice; vitals/* aside (a recomputed step's timings differ, and only its first send
     counts). A fault that kills the job (SIGKILL, bad_file, a full disk, a lost storage) loses what its writer
-    still had queued, which no resume sends again (TensorBoard's record is whole): there, steps may be missing,
-    but never twice, never other values, and the run's last step is there."""
+    still had queued, which no resume sends again (TensorBoard's record is whole): there, steps may be
+    missing, but never twice, never other values, and the run's last step is there."""
     if t.tracking != "mlflow" or t.server != "up":
         return []
     import numpy as np
@@ -215,7 +219,8 @@ def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_und
     return problems
 
 
-# What each fault that is not a signal must be said with (the job's one line): the cause, as the OS or SQLite said it.
+# What each fault that is not a signal must be said with (the job's one line): the cause, as the OS or SQLite
+# said it.
 CAUSES = {"disk_full": ("No space left on device", "free on its file system"),
           "storage_loss": ("attempt to write a readonly database", "no such table", "unable to open database file")}
 
@@ -225,7 +230,8 @@ def check_one_line(t: Trial, a: Attempt, notes: list[str]) -> list[str]:
     errors = [line for line in a.out.splitlines() if "ERROR" in line or "error:" in line]
     notes.append(f"exit {a.rc}: {errors[-1][-160:] if errors else 'no error line'}")
     problems = [f"{t.fault}: the job exited 0"] if a.rc == 0 else []
-    if t.fault == "storage_loss" and t.launcher != "torchrun" and a.rc != 3:  # torchrun's agent exits 1 for any
+    # torchrun's agent exits 1 for any
+    if t.fault == "storage_loss" and t.launcher != "torchrun" and a.rc != 3:
         problems.append(f"storage_loss: the worker exited {a.rc}, not 3 (a lost storage)")
     ours = tracebacks(a.out)
     if ours:

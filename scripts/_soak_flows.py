@@ -1,5 +1,6 @@
-"""What one soak trial runs, by mode (scripts/soak.py): the job faulted, then what a user does next — resume it
-(a training run), start the worker again (a study), run it again (verify_resume) — and the mode's final checks."""
+"""What one soak trial runs, by mode (scripts/soak.py): the job faulted, then what a user does next — resume
+it (a training run), start the worker again (a study), run it again (verify_resume) — and the mode's final
+checks."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
 
 
 def short_tmp(tdir: Path) -> str:
-    """The trial's TMPDIR (``tdir/tmp``) by a short name: a symlink in /tmp. A soak under pytest's long tmp paths
-    would otherwise give loader workers a socket path over the 107 bytes allowed (ddplab refuses that config)."""
+    """The trial's TMPDIR (``tdir/tmp``) by a short name: a symlink in /tmp. A soak under pytest's long tmp
+    paths would otherwise give loader workers a socket path over the 107 bytes allowed (ddplab refuses that
+    config)."""
     link = Path(tempfile.gettempdir()) / f"sk-{zlib.crc32(str(tdir).encode()):08x}"
     if not link.is_symlink():
         with contextlib.suppress(FileExistsError):
@@ -47,10 +49,12 @@ def short_tmp(tdir: Path) -> str:
 
 
 def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
-    """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the fault."""
+    """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the
+    fault."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
-    if t.launcher == "slurm":  # srun names its job so (the driver cancels an allocation srun's death left behind)
+    # srun names its job so (the driver cancels an allocation srun's death left behind)
+    if t.launcher == "slurm":
         env["SLURM_JOB_NAME"] = trial_id
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=short_tmp(tdir), SOAK_TRIAL_ID=trial_id,
                SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
@@ -70,8 +74,8 @@ def train_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref) -> tuple[list[st
 
 
 def after_fault(t: Trial, tdir: Path, run: Path, notes: list[str]) -> None:
-    """Between the faulted attempt and the next: the disk freed (disk_full), the newest checkpoint of the run the
-    fault hit spoilt (bad_file)."""
+    """Between the faulted attempt and the next: the disk freed (disk_full), the newest checkpoint of the run
+    the fault hit spoilt (bad_file)."""
     (run / "soak-filler").unlink(missing_ok=True)
     if t.fault == "bad_file" and (tdir / "fired").exists():
         hit = json.loads((tdir / "fired").read_text()).get("run_dir") or str(run)
@@ -83,7 +87,8 @@ def after_fault(t: Trial, tdir: Path, run: Path, notes: list[str]) -> None:
 
 
 def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[str], list[str], bool]:
-    """The faulted run, then resumes until it completes (at most 3): problems, notes, resumed at the last epoch's end."""
+    """The faulted run, then resumes until it completes (at most 3): problems, notes, resumed at the last
+    epoch's end."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
     timeout = attempt_timeout(t, runs=1, laps=3)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
@@ -106,15 +111,16 @@ def fault_and_resume(t: Trial, tdir: Path, cwd: Path, run: Path) -> tuple[list[s
 
 
 def attempt_timeout(t: Trial, runs: int, laps: int) -> float:
-    """Seconds an attempt may take before it counts as hung: 180 s for each run it starts (their processes' start,
-    ~60 s each beside CI's suite; a verify_resume attempt starts three: CI at 888992b killed one 181 s into its
-    third), and ``laps`` times the training's own time."""
+    """Seconds an attempt may take before it counts as hung: 180 s for each run it starts (their processes'
+    start, ~60 s each beside CI's suite; a verify_resume attempt starts three: CI at 888992b killed one 181 s
+    into its third), and ``laps`` times the training's own time."""
     return 180 * runs + laps * t.epochs * (t.steps_per_epoch * t.step_s + 2 * t.eval_s)
 
 
 def unreadable(t: Trial, a: Attempt) -> bool:
     """bad_file spoilt the only checkpoint: resume=auto must say so in one line, exit 2, and name the fix."""
-    exit_2 = a.rc == 2 or t.launcher == "torchrun" and a.rc == 1 and "exitcode  : 2" in a.out  # torchrun's own is 1
+    # torchrun's own is 1
+    exit_2 = a.rc == 2 or t.launcher == "torchrun" and a.rc == 1 and "exitcode  : 2" in a.out
     said = [line for line in a.out.splitlines() if "Fix: resume=null to start fresh" in line]
     return t.fault == "bad_file" and exit_2 and len(said) == 1 and not tracebacks(a.out)
 
@@ -138,9 +144,9 @@ def left_over(attempts: list[Attempt], timeout: float) -> list[str]:
 
 
 def study_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]) -> tuple[list[str], list[str]]:
-    """A study worker faulted in one of its two trials, then workers started again until both are done (at most
-    3); each trial then bitwise its uninterrupted study's, told once, with the same value. storage_loss: the
-    worker ends in one line, and there is no study left to finish."""
+    """A study worker faulted in one of its two trials, then workers started again until both are done (at
+    most 3); each trial then bitwise its uninterrupted study's, told once, with the same value. storage_loss:
+    the worker ends in one line, and there is no study left to finish."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
     timeout = attempt_timeout(t, runs=2, laps=6)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
@@ -181,8 +187,8 @@ def told(study_dir: Path) -> list[tuple[str, Any]]:
 
 def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]) -> tuple[list[str], list[str]]:
     """mode=verify_resume faulted: it says PASS (the fault missed what it compares) or fails without a verdict
-    on the job (a FAIL would blame the user's code for an outside fault), in one line; run again, it says PASS.
-    The uninterrupted leg of the run that passed is bitwise the plain training run."""
+    on the job (a FAIL would blame the user's code for an outside fault), in one line; run again, it says
+    PASS. The uninterrupted leg of the run that passed is bitwise the plain training run."""
     log, env, notes = tdir / "run.log", job_env(t, tdir, f"soak-{os.getpid()}-{t.seed}", True), []
     timeout = attempt_timeout(t, runs=3, laps=8)
     attempts = [run_attempt(command(t, run), env, cwd, log, timeout)]
@@ -191,7 +197,8 @@ def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pa
         problems.append("the fault never fired (k beyond the calls the job made?)")
     errors = [line for line in a.out.splitlines() if "verify_resume: " in line and ("ERROR" in line or "WARNING" in line)]
     notes.append(f"exit {a.rc}: {(errors or ['PASS' if PASS in a.out else 'no line'])[-1][-200:]}")
-    killed_itself = t.signal == "SIGKILL" and t.target == "all" and a.rc == -9  # verify_resume's own process too
+    # verify_resume's own process too
+    killed_itself = t.signal == "SIGKILL" and t.target == "all" and a.rc == -9
     if a.rc != 0 and not errors and not killed_itself:
         problems.append(f"verify_resume exited {a.rc} without a line saying why: {a.out[-600:]!r}")
     if a.rc == 0 and PASS not in a.out:

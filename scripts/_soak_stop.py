@@ -1,4 +1,5 @@
-"""A soak stopped (SIGTERM: a CI timeout; SIGINT: a user's Ctrl-C) starts nothing more and ends what it started."""
+"""A soak stopped (SIGTERM: a CI timeout; SIGINT: a user's Ctrl-C) starts nothing more and ends what it
+started."""
 
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ STOPPING = threading.Event()  # set by the stop: the driver reports no trial it 
 
 
 def end_everything_when_stopped() -> None:
-    """On SIGTERM or SIGINT: every trial's and reference's processes and the MLflow servers (in sessions of their
-    own, they would outlive the driver) are killed, found by the id in their environment: this run's pid is in
-    each (``soak-<pid>-...``; the servers get ``soak-<pid>-servers`` from this process's environment, which the
-    jobs' leave out). The trials' threads go on meanwhile (a killed attempt is followed by a resume, a failed trial
-    by the next), so from the signal on they start no process at all, and the scan ends only after three in a
-    row found none (a process started just before the signal is seen once it has exec'd)."""
+    """On SIGTERM or SIGINT: every trial's and reference's processes and the MLflow servers (in sessions of
+    their own, they would outlive the driver) are killed, found by the id in their environment: this run's pid
+    is in each (``soak-<pid>-...``; the servers get ``soak-<pid>-servers`` from this process's environment,
+    which the jobs' leave out). The trials' threads go on meanwhile (a killed attempt is followed by a resume,
+    a failed trial by the next), so from the signal on they start no process at all, and the scan ends only
+    after three in a row found none (a process started just before the signal is seen once it has exec'd)."""
     me = os.getpid()
     os.environ["SOAK_TRIAL_ID"] = f"soak-{me}-servers"
     popen_init = subprocess.Popen.__init__
 
     def refused_once_stopping(self, *args, **kwargs) -> None:
-        if STOPPING.is_set() and threading.current_thread() is not threading.main_thread():  # the stop's own: run
+        # the stop's own: run
+        if STOPPING.is_set() and threading.current_thread() is not threading.main_thread():
             raise RuntimeError("the soak was stopped: its trials start no more processes")
         popen_init(self, *args, **kwargs)
 

@@ -68,7 +68,8 @@ class SaveRecorder:
 
 
 def hidden_for(gb: float) -> int:
-    """Hidden [H, H, H] has two HxH weight matrices (~2 H^2 fp32 numbers) plus their momentum: 16 H^2 bytes."""
+    """Hidden [H, H, H] has two HxH weight matrices (~2 H^2 fp32 numbers) plus their momentum: 16 H^2
+    bytes."""
     return int(math.sqrt(gb * 2**30 / 16))
 
 

@@ -126,7 +126,8 @@ def command(side: str, a: argparse.Namespace, steps: int, train_bin: Path, val_b
                      f"max_steps={steps}", "num_epochs=null", "progress=none", f"hydra.run.dir={out}"]
 
 
-# What ddplab's perf.host_allocator=tuned sets in its CPU ranks (ddplab.runtime.allocator), as glibc's variables.
+# What ddplab's perf.host_allocator=tuned sets in its CPU ranks (ddplab.runtime.allocator), as glibc's
+# variables.
 SAME_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
 
@@ -170,7 +171,8 @@ def main() -> None:
                 print(f"round {r + 1} {side:8s} {short} steps {walls[short]:.2f} s, {long} steps {walls[long]:.2f} s: "
                       f"{per_step[side][-1]:.2f} ms/step", flush=True)
     med = {k: statistics.median(v) for k, v in per_step.items()}
-    # The two sides of a round ran back to back: their ratio is the least touched by the VM's drift over minutes.
+    # The two sides of a round ran back to back: their ratio is the least touched by the VM's drift over
+    # minutes.
     paired = [d / n for d, n in zip(per_step["ddplab"], per_step["nanogpt"])]
     print(f"\nms per step (median of {a.rounds}): nanoGPT {med['nanogpt']:.2f}, ddplab {med['ddplab']:.2f}; "
           f"ratio ddplab / nanoGPT {med['ddplab'] / med['nanogpt']:.3f}; per round "

@@ -1,8 +1,8 @@
 """Signal-to-checkpoint time and steps lost on preemption, by step time and log interval.
 
 For each (step time, log_every_n_steps) cell: a 2-rank ``torchrun --standalone`` digits run whose training
-forward sleeps the step time (toy.SlowMLP, tests/toy_models.py), SIGTERM to torchrun's agent once rank 0 has begun its
-N-th step, then:
+forward sleeps the step time (toy.SlowMLP, tests/toy_models.py), SIGTERM to torchrun's agent once rank 0 has
+begun its N-th step, then:
 
 * signal → checkpoint: seconds from the signal to the preemption checkpoint's file (its mtime);
 * steps lost: steps completed before the signal that the checkpoint does not hold (goal 0);

@@ -64,7 +64,8 @@ def wall(cmd: list[str], cwd: Path) -> float:
 
 
 def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
-    """Launch → exit of ddplab's default job and the hand-written one, alternating; medians and the difference."""
+    """Launch → exit of ddplab's default job and the hand-written one, alternating; medians and the
+    difference."""
     print("| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side | failed, rerun "
           "(hand / ddplab) |\n|---|---|---|---|---|---|")
     for n in nprocs:

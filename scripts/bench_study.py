@@ -35,7 +35,8 @@ COMMON = ["model=convnet", "progress=none", "checkpoint.keep_last=1"]
 
 
 def space(key: str) -> str:
-    """The grid as a dict override of ``key`` (added with ++: the presets' own params stay unless replaced)."""
+    """The grid as a dict override of ``key`` (added with ++: the presets' own params stay unless
+    replaced)."""
     return (f"{key}={{num_epochs:'choice({','.join(map(str, EPOCHS))})',"
             f"optimizer.lr:'choice({','.join(map(str, LRS))})',optimizer.weight_decay:'choice(0.0001)'}}")
 

@@ -71,13 +71,14 @@ class MemmapWindows:
         return w[:-1], w[1:]
 
 
-MODES = {"pread": "bijection", "pread-permutation": "permutation", "memmap": "permutation"}  # mode -> sample order
+# mode -> sample order
+MODES = {"pread": "bijection", "pread-permutation": "permutation", "memmap": "permutation"}
 
 
 def read_epoch(path: str, mode: str, block: int, limit: int | None) -> dict:
-    """Child process: one shuffled epoch over every window (the first ``limit`` of its order); figures as a dict.
-    ``pread``: ddplab's reads in its constant-memory order; ``pread-permutation``: the same reads in the order of
-    a permutation tensor (ddplab before issue 33); ``memmap``: nanoGPT's reads."""
+    """Child process: one shuffled epoch over every window (the first ``limit`` of its order); figures as a
+    dict. ``pread``: ddplab's reads in its constant-memory order; ``pread-permutation``: the same reads in the
+    order of a permutation tensor (ddplab before issue 33); ``memmap``: nanoGPT's reads."""
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.tokens import tokens
     train = tokens(path, val_path=path, block_size=block).train

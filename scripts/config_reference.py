@@ -1,9 +1,10 @@
-"""Write docs/reference.md, every key, group option and default, from the schema (src/ddplab/config/) and conf/.
+"""Write docs/reference.md, every key, group option and default, from the schema (src/ddplab/config/) and
+conf/.
 
 Each key's meaning is its schema field's own comment (the lines above it, or the one after it); each group
-option's description is the first comment of its yaml, its keys and defaults what Hydra composes for it. So the
-page cannot drift from the code: ``tests/test_config_reference.py`` fails when the committed page differs from
-what this writes.
+option's description is the first comment of its yaml, its keys and defaults what Hydra composes for it. So
+the page cannot drift from the code: ``tests/test_config_reference.py`` fails when the committed page differs
+from what this writes.
 
     python scripts/config_reference.py           # rewrite docs/reference.md
     python scripts/config_reference.py --check   # exit 1 if it is not current
@@ -34,8 +35,9 @@ PRESETS = ("experiment", "debug", "hparams_search")  # options that set keys els
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's own comment in its class's source (a base class's for a field it defines): the comment lines
-    right above it, else the one on its line. A comment says what one key means: it covers no field after it."""
+    """Each field's own comment in its class's source (a base class's for a field it defines): the comment
+    lines right above it, else the one on its line. A comment says what one key means: it covers no field
+    after it."""
     out: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         out.update({k: v for k, v in _own_comments(klass).items() if v or k not in out})
@@ -60,7 +62,8 @@ def _own_comments(cls: type) -> dict[str, str]:
 
 
 def unmeant(page: str) -> list[str]:
-    """The rows of ``page``'s key tables whose meaning is empty, or the same as another key's in that table."""
+    """The rows of ``page``'s key tables whose meaning is empty, or the same as another key's in that
+    table."""
     out, seen = [], {}
     for line in page.splitlines():
         if not line.startswith("| `") or line.count(" | ") < 2:
@@ -89,7 +92,8 @@ def cell(text: str) -> str:
 
 
 def schema_table(cls: type, prefix: str, values: dict[str, Any] | None = None) -> list[str]:
-    """key | default | meaning, for every field of ``cls`` (``values``: an option's composed defaults instead)."""
+    """key | default | meaning, for every field of ``cls`` (``values``: an option's composed defaults
+    instead)."""
     return ["| key | default | meaning |", "| --- | --- | --- |"] + _rows(cls, prefix, values)
 
 
@@ -105,7 +109,8 @@ def _rows(cls: type, prefix: str, values: dict[str, Any] | None) -> list[str]:
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "???"
         kind = hints.get(f.name)
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # a nested schema (dataset.augment): its keys
+        # a nested schema (dataset.augment): its keys
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             rows += _rows(kind, f"{prefix}{f.name}.", default if isinstance(default, dict) else None)
             continue
         rows.append(f"| `{prefix}{f.name}` | {cell(shown(default))} | {cell(notes.get(f.name, ''))} |")
@@ -182,7 +187,8 @@ def render() -> str:
              "compose and how a job runs: [Configuration](configuration.md).", "", "## Top-level keys", ""]
     lines += schema_table(TrainConfig, "") + [""]
     for name, cls in zip(NESTED, (DistributedConfig, CheckpointConfig, PerfConfig, VerifyConfig, StudyConfig)):
-        doc = inspect.getdoc(cls) if not (cls.__doc__ or "").startswith(f"{cls.__name__}(") else ""  # not dataclass's
+        # not dataclass's
+        doc = inspect.getdoc(cls) if not (cls.__doc__ or "").startswith(f"{cls.__name__}(") else ""
         lines += [f"## `{name}.*`", ""] + ([doc.replace("\n", " "), ""] if doc else [])
         lines += schema_table(cls, f"{name}.") + [""]
     lines += ["## `distributed=` options", "", "| option | what it is | what it sets |", "| --- | --- | --- |"]

@@ -13,11 +13,11 @@ Bytes need no tokenizer and no download. A subword vocabulary (Hugging Face ``to
     python train.py task=lm dataset=tokens dataset.path=data/train.bin dataset.val_path=data/val.bin \
         dataset.vocab_size=4096
 
-The tokenizer is saved beside the files (``data/tokenizer.json``) and named in their sidecars with its hash and
-vocabulary, so a run whose ``dataset.vocab_size`` is smaller is refused in one line. Files are written in
-chunks (encoded in ``--workers`` processes), so a corpus larger than memory works too; the ids are those of the
-whole text (ddplab.data.tokenizer). Ids from elsewhere: ``ddplab.data.write_tokens(ids, path, dtype, vocab)``.
-"""
+The tokenizer is saved beside the files (``data/tokenizer.json``) and named in their sidecars with its hash
+and vocabulary, so a run whose ``dataset.vocab_size`` is smaller is refused in one line. Files are written in
+chunks (encoded in ``--workers`` processes), so a corpus larger than memory works too; the ids are those of
+the whole text (ddplab.data.tokenizer). Ids from elsewhere: ``ddplab.data.write_tokens(ids, path, dtype,
+vocab)``."""
 
 from __future__ import annotations
 

@@ -9,13 +9,13 @@ up with another (issue 22, item 9; issue 32). Each trial beside its uninterrupte
 
 A trial (tests/soak_plan.py: its dimensions and their values) is a launcher and world size (1-3 ranks; with
 ``--slurm``, srun too), a strategy, data, a checkpoint mode, a run mode, a step time (a sleep before the fault
-fires, none in the resumes), grad accumulation, one feature in play, a tracker (MLflow up, down or killed), and
-one fault made by rank r on its k-th call of a phase (tests/soak_toy.py, from inside the job, once): a signal to
-itself, a peer, its launcher or every process of the job; or a full disk, a spoilt checkpoint, a lost study
-storage. ``--pairwise`` fixes the dimensions by the plan, the rest from each
-trial's seed. What a user does next depends on the mode (scripts/_soak_flows.py): a run reruns with
-``resume=auto`` until it completes, a study's worker is started again until its trials are done, verify_resume
-runs again. The trial checks (scripts/_soak_checks.py):
+fires, none in the resumes), grad accumulation, one feature in play, a tracker (MLflow up, down or killed),
+and one fault made by rank r on its k-th call of a phase (tests/soak_toy.py, from inside the job, once): a
+signal to itself, a peer, its launcher or every process of the job; or a full disk, a spoilt checkpoint, a
+lost study storage. ``--pairwise`` fixes the dimensions by the plan, the rest from each trial's seed. What a
+user does next depends on the mode (scripts/_soak_flows.py): a run reruns with ``resume=auto`` until it
+completes, a study's worker is started again until its trials are done, verify_resume runs again. The trial
+checks (scripts/_soak_checks.py):
 
 1. final model/optimizer/scheduler/loop/rng/results bitwise equal to an uninterrupted run (cached per config
    and launcher; run without delays, which only sleep, beside the faulted one);
@@ -63,7 +63,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from _soak_stop import STOPPING, end_everything_when_stopped  # noqa: E402
-from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,  # noqa: E402
+# noqa: E402
+from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,
                        plan_trials, trial_seeds)
 from soak_toy import snapshot  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
@@ -72,13 +73,15 @@ DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run unti
 
 
 def reference(t: Trial, root: Path, cache: dict) -> Path:
-    """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run: a study's
-    whole study; for verify_resume, the plain training run its uninterrupted leg must equal."""
+    """The uninterrupted run of t's config and launcher (no delays, no fault), made once per soak run: a
+    study's whole study; for verify_resume, the plain training run its uninterrupted leg must equal."""
     if t.mode == "verify_resume":
         t = dataclasses.replace(t, mode="train")
-    if t.tracking != "none":  # a tracker changes no number the trial compares (and a killed server is the trial's)
+    # a tracker changes no number the trial compares (and a killed server is the trial's)
+    if t.tracking != "none":
         t = dataclasses.replace(t, tracking="none", server="up", tracking_uri="", server_pid=0)
-    if t.launcher == "slurm":  # torchrun's run: a job's results do not depend on its launcher (checked so), and
+    # torchrun's run: a job's results do not depend on its launcher (checked so), and
+    if t.launcher == "slurm":
         t = dataclasses.replace(t, launcher="torchrun")  # a second srun would queue for the one node's 2 CPUs
     key = (t.launcher, t.world, tuple(t.overrides()))
     if key not in cache:
@@ -126,7 +129,8 @@ def run_disk(t: Trial, run: Path):
 @contextlib.contextmanager
 def tracking_server(t: Trial, tdir: Path, shared: Callable[[], str]):
     """tracking=mlflow: the trial's tracking URI. server=up: the soak run's one server; down: a port nothing
-    listens on; killed: a server of the trial's own, which its fault kills (soak_toy) and which is gone after."""
+    listens on; killed: a server of the trial's own, which its fault kills (soak_toy) and which is gone
+    after."""
     if t.tracking != "mlflow":
         yield
     elif t.server == "killed":
@@ -137,7 +141,8 @@ def tracking_server(t: Trial, tdir: Path, shared: Callable[[], str]):
     elif t.server == "up":
         t.tracking_uri = shared()
         yield
-    else:  # down: a port held bound and never listened on, so no later server can take it (connections refused)
+    # down: a port held bound and never listened on, so no later server can take it (connections refused)
+    else:
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))
             t.tracking_uri = f"http://127.0.0.1:{held.getsockname()[1]}"
@@ -157,7 +162,8 @@ def run_trial(t: Trial, root: Path, cache: dict, shared: Callable[[], str]) -> t
         ref_job = pool.submit(reference, t, root, cache)
         flow = {"train": train_flow, "study": study_flow, "verify_resume": verify_flow}[t.mode]
         problems, notes = flow(t, tdir, cwd, run, ref_job.result)
-    failed = t.fault == "storage_loss" and t.launcher == "torchrun"  # no attempt after it: its last run failed
+    # no attempt after it: its last run failed
+    failed = t.fault == "storage_loss" and t.launcher == "torchrun"
     Path(short_tmp(tdir)).unlink(missing_ok=True)  # the short name of its TMPDIR (the dir itself is checked)
     return problems + check_files(cwd, before, tmp, notes, failed), notes
 
@@ -218,9 +224,9 @@ def shard_dir(root: Path) -> Path:
 
 
 def hf_dir(root: Path) -> Path:
-    """The data=hf/hf_stream trials' folder: the generated corpus's sentences as JSONL rows (``text``), a BPE of at
-    most HF_VOCAB ids trained on them, and enough rows for TOKEN_WINDOWS windows of TOKEN_BLOCK ids (the last
-    tenth of the windows' rows for validation), as the token file has."""
+    """The data=hf/hf_stream trials' folder: the generated corpus's sentences as JSONL rows (``text``), a BPE
+    of at most HF_VOCAB ids trained on them, and enough rows for TOKEN_WINDOWS windows of TOKEN_BLOCK ids (the
+    last tenth of the windows' rows for validation), as the token file has."""
     from ddplab.data.tabular import generated_corpus
     from ddplab.data.tokenizer import train_bpe
 
@@ -271,9 +277,9 @@ def choose(args: argparse.Namespace) -> list[Trial]:
 
 def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1,
             until: float = float("inf")) -> list[tuple[Trial, bool, float]]:
-    """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up; two at
-    once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends. None
-    starts after ``until`` (a time.monotonic()): those run are the first ones, in order."""
+    """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up;
+    two at once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends.
+    None starts after ``until`` (a time.monotonic()): those run are the first ones, in order."""
     cache: dict = {}
     lock = threading.Lock()
     servers = contextlib.ExitStack()
@@ -335,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, help="start no trial after this many minutes (those started end); "
                     "the summary covers the trials run and says which --first continues")
     args = ap.parse_args(argv)
-    until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")  # data prep counts
+    # data prep counts
+    until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")
     if args.minutes is not None and (args.pairwise or args.only is not None):
         ap.error("--minutes bounds a run of --trials drawn at random (--first continues it); the pairwise plan and "
                  "--only run whole: drop --minutes")

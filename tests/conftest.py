@@ -1,4 +1,5 @@
-"""Fixtures and pytest hooks. The shared helpers are the ``helpers`` package (jobs, counting, compare, study)."""
+"""Fixtures and pytest hooks. The shared helpers are the ``helpers`` package (jobs, counting, compare,
+study)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-# Bytecode written as modules are first imported, by this process and every one it starts (xdist's workers, the
-# jobs): the README's install skips pip's compiling of every installed file (--no-compile: ~130 of its CPU-s,
-# for 20,000 files the tests mostly never import), and where PYTHONDONTWRITEBYTECODE is set (the development VM
-# and CI) no process would write it, so every fresh interpreter (torchrun's ranks, study workers, scripts)
-# compiled torch's and ddplab's modules anew. Before helpers.jobs: the job server starts with this environment.
+# Bytecode written as modules are first imported, by this process and every one it starts (xdist's workers,
+# the jobs): the README's install skips pip's compiling of every installed file (--no-compile: ~130 of its
+# CPU-s, for 20,000 files the tests mostly never import), and where PYTHONDONTWRITEBYTECODE is set (the
+# development VM and CI) no process would write it, so every fresh interpreter (torchrun's ranks, study
+# workers, scripts) compiled torch's and ddplab's modules anew. Before helpers.jobs: the job server starts
+# with this environment.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
@@ -46,9 +48,9 @@ def pytest_configure(config):
 
 
 def _drops_xdist_groups() -> bool:
-    """xdist groups tests by a suffix it adds to their node ids; pytest 9.2 drops it, so every group is spread over
-    both workers without a word: the slurm tests then run at once and one's scancel signals the other's job (a
-    clean clone's CI failed so). xdist 3.8.0 is the newest, and broken, release as of writing."""
+    """xdist groups tests by a suffix it adds to their node ids; pytest 9.2 drops it, so every group is spread
+    over both workers without a word: the slurm tests then run at once and one's scancel signals the other's
+    job (a clean clone's CI failed so). xdist 3.8.0 is the newest, and broken, release as of writing."""
     from importlib.metadata import version
 
     from packaging.version import Version
@@ -60,12 +62,13 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    # The soak plan (12 minutes, the longest test by far) first: under `-n 3` one worker runs it while the others
-    # takes the rest, instead of it starting last and running alone; then the slurm tests, whose jobs mostly
-    # wait on SLURM (one worker takes them in turn, beside the rest).
+    # The soak plan (12 minutes, the longest test by far) first: under `-n 3` one worker runs it while the
+    # others takes the rest, instead of it starting last and running alone; then the slurm tests, whose jobs
+    # mostly wait on SLURM (one worker takes them in turn, beside the rest).
     items.sort(key=lambda item: (item.name != "test_the_pairwise_soak_plan_holds_every_invariant",
                                  item.get_closest_marker("slurm") is None))
-    if os.environ.get("DDPLAB_SLURM_APART") == "1":  # .ci/run runs them in a phase of their own, beside this one
+    # .ci/run runs them in a phase of their own, beside this one
+    if os.environ.get("DDPLAB_SLURM_APART") == "1":
         apart = [item for item in items if item.get_closest_marker("slurm")]
         items[:] = [item for item in items if not item.get_closest_marker("slurm")]
         config.hook.pytest_deselected(items=apart)
@@ -99,7 +102,8 @@ def _leaves_no_signal_state():
 
 
 def _session_root(config) -> Path:
-    """The session's temp root: xdist's workers each have a dir under it, the process that starts them has it."""
+    """The session's temp root: xdist's workers each have a dir under it, the process that starts them has
+    it."""
     base = config._tmp_path_factory.getbasetemp()  # noqa: SLF001  (pytest's own tmp_path_factory)
     return base.parent if hasattr(config, "workerinput") else base
 
@@ -128,8 +132,9 @@ def small() -> list[str]:
 
 
 # What a CI machine may lack, so a test may skip there: a GPU, a SLURM cluster or the two-host cluster (the
-# first phase of .ci/run; later phases start them), a CPU that computes bf16 natively. Any other skip — `ss` missing, a mount refused,
-# keras absent — would hide an untested promise: under DDPLAB_CI=1 (.ci/run) it fails instead.
+# first phase of .ci/run; later phases start them), a CPU that computes bf16 natively. Any other skip — `ss`
+# missing, a mount refused, keras absent — would hide an untested promise: under DDPLAB_CI=1 (.ci/run) it
+# fails instead.
 CI_MAY_SKIP = ("CUDA", "GPU", "SLURM", "computes bf16 natively", "two-host cluster")
 
 
@@ -146,8 +151,9 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    """The same for a whole file skipped while it is collected (an extra missing: ``helpers.extras.needs`` at its top):
-    a broken transformers, datasets or mlflow would otherwise make ~50 tests vanish with CI green."""
+    """The same for a whole file skipped while it is collected (an extra missing: ``helpers.extras.needs`` at
+    its top): a broken transformers, datasets or mlflow would otherwise make ~50 tests vanish with CI
+    green."""
     outcome = yield
     rep = outcome.get_result()
     if rep.skipped and os.environ.get("DDPLAB_CI") == "1":
@@ -184,9 +190,9 @@ def _gpu_only_for_cuda_tests(request):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """DDPLAB_TEST_CPU=FILE: each test's wall and CPU seconds (its own process and every process it started and
-    reaped: the ranks, launchers, servers) appended to FILE.<worker> as JSON lines, to see where CI's CPU goes
-    (2 cores, ~94 % busy: wall time alone hides which tests cost the machine)."""
+    """DDPLAB_TEST_CPU=FILE: each test's wall and CPU seconds (its own process and every process it started
+    and reaped: the ranks, launchers, servers) appended to FILE.<worker> as JSON lines, to see where CI's CPU
+    goes (2 cores, ~94 % busy: wall time alone hides which tests cost the machine)."""
     out = os.environ.get("DDPLAB_TEST_CPU")
     if not out:
         yield

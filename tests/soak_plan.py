@@ -3,12 +3,12 @@ pairwise plan CI runs, in which every pair of values of two dimensions meets in 
 
 The dimensions users combine: the launcher and its world size (1, 2, or 3 ranks, where the order of a sum of
 gradients matters), the strategy, the data (digits, a token file or folder of shards, Hugging Face JSONL text
-through a BPE tokenizer; held in memory or streamed), the checkpoint mode, the run mode (a training run, a study
-worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's storage lost; its
-target and phase), the step time, gradient accumulation, and one feature in play (EMA, amp, loader workers, or
-training by steps with step evaluations). A plan trial fixes those; everything else (the exact step time inside
-its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from its seed: ``--only SEED``.
-"""
+through a BPE tokenizer; held in memory or streamed), the checkpoint mode, the run mode (a training run, a
+study worker, verify_resume), the fault (a signal, a full disk, a corrupt checkpoint, the study's storage
+lost; its target and phase), the step time, gradient accumulation, and one feature in play (EMA, amp, loader
+workers, or training by steps with step evaluations). A plan trial fixes those; everything else (the exact
+step time inside its band, epochs, log and checkpoint intervals, the faulting rank, k) still comes from its
+seed: ``--only SEED``."""
 
 from __future__ import annotations
 
@@ -19,32 +19,33 @@ import random
 from typing import Any
 
 LAUNCHERS = ("single", "torchrun", "selflaunch")
-# ``srun --ntasks=2`` on a SLURM cluster: drawn only where one is up (``scripts/soak.py --slurm``), so not in the
-# pairwise plan, which CI runs before its cluster phase.
+# ``srun --ntasks=2`` on a SLURM cluster: drawn only where one is up (``scripts/soak.py --slurm``), so not in
+# the pairwise plan, which CI runs before its cluster phase.
 SLURM = "slurm"
 STRATEGIES = ("none", "ddp", "fsdp")
 # hf / hf_stream: dataset=hf over local JSONL text files through a BPE tokenizer trained for the soak, held in
 # memory or streamed row by row (datasets' streaming, its position in checkpoints).
 DATA = ("memory", "stream", "tokens", "shards", "hf", "hf_stream")
 # The plan draws a trial's data as two dimensions, where the samples come from and how they are read (held and
-# indexed, or streamed with the position checkpointed), so each pairs with every fault in 7 x 3 and 7 x 2 trials
-# rather than 7 x 6: the six data kinds are the six (source, access) pairs, each in some trial.
+# indexed, or streamed with the position checkpointed), so each pairs with every fault in 7 x 3 and 7 x 2
+# trials rather than 7 x 6: the six data kinds are the six (source, access) pairs, each in some trial.
 SOURCES = ("digits", "tokens", "hf")
 ACCESS = ("memory", "stream")
 DATA_OF = {("digits", "memory"): "memory", ("digits", "stream"): "stream", ("tokens", "memory"): "tokens",
            ("tokens", "stream"): "shards", ("hf", "memory"): "hf", ("hf", "stream"): "hf_stream"}
 SOURCE_ACCESS = {kind: pair for pair, kind in DATA_OF.items()}
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
-# Faults that are not a signal, made by rank r at its k-th call of the phase: ``disk_full`` fills the file system
-# of the run dir (a tmpfs; freed before the resume), ``bad_file`` kills the job and the driver truncates its newest
-# checkpoint before the resume (bit rot, a half-copied file), ``storage_loss`` deletes a study's SQLite storage.
+# Faults that are not a signal, made by rank r at its k-th call of the phase: ``disk_full`` fills the file
+# system of the run dir (a tmpfs; freed before the resume), ``bad_file`` kills the job and the driver
+# truncates its newest checkpoint before the resume (bit rot, a half-copied file), ``storage_loss`` deletes a
+# study's SQLite storage.
 OTHER_FAULTS = ("disk_full", "bad_file", "storage_loss")
 FAULTS = SIGNALS + OTHER_FAULTS
 MODES = ("train", "study", "verify_resume")
 TARGETS = ("self", "peer", "launcher", "all")
 PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
-# The plan's phase dimension: where in the job the fault lands, the phase inside a group drawn from the seed (7
-# phases would make the plan 7 x 4 trials at least; the groups keep it inside CI's budget).
+# The plan's phase dimension: where in the job the fault lands, the phase inside a group drawn from the seed
+# (7 phases would make the plan 7 x 4 trials at least; the groups keep it inside CI's budget).
 PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "optimizer"),
                 "evaluation": ("evaluation",), "checkpoint": ("checkpoint",)}
 # One feature in play beside the rest: its overrides (Trial.overrides). "steps": the run's length in optimizer
@@ -56,7 +57,8 @@ WORLDS = (1, 2, 3)
 # start (nothing listens), or "killed" by the fault as it fires and never back (training goes on regardless).
 TRACKING = ("none", "mlflow")
 SERVER_STATES = ("up", "down", "killed")
-TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}  # a training step's seconds, log-uniform
+# a training step's seconds, log-uniform
+TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "launcher": LAUNCHERS, "strategy": STRATEGIES, "source": SOURCES, "access": ACCESS, "checkpoint": ("sync", "async"), "fault": FAULTS,
@@ -79,8 +81,9 @@ PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
          "hf": ["task=lm", "dataset=hf", "dataset._target_=soak_toy.soak_hf", f"dataset.block_size={TOKEN_BLOCK}",
                 "model._target_=soak_toy.SoakGPT", "model.n_layer=1", "model.n_embd=32"]}
 PARTS["hf_stream"] = PARTS["hf"] + ["dataset.streaming=true"]
-# mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number), no
-# pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py: command).
+# mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number),
+# no pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py:
+# command).
 STUDY = ["hparams_search=study", "study.n_trials=2", "study.pruner=null", "objective=val/loss"]
 COMMON = ["+callbacks.soak._target_=soak_toy.SoakCallback", "progress=log"]
 
@@ -106,11 +109,14 @@ class Trial:
     data: str = "memory"
     plan_seed: int | None = None  # a pairwise plan trial: the --seed its plan was run with
     token_file: str = "tokens.bin"  # data=tokens: the file the driver wrote (scripts/soak.py: token_file)
-    shard_dir: str = "shards"  # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
-    hf_dir: str = "hf"  # data=hf/hf_stream: train.jsonl, val.jsonl and tokenizer.json (scripts/soak.py: hf_dir)
+    # data=shards: the folder of token files (train/*.bin, val.bin) the driver wrote
+    shard_dir: str = "shards"
+    # data=hf/hf_stream: train.jsonl, val.jsonl and tokenizer.json (scripts/soak.py: hf_dir)
+    hf_dir: str = "hf"
     mode: str = "train"
     slurm: bool = False  # drawn with SLURM among the launchers (--slurm): its seed's draws depend on it
-    ranks: int = 2  # a multi-process launcher's world size (3: torchrun or srun only; self-launch refuses more
+    # a multi-process launcher's world size (3: torchrun or srun only; self-launch refuses more
+    ranks: int = 2
     # ranks than cores)
     feature: str = "plain"
     tracking: str = "none"
@@ -120,8 +126,9 @@ class Trial:
 
     @property
     def signal(self) -> str:
-        """The signal the fault sends in the job: a signal fault's own; SIGKILL for bad_file (the job dies, then
-        its newest checkpoint is spoilt); none for disk_full and storage_loss (the job meets them itself)."""
+        """The signal the fault sends in the job: a signal fault's own; SIGKILL for bad_file (the job dies,
+        then its newest checkpoint is spoilt); none for disk_full and storage_loss (the job meets them
+        itself)."""
         return self.fault if self.fault in SIGNALS else "SIGKILL" if self.fault == "bad_file" else ""
 
     @property
@@ -193,9 +200,9 @@ def calls(t: Trial) -> list[int]:
 
 
 def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slurm: bool = False) -> Trial:
-    """The trial of ``seed``; ``fixed``: a plan trial's dimension values, in place of their draws. Every draw is
-    made whatever is fixed, in the order it always had, so a seed's other details never move. ``slurm``: srun
-    is a fourth launcher to draw from."""
+    """The trial of ``seed``; ``fixed``: a plan trial's dimension values, in place of their draws. Every draw
+    is made whatever is fixed, in the order it always had, so a seed's other details never move. ``slurm``:
+    srun is a fourth launcher to draw from."""
     rng, fixed = random.Random(seed), fixed or {}
     launcher = fixed.get("launcher", rng.choice(LAUNCHERS + ((SLURM,) if slurm else ())))
     accum = fixed.get("accum", rng.randint(1, 3))
@@ -214,7 +221,8 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else t.data
     phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
     t.phase = rng.choice([p for p in phases if p != "between" or accum > 1])
-    if fixed.get("phase") == "input":  # the plan pairs input with every accum: accum 1 the fetch, 2 and 3 the boundary
+    # the plan pairs input with every accum: accum 1 the fetch, 2 and 3 the boundary
+    if fixed.get("phase") == "input":
         t.phase = "between" if accum > 1 else "data"
     t.k = rng.choice(calls(t))
     async_save = rng.random() < 0.5  # drawn after the rest: every earlier draw of a seed is what it was
@@ -226,15 +234,17 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
     _draw_mode_and_fault(t, rng, fixed)
     _draw_world_and_feature(t, rng, fixed)
-    tracking_u, server_u = rng.random(), rng.random()  # drawn last: every earlier draw of a seed is what it was
+    # drawn last: every earlier draw of a seed is what it was
+    tracking_u, server_u = rng.random(), rng.random()
     t.tracking = fixed.get("tracking", "mlflow" if tracking_u < 0.3 else "none")
     t.server = SERVER_STATES[int(server_u * len(SERVER_STATES))]
     return t
 
 
 def _draw_world_and_feature(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
-    """The world size and the feature in play: drawn after everything else (a seed's earlier details stay), each
-    from the values the trial's other dimensions allow; k and the epoch's length fitted to what they change."""
+    """The world size and the feature in play: drawn after everything else (a seed's earlier details stay),
+    each from the values the trial's other dimensions allow; k and the epoch's length fitted to what they
+    change."""
     world_u, feature_u = rng.random(), rng.random()
     worlds = [w for w in WORLDS if valid({**dimensions(t), "world": w})]
     t.ranks = fixed.get("world", worlds[int(world_u * len(worlds))]) if t.launcher != "single" else 2
@@ -245,8 +255,8 @@ def _draw_world_and_feature(t: Trial, rng: random.Random, fixed: dict[str, Any])
 
 
 def _draw_mode_and_fault(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
-    """The run mode, and for a quarter of drawn trials a fault other than a signal: drawn last (a seed's earlier
-    details stay what they were), each from the values the trial's other dimensions allow."""
+    """The run mode, and for a quarter of drawn trials a fault other than a signal: drawn last (a seed's
+    earlier details stay what they were), each from the values the trial's other dimensions allow."""
     mode_u, other_u, which_u = rng.random(), rng.random(), rng.random()
     now = dimensions(t)
     modes = [m for m in MODES if valid({**now, "mode": m})]
@@ -263,8 +273,8 @@ def trial_seeds(seed: int, n: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ the pairwise plan
 def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
-    """One pair's constraint. Stated pairwise and closed (strategy none also implies target self), so any set of
-    values whose every pair is allowed extends to a whole trial."""
+    """One pair's constraint. Stated pairwise and closed (strategy none also implies target self), so any set
+    of values whose every pair is allowed extends to a whole trial."""
     v = {a: va, b: vb}
     if {"launcher", "strategy"} == v.keys():
         return (v["launcher"] == "single") == (v["strategy"] == "none")  # one process: no process group
@@ -274,7 +284,8 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
         return v["fault"] in SIGNALS or v["target"] == "self"
     if {"fault", "mode"} == v.keys() and v["fault"] == "storage_loss":
         return v["mode"] == "study"  # only a study has a storage
-    if {"launcher", "world"} == v.keys():  # 3 ranks: torchrun (or srun) only; self-launch refuses more than cores
+    # 3 ranks: torchrun (or srun) only; self-launch refuses more than cores
+    if {"launcher", "world"} == v.keys():
         return (v["launcher"] == "single") == (v["world"] == 1) and (v["world"] < 3 or v["launcher"] == "torchrun")
     if {"strategy", "world"} == v.keys():
         return (v["strategy"] == "none") == (v["world"] == 1)
@@ -286,8 +297,8 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
         return not (v["feature"] == "workers" and v["phase"] == "input" or v["feature"] == "steps" and
                     v["phase"] == "checkpoint")
     if "mode" in v and v["mode"] == "verify_resume":
-        # verify_resume starts its own processes (not under torchrun or srun), compares one-file checkpoints (not FSDP's
-        # shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
+        # verify_resume starts its own processes (not under torchrun or srun), compares one-file checkpoints
+        # (not FSDP's shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
         return (v.get("launcher") not in ("torchrun", SLURM) and v.get("strategy") != "fsdp" and
                 v.get("fault") != "bad_file" and v.get("world") != 3)
     return True
@@ -321,10 +332,10 @@ def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any],
 
 
 def pairwise_plan(candidates: int = 5) -> list[dict[str, Any]]:
-    """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered pairs
-    (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time. The
-    greedy's length moves with ``candidates`` (40 trials at 1, 38 at 8, 11 and 20, 39 at 10, 12, 13 and 15): 5
-    is among the fewest (37 trials; the bound is 28, the fault x phase pairs)."""
+    """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered
+    pairs (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time.
+    The greedy's length moves with ``candidates`` (40 trials at 1, 38 at 8, 11 and 20, 39 at 10, 12, 13 and
+    15): 5 is among the fewest (37 trials; the bound is 28, the fault x phase pairs)."""
     order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
     uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
     while uncovered:
@@ -342,8 +353,8 @@ def plan_parts(n: int) -> list[list[int]]:
     """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
     where ``n`` allows (up to 4), balanced by the processes their launches start. No randomness: a round-robin
     deal, improved by moving or swapping trials while that lowers (values some part lacks, the largest part's
-    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16, so
-    four consecutive parts hold every value, and the 16 every pair)."""
+    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16,
+    so four consecutive parts hold every value, and the 16 every pair)."""
     if n > 4 and n % 4 == 0:
         return [p[k::n // 4] for p in plan_parts(4) for k in range(n // 4)]
     plan = pairwise_plan()

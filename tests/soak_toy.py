@@ -3,12 +3,15 @@
 Importable as ``soak_toy.X`` in every rank (the soak puts tests/ on PYTHONPATH, as helpers.jobs.job_env does).
 A job names three parts in its config; they do nothing unless the soak's environment asks:
 
-    model._target_=soak_toy.SoakMLP  dataset._target_=soak_toy.soak_digits  +callbacks.soak._target_=soak_toy.SoakCallback
+model._target_=soak_toy.SoakMLP  dataset._target_=soak_toy.soak_digits
++callbacks.soak._target_=soak_toy.SoakCallback
 
 (``dataset._target_=soak_toy.soak_stream``: the same digits as a user's IterableDataset, ddplab's stream path;
-``task=lm dataset=tokens dataset._target_=soak_toy.soak_tokens model._target_=soak_toy.SoakGPT``: a token file.)
+``task=lm dataset=tokens dataset._target_=soak_toy.soak_tokens model._target_=soak_toy.SoakGPT``: a token
+file.)
 
-Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the same):
+Environment (set by the soak driver; the reference run of a config gets none of it, so its config is the
+same):
 
 * ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch, in
   the processes started before the fault fired (those after it run at full speed);
@@ -20,10 +23,10 @@ Environment (set by the soak driver; the reference run of a config gets none of 
 * ``SOAK_TRIAL_ID``: every process of the trial carries it (how ``all`` and the driver find them).
 
 Phases: ``fetch`` (collating a micro-batch; the driver picks the first micro-batch of a step for "data" and a
-later one for "between micro-batches"), ``forward``, ``backward`` (a gradient hook, inside autograd), ``optimizer``
-(a step pre-hook), ``evaluation`` (an eval batch's forward inside the epoch-end evaluation) and ``checkpoint``
-(the callback's ``state_dict``, called inside ``CheckpointManager.save`` before rank 0 writes the file).
-"""
+later one for "between micro-batches"), ``forward``, ``backward`` (a gradient hook, inside autograd),
+``optimizer`` (a step pre-hook), ``evaluation`` (an eval batch's forward inside the epoch-end evaluation) and
+``checkpoint`` (the callback's ``state_dict``, called inside ``CheckpointManager.save`` before rank 0 writes
+the file)."""
 
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def _rank() -> int:  # srun's tasks: SLURM_PROCID (ddplab reads it; RANK is torc
 
 def trial_pids(trial_id: str, containing: bool = False) -> list[int]:
     """Every live process whose environment carries ``SOAK_TRIAL_ID=trial_id`` (orphans and torchrun's
-    workers, which run in sessions of their own, included); ``containing``: an id that contains ``trial_id``."""
+    workers, which run in sessions of their own, included); ``containing``: an id that contains
+    ``trial_id``."""
     key = f"SOAK_TRIAL_ID={trial_id}".encode()
     found = []
     for d in Path("/proc").iterdir():
@@ -106,7 +110,8 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def check_events(run: Path, ref: Path) -> list[str]:
-    """Invariant 2, on TensorBoard's own reading of the events (purged steps dropped, as the dashboard does)."""
+    """Invariant 2, on TensorBoard's own reading of the events (purged steps dropped, as the dashboard
+    does)."""
     from ddplab.events import read_scalars
 
     mine, theirs = read_scalars(events_dir(run)), read_scalars(events_dir(ref))
@@ -181,7 +186,8 @@ class _Injector:
                   "run_dir": run_dir}
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
-        if spec.get("server"):  # tracking=mlflow, server=killed: the tracking server dies with the fault, for good
+        # tracking=mlflow, server=killed: the tracking server dies with the fault, for good
+        if spec.get("server"):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(spec["server"], signal.SIGKILL)
         if spec.get("fault") == "disk_full":  # the run dir's file system fills up (the driver frees it after)
@@ -206,11 +212,12 @@ class _Injector:
     def _targets(self, target: str) -> list[int]:
         if target == "self":
             return [os.getpid()]
-        if target == "launcher":  # under srun: srun itself (the rank's parent is SLURM's slurmstepd, a daemon's)
+        # under srun: srun itself (the rank's parent is SLURM's slurmstepd, a daemon's)
+        if target == "launcher":
             if "SLURM_STEP_ID" in os.environ:
                 return [p for p in trial_pids(os.environ["SOAK_TRIAL_ID"]) if _comm(p) == "srun"]
-            # the process the user started: torchrun's agent, the self-launch parent (its ranks' parent is the fork
-            # server it started, which ignores stop signals by design: not a process anyone signals)
+            # the process the user started: torchrun's agent, the self-launch parent (its ranks' parent is the
+            # fork server it started, which ignores stop signals by design: not a process anyone signals)
             from ddplab.runtime import env
 
             return [env.launcher_pid() or os.getppid()]
@@ -251,9 +258,10 @@ class _Soaked:
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
-        # The delays shape where the one fault lands (a signal meeting a long step, a write in flight). A process
-        # whose model is built after the fault fired (a resume, a restarted worker, verify_resume's later legs)
-        # meets no fault: it runs at full speed, since sleeping changes none of what the soak compares.
+        # The delays shape where the one fault lands (a signal meeting a long step, a write in flight). A
+        # process whose model is built after the fault fired (a resume, a restarted worker, verify_resume's
+        # later legs) meets no fault: it runs at full speed, since sleeping changes none of what the soak
+        # compares.
         slow = not _fault_fired()
         self.delay_s = float(os.environ.get("SOAK_DELAY_S", "0")) * slow
         self.eval_delay_s = float(os.environ.get("SOAK_EVAL_DELAY_S", "0")) * slow
@@ -306,7 +314,8 @@ def soak_digits(**kw: Any) -> Splits:
 
 def soak_stream(**kw: Any) -> Splits:
     """digits' training split as a user's IterableDataset (tests/toy.py's, with its position as state), read
-    through ddplab's stream path; each rank's slice of a micro-batch is collated (a fetch) through ``_collate``."""
+    through ddplab's stream path; each rank's slice of a micro-batch is collated (a fetch) through
+    ``_collate``."""
     from toy import StatefulDigitStream
 
     s = digits(**kw)
@@ -314,13 +323,15 @@ def soak_stream(**kw: Any) -> Splits:
 
 
 def soak_tokens(**kw: Any) -> Splits:
-    """dataset=tokens (a token file read a window at a time), each micro-batch collated through ``_collate``."""
+    """dataset=tokens (a token file read a window at a time), each micro-batch collated through
+    ``_collate``."""
     s = tokens(**kw)
     return Splits(s.train, s.val, s.num_classes, _collate)
 
 
 def soak_shards(**kw: Any) -> Splits:
-    """dataset=token_shards (a folder of token files streamed shard by shard), collated through ``_collate``."""
+    """dataset=token_shards (a folder of token files streamed shard by shard), collated through
+    ``_collate``."""
     s = token_shards(**kw)
     return Splits(s.train, s.val, s.num_classes, _collate)
 
@@ -331,8 +342,8 @@ def soak_hf(**kw: Any) -> Splits:
     from ddplab.data.hf import hf
 
     s = hf(**kw)
-    # held in memory it is a TensorData, which the trainer indexes a batch at a time on the device (no fetch to
-    # fault): served per sample through a DataLoader instead, as soak_digits does
+    # held in memory it is a TensorData, which the trainer indexes a batch at a time on the device (no fetch
+    # to fault): served per sample through a DataLoader instead, as soak_digits does
     train = s.train if isinstance(s.train, IterableDataset) else _Samples(s.train)
     return Splits(train, s.val, s.num_classes, _collate)
 

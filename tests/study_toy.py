@@ -50,8 +50,8 @@ class PruneFrom(optuna.pruners.BasePruner):
 class SignalAtFitEnd:
     """Rank 0 sends ``sig`` to its own process (``to="self"``) or to every process of the job (``"job"``: its
     process group, as a scheduler's stop reaches a self-launching worker, its rank server and its ranks) when
-    training is over, once per test (``marker``): a stop that arrives after the job's last stop check, while the
-    trial is completing."""
+    training is over, once per test (``marker``): a stop that arrives after the job's last stop check, while
+    the trial is completing."""
 
     def __init__(self, sig: str, marker: str, to: str = "self"):
         self.sig, self.marker, self.to = getattr(signal, sig), Path(marker), to
@@ -66,9 +66,9 @@ class SignalAtFitEnd:
 
 
 class BreakStorage:
-    """Rank 0 breaks the SQLite file ``db`` after optimizer step ``step``, once (``step=-1``: as the trial's training
-    ends, after its last report, before it is told): fills its (small) file system (``how="full"``), makes it and
-    its dir immutable (``"readonly"``: even root cannot write), or deletes it."""
+    """Rank 0 breaks the SQLite file ``db`` after optimizer step ``step``, once (``step=-1``: as the trial's
+    training ends, after its last report, before it is told): fills its (small) file system (``how="full"``),
+    makes it and its dir immutable (``"readonly"``: even root cannot write), or deletes it."""
 
     def __init__(self, step: int, how: str, db: str):
         self.step, self.how, self.db = step, how, Path(db)
@@ -123,8 +123,8 @@ class TallySteps:
 
 
 class KillRankOnce:
-    """Rank ``rank`` SIGKILLs its own process after optimizer step ``step``, once per test (``marker``): a rank
-    of a trial killed without a word (the OOM killer) while its peers and the worker live on."""
+    """Rank ``rank`` SIGKILLs its own process after optimizer step ``step``, once per test (``marker``): a
+    rank of a trial killed without a word (the OOM killer) while its peers and the worker live on."""
 
     def __init__(self, rank: int, step: int, marker: str):
         self.rank, self.step, self.marker = rank, step, Path(marker)

@@ -1,5 +1,5 @@
-"""A rank training on the CPU keeps what a step freed for the next step (ddplab.runtime.allocator): no stream of
-page faults per step, the thresholds left alone where they are not ddplab's to set."""
+"""A rank training on the CPU keeps what a step freed for the next step (ddplab.runtime.allocator): no stream
+of page faults per step, the thresholds left alone where they are not ddplab's to set."""
 
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def test_the_readme_is_a_front_door_and_every_docs_page_is_in_the_site():
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     nav = (ROOT / "mkdocs.yml").read_text()
     assert pages and [p for p in pages if f" {p}" not in nav] == []
-    assert [p for p in pages if f"(docs/{p})" not in readme and p != "index.md"] == []  # linked from the front door
+    # linked from the front door
+    assert [p for p in pages if f"(docs/{p})" not in readme and p != "index.md"] == []
 
 
 def test_the_architecture_page_names_every_script():
@@ -190,7 +191,8 @@ as reporting and resuming did)."""
 
 def test_a_state_is_complete_when_build_state_returns_it():
     """Every field of the State is given to its constructor in build_state, and no module assigns one later
-    (the loop's own records, ``loop`` and ``results``, change inside; ``request_stop`` sets ``stop_reason``)."""
+    (the loop's own records, ``loop`` and ``results``, change inside; ``request_stop`` sets
+    ``stop_reason``)."""
     from dataclasses import fields
 
     from ddplab.train.state import State
@@ -198,7 +200,14 @@ def test_a_state_is_complete_when_build_state_returns_it():
     names = {f.name for f in fields(State)}
     assemble = ast.parse((SRC / "train" / "assemble.py").read_text())
     made = [n for n in ast.walk(assemble) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "State"]
-    assert len(made) == 1 and names - {"stop_reason"} == {k.arg for k in made[0].keywords}, names
+    given = {k.arg for k in made[0].keywords if k.arg}
+    # The model's fields come as one group, built together in the order of their draws (assemble._Model).
+    splats = [ast.unparse(k.value) for k in made[0].keywords if k.arg is None]
+    if splats == ["m._asdict()"]:
+        from ddplab.train.assemble import _Model
+
+        given |= set(_Model._fields)
+    assert len(made) == 1 and len(splats) <= 1 and names - {"stop_reason"} == given, names
 
     def assigned(tree: ast.AST) -> list[str]:
         return [f"{n.lineno} {ast.unparse(t)}" for n in ast.walk(tree)
@@ -226,8 +235,8 @@ def test_one_table_decides_the_mode():
 
 
 def test_train_step_reads_in_one_screen():
-    """Trainer.train_step: at most 30 lines, and its body shows one optimizer step in order: autocast, backward
-    (no_sync while accumulating), unscale, clip, step, zero_grad, schedule."""
+    """Trainer.train_step: at most 30 lines, and its body shows one optimizer step in order: autocast,
+    backward (no_sync while accumulating), unscale, clip, step, zero_grad, schedule."""
     tree = ast.parse((SRC / "train" / "loop.py").read_text())
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
     assert fn.end_lineno - fn.lineno + 1 <= 30, fn.end_lineno - fn.lineno + 1
@@ -236,8 +245,8 @@ def test_train_step_reads_in_one_screen():
              "zero_grad(", "scheduler.step()"]
     at = [body.find(w) for w in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))
-    # Only the step: how long it waited for data and where a stall is are the interval's StepProbe's, the first
-    # step's checks FirstStep's (a wrapper, not attributes swapped), when to evaluate the Validation's.
+    # Only the step: how long it waited for data and where a stall is are the interval's StepProbe's, the
+    # first step's checks FirstStep's (a wrapper, not attributes swapped), when to evaluate the Validation's.
     assert not re.findall(r"perf_counter|time\.|watch|phase|data_time|step_fn|after_backward|check_", body), body
 
 
@@ -253,7 +262,8 @@ def test_the_trainer_only_loops():
 
 def test_private_apis_of_other_packages_are_named_in_compat_alone():
     """A leading-underscore name of torch, Hydra, Optuna or Python's own modules — imported, or reached as an
-    attribute of such a module — appears only in ``ddplab.compat``, where each has a test (tests/test_compat.py)."""
+    attribute of such a module — appears only in ``ddplab.compat``, where each has a test
+    (tests/test_compat.py)."""
     def private(dotted: str) -> bool:
         return not dotted.startswith("ddplab") and any(p.startswith("_") and not p.startswith("__")
                                                          for p in dotted.split("."))

@@ -55,12 +55,14 @@ def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_the
     assert _step_files(tmp_path / "sync") == _step_files(tmp_path / "async")
     for name in _step_files(tmp_path / "sync"):
         assert_same_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name)
-    assert toy.HELD == [(f"step-{k:08d}.pt", True) for k in (4, 8, 12, 16, 20)]  # each let go by the loop's steps
+    # each let go by the loop's steps
+    assert toy.HELD == [(f"step-{k:08d}.pt", True) for k in (4, 8, 12, 16, 20)]
     # The run waits for its last write: result.json says completed only with last.pt on disk.
     assert load(tmp_path / "async" / "checkpoints" / "last.pt")["meta"] is not None
 
 
-UPLOAD = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=0.05",  # each write takes 50 ms more
+# each write takes 50 ms more
+UPLOAD = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=0.05",
           "+callbacks.up._target_=toy.LoadsEachSave"]
 
 
@@ -112,13 +114,15 @@ def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_c
     msg, ckdir = str(e.value), tmp_path / "run" / "checkpoints"
     assert f"could not write checkpoint {ckdir / 'step-00000015.pt'}" in msg
     assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg) and "resume=auto" in msg
-    # Said at the next step (not at the next save): nothing after the failed write was written, no partial file left.
+    # Said at the next step (not at the next save): nothing after the failed write was written, no partial
+    # file left.
     assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt",
                                                       "step-00000010.pt"]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"], res
     # Every save after the failed write is refused: the loop stops as soon as it hears of the failure (a step
-    # or two later, as the writer thread is scheduled) and at the latest at the next save (step 20: said as 21).
+    # or two later, as the writer thread is scheduled) and at the latest at the next save (step 20: said as
+    # 21).
     said = [int(n) for n in re.findall(r"failed in epoch 1, step (\d+): CheckpointWriteError", caplog.text)]
     assert len(said) == 1 and 16 <= said[0] <= 21, caplog.text
 
@@ -153,8 +157,9 @@ def test_a_stop_during_a_background_write_waits_for_it_and_saves_its_own_step(tm
 
 @pytest.mark.dist
 def test_the_real_writer_killed_mid_write_leaves_a_partial_temporary_file_only_and_resume_skips_it(tmp_path):
-    """SIGKILL inside the writer thread's torch.save, 64 KiB into step 30's file: those bytes are on disk under
-    the temporary name only (every *.pt loads), and resume=auto continues from step 22 and ends bitwise."""
+    """SIGKILL inside the writer thread's torch.save, 64 KiB into step 30's file: those bytes are on disk
+    under the temporary name only (every *.pt loads), and resume=auto continues from step 22 and ends
+    bitwise."""
     run, note, ckdir = tmp_path / "run", tmp_path / "note", tmp_path / "run" / "checkpoints"
     cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
     proc = run_cmd(cmd + ["+callbacks.die._target_=toy.DiesMidWrite", "+callbacks.die.at=30",
@@ -180,7 +185,8 @@ def test_the_real_writer_killed_mid_write_leaves_a_partial_temporary_file_only_a
 
 
 DDP2 = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.1", "num_epochs=2", "log_every_n_steps=5",
-        "checkpoint.every_n_steps=10", "progress=log", "distributed.timeout_s=30"]  # 2 ranks, 44 steps of 0.1 s
+        # 2 ranks, 44 steps of 0.1 s
+        "checkpoint.every_n_steps=10", "progress=log", "distributed.timeout_s=30"]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +198,8 @@ def ddp_reference(tmp_path_factory) -> Path:
 
 
 def _wait_gone(pids: list[int], timeout: float = 60) -> None:
-    """Until none of ``pids`` runs (ranks orphaned by a killed torchrun agent: each is in a session of its own)."""
+    """Until none of ``pids`` runs (ranks orphaned by a killed torchrun agent: each is in a session of its
+    own)."""
     def alive() -> list[int]:
         return [p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().rsplit(
             ")", 1)[-1].split()[0] != "Z"]
@@ -219,8 +226,8 @@ def test_two_rank_ddp_async_full_disk_on_the_writer_stops_every_rank_with_the_wr
         said = {int(r): int(st) for r, st in re.findall(
             rf"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write checkpoint "
             rf"{re.escape(str(ckdir))}/step-00000010\.pt: \w+: .*No space left on device", out)}
-        # Each rank raised the write's error itself (none was left to torchrun's kill), at the same step, by the
-        # next save (step 20, said as 21) at the latest.
+        # Each rank raised the write's error itself (none was left to torchrun's kill), at the same step, by
+        # the next save (step 20, said as 21) at the latest.
         assert said.keys() == {0, 1} and len(set(said.values())) == 1 and 11 <= said[0] <= 21, out[-4000:]
         assert [p.name for p in ckdir.iterdir() if p.suffix == ".pt" or ".tmp" in p.name] == []
         res = json.loads((run / "result.json").read_text())
@@ -270,7 +277,8 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
     a, c = tmp_path / "async", tmp_path / "resumed"
     assert_ok(ranks(2, fsdp + ASYNC + [f"hydra.run.dir={a}"], tmp_path, timeout=180))
     assert sorted(p.name for p in (a / "checkpoints").glob("*.dcp")) == ["step-00000020.dcp", "step-00000022.dcp"]
-    # The shards written in the background resume (by their step file, synchronously) to the same end: complete.
+    # The shards written in the background resume (by their step file, synchronously) to the same end:
+    # complete.
     assert_ok(ranks(2, fsdp + [f"hydra.run.dir={c}", f"resume={a / 'checkpoints' / 'step-00000020.pt'}"],
                        tmp_path, timeout=180))
     val = {r: json.loads((r / "result.json").read_text())["metrics"]["val/loss"] for r in (a, c)}

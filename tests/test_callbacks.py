@@ -62,7 +62,8 @@ def test_val_ema_metrics_are_the_ema_weights_evaluated(tmp_path):
     shutil.copytree(run, ema)
     ck = load(ema / "checkpoints" / "last.pt")
     model = ck["model"]
-    names = [k for k, v in model.items() if v.is_floating_point()]  # the MLP's parameters, in order; no buffers
+    # the MLP's parameters, in order; no buffers
+    names = [k for k, v in model.items() if v.is_floating_point()]
     assert len(names) == len(ck["callbacks.ema"]["shadow"]) == 6
     for k, shadow in zip(names, ck["callbacks.ema"]["shadow"], strict=True):
         model[k] = shadow
@@ -92,7 +93,8 @@ def test_ema_under_fsdp_is_sharded_and_matches_ddp(tmp_path):
                           tmp_path, timeout=240))
     a = load(tmp_path / "fsdp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
     b = load(tmp_path / "ddp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
-    assert [t.shape for t in a] == [t.shape for t in b]  # whole tensors in the checkpoint, not one rank's shard
+    # whole tensors in the checkpoint, not one rank's shard
+    assert [t.shape for t in a] == [t.shape for t in b]
     for x, y in zip(a, b):
         assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5
     s = read_scalars(tmp_path / "fsdp" / "tb")
@@ -137,7 +139,8 @@ def test_a_callbacks_setup_sees_the_whole_state_and_on_load_the_resumed_one(tmp_
     toy.RECORDED.clear()
     ddplab.run(compose_cfg(BASE + ["num_epochs=2", "stop_after_epochs=1", *rec], tmp_path / "r"))
     ddplab.run(compose_cfg(BASE + ["num_epochs=2", "resume=auto", *rec], tmp_path / "r"))
-    assert toy.UNSET_AT_SETUP == [["stop_reason"], ["stop_reason"]]  # a stop reason is set only by request_stop
+    # a stop reason is set only by request_stop
+    assert toy.UNSET_AT_SETUP == [["stop_reason"], ["stop_reason"]]
     assert [h for h in toy.RECORDED if h[0] in ("setup", "on_load")] == [("setup", 0), ("setup", 0), ("on_load", 22)]
 
 
@@ -204,7 +207,8 @@ def test_profiler_writes_one_trace_per_rank_that_parses(tmp_path):
 def test_built_in_callbacks_add_no_collective_or_sync_between_log_steps(tmp_path):
     args = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=log", "run_dir=run",
             "callbacks=[ema,early_stopping]", "callbacks.early_stopping.monitor=train/loss"]
-    assert_quiet_between_log_steps(count_steps(tmp_path, 2, args), 22, 2, 5)  # EMA steps and early stops stay quiet
+    # EMA steps and early stops stay quiet
+    assert_quiet_between_log_steps(count_steps(tmp_path, 2, args), 22, 2, 5)
 
 
 # ---------------------------------------------------------------------------- eval entry

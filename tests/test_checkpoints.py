@@ -43,7 +43,8 @@ def uninterrupted(tmp_path_factory):
 
 # Checkpoints every 5 steps and at each epoch end (22 steps/epoch): each crash resumes from another one.
 @pytest.mark.parametrize("kill_at,resumed", [(8, "0 epoch(s), 5 step(s)"),  # mid-epoch 1
-                                             (23, "1 epoch(s), 22 step(s)"),  # first step after the epoch edge
+                                             # first step after the epoch edge
+                                             (23, "1 epoch(s), 22 step(s)"),
                                              (38, "1 epoch(s), 35 step(s)")])  # mid-epoch 2
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 @pytest.mark.xdist_group("checkpoints_uninterrupted")  # the three cases on one worker: `uninterrupted` once
@@ -65,8 +66,8 @@ def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, k
         assert v == full[step]
 
 
-# A rank SIGKILLed under torchrun --max-restarts, restarted and resumed bitwise with each step logged once: at 3
-# ranks in tests/test_resume_world_sizes.py (its 2-rank twin here checked nothing that one does not).
+# A rank SIGKILLed under torchrun --max-restarts, restarted and resumed bitwise with each step logged once: at
+# 3 ranks in tests/test_resume_world_sizes.py (its 2-rank twin here checked nothing that one does not).
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
@@ -256,7 +257,8 @@ def test_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is free now
-    # A zombie: dead, not yet reaped (a rank killed with its launcher, before init reaps it). Its pid is taken.
+    # A zombie: dead, not yet reaped (a rank killed with its launcher, before init reaps it). Its pid is
+    # taken.
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
         time.sleep(0.01)
@@ -360,7 +362,8 @@ def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tm
                                  run_dir=tmp_path / "loss"))
     losses = [v for _, v in read_scalars(tmp_path / "loss" / "tb")["val/loss"]]
     assert len(set(losses)) == 3 and losses.index(min(losses)) != 0  # the first epoch is not the best
-    assert out["val/loss_best"] == pytest.approx(min(losses), rel=1e-6)  # lower is better for a loss (TB: float32)
+    # lower is better for a loss (TB: float32)
+    assert out["val/loss_best"] == pytest.approx(min(losses), rel=1e-6)
     best = torch.load(tmp_path / "loss" / "checkpoints" / "best.pt", weights_only=True)
     assert best["results"]["last_val"]["val/loss"] == best["results"]["best"] == out["val/loss_best"]
 

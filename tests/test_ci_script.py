@@ -92,7 +92,8 @@ def test_a_cluster_that_does_not_start_fails_ci_before_the_suite(tmp_path):
 
 
 def test_the_slurm_tests_run_beside_the_suite_and_their_failure_fails_ci_before_the_docs(tmp_path):
-    """They run in a pytest of their own while the suite (the README's command, the slurm tests left out) runs."""
+    """They run in a pytest of their own while the suite (the README's command, the slurm tests left out)
+    runs."""
     rc, calls = run_ci(tmp_path, "-m slurm", 1)
     assert rc == 1, calls
     tests = [c for c in calls if c.startswith("python -m pytest")]

@@ -146,7 +146,8 @@ def test_rank_server_is_a_server_of_its_own_that_preloads_outlives_stop_signals_
     from multiprocessing import forkserver
 
     pids = []
-    for _ in range(2):  # each launch its own server: one an earlier launch started holds that launch's environment
+    # each launch its own server: one an earlier launch started holds that launch's environment
+    for _ in range(2):
         with compat.rank_server(["colorsys"], (signal.SIGTERM,)) as method:
             assert method == "forkserver"
             pid = forkserver._forkserver._forkserver_pid
@@ -157,7 +158,8 @@ def test_rank_server_is_a_server_of_its_own_that_preloads_outlives_stop_signals_
             child = multiprocessing.get_context("forkserver").Process(target=_what_a_fork_of_the_server_has,
                                                                       args=(theirs,))
             child.start()
-            assert ours.recv() == (True, True)  # preloaded; the server's ignoring inherited (a rank sets its own)
+            # preloaded; the server's ignoring inherited (a rank sets its own)
+            assert ours.recv() == (True, True)
             child.join(30)
             assert child.exitcode == 0
         pids.append(pid)
@@ -275,8 +277,8 @@ def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
     """torchdata's state layout: the workers a state was saved with, and the request count set to the samples
-    consumed (the raw count runs ahead by the requests a worker whose stream ended wasted), leaving the loader's own state untouched;
-    a loader restored from it yields the rest."""
+    consumed (the raw count runs ahead by the requests a worker whose stream ended wasted), leaving the
+    loader's own state untouched; a loader restored from it yields the rest."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     class Numbers(torch.utils.data.IterableDataset):  # worker 1's stream ends after 2 numbers

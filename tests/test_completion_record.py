@@ -1,7 +1,8 @@
-"""A job's end on a disk that refuses writes. Its record of completion (result.json): the job fails in one line,
-every rank alike, nothing writes another record in its place, and ``resume=auto`` records the completion once there
-is room (found by the soak, seed 4908357, twice in CI). What else rank 0 alone writes as a job or a study ends (the
-run dir's lock, a study's HParams rows and summary) never stops it with a traceback while its peers wait."""
+"""A job's end on a disk that refuses writes. Its record of completion (result.json): the job fails in one
+line, every rank alike, nothing writes another record in its place, and ``resume=auto`` records the completion
+once there is room (found by the soak, seed 4908357, twice in CI). What else rank 0 alone writes as a job or a
+study ends (the run dir's lock, a study's HParams rows and summary) never stops it with a traceback while its
+peers wait."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def test_a_completion_that_cannot_be_recorded_fails_the_job_instead_of_exit_0(tm
 def test_a_completion_record_lost_to_a_full_disk_is_one_line_on_every_launcher_and_resume_auto_records_it(
         tmp_path, launch):
     """torchrun x3 in CI: rank 0 could not write result.json and raised, while its peers waited in the last
-    barrier and died of the lost connection with two tracebacks. Every rank now learns the record failed: rank 0
-    says it once, nobody prints a traceback (self-launched: the peers let rank 0 speak first, and the parent
-    writes no record in its place), and the same command with resume=auto (disk freed) records the completion."""
+    barrier and died of the lost connection with two tracebacks. Every rank now learns the record failed: rank
+    0 says it once, nobody prints a traceback (self-launched: the peers let rank 0 speak first, and the parent
+    writes no record in its place), and the same command with resume=auto (disk freed) records the
+    completion."""
     n = 3 if launch == "torchrun-3" else 2
     with tmpfs(tmp_path / "disk", "size=16m") as disk:
         run = disk / "run"
@@ -73,9 +75,9 @@ def test_a_completion_record_lost_to_a_full_disk_is_one_line_on_every_launcher_a
 
 @pytest.mark.dist
 def test_a_sweep_job_whose_record_is_lost_gets_no_record_in_its_place_and_the_summary_is_one_line(tmp_path):
-    """A self-launched 2-rank job of a sweep: its parent wrote a "failed" record ("a rank failed (see its log)")
-    over the completion the disk refused, once there was room; and the sweep's summary on the full disk was
-    Hydra's warning with ddplab's OSError."""
+    """A self-launched 2-rank job of a sweep: its parent wrote a "failed" record ("a rank failed (see its
+    log)") over the completion the disk refused, once there was room; and the sweep's summary on the full disk
+    was Hydra's warning with ddplab's OSError."""
     with tmpfs(tmp_path / "disk", "size=16m") as disk:
         sweep = disk / "sweep"
         proc = python_train(["-m", "seed=1", "model=mlp", "num_epochs=1", "limit_train_steps=4", "progress=none",
@@ -91,8 +93,8 @@ def test_a_sweep_job_whose_record_is_lost_gets_no_record_in_its_place_and_the_su
 
 
 def test_a_run_dir_gone_read_only_lets_go_of_its_lock_without_an_error(tmp_path, monkeypatch):
-    """rank 0 releases the run dir's lock after its peers entered the last barrier: an OSError there (a run dir
-    remounted read-only, a stale NFS handle) left them to die of the lost connection, with tracebacks."""
+    """rank 0 releases the run dir's lock after its peers entered the last barrier: an OSError there (a run
+    dir remounted read-only, a stale NFS handle) left them to die of the lost connection, with tracebacks."""
     from ddplab import rundir
 
     lock = rundir.RunDirLock(tmp_path)

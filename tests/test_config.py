@@ -32,7 +32,8 @@ def test_every_group_has_its_documented_options():
 # The image classifiers; vae and gpt belong to their tasks (tests/test_tasks.py trains each), hf to token
 # data (tests/test_hf.py).
 @pytest.mark.parametrize("model", [pytest.param(m, marks=[pytest.mark.slow] if m in ("resnet34", "resnet50") else [])
-                                   for m in options("model") if m not in ("vae", "gpt", "hf")])  # slow: 2 s each
+                                   # slow: 2 s each
+                                   for m in options("model") if m not in ("vae", "gpt", "hf")])
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     if model == "keras_convnet" and importlib.util.find_spec("keras") is None:
         pytest.skip("keras not installed")
@@ -76,7 +77,8 @@ def test_distributed_and_top_level_keys_are_typed():
     validate(cfg)
     d = cfg.distributed
     assert d.find_unused_parameters is True and d.sync_batchnorm is True and cfg.amp is True
-    assert type(d.bucket_cap_mb) is float and d.bucket_cap_mb == 50.0  # "50" on the command line, a float here
+    # "50" on the command line, a float here
+    assert type(d.bucket_cap_mb) is float and d.bucket_cap_mb == 50.0
     assert type(d.timeout_s) is float and type(cfg.grad_accum_steps) is int and cfg.grad_accum_steps == 2
     assert type(cfg.grad_clip) is float and cfg.resume == "auto" and cfg.batch_size_scope == "per_rank"
 
@@ -130,7 +132,8 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     ("callbacks=[early_stopping] callbacks.early_stopping.patience=0", "callbacks.early_stopping.patience"),
     ("callbacks=[profiler] callbacks.profiler.steps=[5,2]", "callbacks.profiler.steps"),
     ("task=vae task.beta=-1", "task.beta"),
-    ("model=mlp model.dropout=1.5", "model.dropout"),  # was torch's ValueError with a traceback, at build time
+    # was torch's ValueError with a traceback, at build time
+    ("model=mlp model.dropout=1.5", "model.dropout"),
     ("task=lm model.dropout=-0.1", "model.dropout"),
 ])
 def test_out_of_range_values_name_key_and_fix(override, key):
@@ -208,7 +211,8 @@ def _repeats(values, schema_node, prefix=""):
 
 
 def test_defaults_live_in_one_place():
-    """No yaml under conf/ repeats a value its schema already sets (the schema is the one place for defaults)."""
+    """No yaml under conf/ repeats a value its schema already sets (the schema is the one place for
+    defaults)."""
     from omegaconf import OmegaConf
 
     from ddplab.config.groups import GROUPS
@@ -290,7 +294,8 @@ def test_a_default_lives_in_the_schema_alone():
              and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys}
     assert found == {
         "rundir.py:params",  # a study trial's JSON record
-        "train/resuming.py:batch_size_scope", "train/resuming.py:grad_accum_steps",  # a checkpoint's flat config,
+        # a checkpoint's flat config,
+        "train/resuming.py:batch_size_scope", "train/resuming.py:grad_accum_steps",
         "study/trials.py:seed",  # a sampler's spec                                  # maybe an older ddplab's
         "study/space.py:name",  # a search-space entry
     }, found
@@ -319,8 +324,9 @@ def test_a_config_from_plain_data_is_typed_by_the_schema(caplog):
 
 @pytest.mark.slow  # real processes: a self-launch of 3 ranks and torchrun's 2
 def test_every_rank_trains_on_the_typed_config(tmp_path):
-    """Self-launched ranks (the parent's config travels to them) and torchrun's (each composes, then takes rank 0's
-    values) hold the config as the schema types it: each node its schema's, an option's too (MLPConfig)."""
+    """Self-launched ranks (the parent's config travels to them) and torchrun's (each composes, then takes
+    rank 0's values) hold the config as the schema types it: each node its schema's, an option's too
+    (MLPConfig)."""
     import json
 
     want = {"perf": "PerfConfig", "checkpoint": "CheckpointConfig", "model": "MLPConfig", "optimizer": "SGDConfig",

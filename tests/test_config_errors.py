@@ -14,7 +14,8 @@ import pytest
 
 from helpers.jobs import assert_ok, job_dirs, job_env, python_train, torchrun
 
-pytestmark = pytest.mark.slow  # each runs train.py (under torchrun, self-launch or alone) to read its one line
+# each runs train.py (under torchrun, self-launch or alone) to read its one line
+pytestmark = pytest.mark.slow
 
 SMALL = ["model=mlp", "num_epochs=1", "progress=none"]
 
@@ -156,8 +157,9 @@ def test_a_checkpoint_of_another_strategy_is_one_config_error_under_every_launch
 
 @pytest.mark.dist
 def test_mlflow_missing_where_the_ranks_run_is_one_config_error_under_torchrun(tmp_path):
-    """logger=[...,mlflow] where MLflow is not installed: only rank 0 opens the MLflow run, so only rank 0 found
-    it missing, after the process group formed; its peer then blamed a killed rank. Refused before it now."""
+    """logger=[...,mlflow] where MLflow is not installed: only rank 0 opens the MLflow run, so only rank 0
+    found it missing, after the process group formed; its peer then blamed a killed rank. Refused before it
+    now."""
     hide = tmp_path / "no_mlflow"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # as if not installed\n")

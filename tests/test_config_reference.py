@@ -17,8 +17,10 @@ import config_reference  # noqa: E402  (scripts/config_reference.py)
 from ddplab.config import schema  # noqa: E402
 from ddplab.config.groups import GROUPS  # noqa: E402
 
-rendered = functools.cache(config_reference.render)  # composes every option of conf/ (seconds): once a session
-pytestmark = pytest.mark.xdist_group("config_reference")  # both tests on one worker: they share that one render
+# composes every option of conf/ (seconds): once a session
+rendered = functools.cache(config_reference.render)
+# both tests on one worker: they share that one render
+pytestmark = pytest.mark.xdist_group("config_reference")
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
@@ -32,7 +34,8 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
             assert {f"{f.name}.{g.name}" for g in dataclasses.fields(sub)} <= keys, f.name
         elif f.name not in config_reference.GROUPS:
             assert f.name in keys, f.name
-    for group in config_reference.GROUPS + config_reference.PRESETS + ("distributed",):  # every option of conf/
+    # every option of conf/
+    for group in config_reference.GROUPS + config_reference.PRESETS + ("distributed",):
         for path in (CONF / group).glob("*.yaml"):
             assert (f"`{group}={path.stem}`" in text or f"`callbacks=[{path.stem}]`" in text
                     or f"| `{path.stem}` |" in text), (group, path.stem)

@@ -62,7 +62,8 @@ def test_profiler_records_a_cuda_memory_snapshot_of_its_steps(tmp_path):
                        "progress=none"], run_dir=tmp_path)
     ddplab.run(cfg)
     snap = pickle.loads((tmp_path / "profile" / "memory-rank0.pickle").read_bytes())
-    assert snap["segments"] and any(trace for trace in snap["device_traces"])  # memory held, allocations recorded
+    # memory held, allocations recorded
+    assert snap["segments"] and any(trace for trace in snap["device_traces"])
     assert any(e["action"] == "alloc" for trace in snap["device_traces"] for e in trace)
     assert (tmp_path / "profile" / "trace-rank0.json").stat().st_size > 0
 
@@ -91,7 +92,8 @@ def test_dataparallel_replicas_compute_in_the_callers_autocast_dtype():
 def test_a_resume_on_cuda_leaves_adams_step_counts_on_the_host_and_restores_the_devices_generator(tmp_path):
     """The checkpoint loads onto the CPU: the moments go to the GPU with their parameters, Adam's step counts
     stay on the host as torch keeps them (on the GPU, the per-tensor kernels would sync to read each one every
-    step), and the CUDA generator saved is this rank's device's alone; the resumed run equals the straight one."""
+    step), and the CUDA generator saved is this rank's device's alone; the resumed run equals the straight
+    one."""
     import toy
 
     from helpers.compare import load

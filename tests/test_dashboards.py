@@ -228,7 +228,8 @@ def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the
         w.scalars({"train/loss": 1.0}, 1)
         fill(disk / "filler")  # the rest of the disk
         with pytest.raises(ResourceError) as e:
-            for step in range(2, 200):  # the writer thread writes on its own time: its failure shows at a later call
+            # the writer thread writes on its own time: its failure shows at a later call
+            for step in range(2, 200):
                 w.scalars({"train/loss": float(step)}, step)
             w.close()
     assert str(e.value).startswith(f"could not write TensorBoard events to {disk / 'tb'}: OSError: [Errno 28] No space")

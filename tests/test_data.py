@@ -142,7 +142,8 @@ def test_an_index_bijection_is_a_seeded_permutation_of_range_n(n):
 
     order = IndexBijection(n, seed=5)(np.arange(n))
     assert sorted(order.tolist()) == list(range(n))
-    assert (IndexBijection(n, seed=5)(np.arange(n)) == order).all()  # the same order on every rank and machine
+    # the same order on every rank and machine
+    assert (IndexBijection(n, seed=5)(np.arange(n)) == order).all()
     if n >= 1000:
         other = IndexBijection(n, seed=6)(np.arange(n))
         assert (other != order).mean() > 0.99 and abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.1
@@ -161,7 +162,8 @@ def test_the_bijection_order_gives_the_same_global_batches_at_any_world_size_and
                          for i in rows[r][mb * per_rank:(mb + 1) * per_rank]]
     assert per_world[1] == per_world[2] == per_world[3]
     epoch = per_world[1]
-    assert len(epoch) == len(set(epoch)) == (n // (gb * accum)) * gb * accum  # each window at most once, whole steps
+    # each window at most once, whole steps
+    assert len(epoch) == len(set(epoch)) == (n // (gb * accum)) * gb * accum
     s = ShardedGlobalSampler(n, gb, 2, 1, seed=3, grad_accum_steps=accum, order="bijection")
     s.set_epoch(4, skip=7)  # a mid-epoch resume after 7 micro-batches
     assert list(s) == [i for mb in range(7, s.num_micro_batches) for i in epoch[mb * gb + 6: mb * gb + 12]]

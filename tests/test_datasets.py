@@ -122,7 +122,8 @@ def test_imagefolder_decodes_resizes_and_checks_classes(tmp_path):
     s = imagefolder(str(tmp_path / "imgs"), num_classes=3, image_size=16)
     assert len(s.train) == 12 and len(s.val) == 6 and s.num_classes == 3
     x, y = s.train[5]
-    assert x.shape == (3, 16, 16) and x.dtype == torch.float32 and int(y) == 1  # sorted classes: cat, dog, eel
+    # sorted classes: cat, dog, eel
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32 and int(y) == 1
     with pytest.raises(ValueError, match="dataset.num_classes=5, but .* has 3 class folders"):
         imagefolder(str(tmp_path / "imgs"), num_classes=5)
     with pytest.raises(DatasetFilesError, match="dataset.val_dir"):
@@ -166,12 +167,14 @@ def test_a_crafted_cifar_batch_cannot_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"data_batch_1: refused to load (posix|os)\.system"):
         cifar10(str(tmp_path / "c10"))
     assert not marker.exists()
-    assert pickle.loads((d / "data_batch_1").read_bytes()) is not None and marker.exists()  # the payload is real
+    # the payload is real
+    assert pickle.loads((d / "data_batch_1").read_bytes()) is not None and marker.exists()
 
 
 @pytest.mark.slow  # starts a process
 def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_it():
-    """The default dataset skips `import sklearn.datasets` (about 1 s per rank): the numbers are load_digits'."""
+    """The default dataset skips `import sklearn.datasets` (about 1 s per rank): the numbers are
+    load_digits'."""
     import subprocess
     import sys
 
@@ -191,8 +194,8 @@ def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_
 
 @pytest.mark.slow  # starts a process
 def test_imagefolder_infers_its_classes_from_the_folders_and_says_a_missing_root_in_one_line(tmp_path):
-    """Like torchvision's ImageFolder: the class folders give dataset.num_classes (and so model.num_classes); a
-    given one that disagrees is one line; a missing root names dataset.root and the path, exit 2."""
+    """Like torchvision's ImageFolder: the class folders give dataset.num_classes (and so model.num_classes);
+    a given one that disagrees is one line; a missing root names dataset.root and the path, exit 2."""
     from helpers.jobs import python_train
 
     make_image_folder(tmp_path / "data", classes=("a", "b", "c", "d"))

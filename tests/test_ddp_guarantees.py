@@ -1,4 +1,5 @@
-"""What ddplab guarantees under DDP (docs/guarantees.md): exactness across world sizes and the classic pitfalls.
+"""What ddplab guarantees under DDP (docs/guarantees.md): exactness across world sizes and the classic
+pitfalls.
 
 Each test runs real processes (gloo on CPU) and asserts numbers.
 """
@@ -126,7 +127,8 @@ def test_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
     assert "needs 6 samples per optimizer step, but the training set has 5" in out and "Fix:" in out
 
 
-# A batch smaller than the world size: tests/test_integrity.py's config error under torchrun (batch_size=2, 3 ranks).
+# A batch smaller than the world size: tests/test_integrity.py's config error under torchrun (batch_size=2, 3
+# ranks).
 
 
 # ------------------------------------------------------ 3. legacy launcher
@@ -241,8 +243,9 @@ def test_rank_that_never_arrives_times_out(tmp_path):
 
 
 def srun_tasks(worker: str, cwd) -> list:
-    """tests/workers/<worker> as the 2 tasks of an srun step (SLURM's task variables, no launcher's store: rank 0
-    serves the rendezvous store), on a free port; stdout and stderr together into ``cwd/task<rank>.log``."""
+    """tests/workers/<worker> as the 2 tasks of an srun step (SLURM's task variables, no launcher's store:
+    rank 0 serves the rendezvous store), on a free port; stdout and stderr together into
+    ``cwd/task<rank>.log``."""
     port, procs = free_port(), []
     for r in (0, 1):
         env = {"SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
@@ -260,8 +263,9 @@ def task_output(proc, cwd, rank: int, timeout: float) -> str:
 
 
 def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing_store(tmp_path):
-    """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn while
-    rank 0 is slow to close each one's store: every group forms (each used to race a peer into the closing one)."""
+    """srun's tasks (no launcher's store: rank 0 serves it on the job's fixed port) form four groups in turn
+    while rank 0 is slow to close each one's store: every group forms (each used to race a peer into the
+    closing one)."""
     procs = srun_tasks("regroup_worker.py", tmp_path)
     outs = [task_output(p, tmp_path, r, 120) for r, p in enumerate(procs)]
     for p, out in zip(procs, outs):
@@ -269,9 +273,9 @@ def test_ranks_that_form_group_after_group_under_srun_never_meet_rank_0s_closing
 
 
 def test_a_rank_waiting_for_a_group_that_never_forms_leaves_on_sigterm_at_once(tmp_path):
-    """Rank 0 takes no further part; rank 1 waits to join a group with it (torch's C++ wait, deaf to signals). SIGTERM — its
-    launcher tearing the job down — ends the wait within a second, exit 143, instead of after the launcher's
-    grace (30 s, then SIGKILL: no cleanup) or distributed.timeout_s."""
+    """Rank 0 takes no further part; rank 1 waits to join a group with it (torch's C++ wait, deaf to signals).
+    SIGTERM — its launcher tearing the job down — ends the wait within a second, exit 143, instead of after
+    the launcher's grace (30 s, then SIGKILL: no cleanup) or distributed.timeout_s."""
     procs = srun_tasks("abandoned_join_worker.py", tmp_path)
     t0 = time.monotonic()
     while not (tmp_path / "task1.log").read_text().startswith("WAITING\n"):

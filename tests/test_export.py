@@ -1,6 +1,6 @@
-"""``python -m ddplab export`` (issue 34, item 5): the model out of a run — its weights (the EMA's where the run
-kept one), the config that builds it, a model card — loaded back outside ddplab and scoring what the run said.
-An FSDP checkpoint's export (the whole model its shards hold): tests/test_hf.py's FSDP run."""
+"""``python -m ddplab export`` (issue 34, item 5): the model out of a run — its weights (the EMA's where the
+run kept one), the config that builds it, a model card — loaded back outside ddplab and scoring what the run
+said. An FSDP checkpoint's export (the whole model its shards hold): tests/test_hf.py's FSDP run."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_an_ema_run_exports_its_ema_weights_which_load_outside_ddplab_and_score_
     ck = torch.load(run / "checkpoints" / "best.pt", weights_only=True)
     floats = [p.detach() for p in model.parameters() if p.is_floating_point()]
     assert same(floats, ck["callbacks.ema"]["shadow"]) is None  # bitwise the EMA the run kept
-    assert same(model.state_dict()["net.1.weight"], ck["model"]["net.1.weight"]) is not None  # not the raw weights
+    # not the raw weights
+    assert same(model.state_dict()["net.1.weight"], ck["model"]["net.1.weight"]) is not None
     assert accuracy(model) == pytest.approx(out["val_ema/acc"], abs=1e-9)  # 359 samples: counts, exactly
     card = (run / "export" / "README.md").read_text()
     assert "- weights: the EMA of the weights (callbacks.ema" in card and "| val/acc |" in card

@@ -72,8 +72,9 @@ def test_a_causal_lm_killed_mid_epoch_resumes_bitwise(tmp_path):
 
 
 def labelled_sequences(n_train: int = 384, n_val: int = 128, seed: int = 0, **digits_keys):
-    """Token sequences (ids 1..63) labelled by whether id 7 occurs more often than id 9: a sequence classifier's
-    task (a user's dataset factory, named in place of the digits: their keys are passed and ignored)."""
+    """Token sequences (ids 1..63) labelled by whether id 7 occurs more often than id 9: a sequence
+    classifier's task (a user's dataset factory, named in place of the digits: their keys are passed and
+    ignored)."""
     from ddplab.data import Splits, TensorData
 
     g = torch.Generator().manual_seed(seed)
@@ -95,9 +96,9 @@ def test_a_sequence_classifier_trains_with_exact_accuracy(tmp_path):
 
 @pytest.mark.dist
 def test_world_sizes_1_and_3_train_the_same_hf_model_and_fsdp_over_its_blocks_too(tmp_path):
-    """Global batch 12, fp32: 1 rank (in this process) and 3 ranks (DDP) end at the same validation loss, every
-    window once; FSDP at 2 ranks too, its checkpoint's shards holding the same model (to float32 reduction order,
-    as AdamW amplifies it). 1 against 2 DDP ranks: tests/test_hf_integration.py."""
+    """Global batch 12, fp32: 1 rank (in this process) and 3 ranks (DDP) end at the same validation loss,
+    every window once; FSDP at 2 ranks too, its checkpoint's shards holding the same model (to float32
+    reduction order, as AdamW amplifies it). 1 against 2 DDP ranks: tests/test_hf_integration.py."""
     args = LM + token_file(tmp_path) + ["num_epochs=1", "limit_train_steps=10", "optimizer=adamw"]
     ddplab.run(compose_cfg(args, tmp_path / "1"))
     runs = {1: metrics(tmp_path / "1")}
@@ -110,10 +111,12 @@ def test_world_sizes_1_and_3_train_the_same_hf_model_and_fsdp_over_its_blocks_to
     whole = load_whole(tmp_path / "fsdp" / "checkpoints" / "last.pt")["model"]
     one = torch.load(tmp_path / "1" / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert whole.keys() == one.keys()
-    for k in one:  # AdamW turns reduction-order rounding of tiny gradients into a few 1e-6 after 10 steps (measured:
+    # AdamW turns reduction-order rounding of tiny gradients into a few 1e-6 after 10 steps (measured:
+    for k in one:
         # FSDP vs 1 rank 3.4e-6 at most, a bias; DDP at 2 ranks vs 1 as much): the same run, not a bitwise one
         torch.testing.assert_close(whole[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
-    # Exported from its shards (python -m ddplab export, one process, no process group): the whole model, bitwise.
+    # Exported from its shards (python -m ddplab export, one process, no process group): the whole model,
+    # bitwise.
     from safetensors.torch import load_file
 
     assert_ok(run_cmd([sys.executable, "-m", "ddplab", "export", "fsdp", "--which", "last"], tmp_path))

@@ -1,5 +1,5 @@
-"""dataset=hf (issue 34, item 2): local Parquet / JSON Lines / CSV / Arrow files through Hugging Face datasets —
-text tokenized with a locally trained BPE into language-model windows, or one labelled sample per row — then
+"""dataset=hf (issue 34, item 2): local Parquet / JSON Lines / CSV / Arrow files through Hugging Face datasets
+— text tokenized with a locally trained BPE into language-model windows, or one labelled sample per row — then
 ddplab's own sampler: bitwise resume here; the same run at 1 and 2 ranks in tests/test_hf_integration.py. An
 already node-split stream is refused."""
 

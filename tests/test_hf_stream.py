@@ -1,7 +1,7 @@
-"""dataset=hf dataset.streaming=true (issue 34, item 2): local files read row by row through datasets' streaming
-mode. The samples are the in-memory source's (one file) or its per-file windows; a resume from any sample — mid-
-read, at a read's end, at a file's end — continues exactly, through datasets' own state_dict; under ranks and
-loader workers the run is the one-rank run's and a killed rank resumes bitwise."""
+"""dataset=hf dataset.streaming=true (issue 34, item 2): local files read row by row through datasets'
+streaming mode. The samples are the in-memory source's (one file) or its per-file windows; a resume from any
+sample — mid- read, at a read's end, at a file's end — continues exactly, through datasets' own state_dict;
+under ranks and loader workers the run is the one-rank run's and a killed rank resumes bitwise."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def texts(rows: int) -> list[str]:
 
 
 def files(tmp_path: Path, n: int = 3, rows: int = 60) -> tuple[Path, Path, list[list[str]]]:
-    """``n`` Parquet files of ``rows`` text rows each (row groups of 8), a JSONL validation file, a BPE on them."""
+    """``n`` Parquet files of ``rows`` text rows each (row groups of 8), a JSONL validation file, a BPE on
+    them."""
     parts = [texts(n * rows + 20)[i * rows:(i + 1) * rows] for i in range(n)]
     (tmp_path / "train").mkdir()
     for i, part in enumerate(parts):
@@ -78,7 +79,8 @@ def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatc
     tok = tz.load(tmp_path / "tokenizer.json")
     per_file = [len(p) if task == "labelled" else (sum(len(tok.encode(t).ids) for t in p) - 1) // 16 for p in parts]
     assert len(s) == len(whole) == sum(per_file)
-    # Every sample of the first reads (a read of 5 rows: 5 samples, or ~12 windows), and around the files' ends.
+    # Every sample of the first reads (a read of 5 rows: 5 samples, or ~12 windows), and around the files'
+    # ends.
     cuts = set(range(27)) | {per_file[0] - 1, per_file[0], per_file[0] + 1, len(whole) - 1, len(whole)}
     for k in sorted(cuts):
         it = iter(s)
@@ -95,13 +97,14 @@ def test_the_count_is_what_an_epoch_yields_and_num_samples_skips_it(tmp_path, mo
     counted = []
     monkeypatch.setattr(hf_stream.HFStream, "_count", lambda self: counted.append(1) or 999)
     s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), streaming=True, num_samples=12)
-    assert len(s.train) == 12 and len(s.val) == 999 and len(counted) == 1  # only the validation stream counted
+    # only the validation stream counted
+    assert len(s.train) == 12 and len(s.val) == 999 and len(counted) == 1
 
 
 def test_a_num_samples_kept_after_files_were_added_is_refused_naming_them(tmp_path):
-    """Issue 45: the count line's dataset.num_samples, kept after a file was added to the folder, trained on the
-    first N samples every epoch, never read the new file, and said completed. Each count is recorded with the
-    file set's fingerprint; a given N is checked against it."""
+    """Issue 45: the count line's dataset.num_samples, kept after a file was added to the folder, trained on
+    the first N samples every epoch, never read the new file, and said completed. Each count is recorded with
+    the file set's fingerprint; a given N is checked against it."""
     from ddplab.errors import InputError
 
     train, val, _ = files(tmp_path, n=2, rows=20)
@@ -133,9 +136,9 @@ def test_streaming_without_a_validation_file_is_one_config_error(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a_killed_rank_resumes_bitwise(tmp_path):
-    """3 files, 2 loader workers per rank: 2 ranks give the 1-rank run (fp32); rank 1 SIGKILLed at step 63 (last
-    checkpoint: step 60, 6 steps into epoch 2 of 54 steps) resumes at 2 ranks into the uninterrupted run's
-    checkpoint, bitwise."""
+    """3 files, 2 loader workers per rank: 2 ranks give the 1-rank run (fp32); rank 1 SIGKILLed at step 63
+    (last checkpoint: step 60, 6 steps into epoch 2 of 54 steps) resumes at 2 ranks into the uninterrupted
+    run's checkpoint, bitwise."""
     args = lm_args(tmp_path) + ["num_epochs=2", "checkpoint.every_n_steps=10", "perf.num_workers=2",
                                 "+callbacks.soak._target_=soak_toy.SoakCallback"]
     one = ddplab.run(compose_cfg(args, tmp_path / "one"))
@@ -154,7 +157,8 @@ def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streaming):
-    """datasets counts downloads with a request to the Hub on every load_dataset (3 s each without a network)."""
+    """datasets counts downloads with a request to the Hub on every load_dataset (3 s each without a
+    network)."""
     import socket
 
     train, val, _ = files(tmp_path, n=2, rows=20)

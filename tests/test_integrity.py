@@ -55,7 +55,8 @@ def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_re
     old, new = (read_scalars(tmp_path / d / "tb")["vitals/lr"] for d in ("old", "new"))
     assert [s for s, _ in new] == list(range(23, 45))  # from the first resumed step on
     for (s, lo), (_, ln) in zip(old, new):
-        assert ln == pytest.approx(5 * lo, rel=1e-6, abs=1e-12), s  # 0.5 / 0.1 (float32 events): same schedule, new base
+        # 0.5 / 0.1 (float32 events): same schedule, new base
+        assert ln == pytest.approx(5 * lo, rel=1e-6, abs=1e-12), s
     assert new[0][1] > 0.1  # not the checkpoint's lr
     changes = yaml.safe_load((tmp_path / "new" / "config_changes.yaml").read_text())
     assert changes[0]["step"] == 22 and changes[0]["changes"]["optimizer.lr"] == {"checkpoint": 0.1, "now": 0.5}
@@ -128,7 +129,8 @@ def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_con
     assert f"could not write checkpoint {ckdir / 'step-00000015.pt'}" in msg
     assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg)
     assert "resume=auto" in msg
-    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt", "step-00000010.pt"]  # no tmp
+    # no tmp
+    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt", "step-00000010.pt"]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"]
 
@@ -156,7 +158,8 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
                              rf"sharded checkpoint {re.escape(str(run / 'checkpoints'))}/step-00000022\.dcp", out), out[-4000:]
         assert re.search(r"\([\d.]+ MiB free on its file system\)", out) and "resume=auto" in out
         assert re.search(r"rank\(s\) \[[01, ]+\] failed to write: ", out)  # DCP's failures, as one line
-        assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []  # shards gone
+        # shards gone
+        assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []
         res = json.loads((run / "result.json").read_text())
         assert res["status"] == "failed" and "could not write sharded checkpoint" in res["error"]
 
@@ -225,7 +228,8 @@ def test_cpu_ranks_share_the_cores_when_the_user_lets_them(tmp_path):
 # ------------------------------------------------------------------ errors said once, plainly
 @pytest.mark.dist
 def test_a_config_error_under_torchrun_is_said_once_by_rank_zero_without_a_traceback(tmp_path):
-    # a batch smaller than the world size (2 < 3): it cannot split either (tests/test_ddp_guarantees.py's case)
+    # a batch smaller than the world size (2 < 3): it cannot split either (tests/test_ddp_guarantees.py's
+    # case)
     proc = torchrun(3, ["model=mlp", "batch_size=2"], tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -314,9 +318,10 @@ def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path)
 @pytest.mark.slow  # real processes on a tmpfs
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_leaves_no_scratch(tmp_path, ranks):
-    """A full disk is the machine's fault, said completely by the error's one line (where, how much is free, the
-    fix): it was followed by a traceback (one process: Hydra's of the CheckpointWriteError, async or not), and a
-    failed self-launch left its rank 0's restart memo in TMPDIR (``ddplab-<uid>/run-<id>-<pid>``) for good."""
+    """A full disk is the machine's fault, said completely by the error's one line (where, how much is free,
+    the fix): it was followed by a traceback (one process: Hydra's of the CheckpointWriteError, async or not),
+    and a failed self-launch left its rank 0's restart memo in TMPDIR (``ddplab-<uid>/run-<id>-<pid>``) for
+    good."""
     (tmp_path / "tmp").mkdir()
     with tmpfs(tmp_path / "disk", "size=600k") as disk:  # room for logs and events, not the first checkpoint
         run = disk / "run"
@@ -334,10 +339,10 @@ def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_le
 @pytest.mark.slow  # real processes: a run, then its resume
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
 def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path, launch):
-    """Every checkpoint of the run spoilt (the soak's bad_file): ``resume=auto`` said so with the right fix, but as
-    a RuntimeError with exit 1 and a traceback; a file the job reads is an input error (exit 2, one line). Under
-    torchrun every rank met it and said it (the soak's trial 839914002): rank 0 alone says it, like a config
-    error; torchrun's own exit is 1 and its report shows the ranks' 2."""
+    """Every checkpoint of the run spoilt (the soak's bad_file): ``resume=auto`` said so with the right fix,
+    but as a RuntimeError with exit 1 and a traceback; a file the job reads is an input error (exit 2, one
+    line). Under torchrun every rank met it and said it (the soak's trial 839914002): rank 0 alone says it,
+    like a config error; torchrun's own exit is 1 and its report shows the ranks' 2."""
     run = tmp_path / "run"
     args = ["model=mlp", "num_epochs=1", "limit_train_steps=4", "progress=none", f"hydra.run.dir={run}"]
     go = (lambda a: python_train(a, tmp_path)) if launch == "python" else (lambda a: torchrun(2, a, tmp_path))
@@ -369,9 +374,9 @@ def test_an_unreadable_checkpoint_for_mode_eval_is_one_line_with_exit_2(tmp_path
 
 
 def test_a_log_file_on_a_full_disk_is_given_up_in_one_line(capfd):
-    """The run dir's disk filled mid-run (the soak's seed 1126, trial 1592107938): the checkpoint's one line was
-    followed by logging's "--- Logging error ---" and a traceback for every record train.log could not take,
-    each chained to the error being reported (80 lines). The file is now given up once, in one line."""
+    """The run dir's disk filled mid-run (the soak's seed 1126, trial 1592107938): the checkpoint's one line
+    was followed by logging's "--- Logging error ---" and a traceback for every record train.log could not
+    take, each chained to the error being reported (80 lines). The file is now given up once, in one line."""
     import logging
 
     from ddplab.runtime.console import quiet_log_files

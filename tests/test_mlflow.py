@@ -96,9 +96,9 @@ def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, ml
 def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_run(tmp_path, mlflow_server,
                                                                                   monkeypatch, caplog):
     """The soak's seed 753188260: a full disk met `mlflow.json`'s write, which left it empty; the resume could
-    not read it and MLflow logging stopped. Here the disk is full at exactly that write (the file truncated, as
-    a write would leave it, then ENOSPC), the job crashes after step 11, and the resume meets the record as a
-    ddplab that wrote in place left it (empty): the MLflow run still holds each step once and FINISHED."""
+    not read it and MLflow logging stopped. Here the disk is full at exactly that write (the file truncated,
+    as a write would leave it, then ENOSPC), the job crashes after step 11, and the resume meets the record as
+    a ddplab that wrote in place left it (empty): the MLflow run still holds each step once and FINISHED."""
     args = BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.every_n_steps=4", "mlflow.log_model=false"]
     ddplab.run(compose_cfg(args, tmp_path / "ref"))
     real = Path.write_text
@@ -166,8 +166,9 @@ def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once
             else "did not take the run's last" in said[0]), said
     assert [s for s, _ in read_scalars(tmp_path / "run" / "tb")["train/loss"]] == [2, 4, 6, 8, 10, 12]
     if kind == "down":
-        # The retries' jitter (urllib3's, MLflow's) drew from Python's global `random`, from MLflow's thread at any
-        # moment: the rank's RNG, which its checkpoint holds and user code draws from, followed the server's health.
+        # The retries' jitter (urllib3's, MLflow's) drew from Python's global `random`, from MLflow's thread
+        # at any moment: the rank's RNG, which its checkpoint holds and user code draws from, followed the
+        # server's health.
         ddplab.run(compose_cfg([a for a in BASE if not a.startswith("logger=")], tmp_path / "plain"))
         assert random.getstate() == drawn  # both seeded alike: the tracker drew nothing
         rng = [load(tmp_path / d / "checkpoints" / "last.pt")["rng"] for d in ("run", "plain")]
@@ -205,7 +206,8 @@ def test_the_default_store_is_mlflows_own(tmp_path, monkeypatch):
                            tmp_path / "run"))
     client, run = run_of(tmp_path / "run", f"sqlite:///{tmp_path / 'local.db'}")
     assert run.info.status == "FINISHED" and "val/loss" in run.data.metrics
-    assert [p.name for p in (tmp_path / "mlruns").iterdir()] == [run.info.experiment_id]  # its artifacts: here
+    # its artifacts: here
+    assert [p.name for p in (tmp_path / "mlruns").iterdir()] == [run.info.experiment_id]
 
 
 @pytest.mark.parametrize("override, said", [
@@ -246,9 +248,9 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_path, mlflow_server, strategy):
-    """DDP or FSDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model artifact
-    is the last checkpoint's (the background write is on disk before the artifact is made). FSDP's checkpoint
-    is sharded, every rank writing its part: the artifact is the whole model its shards hold."""
+    """DDP or FSDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model
+    artifact is the last checkpoint's (the background write is on disk before the artifact is made). FSDP's
+    checkpoint is sharded, every rank writing its part: the artifact is the whole model its shards hold."""
     from safetensors.torch import load_file
 
     from ddplab.checkpoint.export import export
@@ -269,9 +271,10 @@ def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_
 @pytest.mark.slow  # a fresh interpreter that imports MLflow: seconds
 def test_mlflow_is_imported_with_its_usage_telemetry_off(tmp_path):
     """Outside CI (a user's run: no CI variable, no pytest) MLflow's telemetry starts a thread at import that
-    fetches its config from the internet and then writes os.environ, racing the requests ddplab's writer thread
-    sends: a KeyError ('_MLFLOW_TELEMETRY_SESSION_ID') ended MLflow logging for the soak's trial 1864753826. The
-    writer sets MLFLOW_DISABLE_TELEMETRY=true before MLflow is imported, where the user has not set it."""
+    fetches its config from the internet and then writes os.environ, racing the requests ddplab's writer
+    thread sends: a KeyError ('_MLFLOW_TELEMETRY_SESSION_ID') ended MLflow logging for the soak's trial
+    1864753826. The writer sets MLFLOW_DISABLE_TELEMETRY=true before MLflow is imported, where the user has
+    not set it."""
     from mlflow.telemetry import utils  # the variables that count as CI for MLflow, read from its own code
 
     ci_like = {"CI", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD",

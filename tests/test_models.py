@@ -73,7 +73,8 @@ def test_vit_has_torchvision_keys_and_trains(tmp_path):
     out = ddplab.run(compose_cfg(["model=vit", "num_epochs=5", "progress=none",
                                   "optimizer=adamw"], run_dir=tmp_path))
     assert out["val/acc"] > 0.9  # digits (4 patches of 4x4), 5 epochs from scratch: 0.967 measured
-    with pytest.raises(Exception, match="model.patch_size=3 does not divide dataset.image_size=8"):  # via Hydra
+    # via Hydra
+    with pytest.raises(Exception, match="model.patch_size=3 does not divide dataset.image_size=8"):
         build.model(compose_cfg(["model=vit", "model.patch_size=3"]))
 
 

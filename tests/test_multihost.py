@@ -130,7 +130,8 @@ def test_sbatch_two_nodes_with_srun_tasks_as_ranks(tmp_path, one_host, slurm_env
     state, out = _sbatch_two_nodes(tmp_path, f"srun {sys.executable} {TRAIN} {' '.join(ARGS)} hydra.run.dir={run}")
     assert state == "COMPLETED", out[-3000:]
     log = (run / "train.log").read_text()
-    # SLURM's node list gives rank 0's host (node-a) as the rendezvous address; each node's task is local rank 0.
+    # SLURM's node list gives rank 0's host (node-a) as the rendezvous address; each node's task is local rank
+    # 0.
     assert re.search(r"ranks: 0@node-a:cpu\(local 0\) cfg=(\w+), 1@node-b:cpu\(local 0\) cfg=\1", log), log[:2000]
     assert_same_training(run, one_host)
 
@@ -179,8 +180,8 @@ def test_a_host_whose_link_goes_down_mid_step_fails_the_job_within_the_timeout_n
     print(f"link down -> node-a's torchrun exits {took:.1f}s, node-b's rank {took_b:.1f}s")
     assert procs[0].returncode != 0, out[-3000:]
     assert took <= timeout_s + 5, (took, out[-3000:])
-    # The cut-off side's rank: its own timeout, then a bounded wait for the store it cannot reach. (Its torchrun
-    # agent stays, blocked on that store until the link is back or it is killed: docs/multinode.md.)
+    # The cut-off side's rank: its own timeout, then a bounded wait for the store it cannot reach. (Its
+    # torchrun agent stays, blocked on that store until the link is back or it is killed: docs/multinode.md.)
     assert took_b <= timeout_s + 15, (took_b, logs[1].read_text()[-3000:])
     assert "did not answer: is this host cut off from it?" in logs[1].read_text()
     assert f"A collective timed out after distributed.timeout_s={float(timeout_s)}s. Rank(s) [1] never reached it " \

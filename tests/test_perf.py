@@ -61,11 +61,13 @@ def test_loader_flags_follow_the_config():
     assert TrainLoader(data.train, sampler, cpu).indexed  # in memory on its device: no DataLoader
     dl = TrainLoader(torch.utils.data.TensorDataset(data.train.x, data.train.y), sampler, cpu,
                      num_workers=2)._loader
-    assert dl.num_workers == 2 and dl.persistent_workers and not dl.pin_memory  # pinning only helps CUDA copies
+    # pinning only helps CUDA copies
+    assert dl.num_workers == 2 and dl.persistent_workers and not dl.pin_memory
 
 
 def test_augmentation_runs_batched_on_device_and_resumes_exactly(tmp_path):
-    """Random crops + flips drawn from the checkpointed RNG: a resumed run is bitwise the uninterrupted one."""
+    """Random crops + flips drawn from the checkpointed RNG: a resumed run is bitwise the uninterrupted
+    one."""
     args = ["model=convnet", "dataset=synthetic", "dataset.num_train=512", "dataset.augment.crop_padding=4",
             "dataset.augment.hflip=true", "num_epochs=2", "batch_size=32", "progress=none",
             "checkpoint.every_n_steps=5"]
@@ -158,8 +160,8 @@ def test_inductor_compile_single_process(tmp_path):
 
 
 def test_flop_counting_never_draws_from_the_users_random_streams(tmp_path):
-    """A dataset drawing noise from torch's global generator: the FLOP count at the first log step must not call it
-    (or draw at all), so the log interval alone leaves the weights bitwise the same."""
+    """A dataset drawing noise from torch's global generator: the FLOP count at the first log step must not
+    call it (or draw at all), so the log interval alone leaves the weights bitwise the same."""
     args = ["model=mlp", "dataset._target_=toy.torch_noisy_digits", "num_epochs=1", "limit_train_steps=8",
             "progress=none"]
     for every in (1, 5):
@@ -175,8 +177,9 @@ def test_flop_counting_never_draws_from_the_users_random_streams(tmp_path):
     ("NVIDIA A10", 125.0), ("NVIDIA A10G", None), ("Tesla V100-SXM2-16GB", 125.0), ("Tesla T4", 65.0),
 ])
 def test_a_gpus_peak_is_its_own_not_a_namesakes(monkeypatch, name, bf16):
-    """vitals/mfu divides by the device's peak: the name matches whole words, so an L40 is not an L4 (1.5x off),
-    an A10G not an A10, a PCIe H100 not the SXM one; an unlisted part has none (perf.peak_tflops sets it)."""
+    """vitals/mfu divides by the device's peak: the name matches whole words, so an L40 is not an L4 (1.5x
+    off), an A10G not an A10, a PCIe H100 not the SXM one; an unlisted part has none (perf.peak_tflops sets
+    it)."""
     from ddplab.perf import peak_tflops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

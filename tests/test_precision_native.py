@@ -170,7 +170,8 @@ def test_train_py_amp_true_on_a_native_bf16_cpu_trains_bf16_quietly(tmp_path):
 
 @pytest.mark.parametrize("native,auto", [(True, torch.bfloat16), (False, torch.float16)])
 def test_cuda_auto_counts_only_native_bf16(monkeypatch, native, auto):
-    """torch.cuda.is_bf16_supported() is True on pre-Ampere GPUs too (emulation): only the native answer counts."""
+    """torch.cuda.is_bf16_supported() is True on pre-Ampere GPUs too (emulation): only the native answer
+    counts."""
     monkeypatch.setattr(precision, "_cuda_native_bf16", lambda: native)
     gpu = torch.device("cuda", 0)
     assert precision._resolve_dtype("auto", gpu) == (auto, None)

@@ -130,7 +130,8 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bi
 def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """A signal that reaches one rank only (SLURM's --signal=USR1 to a task, a user's kill)."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log, fresh=True)  # ranks_of reads environ
+    # ranks_of reads environ
+    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log, fresh=True)
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
     os.kill(ranks_of(proc.pid)[1], signal.SIGUSR1)
     took = finish(proc, log)
@@ -276,9 +277,10 @@ def _catches(pid: int, sig: int) -> bool:
 
 @pytest.mark.slow
 def test_a_signal_during_start_up_is_not_fatal_and_the_job_checkpoints_at_its_first_step(tmp_path):
-    """SLURM's time-limit warning (SIGUSR1) can come seconds after a (re)start, while Python still imports torch
-    and Hydra (seen in CI: the job FAILED, killed by the signal's default action, and was never requeued). Now it
-    is remembered; the job stops at its first agreed step with a checkpoint, as preempted."""
+    """SLURM's time-limit warning (SIGUSR1) can come seconds after a (re)start, while Python still imports
+    torch and Hydra (seen in CI: the job FAILED, killed by the signal's default action, and was never
+    requeued). Now it is remembered; the job stops at its first agreed step with a checkpoint, as
+    preempted."""
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=none",
                              f"hydra.run.dir={run}"], cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
@@ -320,8 +322,9 @@ def test_the_start_up_hold_ends_when_the_job_handler_is_installed():
 def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
     """A study worker holds stop signals for its life (signals.hold_for_life). Run in-process (a notebook, a
     test, a sweep's next job), its hold outlived it: the next job's handler restored the hold instead of the
-    default (CI at c386c65, test order changed). A signal the worker stopped on is spent; one it never acted on
-    (it failed first) stays held, for the next job to stop at its first step, as after any start-up signal."""
+    default (CI at c386c65, test order changed). A signal the worker stopped on is spent; one it never acted
+    on (it failed first) stays held, for the next job to stop at its first step, as after any start-up
+    signal."""
     import ddplab.study as study
     from ddplab.runtime import signals
     from ddplab.runtime.signals import Preempted

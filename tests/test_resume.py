@@ -57,14 +57,16 @@ def test_resume_from_missing_path_is_a_clear_error(tmp_path):
 
 
 def test_resume_auto_with_a_named_run_dir_never_continues_another_run(tmp_path):
-    """An older run of the same command sits next door: a run dir the user named is the only place looked in."""
+    """An older run of the same command sits next door: a run dir the user named is the only place looked
+    in."""
     args = ARGS + ["stop_after_epochs=1", "resume=auto"]
     assert_ok(python_train(args + [f"hydra.run.dir={tmp_path}/X/old"], tmp_path))
     proc = python_train(args + [f"hydra.run.dir={tmp_path}/X/new"], tmp_path)
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "resumed from" not in out and "continuing" not in out
-    assert load(tmp_path / "X" / "new" / "checkpoints" / "last.pt")["loop"]["step"] == 22  # trained from scratch
+    # trained from scratch
+    assert load(tmp_path / "X" / "new" / "checkpoints" / "last.pt")["loop"]["step"] == 22
 
 
 @pytest.mark.dist

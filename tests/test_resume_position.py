@@ -23,9 +23,11 @@ SKIP = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "
 @pytest.mark.slow
 def test_resume_after_a_skipped_step_starts_at_the_next_unconsumed_batch(tmp_path):
     """A checkpoint taken after a skipped step resumes at the right batch and ends bitwise equal to the
-    uninterrupted run (the old position, steps x accumulation, replayed one batch group and ran 1 step more)."""
+    uninterrupted run (the old position, steps x accumulation, replayed one batch group and ran 1 step
+    more)."""
     full = tmp_path / "full"
-    assert_ok(python_train(SKIP + [f"run_dir={full}"], tmp_path, timeout=180))  # a fresh process: it faults once
+    # a fresh process: it faults once
+    assert_ok(python_train(SKIP + [f"run_dir={full}"], tmp_path, timeout=180))
     mid = full / "checkpoints" / "step-00000004.pt"
     ck = load(mid)
     assert (ck["loop"]["step"], ck["loop"]["batches_in_epoch"]) == (4, 5)  # 5 batch groups made 4 steps
@@ -41,7 +43,8 @@ def test_resume_after_a_skipped_step_starts_at_the_next_unconsumed_batch(tmp_pat
         toy._FAULTED.clear()
         torch.set_num_threads(threads)
     a, b = load(full / "checkpoints" / "last.pt"), load(tmp_path / "rest" / "checkpoints" / "last.pt")
-    assert (a["loop"]["step"], b["loop"]["step"], rest["step"]) == (27, 27, 27)  # 2 x 14 minus the skipped one
+    # 2 x 14 minus the skipped one
+    assert (a["loop"]["step"], b["loop"]["step"], rest["step"]) == (27, 27, 27)
     assert_same_checkpoint(a, b)
 
 
@@ -60,7 +63,8 @@ def test_result_json_keeps_the_training_metrics_when_a_finished_run_is_resumed(t
     again = json.loads((run / "result.json").read_text())["metrics"]
     for key in ("train/loss", "train/acc", "val/acc", "val/loss"):
         assert again.get(key) == first[key], (key, first, again)
-    # A later invocation that fails (here: refused, another lr than the checkpoint's) keeps the measured record.
+    # A later invocation that fails (here: refused, another lr than the checkpoint's) keeps the measured
+    # record.
     proc = python_train(args + ["resume=auto", "optimizer.lr=0.5"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     refused = json.loads((run / "result.json").read_text())

@@ -21,7 +21,8 @@ import pytest
 from helpers.compare import assert_same_checkpoint, load, load_whole
 from helpers.jobs import REPO, assert_ok, ranks, read_scalars, run_cmd, torchrun
 
-pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("resume_world_sizes")]  # one worker builds `reference` once
+# one worker builds `reference` once
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("resume_world_sizes")]
 
 # 36 global samples of 16 tokens a step: 3 ranks x 3 micro-batches of 4, or 4 ranks x 3 of 3. A checkpoint
 # every 10 steps, an evaluation every 20 (one batch a rank: 327 windows).
@@ -80,8 +81,8 @@ def test_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(tmp
 
 
 def test_three_ranks_sigterm_inside_a_step_evaluation_then_resume_auto_ends_bitwise(tmp_path, corpus, reference):
-    """SIGTERM to rank 0 halfway through step 40's evaluation, mid-epoch (each evaluation's one batch takes 3 s
-    here, so the ranks' ~1 s stop check falls inside): every rank stops there with the evaluation pending;
+    """SIGTERM to rank 0 halfway through step 40's evaluation, mid-epoch (each evaluation's one batch takes 3
+    s here, so the ranks' ~1 s stop check falls inside): every rank stops there with the evaluation pending;
     resume=auto evaluates step 40 first and trains on."""
     run = tmp_path / "run"
     env = {**fault_env(tmp_path, phase="evaluation", k=2, rank=0, target="self", signal="SIGTERM"),
@@ -100,7 +101,8 @@ def test_three_ranks_sigterm_inside_a_step_evaluation_then_resume_auto_ends_bitw
 
 def test_four_ranks_sigterm_between_steps_then_resume_auto_ends_bitwise(tmp_path, corpus, reference):
     """SIGTERM to the launcher (torchrun passes it to every rank) in step 13's backward: the ranks agree on a
-    step, checkpoint it and stop; resume=auto continues there, mid-interval (steps 13-15 are not a log step)."""
+    step, checkpoint it and stop; resume=auto continues there, mid-interval (steps 13-15 are not a log
+    step)."""
     run = tmp_path / "run"
     env = fault_env(tmp_path, phase="backward", k=12 * 3 + 2, rank=2, target="launcher", signal="SIGTERM")
     proc = torchrun(4, LM + corpus + [f"hydra.run.dir={run}"], tmp_path, extra_env=env)

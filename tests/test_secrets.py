@@ -1,7 +1,8 @@
-"""Secrets stay out (issue 45): a password in a tracking URI, and a config key named in ``redact_keys``, appear
-in no file of the run dir (checkpoints, TensorBoard, Hydra's copies, provenance, mlflow.json, the exported model
-artifact), nothing the MLflow server stored (params, tags, artifacts) and no console line, whether the server
-is up or down; the job itself uses the real values (the callback checks its token, MLflow gets the run)."""
+"""Secrets stay out (issue 45): a password in a tracking URI, and a config key named in ``redact_keys``,
+appear in no file of the run dir (checkpoints, TensorBoard, Hydra's copies, provenance, mlflow.json, the
+exported model artifact), nothing the MLflow server stored (params, tags, artifacts) and no console line,
+whether the server is up or down; the job itself uses the real values (the callback checks its token, MLflow
+gets the run)."""
 
 from __future__ import annotations
 
@@ -64,15 +65,16 @@ def test_a_server_that_is_down_is_said_without_the_password(tmp_path):
     out = proc.stdout + proc.stderr
     said = [ln for ln in out.splitlines() if "mlflow: cannot log to" in ln]
     assert len(said) == 1 and f"http://***@127.0.0.1:{port}" in said[0], out[-3000:]
-    assert "Retrying" not in out, out[-3000:]  # urllib3's retries of MLflow's calls: ddplab's one line says it
+    # urllib3's retries of MLflow's calls: ddplab's one line says it
+    assert "Retrying" not in out, out[-3000:]
     assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []
 
 
 @pytest.mark.slow  # a sweep of two jobs in one process
 def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
-    """A sweep's job gets its overrides with Hydra's escapes (``http\\://alice\\:pw@h``), which the masking did not
-    read as a URI: the password sat in each job's .hydra/ copies, train.log, TensorBoard dir name (the override
-    counted as swept), the sweep's summary and Hydra's console line of each job it launched."""
+    """A sweep's job gets its overrides with Hydra's escapes (``http\\://alice\\:pw@h``), which the masking
+    did not read as a URI: the password sat in each job's .hydra/ copies, train.log, TensorBoard dir name (the
+    override counted as swept), the sweep's summary and Hydra's console line of each job it launched."""
     sweep = tmp_path / "sweep"
     proc = python_train(["-m", *ARGS, "seed=1,2", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
                          "mlflow.log_model=false", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=240)
@@ -90,11 +92,14 @@ def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
     ("['+x.api_key=k1', 'seed=3']", "['+x.api_key=***', 'seed=3']"),
     ("a=1,x.up.token=t,b=2", "a=1,x.up.token=***,b=2"),  # named in redact_keys
     ("mailto-like user@host and tokenizer=bpe", "mailto-like user@host and tokenizer=bpe"),  # no URI, no key
-    ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),  # a sweep job's
+    # a sweep job's
+    ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),
     ("'mlflow.tracking_uri=http\\\\://u\\\\:p@h'", "'mlflow.tracking_uri=http\\\\://***@h'"),  # its repr
-    ("mlflow.tracking_uri=http\\://u\\:dG9rZW4\\=@h", "mlflow.tracking_uri=http\\://***@h"),  # Hydra escapes = too
+    # Hydra escapes = too
+    ("mlflow.tracking_uri=http\\://u\\:dG9rZW4\\=@h", "mlflow.tracking_uri=http\\://***@h"),
     ("- db.password='my pw, 2',seed=1", "- db.password=***,seed=1"),  # quoted: a space or comma inside
-    ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),  # JSON's \n ends a host, no user info
+    # JSON's \n ends a host, no user info
+    ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),
 ])
 def test_what_is_masked(raw, masked):
     assert redact.text(raw, ["x.up.token"]) == masked
@@ -104,8 +109,9 @@ def test_what_is_masked(raw, masked):
 
 @pytest.mark.slow  # mode=verify_resume: three runs, each a process
 def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(tmp_path):
-    """verify_resume started each run from a JSON file of the whole config in its run dir: the password and the
-    redacted key stayed there, unmasked, after the job (the runs need the real values: they get them on a pipe)."""
+    """verify_resume started each run from a JSON file of the whole config in its run dir: the password and
+    the redacted key stayed there, unmasked, after the job (the runs need the real values: they get them on a
+    pipe)."""
     run = tmp_path / "run"
     proc = python_train(ARGS + ["mode=verify_resume", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
                                 "mlflow.log_model=false", f"hydra.run.dir={run}"], tmp_path, timeout=240)
@@ -117,7 +123,8 @@ def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(t
 
 
 def test_what_a_pickling_launcher_is_refused():
-    """A secret written out is found wherever it sits; one that an interpolation fetches where the job runs is not."""
+    """A secret written out is found wherever it sits; one that an interpolation fetches where the job runs is
+    not."""
     cfg = {"mlflow": {"tracking_uri": "http://${oc.env:U}:${oc.env:P}@h", "experiment": None},
            "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3, "secret": "", "password": None},
            "study": {"storage": "postgresql://ddp:pw@127.0.0.1/s", "other": "postgresql://u:pw@${oc.env:HOST}/db"},
@@ -129,8 +136,9 @@ def test_what_a_pickling_launcher_is_refused():
 
 @pytest.mark.slow  # a process
 def test_a_submitit_sweep_refuses_a_secret_it_would_pickle_unmasked(tmp_path):
-    """submitit pickles the whole config and the jobs' overrides into <sweep dir>/.submitit/ for its jobs to load:
-    the password sat there unmasked (the .hydra copies were masked). Refused in one line before a file is written."""
+    """submitit pickles the whole config and the jobs' overrides into <sweep dir>/.submitit/ for its jobs to
+    load: the password sat there unmasked (the .hydra copies were masked). Refused in one line before a file
+    is written."""
     sweep = tmp_path / "sweep"
     proc = python_train(["-m", "hydra/launcher=submitit_local", *ARGS[:5], "seed=1,2", f"hydra.sweep.dir={sweep}",
                          f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9"], tmp_path, timeout=120)

@@ -1,5 +1,5 @@
-"""ddplab on a real SLURM cluster (``scripts/slurm_local.sh up``): three ways to launch 2 ranks, and
-requeue on a time limit and on an operator's ``scontrol requeue``, resuming bitwise; a study's workers as an array.
+"""ddplab on a real SLURM cluster (``scripts/slurm_local.sh up``): three ways to launch 2 ranks, and requeue
+on a time limit and on an operator's ``scontrol requeue``, resuming bitwise; a study's workers as an array.
 
 Skipped when ``sinfo`` does not answer; ``.ci/run`` brings a one-node cluster up for them.
 """
@@ -240,7 +240,8 @@ def test_operator_requeue_resumes_bitwise(tmp_path, reference):
     assert "requeueing SLURM job" not in log  # SLURM requeued it itself: ddplab only checkpointed
     lag = _signal_to_checkpoint(log)
     assert len(lag) == 1 and lag[0] < 30, lag  # the stop's checkpoint inside SLURM's default KillWait
-    _assert_same_as_uninterrupted(run, reference)  # and 0 steps lost: the resumed run ends where the reference does
+    # and 0 steps lost: the resumed run ends where the reference does
+    _assert_same_as_uninterrupted(run, reference)
     print(f"operator requeue: signal -> checkpoint {lag} s, bitwise equal")
 
 
@@ -282,7 +283,8 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, refere
 
 
 def test_a_study_run_by_a_slurm_array_of_two_workers(tmp_path):
-    """mode=study as docs/studies.md says to run it on SLURM: one worker per array task, the journal storage."""
+    """mode=study as docs/studies.md says to run it on SLURM: one worker per array task, the journal
+    storage."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
@@ -303,8 +305,9 @@ def test_a_study_run_by_a_slurm_array_of_two_workers(tmp_path):
 
 
 def test_a_soak_trial_under_srun_resumes_bitwise(tmp_path):
-    """scripts/soak.py --slurm: srun launches the 2 ranks; SIGUSR1 to srun itself, which forwards it to them: the job
-    is preempted with its checkpoint, resumed under srun and bitwise its uninterrupted (torchrun) twin."""
+    """scripts/soak.py --slurm: srun launches the 2 ranks; SIGUSR1 to srun itself, which forwards it to them:
+    the job is preempted with its checkpoint, resumed under srun and bitwise its uninterrupted (torchrun)
+    twin."""
     proc = run_cmd([sys.executable, "scripts/soak.py", "--slurm", "--only", "106647342", "--workdir", str(tmp_path / "s")],
                    Path(TRAIN).parent, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -1,11 +1,11 @@
 """The fault soak (scripts/soak.py): its fixed pairwise plan holds every pair of dimension values (launcher,
-world size 1-3, strategy, data source (digits, token files, Hugging Face JSONL through a BPE) and access (held or
-streamed), checkpoint mode, signal, target, phase, step time, grad accumulation, run mode,
-one feature in play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted
-once, resumed until the job completes and checked against its uninterrupted run. CI runs one of its ``CI_PARTS``
-parts a commit (four consecutive parts hold every value of every dimension; the parts together, every pair):
-the whole plan is about 12 minutes of CI's 2 cores, a part 2-3 trials. The plan's generator is checked without
-running anything; the whole plan, seed-drawn and long soaks run by hand."""
+world size 1-3, strategy, data source (digits, token files, Hugging Face JSONL through a BPE) and access (held
+or streamed), checkpoint mode, signal, target, phase, step time, grad accumulation, run mode, one feature in
+play: EMA, amp, loader workers or training by steps) in at least one trial — each trial faulted once, resumed
+until the job completes and checked against its uninterrupted run. CI runs one of its ``CI_PARTS`` parts a
+commit (four consecutive parts hold every value of every dimension; the parts together, every pair): the whole
+plan is about 12 minutes of CI's 2 cores, a part 2-3 trials. The plan's generator is checked without running
+anything; the whole plan, seed-drawn and long soaks run by hand."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     out = capsys.readouterr().out
     assert f"covers {len(every)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(plan)} trials" in out
     assert len([line for line in out.splitlines() if " fsdp " in line]) >= 3  # printed like any drawn trial
-    # A failure's rerun command names the plan's seed and the trial's; a seed the plan does not hold: one line, exit 2.
+    # A failure's rerun command names the plan's seed and the trial's; a seed the plan does not hold: one
+    # line, exit 2.
     assert soak.main(["--pairwise", "--seed", "0", "--only", "5", "--plan"]) == 2
     assert capsys.readouterr().err == ("soak.py: --only 5: no trial of the pairwise plan of --seed 0 has that seed. Fix: "
                                        "the --seed the failure printed (python scripts/soak.py --pairwise --seed 0 --plan "
@@ -69,21 +70,24 @@ def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
 
 def test_srun_is_drawn_as_a_launcher_only_with_slurm_and_never_for_what_it_cannot_run(capsys):
     seeds = trial_seeds(1127, 200)
-    assert all(draw(s).launcher != SLURM for s in seeds)  # without --slurm the draws are what they always were
+    # without --slurm the draws are what they always were
+    assert all(draw(s).launcher != SLURM for s in seeds)
     under = [t for t in (draw(s, slurm=True) for s in seeds) if t.launcher == SLURM]
     assert 30 <= len(under) <= 70, len(under)  # one launcher of four
-    assert {t.mode for t in under} == {"train", "study"}  # verify_resume starts its own processes: not under srun
+    # verify_resume starts its own processes: not under srun
+    assert {t.mode for t in under} == {"train", "study"}
     assert {t.strategy for t in under} == {"ddp", "fsdp"} and all(t.world == 2 for t in under)
     assert under[0].rerun() == f"python scripts/soak.py --only {under[0].seed} --slurm --keep"
-    with pytest.raises(SystemExit) as e:  # the plan is fixed (CI runs it before its cluster is up): one line, exit 2
+    # the plan is fixed (CI runs it before its cluster is up): one line, exit 2
+    with pytest.raises(SystemExit) as e:
         soak.main(["--pairwise", "--slurm"])
     assert e.value.code == 2 and "the --pairwise plan is fixed: drop one of them" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
-    """The soak's final check reads an FSDP checkpoint's model and optimizer back from its shards: its step file
-    has none (``sharded`` names the shards' dir), so comparing the step files alone compared nothing."""
+    """The soak's final check reads an FSDP checkpoint's model and optimizer back from its shards: its step
+    file has none (``sharded`` names the shards' dir), so comparing the step files alone compared nothing."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -107,7 +111,8 @@ def this_commits_part() -> tuple[int, int]:
     commits run consecutive parts (a shallow clone counts 1: there, the commit hash picks)."""
     if os.environ.get("DDPLAB_SOAK_PART"):
         return soak.part(os.environ["DDPLAB_SOAK_PART"])
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
     shallow = git("rev-parse", "--is-shallow-repository") != "false"
     n = int(git("rev-parse", "HEAD")[:8] or "0", 16) if shallow else int(git("rev-list", "--count", "HEAD"))
     return n % CI_PARTS + 1, CI_PARTS
@@ -144,7 +149,8 @@ def test_the_plans_parts_each_hold_every_value_and_together_the_plan(capsys):
 @pytest.mark.slow  # a part of the plan: every trial faulted, resumed and checked
 def test_the_pairwise_soak_plan_holds_every_invariant(tmp_path):
     # Two trials at a time: the invariants must hold on a loaded machine too. This commit's part: every value
-    # of every dimension, every pair over CI_PARTS commits (the whole plan: python scripts/soak.py --pairwise).
+    # of every dimension, every pair over CI_PARTS commits (the whole plan: python scripts/soak.py
+    # --pairwise).
     k, n = this_commits_part()
     proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--pairwise", "--part", f"{k}/{n}", "--jobs",
                     "2", "--workdir", str(tmp_path / "soak")], tmp_path, timeout=1500)
@@ -155,8 +161,8 @@ def test_the_pairwise_soak_plan_holds_every_invariant(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_soak_ends_its_trials_and_its_mlflow_server(tmp_path):
-    """SIGTERM to the driver (a CI timeout, a user's Ctrl-C is SIGINT) mid-trial: every process it started, the
-    trial's job (launcher, ranks) and the MLflow server in a session of its own, is gone at once, not left
+    """SIGTERM to the driver (a CI timeout, a user's Ctrl-C is SIGINT) mid-trial: every process it started,
+    the trial's job (launcher, ranks) and the MLflow server in a session of its own, is gone at once, not left
     running for its timeout (the server, for ever)."""
     import os
     import signal
@@ -184,9 +190,9 @@ def test_a_stopped_soak_ends_its_trials_and_its_mlflow_server(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_soak_of_two_trials_at_a_time_leaves_nothing_and_reports_no_trial_it_cut_short(tmp_path):
-    """The trials' threads go on after the stop: a killed attempt is followed by a resume, a failed trial by the
-    next. Seen on a --jobs 2 soak before the fix: ten trials reported FAILED in the stop's two seconds, and two
-    jobs started after its last scan were left running."""
+    """The trials' threads go on after the stop: a killed attempt is followed by a resume, a failed trial by
+    the next. Seen on a --jobs 2 soak before the fix: ten trials reported FAILED in the stop's two seconds,
+    and two jobs started after its last scan were left running."""
     import os
     import signal
     import subprocess
@@ -199,7 +205,8 @@ def test_a_stopped_soak_of_two_trials_at_a_time_leaves_nothing_and_reports_no_tr
                               stderr=subprocess.STDOUT, text=True)
     ours, deadline, trials = f"-{driver.pid}-", time.time() + 120, set()
     try:
-        while len(trials) < 2 and time.time() < deadline and driver.poll() is None:  # two trials' jobs running
+        # two trials' jobs running
+        while len(trials) < 2 and time.time() < deadline and driver.poll() is None:
             time.sleep(0.2)
             ids = {environ(p).split(b"SOAK_TRIAL_ID=")[-1].split(b"\0")[0] for p in trial_pids(ours, containing=True)}
             trials = {i for i in ids if not i.startswith(b"soak-ref-") and not i.endswith(b"-servers")}

@@ -63,7 +63,8 @@ def test_a_stalled_step_names_the_rank_that_is_elsewhere():
     assert msg.startswith("rank 0/3: step 5 has run 6s (its recent steps took 0.01s), now in its backward")
     assert "not at that collective: rank 1 (in its data loading of step 5 for 6s)" in msg
     assert "rank 2" not in msg
-    assert json.loads(store.get("ddplab/stall/0")) == {"step": 5, "phase": "backward", "ran": 6.0}  # published
+    # published
+    assert json.loads(store.get("ddplab/stall/0")) == {"step": 5, "phase": "backward", "ran": 6.0}
 
 
 def test_a_silent_rank_is_named_and_without_a_store_it_only_asks():

@@ -1,5 +1,6 @@
-"""Training by steps (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps`` (exact evaluations
-mid-epoch, resumable), schedules over the run's steps with a warmup fraction, and what the console says."""
+"""Training by steps (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps`` (exact
+evaluations mid-epoch, resumable), schedules over the run's steps with a warmup fraction, and what the console
+says."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from ddplab.data.tokens import tokens
 from ddplab.train.length import RunLength
 from ddplab.optim import cosine
 
-# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so 150
-# steps cross two epoch ends, which a step cadence does not evaluate, and every evaluation falls mid-epoch).
+# A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so
+# 150 steps cross two epoch ends, which a step cadence does not evaluate, and every evaluation falls
+# mid-epoch).
 LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
       "batch_size=48", "progress=log"]
 STEPS = ["num_epochs=null", "max_steps=150", "eval_every_n_steps=25", "log_every_n_steps=25"]
@@ -63,7 +65,8 @@ def test_150_steps_evaluated_every_25_exactly_at_world_sizes_1_2_3(tmp_path, sma
         runs[n] = run
         points = val_points(run)
         assert [s for s, _ in points] == [25, 50, 75, 100, 125, 150], (n, points)
-        assert {v for _, v in read_scalars(run)["val/num_samples"]} == {n_val}  # the whole set, each sample once
+        # the whole set, each sample once
+        assert {v for _, v in read_scalars(run)["val/num_samples"]} == {n_val}
         assert json.loads((run / "result.json").read_text())["metrics"]["step"] == 150
     for n in (2, 3):
         for (s1, v1), (sn, vn) in zip(val_points(runs[1]), val_points(runs[n])):
@@ -107,17 +110,19 @@ def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus
     assert first["step"] == 250 and first["epoch"] == 1  # one whole epoch, then 5 steps of the second
     log = caplog.text
     assert "250 steps (max_steps ends first; num_epochs=3 would be 735; 245 steps/epoch)" in log
-    assert [s for s, _ in val_points(tmp_path / "steps_first")] == [245, 250]  # epoch 1's end, and the last step
+    # epoch 1's end, and the last step
+    assert [s for s, _ in val_points(tmp_path / "steps_first")] == [245, 250]
     # The progress line: the task's own metrics only (no acc for a language model), tokens/s, an ETA.
     line = next(x for x in log.splitlines() if " step 50/250 " in x)
     assert re.search(r"epoch 1 step 50/250  loss=\S+ perplexity=\S+  lr=\S+  [\d,]+ tokens/s  step [\d.]+ ms "
-                     r"\(max [\d.]+\)  ETA (\d+h\d\dm|\d+m\d\ds|\d+s)$", line), line  # minutes on a loaded machine
+                     # minutes on a loaded machine
+                     r"\(max [\d.]+\)  ETA (\d+h\d\dm|\d+m\d\ds|\d+s)$", line), line
     assert "acc=" not in log
 
 
 def test_the_eta_is_the_training_left_at_the_slowest_ranks_pace():
-    """The step time is measured, so a test cannot know which of the three forms a real run prints (a loaded CI
-    machine made 12 s into 1m24s): each form, from a given pace."""
+    """The step time is measured, so a test cannot know which of the three forms a real run prints (a loaded
+    CI machine made 12 s into 1m24s): each form, from a given pace."""
     from ddplab.train.reporting import Progress
 
     p = Progress("none", length=RunLength(1, None, 250))

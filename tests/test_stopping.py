@@ -41,9 +41,11 @@ def wait_until(cond, proc, log: Path, timeout: float = 120) -> None:
 def test_cadence_spaces_checks_by_time_not_steps():
     """Unit: the next check is ~1 s of steps away, measured from the slowest rank; nothing in between."""
     agreement = StopAgreement(StopSignal(), Dist(), period_s=1.0)
-    agreement.alone = False  # exercise the multi-rank cadence (one process: the "collective" is the row itself)
+    # exercise the multi-rank cadence (one process: the "collective" is the row itself)
+    agreement.alone = False
     c = agreement._train
-    c.since -= 0.25  # pretend: step 1 took 0.25 s (and a bit); its check comes at once: 3 such steps fit in 1 s
+    # pretend: step 1 took 0.25 s (and a bit); its check comes at once: 3 such steps fit in 1 s
+    c.since -= 0.25
     agreement.after_step()
     assert agreement.checks == 1 and c.interval == 3
     for _ in range(2):
@@ -84,9 +86,9 @@ def test_slow_steps_with_rare_logs_preempt_within_seconds(tmp_path):
 @pytest.mark.dist
 @pytest.mark.parametrize("step_s", [0.5, 4.0])
 def test_a_signal_is_acted_on_within_the_promised_bound(tmp_path, step_s):
-    """docs/guarantees.md: a stop is acted on within max(1 step, ~1 s) of the signal. The step in progress when
-    SIGTERM reaches torchrun's agent is p; the bound plus one step of margin ends at the last step done by
-    signal + max(step, 1 s) + step: p + 2 at 0.5 s steps (1 s is two of them), p + 1 at 4 s steps."""
+    """docs/guarantees.md: a stop is acted on within max(1 step, ~1 s) of the signal. The step in progress
+    when SIGTERM reaches torchrun's agent is p; the bound plus one step of margin ends at the last step done
+    by signal + max(step, 1 s) + step: p + 2 at 0.5 s steps (1 s is two of them), p + 1 at 4 s steps."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
     args = ["model=mlp", "model._target_=toy.SlowMLP", f"+model.delay_s={step_s}", f"+model.trace={trace}",
             "num_epochs=1", "log_every_n_steps=100", "progress=log", f"hydra.run.dir={run}"]
@@ -104,14 +106,15 @@ def test_a_signal_is_acted_on_within_the_promised_bound(tmp_path, step_s):
 
 @pytest.mark.dist
 def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns(tmp_path):
-    """An evaluation of 4 batches x 2 s per rank: SIGTERM in its first batch stops it after that batch; on resume
-    the evaluation runs again, once, and result.json keeps the training metrics of the run before."""
+    """An evaluation of 4 batches x 2 s per rank: SIGTERM in its first batch stops it after that batch; on
+    resume the evaluation runs again, once, and result.json keeps the training metrics of the run before."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
     args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0", "+model.eval_delay_s=2",
             f"+model.trace={trace}", "dataset=synthetic", "dataset.image_size=8", "dataset.num_train=256",
             "dataset.num_val=2048", "num_epochs=1", "log_every_n_steps=2", "progress=log", f"hydra.run.dir={run}"]
     proc = start(TORCHRUN + args, tmp_path, log)
-    # The FLOP count's one eval forward comes first (at the first log step); the evaluation's begins after step 4.
+    # The FLOP count's one eval forward comes first (at the first log step); the evaluation's begins after
+    # step 4.
     wait_until(lambda: len(traced(trace, "eval")) >= 2, proc, log)
     proc.send_signal(signal.SIGTERM)
     took = finish(proc, log, timeout=60)
@@ -228,8 +231,8 @@ def test_a_checkpoint_slower_than_the_launchers_grace_is_said_after_the_save_and
 
 
 def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_path, monkeypatch):
-    """SLURM's KillWait (scontrol show config), not an assumed 30 s; torchrun inside a SLURM job: the shorter of
-    the two; SLURM's default when scontrol cannot answer."""
+    """SLURM's KillWait (scontrol show config), not an assumed 30 s; torchrun inside a SLURM job: the shorter
+    of the two; SLURM's default when scontrol cannot answer."""
     from ddplab.runtime import env
 
     scontrol = tmp_path / "bin" / "scontrol"
@@ -262,11 +265,12 @@ def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_p
 
 @pytest.mark.dist
 def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bitwise(tmp_path):
-    """An IterableDataset (2 loader workers), 1 s steps, a log every 100 steps: SIGTERM to every process of the job
-    after step 2 (torchrun's agent, the ranks and their loader workers, as SLURM signals a job) stops every rank
-    mid-epoch at one agreed step, whose checkpoint holds the stream's position (entry ``data``); the resumed run
-    ends bitwise where an uninterrupted one does (the sleep changes no number). The workers outlive the signal:
-    killed by it, they failed their ranks ("DataLoader worker exited unexpectedly") before the checkpoint."""
+    """An IterableDataset (2 loader workers), 1 s steps, a log every 100 steps: SIGTERM to every process of
+    the job after step 2 (torchrun's agent, the ranks and their loader workers, as SLURM signals a job) stops
+    every rank mid-epoch at one agreed step, whose checkpoint holds the stream's position (entry ``data``);
+    the resumed run ends bitwise where an uninterrupted one does (the sleep changes no number). The workers
+    outlive the signal: killed by it, they failed their ranks ("DataLoader worker exited unexpectedly") before
+    the checkpoint."""
     from helpers.compare import assert_same_checkpoint
 
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
@@ -285,7 +289,8 @@ def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bi
     assert res["status"] == "preempted" and 2 <= res["step"] < 8, res
     saved = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
     assert (saved["data"]["epoch"], saved["data"]["micro_batches"]) == (0, res["step"]), saved["data"]
-    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", "resume_apply_changes=true",  # a model key
+    # a model key
+    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", "resume_apply_changes=true",
                                          f"hydra.run.dir={run}"], tmp_path))
     assert f"0 epoch(s), {res['step']} step(s) done" in (run / "train.log").read_text()
     assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",

@@ -23,7 +23,8 @@ def max_rel(a, b) -> float:
 
 @pytest.mark.dist
 def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
-    """FSDP2 (fully_shard, gloo, 2 ranks): same loss curve as DDP; torch.distributed.checkpoint save/resume."""
+    """FSDP2 (fully_shard, gloo, 2 ranks): same loss curve as DDP; torch.distributed.checkpoint
+    save/resume."""
     assert_ok(ranks(2, ARGS + ["run_dir=ddp"], tmp_path))
     assert_ok(ranks(2, ARGS + ["distributed=fsdp", "run_dir=fsdp", "checkpoint.keep_last=1"], tmp_path))
     ddp, fsdp = curves(tmp_path / "ddp"), curves(tmp_path / "fsdp")
@@ -42,8 +43,8 @@ def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
     for k in fsdp:
         assert part[k] == fsdp[k], k
 
-    # Cross-strategy resume is refused with the reason (the check is the model entry's, whatever the world size:
-    # one process says it as two would).
+    # Cross-strategy resume is refused with the reason (the check is the model entry's, whatever the world
+    # size: one process says it as two would).
     from ddplab.config import ConfigError
 
     with pytest.raises(ConfigError, match="saved with distributed=fsdp"):

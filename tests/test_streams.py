@@ -1,6 +1,7 @@
-"""IterableDatasets (ddplab.data.streams): one global stream that every rank slices — the same global batches at
-any world size, each sample once per epoch, every rank the same number of steps, the loader's (and its workers')
-state in the checkpoint, bitwise kill + resume, and a resume at another world size that loses or doubles nothing."""
+"""IterableDatasets (ddplab.data.streams): one global stream that every rank slices — the same global batches
+at any world size, each sample once per epoch, every rank the same number of steps, the loader's (and its
+workers') state in the checkpoint, bitwise kill + resume, and a resume at another world size that loses or
+doubles nothing."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_ranks_slice_the_same_global_batches_and_each_sample_comes_once():
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_checkpointed_position_continues_where_it_stopped(stateful, workers):
     """The loader's state after 3 batches (torchdata: the dataset's own state in each worker, or a replay)
-    makes a fresh loader yield exactly the rest; at another world size too, since the state is the stream's."""
+    makes a fresh loader yield exactly the rest; at another world size too, since the state is the
+    stream's."""
     ref = loader(stream(stateful=stateful), 2, 1, workers)
     ref.set_epoch(1)
     full = ids(ref)
@@ -82,13 +84,14 @@ def test_a_checkpointed_position_continues_where_it_stopped(stateful, workers):
 @pytest.mark.slow  # a second or more: loader workers start
 def test_a_position_saves_the_same_state_whether_or_not_the_loader_was_resumed_on_the_way(workers):
     """The soak's seed 569002207 (verify_resume failed: checkpoints differed only in torchdata's count of the
-    requests sent to the workers, which a resume restarts with a fresh batch in flight and a worker whose stream
-    ended wastes): the state at a position is the same for a loader that ran there and one resumed on the way
-    (after 1 to 4 batches), with one worker's stream ending long before the other's, so a resumed run's
-    checkpoints are bitwise those of the run it replaces; and it yields the same batches."""
+    requests sent to the workers, which a resume restarts with a fresh batch in flight and a worker whose
+    stream ended wastes): the state at a position is the same for a loader that ran there and one resumed on
+    the way (after 1 to 4 batches), with one worker's stream ending long before the other's, so a resumed
+    run's checkpoints are bitwise those of the run it replaces; and it yields the same batches."""
     def run(batches: int, resumed_at: int | None) -> tuple[list, dict]:
         x = torch.arange(200, dtype=torch.float32)[:, None]
-        make = lambda: loader(toy.UnevenDigitStream(x, torch.arange(200), short=10), 2, 1, workers)  # noqa: E731
+        # noqa: E731
+        make = lambda: loader(toy.UnevenDigitStream(x, torch.arange(200), short=10), 2, 1, workers)
         first, got = make(), []
         first.set_epoch(1)
         it = iter(first)
@@ -107,10 +110,11 @@ def test_a_position_saves_the_same_state_whether_or_not_the_loader_was_resumed_o
 
 
 def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
-    """Loader workers send a sample's plain CPU tensors by value (numpy bytes) rather than through shared memory
-    (4x the samples/s: scripts/bench_stream_workers.py); the rank gets what torch's own conversion gives — the
-    same types, dtypes, shapes and bytes; numpy arrays become tensors; bfloat16 and other dtypes numpy lacks go
-    as torch sends them; containers (dict, list, tuple, namedtuple) and other values as they were."""
+    """Loader workers send a sample's plain CPU tensors by value (numpy bytes) rather than through shared
+    memory (4x the samples/s: scripts/bench_stream_workers.py); the rank gets what torch's own conversion
+    gives — the same types, dtypes, shapes and bytes; numpy arrays become tensors; bfloat16 and other dtypes
+    numpy lacks go as torch sends them; containers (dict, list, tuple, namedtuple) and other values as they
+    were."""
     from torch.utils.data import default_convert
 
     from ddplab.data.streams import _by_value, _unwrapped
@@ -118,7 +122,8 @@ def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
     sample = {"x": torch.randn(3, 2)[:, 1], "ids": [torch.arange(4), np.arange(3, dtype=np.int16)],
               "half": (torch.ones(2, dtype=torch.bfloat16), torch.tensor([True, False])),
               "p": Pair(torch.tensor(7, dtype=torch.uint8), "text"), "n": 5,
-              "conj": torch.conj(torch.tensor([1 + 2j]))}  # a lazy view numpy() refuses: sent as torch sends it
+              # a lazy view numpy() refuses: sent as torch sends it
+              "conj": torch.conj(torch.tensor([1 + 2j]))}
     sent = pickle.loads(pickle.dumps(_by_value(sample)))  # as the loader's queue carries it
     assert "_ByValue" in repr(type(sent["x"])) and not isinstance(sent["half"][0], np.ndarray)
     got, want = _unwrapped(sent), default_convert(sample)
@@ -212,7 +217,8 @@ def test_a_stream_without_len_is_refused_in_one_line(tmp_path):
 def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
     args = STREAM + [f"+dataset.stateful={stateful}", "num_epochs=2", "checkpoint.every_n_steps=5"]
     ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
-    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)  # last checkpoint: step 10 of 29, mid-epoch
+    # last checkpoint: step 10 of 29, mid-epoch
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
     last = [torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=False) for d in
             (tmp_path / "ref", tmp_path / "run")]
@@ -222,9 +228,9 @@ def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
 
 @pytest.mark.dist
 def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_at_3_ranks(tmp_path):
-    """World sizes 1/2/3 give the same run (2 loader workers). Rank 1 SIGKILLed at step 13 of a 2-rank job (last
-    checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; at 3 ranks it ends where the uninterrupted run
-    does (to float32 reduction order): no sample lost or seen twice."""
+    """World sizes 1/2/3 give the same run (2 loader workers). Rank 1 SIGKILLed at step 13 of a 2-rank job
+    (last checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; at 3 ranks it ends where the
+    uninterrupted run does (to float32 reduction order): no sample lost or seen twice."""
     args = STREAM + ["num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2", "model.dropout=0",
                      "+callbacks.soak._target_=soak_toy.SoakCallback"]
     runs = {}
@@ -280,8 +286,8 @@ def test_a_stream_the_same_on_every_rank_trains_and_the_start_up_line_says_ddpla
 @pytest.mark.dist
 @pytest.mark.parametrize("how", ["shards_itself", "python_shuffle"])
 def test_a_stream_that_differs_between_ranks_is_refused_in_one_line(tmp_path, how):
-    """A stream that shards itself (each rank would get a quarter of the samples, half never used) or shuffles per
-    rank (some samples twice, others never) is refused at its first global batch, exit 2, no traceback."""
+    """A stream that shards itself (each rank would get a quarter of the samples, half never used) or shuffles
+    per rank (some samples twice, others never) is refused at its first global batch, exit 2, no traceback."""
     args = ["model=mlp", "dataset._target_=toy.rank_dependent_stream", f"+dataset.how={how}", "progress=none",
             "batch_size=48", *ON_2_RANKS, f"hydra.run.dir={tmp_path / 'run'}"]
     proc = python_train(args, tmp_path, timeout=180)
@@ -300,8 +306,8 @@ def test_a_stream_that_differs_between_ranks_is_refused_in_one_line(tmp_path, ho
 
 
 def test_a_position_saved_with_other_loader_workers_is_refused_in_one_line():
-    """The order in which workers hand over samples is part of the stream: a mid-epoch position saved with 0 workers
-    means other samples with 2 (torchdata would fail on it with an AssertionError)."""
+    """The order in which workers hand over samples is part of the stream: a mid-epoch position saved with 0
+    workers means other samples with 2 (torchdata would fail on it with an AssertionError)."""
     first = loader(stream(), 1, 0, workers=0)
     first.set_epoch(1)
     it = iter(first)

@@ -1,7 +1,7 @@
 """mode=study: Optuna studies run by ddplab workers — real processes sharing a real storage (SQLite, the
-journal file, PostgreSQL), trials that are normal runs, pruning agreed by every rank, preemption and death of a
-worker, and input refused in one line. Ownership of trials in the storage, and a storage lost under a worker:
-tests/test_study_ownership.py."""
+journal file, PostgreSQL), trials that are normal runs, pruning agreed by every rank, preemption and death of
+a worker, and input refused in one line. Ownership of trials in the storage, and a storage lost under a
+worker: tests/test_study_ownership.py."""
 
 import json
 import shlex
@@ -33,7 +33,8 @@ def test_two_workers_one_rank_each_complete_a_study(tmp_path):
     ran = trials_run(done[0]) + trials_run(done[1])
     assert sorted(ran) == [0, 1, 2, 3], ran  # every trial trained once, by one worker
     assert_told_as_recorded(d, study)
-    for t in study.get_trials():  # a normal run: events named after its params, one HParams row with its state
+    # a normal run: events named after its params, one HParams row with its state
+    for t in study.get_trials():
         tdir = d / str(t.number)
         hp = read_hparams(tdir)
         assert hp["trial"] == t.number and hp["trial_state"] == "COMPLETE"
@@ -118,7 +119,8 @@ def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path
     assert first.returncode == 128 + signal.SIGTERM and marker.exists(), first.stdout[-3000:] + first.stderr[-2000:]
     assert "SIGTERM arrived between trials: this worker takes no further trial" in first.stdout + first.stderr
     assert [t.state.name for t in load(d).get_trials()] == ["COMPLETE"]
-    if ranks > 1:  # started again, it goes on as at 1 rank (seconds of self-launched trials that show nothing new)
+    # started again, it goes on as at 1 rank (seconds of self-launched trials that show nothing new)
+    if ranks > 1:
         return
     again = python_train(args, tmp_path)
     assert_ok(again)
@@ -207,7 +209,8 @@ def test_journal_storage_with_two_worker_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def postgres():
-    """A private PostgreSQL server on loopback for this module (trust auth, a fresh data dir), stopped after."""
+    """A private PostgreSQL server on loopback for this module (trust auth, a fresh data dir), stopped
+    after."""
     import os
     import shutil
     import socket

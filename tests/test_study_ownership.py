@@ -26,7 +26,8 @@ pytestmark = pytest.mark.dist
 
 @contextlib.contextmanager
 def storage_dir(tmp_path: Path, how: str):
-    """Where the study's SQLite file lives: a 600 KiB tmpfs to fill, or a dir made immutable (undone after)."""
+    """Where the study's SQLite file lives: a 600 KiB tmpfs to fill, or a dir made immutable (undone
+    after)."""
     if how == "full":
         with tmpfs(tmp_path / "disk", "size=600k") as disk:
             yield disk
@@ -72,7 +73,8 @@ def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently
 def test_a_storage_lost_under_a_torchrun_worker_is_said_once_by_rank_zero(tmp_path):
     """Under torchrun rank 0 alone tells the storage, after a trial, while its peer already waits for the next
     one: the tell's StorageLost ended rank 0, and torchrun then SIGTERMed the waiting peer, which said so (and
-    printed its traceback). The tell is part of the ranks' next agreement now: every rank stops, rank 0 says why."""
+    printed its traceback). The tell is part of the ranks' next agreement now: every rank stops, rank 0 says
+    why."""
     from helpers.jobs import torchrun
 
     d = tmp_path / "s"
@@ -188,7 +190,8 @@ def test_a_worker_that_would_train_trials_differently_is_refused(tmp_path):
 
 
 def test_the_training_record_keeps_keys_that_only_start_like_a_harmless_one():
-    """`model.*` starts like the harmless `mode`: it still decides how a trial trains (and a resume's drift)."""
+    """`model.*` starts like the harmless `mode`: it still decides how a trial trains (and a resume's
+    drift)."""
     from ddplab.config.drift import trajectory
     from ddplab.study.storage import training
 
@@ -260,10 +263,10 @@ def test_a_full_disk_under_a_trial_leaves_it_running_and_a_later_worker_resumes_
 
 
 def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp_path):
-    """Rank 1 of a trial SIGKILLed under torchrun (the soak's seed 1126: trials 2011857053, 1546929989): rank 0,
-    which asks and tells, saw only a lost connection and told the trial FAIL with gloo's "Connection reset by
-    peer". It is the trial's death: rank 0 says so in one line, the trial stays RUNNING, and the next worker
-    resumes it from its checkpoint, counting one death."""
+    """Rank 1 of a trial SIGKILLed under torchrun (the soak's seed 1126: trials 2011857053, 1546929989): rank
+    0, which asks and tells, saw only a lost connection and told the trial FAIL with gloo's "Connection reset
+    by peer". It is the trial's death: rank 0 says so in one line, the trial stays RUNNING, and the next
+    worker resumes it from its checkpoint, counting one death."""
     from helpers.jobs import torchrun
 
     d, url = tmp_path / "s", f"sqlite:///{tmp_path / 's' / 'study.db'}"
@@ -307,15 +310,17 @@ def test_a_worker_whose_trials_would_report_differently_is_refused_before_it_ask
     url = f"sqlite:///{tmp_path / 'study.db'}"
     base = ["hparams_search=study", "model=mlp", f"study.storage={url}", f"study.dir={tmp_path / 's'}"]
     study.setup(compose_cfg(base))
-    study.setup(compose_cfg(base + ["progress=none", "log_every_n_steps=3"]))  # harmless keys still may differ
+    # harmless keys still may differ
+    study.setup(compose_cfg(base + ["progress=none", "log_every_n_steps=3"]))
     study.setup(compose_cfg(base + ["+callbacks.mine._target_=toy.Recorder"]))  # a worker's own callback too
     with pytest.raises(ConfigError, match=r"trains its trials with another config: .*" + re.escape(said)):
         study.setup(compose_cfg(base + [override]))
 
 
 def test_a_hold_that_cannot_be_renewed_names_the_databases_error_not_optunas_wrapper(monkeypatch, caplog):
-    """CI (test above, ``deleted``, 2 ranks): the worker's renewal met the storage as it went away, and its warning
-    gave Optuna's wrapper, "invalid data in the commit, e.g. exceeding max length", for a read-only database."""
+    """CI (test above, ``deleted``, 2 ranks): the worker's renewal met the storage as it went away, and its
+    warning gave Optuna's wrapper, "invalid data in the commit, e.g. exceeding max length", for a read-only
+    database."""
     import sqlite3
 
     import sqlalchemy.exc

@@ -1,4 +1,5 @@
-"""Sweeps: Hydra multirun inside torchrun, self-launched DDP jobs under launcher plugins, Optuna, summaries."""
+"""Sweeps: Hydra multirun inside torchrun, self-launched DDP jobs under launcher plugins, Optuna,
+summaries."""
 
 import re
 import sys
@@ -59,7 +60,8 @@ def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
     assert f"{best['objective']:.6g}" in table.stdout.splitlines()[2]
     csv = (jobs[0].parent / "summary.csv").read_text().splitlines()
     assert csv[0].startswith("job,status,swept,objective") and len(csv) == 5
-    assert all(re.search(r',"lr=0\.0?1,model=(mlp|convnet)",', row) for row in csv[1:])  # what the sweep varied
+    # what the sweep varied
+    assert all(re.search(r',"lr=0\.0?1,model=(mlp|convnet)",', row) for row in csv[1:])
 
 
 def _log_window(job: Path) -> tuple[datetime, datetime]:
@@ -202,8 +204,8 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
 
 
 def test_an_srun_task_bound_to_its_own_gpu_trains_on_it_and_a_launcher_that_overbooks_one_is_refused(monkeypatch):
-    """srun --gpus-per-task=1 gives each task one visible GPU, cuda:0, whatever its SLURM_LOCALID; torchrun with
-    more processes than GPUs is still refused, naming the count."""
+    """srun --gpus-per-task=1 gives each task one visible GPU, cuda:0, whatever its SLURM_LOCALID; torchrun
+    with more processes than GPUs is still refused, naming the count."""
     from ddplab.runtime import group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -215,7 +217,8 @@ def test_an_srun_task_bound_to_its_own_gpu_trains_on_it_and_a_launcher_that_over
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_PROCID", "3")
     assert group._pick_device("auto", 3) == torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # two visible of four tasks: not a per-task binding
+    # two visible of four tasks: not a per-task binding
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK=3 but only 2 CUDA device"):
         group._pick_device("cuda", 3)
 
@@ -232,8 +235,10 @@ def test_a_slurm_batch_job_is_named_for_its_run_dir_and_requeue(monkeypatch):
     monkeypatch.setenv("ENVIRONMENT", "BATCH")
     assert env.slurm_job() == "77" and env.restarts() == {"SLURM requeue": 2}
     assert cli.prepare_argv(["train.py", "num_epochs=1"])[-1] == "hydra.run.dir=outputs/slurm-77"
-    assert cli.prepare_argv(["train.py", "hydra.run.dir=mine"]) == ["train.py", "hydra.run.dir=mine"]  # named: kept
-    assert "hydra.run.dir=outputs/slurm-77" not in cli.prepare_argv(["train.py", "-m", "a=1,2"])  # a sweep: its own
+    # named: kept
+    assert cli.prepare_argv(["train.py", "hydra.run.dir=mine"]) == ["train.py", "hydra.run.dir=mine"]
+    # a sweep: its own
+    assert "hydra.run.dir=outputs/slurm-77" not in cli.prepare_argv(["train.py", "-m", "a=1,2"])
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
     assert env.slurm_job() == "70_7"  # how scontrol requeue names an array task

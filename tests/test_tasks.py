@@ -65,7 +65,8 @@ def test_regression_is_exact_over_world_sizes_1_2_3_and_minimises_its_objective(
             assert runs[n][m] == pytest.approx(runs[1][m], rel=1e-5), (n, m)
     assert runs[1]["val/mse"] < 0.7  # predicting the mean scores 1.0 on standardised targets
     maes = [v for _, v in read_scalars(tmp_path / "1" / "tb")["val/mae"]]
-    assert runs[1]["val/mae_best"] == pytest.approx(min(maes), rel=1e-6)  # an error is minimised (float32 events)
+    # an error is minimised (float32 events)
+    assert runs[1]["val/mae_best"] == pytest.approx(min(maes), rel=1e-6)
 
 
 LM = ["task=lm", "dataset.block_size=32", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
@@ -197,7 +198,8 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
                        extra_env=env)
         assert_ok(proc)
         runs[n] = json.loads((tmp_path / str(n) / "result.json").read_text())["metrics"]
-    assert "data: DataLoader" in proc.stdout + proc.stderr  # a user's Dataset class goes through their collate_fn
+    # a user's Dataset class goes through their collate_fn
+    assert "data: DataLoader" in proc.stdout + proc.stderr
     for n in (2, 3):
         assert_close_weights(last_weights(tmp_path / str(n)), last_weights(tmp_path / "1"))
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"] == 61

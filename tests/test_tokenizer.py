@@ -1,6 +1,6 @@
 """Token files written with a subword tokenizer (issue 34, item 3): scripts/make_tokens.py with a local
-tokenizer.json or a BPE it trains on the text, encoded a chunk at a time (and in worker processes) to exactly the
-ids of the whole text, the tokenizer named in the sidecar so a smaller vocabulary is one line."""
+tokenizer.json or a BPE it trains on the text, encoded a chunk at a time (and in worker processes) to exactly
+the ids of the whole text, the tokenizer named in the sidecar so a smaller vocabulary is one line."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_work
     for out, workers in (("a", 1), ("b", 2)):
         script.main([str(book), "--out", str(tmp_path / out), "--train-bpe", "380", "--workers", str(workers)])
     a, b = tmp_path / "a", tmp_path / "b"
-    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()  # the same text, the same BPE
+    # the same text, the same BPE
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     for name in ("train.bin", "val.bin"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     tok = tz.load(a / "tokenizer.json")
@@ -70,7 +71,8 @@ def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_work
     assert len(got) < 0.6 * book.stat().st_size  # subwords: fewer ids than bytes
     n_val = len(ids(a / "val.bin"))
     val_bytes = len(tok.decode(ids(a / "val.bin").tolist()).encode())
-    assert abs(val_bytes - 0.1 * book.stat().st_size) < 200 and n_val > 0  # the last tenth, cut at a line break
+    # the last tenth, cut at a line break
+    assert abs(val_bytes - 0.1 * book.stat().st_size) < 200 and n_val > 0
     meta = json.loads((a / "train.bin.json").read_text())
     assert meta["vocab_size"] == 380 and meta["dtype"] == "uint16"
     assert meta["tokenizer"] == {"file": "tokenizer.json", "model": "BPE", "vocab_size": 380,
@@ -79,8 +81,8 @@ def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_work
 
 @pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_a_local_tokenizer_json_is_used_as_it_is_and_a_run_trains_on_its_ids(tmp_path, monkeypatch):
-    """The user's tokenizer learnt across lines (tokens like "\\n\\n", "\\n  "): the file is cut only where its
-    ids cannot change (4 KB chunks: some 20 cuts), and equals the text encoded whole."""
+    """The user's tokenizer learnt across lines (tokens like "\\n\\n", "\\n  "): the file is cut only where
+    its ids cannot change (4 KB chunks: some 20 cuts), and equals the text encoded whole."""
     book, script = text_file(tmp_path, 1500), make_tokens()
     text = book.read_text(encoding="utf-8")
     mine = tz.train_bpe([text[i:i + 3000] for i in range(0, len(text), 3000)], 400)

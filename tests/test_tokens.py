@@ -30,7 +30,8 @@ LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "
 
 def corpus(tmp_path: Path, mb: float = 0.01) -> tuple[Path, Path]:
     """train.bin / val.bin written by the shipped script: 49 steps an epoch at a batch of 12 (two epochs, a
-    checkpoint mid-epoch before the step 13 a kill stops at, as the tests need; each step more costs six runs)."""
+    checkpoint mid-epoch before the step 13 a kill stops at, as the tests need; each step more costs six
+    runs)."""
     out = tmp_path / "data"
     proc = run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", str(mb), "--out",
                     str(out)], tmp_path)
@@ -153,7 +154,8 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
     for n in (1, 2, 3):
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
         runs[n] = metrics(tmp_path / str(n))
-    assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)  # 2 epochs of 49 steps
+    # 2 epochs of 49 steps
+    assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)
     for n in (2, 3):
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
@@ -198,8 +200,9 @@ def test_a_corrupt_token_read_by_a_dataloader_worker_is_one_line_naming_file_and
 
 @pytest.mark.dist
 def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tmp_path):
-    """A token id past the vocabulary deep in the file (a corrupt byte): the rank that reads it fails naming the
-    file and byte offset; the other rank is stopped with it (the job ends in seconds, not at timeout_s)."""
+    """A token id past the vocabulary deep in the file (a corrupt byte): the rank that reads it fails naming
+    the file and byte offset; the other rank is stopped with it (the job ends in seconds, not at
+    timeout_s)."""
     f = corrupt_token_file(tmp_path)
     args = LM + [f"dataset.path={f}", "num_epochs=1", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = torchrun(2, args, tmp_path, timeout=100)

@@ -19,8 +19,8 @@ VAL = 17  # the resnet18 test's synthetic validation set: odd too
 
 def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     # Three steps of 8 digit-sized images, 17 to validate (odd: each exactly once over 2 ranks): where the CPU
-    # lacks avx512_bf16, oneDNN emulates bf16 (~50 s a step of 64 samples a rank on an AVX2 EPYC; 3 steps of 32
-    # and the 359 digits were 74 CPU-s there).
+    # lacks avx512_bf16, oneDNN emulates bf16 (~50 s a step of 64 samples a rank on an AVX2 EPYC; 3 steps of
+    # 32 and the 359 digits were 74 CPU-s there).
     tmp_env, scratch_left = own_tmpdir(tmp_path)
     proc = torchrun(2, ["model=resnet18", "amp=true", "amp_dtype=bf16", "num_epochs=1", "batch_size=8",
                         "dataset=synthetic", "dataset.in_channels=1", "dataset.image_size=8", "dataset.num_train=48",
@@ -48,7 +48,8 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     assert all(v > 0 for _, v in s["vitals/samples_per_s"])
     assert all(mx >= mean for (_, mx), (_, mean) in zip(s["vitals/step_time_ms_max"], s["vitals/step_time_ms"]))
     assert "amp bfloat16" in proc.stderr + proc.stdout  # bf16 on CPU as asked, no GradScaler
-    first = next(line for line in proc.stdout.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line))  # ddplab's lines
+    # ddplab's lines
+    first = next(line for line in proc.stdout.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line))
     assert "ranks: 0@" in first and ", 1@" in first  # the rank table is the job's first log line
 
     table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
@@ -126,9 +127,11 @@ def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
     assert_ok(run_cmd(cmd, tmp_path))
     streams = {(p.parent.name, p.stem): p.read_text() for p in logs.glob("*/attempt_0/*/std*.log")}
     assert sorted(streams) == [("0", "stderr"), ("0", "stdout"), ("1", "stderr"), ("1", "stdout")]
-    assert "epoch 1/1:" in streams["0", "stderr"] and "/22 [" in streams["0", "stderr"]  # tqdm draws on stderr
+    # tqdm draws on stderr
+    assert "epoch 1/1:" in streams["0", "stderr"] and "/22 [" in streams["0", "stderr"]
     assert "ranks: 0@" in streams["0", "stdout"]  # rank 0 logs as usual
-    assert not re.search(r"step 10/\d+  loss=", streams["0", "stdout"])  # the bar replaces the periodic log lines
+    # the bar replaces the periodic log lines
+    assert not re.search(r"step 10/\d+  loss=", streams["0", "stdout"])
     assert streams["1", "stdout"] == "" and streams["1", "stderr"] == ""  # rank 1 said nothing at all
 
 

@@ -1,6 +1,6 @@
-"""A run dir or checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` build only what
-ddplab ships, torch.optim's classes or what the command names from the checkpoint's stored config; any other
-``_target_`` is refused in one line before it is imported, unless the user passes the trust switch."""
+"""A run dir or checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` build only
+what ddplab ships, torch.optim's classes or what the command names from the checkpoint's stored config; any
+other ``_target_`` is refused in one line before it is imported, unless the user passes the trust switch."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def trained(tmp_path_factory) -> Path:
 
 
 def payloads(tmp: Path) -> dict[str, tuple[dict, Path, str]]:
-    """name -> (the model node a sender writes into the checkpoint, the file whose state shows it ran, how)."""
+    """name -> (the model node a sender writes into the checkpoint, the file whose state shows it ran,
+    how)."""
     shipped = tmp / "sent.pkl"
     shipped.write_bytes(pickle.dumps(_Touch(tmp / "pickle-ran")))
     victim = tmp / "victim.txt"
@@ -106,7 +107,8 @@ def test_mode_eval_refusal_under_train_py_is_one_line_exit_2(tmp_path, trained):
 
 
 def test_the_trust_switch_builds_what_it_names_so_the_payloads_are_live(tmp_path, trained):
-    """With --trust-config the same payload runs (the file is truncated): the refusal above is what stops it."""
+    """With --trust-config the same payload runs (the file is truncated): the refusal above is what stops
+    it."""
     model, marker, how = payloads(tmp_path)["open"]
     path = crafted(trained, tmp_path, model)
     assert export.main([str(path), "--trust-config"]) != 0  # a file object is no model: refused after it ran
@@ -136,8 +138,8 @@ def test_an_own_run_with_its_own_model_exports_with_the_switch(tmp_path):
 
 # ------------------------------------------------------------------ an export owns its folder
 def test_an_export_into_an_earlier_exports_folder_replaces_it_whole(tmp_path, trained):
-    """safetensors, then state_dict into the same folder: before, model.safetensors stayed beside model.pt (and
-    a from_pretrained folder kept weights the new config did not describe)."""
+    """safetensors, then state_dict into the same folder: before, model.safetensors stayed beside model.pt
+    (and a from_pretrained folder kept weights the new config did not describe)."""
     out = tmp_path / "out"
     assert export.main([str(trained), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.safetensors"]

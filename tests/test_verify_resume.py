@@ -21,7 +21,8 @@ SHORT = ["model=mlp", "num_epochs=2", "limit_train_steps=6", "progress=none"]  #
 
 
 def verdict(tmp_path: Path, args: list[str]) -> tuple[int, str, dict]:
-    """Exit code, the verify_resume line, and verify_resume.json of one ``python train.py mode=verify_resume``."""
+    """Exit code, the verify_resume line, and verify_resume.json of one ``python train.py
+    mode=verify_resume``."""
     proc = python_train(["mode=verify_resume", *SHORT, *args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "verify_resume: " in ln and
              ("PASS" in ln or "FAIL" in ln or "failed" in ln)]
@@ -87,7 +88,8 @@ def test_a_shipped_task_passes_bitwise_with_every_entry_compared(tmp_path):
     assert "(model, optimizer, scheduler, scaler, loop, rng, results)" in line and "bit-identical" in line
     assert report["passed"] and (report["stop_signalled_at"], report["total_steps"]) == (3, 12)
     first_leg = (tmp_path / "run" / "verify_resume" / "resumed.log").read_text()
-    assert "preempted" in first_leg and "0 epoch(s), 3 step(s) done" in first_leg  # stopped mid-epoch, resumed there
+    # stopped mid-epoch, resumed there
+    assert "preempted" in first_leg and "0 epoch(s), 3 step(s) done" in first_leg
 
 
 @pytest.mark.slow
@@ -135,16 +137,18 @@ def test_a_resumed_leg_refused_at_start_up_is_that_refusal_not_a_fail(tmp_path):
 
 @pytest.mark.slow
 def test_a_dataset_drawing_from_torchs_generator_passes(tmp_path):
-    """What the docs tell users to do: noise from torch's generator, which ddplab seeds and checkpoints. ddplab's own
-    bookkeeping (the FLOP count at the first log step, which a resumed run reaches at another step) draws nothing."""
+    """What the docs tell users to do: noise from torch's generator, which ddplab seeds and checkpoints.
+    ddplab's own bookkeeping (the FLOP count at the first log step, which a resumed run reaches at another
+    step) draws nothing."""
     code, line, report = verdict(tmp_path, ["dataset._target_=toy.torch_noisy_digits"])
     assert code == 0 and "verify_resume: PASS: 1 rank(s), stopped at step 3 of 12" in line and "bit-identical" in line, line
 
 
 @pytest.mark.dist
 def test_a_stream_shuffled_per_rank_is_refused_in_one_line(tmp_path):
-    """Python's random, seeded per rank by ddplab, shuffling a stream: the ranks read different streams, which the
-    uninterrupted run refuses at its first batch; verify_resume says so (exit 2), not a resume that differs."""
+    """Python's random, seeded per rank by ddplab, shuffling a stream: the ranks read different streams, which
+    the uninterrupted run refuses at its first batch; verify_resume says so (exit 2), not a resume that
+    differs."""
     proc = python_train(["mode=verify_resume", *SHORT, "dataset._target_=toy.rank_dependent_stream",
                          "+dataset.how=python_shuffle", "batch_size=48", "distributed.nproc_per_node=2",
                          f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
@@ -159,12 +163,13 @@ def test_a_stream_shuffled_per_rank_is_refused_in_one_line(tmp_path):
 def test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict(tmp_path, leg, sig):
     """The cluster preempting a verify_resume job stops the leg running: the uninterrupted leg's result
     (``preempted``, no metrics) raised a KeyError with a traceback; the resumed leg's would have been compared
-    as if it had finished, and the job blamed. It is a preemption: one line, exit 128 + the signal, no verdict."""
+    as if it had finished, and the job blamed. It is a preemption: one line, exit 128 + the signal, no
+    verdict."""
     import signal
 
     # the uninterrupted leg signals itself after step 2 (once: the marker); or the resumed leg, after step 11;
-    # or Ctrl-C: the uninterrupted leg signals itself and verify_resume (the soak's seed 1126, trial 1468072945:
-    # a KeyboardInterrupt traceback)
+    # or Ctrl-C: the uninterrupted leg signals itself and verify_resume (the soak's seed 1126, trial
+    # 1468072945: a KeyboardInterrupt traceback)
     marker, step = tmp_path / "fired", {"uninterrupted": 2, "resumed": 11, "ctrl-c": 2}[leg]
     target = {"uninterrupted": "study_toy.SignalOnce", "resumed": "toy_callbacks.SignalWhenResumed",
               "ctrl-c": "toy_callbacks.SignalParentToo"}[leg]

@@ -1,7 +1,8 @@
-"""Loader workers leave their rank's process group and take SIGTERM from their rank alone (so a launcher's stop
-signal, to the group or to every process of the job, is the rank's to act on: ddplab.runtime.signals.shield_worker):
-a rank killed outright must still take its workers with it — even when their queue to the rank is full, where
-torch's own parent watch hangs in multiprocessing's exit — and a rank's own terminate() still ends them."""
+"""Loader workers leave their rank's process group and take SIGTERM from their rank alone (so a launcher's
+stop signal, to the group or to every process of the job, is the rank's to act on:
+ddplab.runtime.signals.shield_worker): a rank killed outright must still take its workers with it — even when
+their queue to the rank is full, where torch's own parent watch hangs in multiprocessing's exit — and a rank's
+own terminate() still ends them."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ print(w.exitcode, flush=True)
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_loader_workers_take_sigterm_from_their_rank_alone():
-    """SLURM signals every process of a job (and ``kill -TERM`` of a process tree does the same): a worker ended by
-    that fails its rank ("DataLoader worker exited unexpectedly") before the rank can checkpoint."""
+    """SLURM signals every process of a job (and ``kill -TERM`` of a process tree does the same): a worker
+    ended by that fails its rank ("DataLoader worker exited unexpectedly") before the rank can checkpoint."""
     rank = subprocess.Popen([sys.executable, "-c", SERVING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -95,7 +96,8 @@ def test_loader_workers_take_sigterm_from_their_rank_alone():
         rank.stdin.write("\n")
         rank.stdin.flush()
         out, err = rank.communicate(timeout=30)
-        assert out.split() == [str(sum(range(1, 51))), "0"], err  # batches 1..50, then an exit torch calls clean
+        # batches 1..50, then an exit torch calls clean
+        assert out.split() == [str(sum(range(1, 51))), "0"], err
         assert rank.returncode == 0, err
         deadline = time.monotonic() + 2.5
         while time.monotonic() < deadline and any(alive(p) for p in workers):
@@ -158,8 +160,9 @@ sys.exit(0)  # the rank ends with the live iterator's worker stopped
 
 @pytest.mark.slow
 def test_a_ranks_exit_kills_a_loader_worker_that_cannot_take_its_sigterm_within_its_bound():
-    """A worker that cannot run its SIGTERM taker (here: stopped) would hold multiprocessing's exit join, and the
-    rank, for ever; ddplab's exit hook joins for WORKER_EXIT_S, then kills it. Without the hook: still held."""
+    """A worker that cannot run its SIGTERM taker (here: stopped) would hold multiprocessing's exit join, and
+    the rank, for ever; ddplab's exit hook joins for WORKER_EXIT_S, then kills it. Without the hook: still
+    held."""
     from ddplab.runtime.signals import WORKER_EXIT_S
 
     ends = {}

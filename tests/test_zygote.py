@@ -41,14 +41,16 @@ CASES = {
     # verify_resume: its three legs spares of the job, a 2-rank leg's rank server a spare of the leg
     "verify_resume, 2 ranks": ["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
                                "distributed.nproc_per_node=2"],
-    # a rank started by hand (the launcher's variables, absent from the server's environment, read at run time)
+    # a rank started by hand (the launcher's variables, absent from the server's environment, read at run
+    # time)
     "a rank started by hand": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
     # a user's package before the server's PYTHONPATH: the fork puts it on sys.path where an interpreter would
     "a user's package on PYTHONPATH": ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none",
                                        "+callbacks.mine._target_=users_callbacks.SaysWhere"],
     # `python -m ddplab`: the package's __main__ run as a fresh `python -m` runs it (see export_argv)
     "python -m ddplab export": [],
-    # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for byte
+    # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for
+    # byte
     "scripts/make_tokens.py": ["--generated-mb", "0.01"],
 }
 # How the failing cases end in result.json (ddplab.failure): the status and the error's start.
@@ -59,7 +61,8 @@ RECORDS = {"config error": ("failed", "config error: num_epochs=0"),
            "torchrun, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
            "torchrun, config error": ("failed", "config error: num_epochs=0")}
 ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": "29431"}}  # (one rank forms no group: provenance records them)
+                                   # (one rank forms no group: provenance records them)
+                                   "MASTER_PORT": "29431"}}
 EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
          "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
          "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
@@ -69,18 +72,22 @@ EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a proc
 
 def words(text: str, run: str) -> list[str]:
     """The lines less what differs between any two runs: clock times, durations, rates, the run dir."""
-    text = re.sub(rf"\b{re.escape(run.rsplit('/', 1)[1])}\b", "RUN", text.replace(run, "RUN"))  # not in tmp_path's name
+    # not in tmp_path's name
+    text = re.sub(rf"\b{re.escape(run.rsplit('/', 1)[1])}\b", "RUN", text.replace(run, "RUN"))
     text = re.sub(r"\d\d:\d\d:\d\d", "T", text)
     text = re.sub(r"[\d,]+(\.\d+)? ?(s|ms|samples/s|it/s)\b", "N", text)
     text = re.sub(r"\(max [\d.]+\)", "(max N)", text)  # the slowest step's milliseconds
     text = re.sub(r"T\.\d+ \d+ ", "T PID ", text)  # torch's log lines: their time and process (a rank's)
     text = re.sub(r"(pid:|process|PID) \d+", r"\1 PID", text)
-    text = re.sub(r"torchelastic_[\w/.-]+", "ERROR_FILE", text)  # torchrun's temp dir for the ranks' error files
-    return [line for line in text.splitlines() if "cfg=" not in line]  # the rank table's config hash names the dir
+    # torchrun's temp dir for the ranks' error files
+    text = re.sub(r"torchelastic_[\w/.-]+", "ERROR_FILE", text)
+    # the rank table's config hash names the dir
+    return [line for line in text.splitlines() if "cfg=" not in line]
 
 
 def users_package(tmp_path) -> dict[str, str]:
-    """A user's package dir first on PYTHONPATH, then the server's: their callback says where Python found it."""
+    """A user's package dir first on PYTHONPATH, then the server's: their callback says where Python found
+    it."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "users_callbacks.py").write_text(
@@ -99,9 +106,10 @@ def weights_and_metadata(path) -> tuple[dict, dict]:
 
 
 def written(case: str, folder) -> dict:
-    """What the job wrote that is compared: verify_resume's legs' logs (a leg's log holds both ranks' lines, and
-    which of two written at once comes first varies), an export's files (its weights as read, the rest as words),
-    make_tokens.py's files byte for byte, and for a rank started by hand its launcher as provenance records it."""
+    """What the job wrote that is compared: verify_resume's legs' logs (a leg's log holds both ranks' lines,
+    and which of two written at once comes first varies), an export's files (its weights as read, the rest as
+    words), make_tokens.py's files byte for byte, and for a rank started by hand its launcher as provenance
+    records it."""
     out = {f"legs/{p.name}": sorted(words(p.read_text(), str(folder))) for p in folder.glob("verify_resume/*.log")}
     if case == "python -m ddplab export":
         out |= {p.name: weights_and_metadata(p) if p.suffix == ".safetensors" else words(p.read_text(), str(folder))
@@ -162,7 +170,8 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
     assert files.get("launcher") == ({"kind": "python", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29431",
                                       "WORLD_SIZE": "1"} if case in ENVS else None)
     said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
-    where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]  # the script's dir, then PYTHONPATH
+    # the script's dir, then PYTHONPATH
+    where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]
     assert said == (words(f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
                           str(tmp_path / "forked")) if "PYTHONPATH" in case else []), ends["forked"][1]
 
@@ -226,7 +235,8 @@ def test_torchruns_workers_are_spares_of_the_forked_launcher_restarts_included(t
 
 @pytest.mark.slow
 def test_the_server_ends_when_its_pytest_process_dies_without_closing_it(tmp_path):
-    """Its pytest process killed (no atexit), the server notices within 5 s, ends and removes its socket's dir."""
+    """Its pytest process killed (no atexit), the server notices within 5 s, ends and removes its socket's
+    dir."""
     import os
     import signal
     import subprocess
@@ -253,8 +263,9 @@ def test_the_server_ends_when_its_pytest_process_dies_without_closing_it(tmp_pat
 @pytest.mark.slow
 def test_what_an_in_process_run_sets_in_the_environment_does_not_reach_the_next_tests_jobs(tmp_path):
     """ddplab sets library defaults in its own process (MLflow's retries and timeout, MLflow's credential
-    variables). conftest puts every variable back after a test, so a later test's job still fits the job server
-    (CI at 57efb72: one in-process MLflow run sent every later job of that worker to a fresh interpreter)."""
+    variables). conftest puts every variable back after a test, so a later test's job still fits the job
+    server (CI at 57efb72: one in-process MLflow run sent every later job of that worker to a fresh
+    interpreter)."""
     import os
 
     from ddplab.runtime import env

@@ -108,8 +108,8 @@ class SlowDisk:
     """A slow file system under the checkpoints: every step file takes ``delay_s`` longer to write.
     ``signal_at``: rank 0 sends ``signal`` as that step's file starts being written (the write is then in
     flight, in the background with checkpoint.async_save): to its whole process group (``to="group"``, what
-    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent). ``note``: a file the
-    signal's wall time is written to (a test measures from the signal, not from the process's start)."""
+    SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent). ``note``: a file
+    the signal's wall time is written to (a test measures from the signal, not from the process's start)."""
 
     def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group",
                  note: str = ""):
@@ -150,8 +150,8 @@ HELD: list[tuple[str, bool]] = []  # (step file, let go by the loop rather than 
 
 class DiskHeldForTwoSteps(SlowDisk):
     """A disk that holds the write of each step file in ``steps`` until the loop has taken two more optimizer
-    steps, or ``wait_s`` went by: a write running beside the loop is let go by the loop; one the loop waits for
-    (a synchronous save) only by the clock. HELD records which, per file."""
+    steps, or ``wait_s`` went by: a write running beside the loop is let go by the loop; one the loop waits
+    for (a synchronous save) only by the clock. HELD records which, per file."""
 
     def __init__(self, steps=(), wait_s: float = 60.0):
         super().__init__()
@@ -201,7 +201,8 @@ def saves_seen(record: str, rank: int = 0) -> list[tuple[int, str]]:
 
 
 class FailsOnRank:
-    """A user's callback with a bug that shows on one rank only: ``rank`` raises after optimizer step ``step``."""
+    """A user's callback with a bug that shows on one rank only: ``rank`` raises after optimizer step
+    ``step``."""
 
     def __init__(self, rank: int = 1, step: int = 3):
         self.rank, self.step = rank, step
@@ -240,8 +241,9 @@ class _DyingFile:
 
 
 class DiesMidWrite:
-    """The process dies by SIGKILL inside the real checkpoint writer's torch.save, once ``after_bytes`` of step
-    ``at``'s checkpoint are on disk. ``note`` gets "<thread> <file being written> <its size>" just before."""
+    """The process dies by SIGKILL inside the real checkpoint writer's torch.save, once ``after_bytes`` of
+    step ``at``'s checkpoint are on disk. ``note`` gets "<thread> <file being written> <its size>" just
+    before."""
 
     def __init__(self, at: int, note: str, after_bytes: int = 65536):
         self.at, self.note, self.after = at, note, after_bytes
@@ -336,8 +338,9 @@ class OptimizerStateOnLoad:
 
 
 class NotesTheFreeze:
-    """Writes ``<dir>/frozen-rank<r>`` when the process's exit freezes its heap (ddplab.runtime.teardown), with the
-    number of objects frozen: ``gc.freeze`` is wrapped at the run's end, so only the exit's call is seen."""
+    """Writes ``<dir>/frozen-rank<r>`` when the process's exit freezes its heap (ddplab.runtime.teardown),
+    with the number of objects frozen: ``gc.freeze`` is wrapped at the run's end, so only the exit's call is
+    seen."""
 
     def __init__(self, dir: str):
         self.dir = dir
@@ -380,15 +383,17 @@ class Uploader:
 
 class LeavesAWriterBehind:
     """At the fit's end, starts a process of its own session that holds the job's stdout and writes to it 2 s
-    later, after the job has exited: a reader of the job's output to its end (``communicate()``) waits for it."""
+    later, after the job has exited: a reader of the job's output to its end (``communicate()``) waits for
+    it."""
 
     def on_fit_end(self, state, metrics):
         subprocess.Popen(["sh", "-c", "sleep 2; echo written-after-the-job-exited"], start_new_session=True)
 
 
 class NotesItsProcess:
-    """Adds, per rank and job, a line to ``{out}/rank{rank}``: this process's command line, a tab, its parent's
-    (a self-launch's rank server: ``-c from multiprocessing.forkserver ...`` where it is a fresh one)."""
+    """Adds, per rank and job, a line to ``{out}/rank{rank}``: this process's command line, a tab, its
+    parent's (a self-launch's rank server: ``-c from multiprocessing.forkserver ...`` where it is a fresh
+    one)."""
 
     def __init__(self, out: str):
         self.out = out

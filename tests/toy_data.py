@@ -67,8 +67,8 @@ def noisy_digits(noise_seed=None, **kw):
 
 
 class _TorchNoisy(torch.utils.data.Dataset):
-    """Samples plus noise drawn from torch's global generator (what the docs tell users to do: ddplab seeds and
-    checkpoints it)."""
+    """Samples plus noise drawn from torch's global generator (what the docs tell users to do: ddplab seeds
+    and checkpoints it)."""
 
     def __init__(self, base):
         self.base = base
@@ -90,9 +90,9 @@ def torch_noisy_digits(**kw):
 
 
 class DigitStream(torch.utils.data.IterableDataset):
-    """An IterableDataset over the digits: one order per (seed, epoch), split over DataLoader workers. It has no
-    state_dict(): torchdata replays it on resume. ``short_on_rank``: that rank's stream ends ``short`` samples
-    early (a user's rank-dependent stream)."""
+    """An IterableDataset over the digits: one order per (seed, epoch), split over DataLoader workers. It has
+    no state_dict(): torchdata replays it on resume. ``short_on_rank``: that rank's stream ends ``short``
+    samples early (a user's rank-dependent stream)."""
 
     def __init__(self, x, y, seed=0, short_on_rank=None, short=0):
         self.x, self.y, self.seed, self.epoch, self.pos = x, y, seed, 0, 0
@@ -118,7 +118,8 @@ class DigitStream(torch.utils.data.IterableDataset):
 
 
 class StatefulDigitStream(DigitStream):
-    """The same stream with its position as state: torchdata restores it (in each worker) instead of replaying."""
+    """The same stream with its position as state: torchdata restores it (in each worker) instead of
+    replaying."""
 
     def state_dict(self):
         return {"epoch": self.epoch, "pos": self.pos}
@@ -129,8 +130,8 @@ class StatefulDigitStream(DigitStream):
 
 
 class UnevenDigitStream(StatefulDigitStream):
-    """Worker 1's share is the first ``short`` samples, worker 0's the rest: one worker's stream ends long before
-    the other's (a folder whose files differ in size, split by file over the workers)."""
+    """Worker 1's share is the first ``short`` samples, worker 0's the rest: one worker's stream ends long
+    before the other's (a folder whose files differ in size, split by file over the workers)."""
 
     def __init__(self, x, y, short=10):
         super().__init__(x, y)

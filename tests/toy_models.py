@@ -31,9 +31,9 @@ _FAULTED = []  # once per process: an in-process resume must not fault again
 
 
 class FaultyMLP(MLP):
-    """Crashes, hangs (fault="hang", or "hang_until_killed": ended by SIGTERM), gets SIGKILLed, makes the loss NaN (fault="nonfinite") or the gradients Inf with a finite
-    loss (fault="infgrad") on `fault_rank` at its `fault_call`-th training forward — once per process, and only
-    before any torchrun restart."""
+    """Crashes, hangs (fault="hang", or "hang_until_killed": ended by SIGTERM), gets SIGKILLed, makes the loss
+    NaN (fault="nonfinite") or the gradients Inf with a finite loss (fault="infgrad") on `fault_rank` at its
+    `fault_call`-th training forward — once per process, and only before any torchrun restart."""
 
     def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, fault_marker: str = "", **kw):
         super().__init__(**kw)
@@ -62,7 +62,8 @@ class FaultyMLP(MLP):
                 return out
             if self.fault == "hang_until_killed":
                 # Hung, but ended by the launcher's SIGTERM (ddplab's handler would only note it and let the
-                # sleep go on, holding torchrun for its 30 s grace): the tests that need a hung rank, not that wait.
+                # sleep go on, holding torchrun for its 30 s grace): the tests that need a hung rank, not that
+                # wait.
                 signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
             time.sleep(3600)  # hang
         return out
@@ -101,7 +102,8 @@ class AbortAtExitMLP(SlowMLP):
 
 
 class BadTask:
-    """ClassificationTask that returns something wrong on purpose (fault=vector_loss | nonfinite | zero_count)."""
+    """ClassificationTask that returns something wrong on purpose (fault=vector_loss | nonfinite |
+    zero_count)."""
 
     metric_names = ("acc",)
     maximize = ("acc",)

@@ -132,7 +132,8 @@ def _make(spec: dict[str, Any], key: str) -> Any:
                                               and _NAMES_A_KEY.match(str(cause.args[0]) if cause.args else "")):
             raise ConfigError(str(cause.args[0])) from None
         if str(e).startswith("Error locating target"):
-            why = " ".join(str(cause).split("\n")[:2])  # Hydra's: "Error loading 'x.Y':\nModuleNotFoundError(...)"
+            # Hydra's: "Error loading 'x.Y':\nModuleNotFoundError(...)"
+            why = " ".join(str(cause).split("\n")[:2])
             raise ConfigError(f"{key}._target_={spec.get('_target_')!r}: cannot be imported ({why}). Fix: a dotted "
                               "path to a class or function importable here (is its package on PYTHONPATH?)") from None
         raise
@@ -176,10 +177,12 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
 
 
 def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_batch: int, accum: int) -> TrainData:
-    """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do, refused."""
+    """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do,
+    refused."""
     name = f"dataset._target_={cfg.dataset.get('_target_')!r}"
     for part, ds in (("training", data.train), ("validation", data.val)):
-        split = getattr(ds, "_distributed", None)  # a Hugging Face IterableDataset after split_dataset_by_node
+        # a Hugging Face IterableDataset after split_dataset_by_node
+        split = getattr(ds, "_distributed", None)
         if split is not None:
             raise ConfigError(f"{name}: its {part} stream is already split by node (split_dataset_by_node: rank "
                               f"{split.rank} of {split.world_size}); ddplab cuts one global stream into the ranks' "

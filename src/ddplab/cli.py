@@ -126,20 +126,23 @@ class OwnRunDir(Callback):
         rundir.release_held()  # what no Session took over (a self-launch parent's lock)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
-        rundir.release_held()  # listed first in conf/: Hydra ends callbacks in reverse, the summary is written
+        # listed first in conf/: Hydra ends callbacks in reverse, the summary is written
+        rundir.release_held()
 
 
 def _no_secret_for_submitit(config: DictConfig) -> None:
-    """submitit's launchers pickle the whole config and the jobs' overrides into ``<sweep dir>/.submitit/`` for
-    the jobs to load: a secret written out in them would sit there unmasked. Refused before anything is written;
-    the secret can reach the jobs through their environment instead, which submitit hands on and writes nowhere."""
+    """submitit's launchers pickle the whole config and the jobs' overrides into ``<sweep dir>/.submitit/``
+    for the jobs to load: a secret written out in them would sit there unmasked. Refused before anything is
+    written; the secret can reach the jobs through their environment instead, which submitit hands on and
+    writes nowhere."""
     if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
         return
     found = sorted(redact.written_out(OmegaConf.to_container(config, resolve=False), redact.keys_of(config)),
                    key=lambda k: k.startswith("hydra."))  # the user's key before Hydra's copy of the override
     if found:
         name = str(config.hydra.launcher._target_).rsplit(".", 1)[-1]
-        # The sweep dir as written, unresolved: resolving ${fresh_dir:...} would make the dir of a refused sweep.
+        # The sweep dir as written, unresolved: resolving ${fresh_dir:...} would make the dir of a refused
+        # sweep.
         sweep_dir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"])
         into = "the sweep dir's .submitit/" if "${" in sweep_dir else f"{sweep_dir}/.submitit/"
         failure.refuse(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
@@ -202,7 +205,8 @@ def main(cfg: DictConfig) -> float | None:
         metrics = modes.entry(cfg)(cfg)  # the mode's table: ddplab.modes
     except Exception as e:
         ended = failure.of(e, env.rank())
-        if isinstance(e, Preempted):  # checkpointed; SLURM time limit: back in the queue; submitit: its protocol
+        # checkpointed; SLURM time limit: back in the queue; submitit: its protocol
+        if isinstance(e, Preempted):
             requeue.after_preemption(e)
         if not rundir.is_multirun() or not ended.sweep_goes_on:
             _record_failure(cfg, ended)

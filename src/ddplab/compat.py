@@ -248,7 +248,8 @@ def defer_dynamo(imports: tuple[str, ...] = ()) -> None:
     if "fn" not in code.co_freevars:  # torch changed its wrapper: leave it as it is (only slower)
         return
     cell = code.co_freevars.index("fn")
-    for wrapper in gc.get_referrers(code):  # each wrapper refers to it: found in C, not a Python loop over all
+    # each wrapper refers to it: found in C, not a Python loop over all
+    for wrapper in gc.get_referrers(code):
         if type(wrapper) is types.FunctionType and wrapper.__code__ is code:
             fn = wrapper.__closure__[cell].cell_contents
             if getattr(fn, _CACHE, None) is None:
@@ -330,7 +331,8 @@ def stream_state(state: dict[str, Any]) -> dict[str, Any]:
     snapshot = state.get("_snapshot")
     if not snapshot or snapshot["_main_snapshot"].get("_sampler_iter_state") is not None:
         return state
-    main = {**snapshot["_main_snapshot"], "_sampler_iter_yielded": snapshot["_snapshot_step"]}  # the loader's own
+    # the loader's own
+    main = {**snapshot["_main_snapshot"], "_sampler_iter_yielded": snapshot["_snapshot_step"]}
     return {**state, "_snapshot": {**snapshot, "_main_snapshot": main}}  # dicts stay as they are
 
 

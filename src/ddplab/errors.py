@@ -26,7 +26,8 @@ class ResourceError(OSError):
 
 class RecordWriteError(ResourceError):
     """The job completed but rank 0 could not write its record (result.json). Rank 0 tells every rank (a peer
-    left waiting in the last barrier would die of the lost connection, with a traceback), and says it alone."""
+    left waiting in the last barrier would die of the lost connection, with a traceback), and says it
+    alone."""
 
     alike_on_every_rank = True
 

@@ -87,7 +87,8 @@ def of(e: BaseException, rank: int = 0, in_rank: bool = False, report: str | Non
                 else int(getattr(e, "exit_code", CRASH_EXIT)))
         return Failure("input" if isinstance(e, InputError) else "resource", code, None if said else f"error: {e}",
                        None if isinstance(e, RecordWriteError) else failed,
-                       # a self-launched rank's input error: rank 0's record and line first, for the parent to read
+                       # a self-launched rank's input error: rank 0's record and line first, for the parent to
+                       # read
                        waits=rank != 0 and (alike or (in_rank and isinstance(e, InputError))))
     if isinstance(e, PeerFailed):  # this rank only lost its connection: the peer's error is the job's
         return Failure("peer", CRASH_EXIT, None if said else str(e), {"status": "failed", "error": e.report},

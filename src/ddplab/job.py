@@ -1,5 +1,5 @@
-"""One job — ``mode=train`` (:func:`train`) or ``mode=eval`` (:func:`evaluate`) — callable from train.py, tests,
-sweepers, studies (``ddplab.modes`` decides which runs):
+"""One job — ``mode=train`` (:func:`train`) or ``mode=eval`` (:func:`evaluate`) — callable from train.py,
+tests, sweepers, studies (``ddplab.modes`` decides which runs):
 
     validate → strategy refusals → (self-launch N ranks) → Session → build_state → Trainer → result.json
 """
@@ -111,18 +111,21 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     config = resolved_copy(cfg)  # here, where Hydra's resolvers (${now:}, ${hydra:}) still work; typed
     config.run_dir = str(run_dir)
-    job = {"config": config, "search_earlier_runs": rundir.is_hydras_default(cfg),  # decided where Hydra's config is
+    # decided where Hydra's config is
+    job = {"config": config, "search_earlier_runs": rundir.is_hydras_default(cfg),
            "log_tag": job_tag(), "evaluating": evaluating}
     started = time.time()
     try:
         return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir,
                       strategy.rank_imports(cfg) + RANK_IMPORTS)
     except Exception as e:
-        done = rundir.read_result(run_dir, since=started) or {}  # rank 0's record of this job (not an earlier one's)
+        # rank 0's record of this job (not an earlier one's)
+        done = rundir.read_result(run_dir, since=started) or {}
         if isinstance(e, Preempted) and done.get("status") == "completed":
             # The signal came after the last stop check: the job finished.
             log.warning("%s arrived after the job completed: it stays completed", e.signal_name)
-            if e.signal_name.startswith("SIG"):  # this process's own (torch's agent took it): not a rank's exit code
+            # this process's own (torch's agent took it): not a rank's exit code
+            if e.signal_name.startswith("SIG"):
                 signals.hand_on(e.signal_name)
             return done.get("metrics", {})
         raise _as_the_jobs(e, done, run_dir) from None
@@ -140,7 +143,8 @@ def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception
         if not noted.startswith("config error: "):  # an input file, said by the rank that met it
             return mark_said(InputError(noted))
         return ConfigError(noted.removeprefix("config error: "))  # the caller says it, once
-    if isinstance(e, RankSaid):  # a full disk, said by the rank that met it: the caller gets it to decide (a study)
+    # a full disk, said by the rank that met it: the caller gets it to decide (a study)
+    if isinstance(e, RankSaid):
         if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
             return mark_said(RecordWriteError(f"a rank failed and {run_dir / rundir.RESULT} could not be written "
                                               "(see the ranks' lines above)"))
@@ -161,9 +165,9 @@ def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:
-    """One self-launched rank: the parent's resolved, typed config → its job (train or evaluate). A failure the
-    rank said ends it with the exit code its parent reads (``ddplab.failure``); a crash and a stop propagate
-    (torch's agent records the traceback; ``runtime.launch`` exits 128 + the signal)."""
+    """One self-launched rank: the parent's resolved, typed config → its job (train or evaluate). A failure
+    the rank said ends it with the exit code its parent reads (``ddplab.failure``); a crash and a stop
+    propagate (torch's agent records the traceback; ``runtime.launch`` exits 128 + the signal)."""
     try:
         return _job(job["config"], job["search_earlier_runs"], job["evaluating"])
     except Exception as e:

@@ -32,7 +32,8 @@ def _study(cfg: DictConfig) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ModeEntry:
-    entry: Callable[[DictConfig], dict[str, float]]  # what runs it; returns the metrics (the objective among them)
+    # what runs it; returns the metrics (the objective among them)
+    entry: Callable[[DictConfig], dict[str, float]]
     in_process: bool  # ddplab.run(cfg) runs it; False: only train.py does (it starts processes of its own)
     runner: str  # where a user calls it from Python
 

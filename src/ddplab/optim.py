@@ -73,7 +73,8 @@ def _warmup(step: int, warmup_steps: int) -> float:
 
 
 def warmup_of(total_steps: int, warmup_steps: int, warmup_fraction: float | None) -> int:
-    """The warmup in optimizer steps: ``warmup_fraction`` of the run's steps when given, else ``warmup_steps``."""
+    """The warmup in optimizer steps: ``warmup_fraction`` of the run's steps when given, else
+    ``warmup_steps``."""
     return round(warmup_fraction * total_steps) if warmup_fraction is not None else warmup_steps
 
 

@@ -139,7 +139,8 @@ class Precision:
             _warn_from_rank0(note)
         use_scaler = amp and self.dtype == torch.float16
         self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler) if use_scaler else None
-        if use_scaler:  # the schedule counts ddplab's steps, a skipped one too (the same at any world size and
+        # the schedule counts ddplab's steps, a skipped one too (the same at any world size and
+        if use_scaler:
             # on resume); torch warns at the scheduler's first step after the scaler skipped the first update
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         # fp16 steps the scaler skipped (inf/nan gradients): counted on the device, read at log steps.
@@ -159,7 +160,8 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: the gradients divided back by the loss scale, so clipping sees the real ones (else nothing)."""
+        """fp16: the gradients divided back by the loss scale, so clipping sees the real ones (else
+        nothing)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
 

@@ -19,10 +19,10 @@ import re
 from typing import Any, Iterable
 
 MASK = "***"
-# scheme://user[:password]@ — the user info alone is replaced (a token is often the user part). Also as a sweep's
-# job gets it: Hydra escapes an override's special characters (``http\://user\:pw@host``).
-# Escaped once (a sweep job's overrides: ``http\://u\:p@h``, Hydra escaping ``\()[]{}:=,``) or more (the repr of
-# such a string).
+# scheme://user[:password]@ — the user info alone is replaced (a token is often the user part). Also as a
+# sweep's job gets it: Hydra escapes an override's special characters (``http\://user\:pw@host``). Escaped
+# once (a sweep job's overrides: ``http\://u\:p@h``, Hydra escaping ``\()[]{}:=,``) or more (the repr of such
+# a string).
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\*://)"
                        r"(?P<info>(?:\\+[:=,()\[\]{}]|[^\s/@'\"\\])+)@")
 _SECRET_NAMES = frozenset({"password", "passwd", "secret", "secret_key", "api_key", "apikey", "access_token",
@@ -38,8 +38,9 @@ def text(s: str, keys: Iterable[str] = ()) -> str:
     """``s`` with URIs' user info and the values of ``key=value`` overrides of secret keys masked."""
     out = _USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", s)
     for key in {*keys, *_SECRET_NAMES}:
-        # key=value as an override spells it: after a start, a space, a comma, a quote or a bracket; + or ~ first.
-        # A value's escaped characters (``\,``: Hydra's, in a sweep's job) are part of it; so is a quoted one.
+        # key=value as an override spells it: after a start, a space, a comma, a quote or a bracket; + or ~
+        # first. A value's escaped characters (``\,``: Hydra's, in a sweep's job) are part of it; so is a
+        # quoted one.
         pattern = (rf"((?:^|(?<=[\s,'\"\[/]))[+~]{{0,2}}(?:[\w.]*\.)?{re.escape(key)}=)"
                    r"(?:'[^']*'|\"[^\"]*\"|(?:\\.|[^,\s'\"\]\\])*)")
         out = re.sub(pattern, rf"\g<1>{MASK}", out)
@@ -71,8 +72,8 @@ def written_out(value: Any, keys: Iterable[str] = (), path: str = "") -> list[st
 
 
 def _literal(s: str) -> str:
-    """``s`` without its interpolations, and without the user info they alone fill (``http://${oc.env:U}:${...}@h``
-    holds no secret)."""
+    """``s`` without its interpolations, and without the user info they alone fill
+    (``http://${oc.env:U}:${...}@h`` holds no secret)."""
     bare = re.sub(r"\$\{[^}]*\}", "", s)
     return _USERINFO.sub(lambda m: m[0] if m["info"].strip(":\\") else m["scheme"] + "@", bare)
 

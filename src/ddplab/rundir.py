@@ -84,7 +84,8 @@ class RunDirLock:
         if self._fd is not None:
             try:
                 self.path.unlink(missing_ok=True)  # before closing: nobody can lock the file we remove
-            except OSError as e:  # a run dir remounted read-only, a stale NFS handle: the lock ends with the fd
+            # a run dir remounted read-only, a stale NFS handle: the lock ends with the fd
+            except OSError as e:
                 logging.getLogger("ddplab").debug("run dir lock %s left in place: %s", self.path, e)
             finally:
                 os.close(self._fd)

@@ -136,7 +136,8 @@ class Session:
                                    f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
                                    "run the same command with resume=auto: it records the completion")
         if self.dist.is_main and self._memo is not None:
-            # Its peers are in the last barrier now: an error here would leave them to die of a lost connection.
+            # Its peers are in the last barrier now: an error here would leave them to die of a lost
+            # connection.
             with contextlib.suppress(OSError):
                 self._memo.unlink(missing_ok=True)
 
@@ -162,11 +163,12 @@ class Session:
             raise mark_said(lost) from None
 
     def _say_and_record(self, exc: Exception) -> group.PeerFailed | None:
-        """Say ``exc`` on this rank and record it in result.json, as ``ddplab.failure`` words it, here where it
-        happened (the entry that ends the process says nothing more). What this rank ends with instead when it
-        only lost its connection to a rank that failed first (or to one killed without a word)."""
+        """Say ``exc`` on this rank and record it in result.json, as ``ddplab.failure`` words it, here where
+        it happened (the entry that ends the process says nothing more). What this rank ends with instead when
+        it only lost its connection to a rank that failed first (or to one killed without a word)."""
         if isinstance(exc, ConfigError) or (getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main):
-            if isinstance(exc, ConfigError):  # a value that cannot work: the caller shows it once, from rank 0
+            # a value that cannot work: the caller shows it once, from rank 0
+            if isinstance(exc, ConfigError):
                 self._record(failure.of(exc, self.dist.rank))
             else:  # the same file met by every rank (a checkpoint): rank 0 says it and records it
                 mark_said(exc)

@@ -63,7 +63,8 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool | None
                 metrics = _from_events(job)
         rows.append({
             "job": int(job.name), "status": status, "overrides": overrides, "swept": label(swept(job), 60),
-            "objective": metrics.get(objective), "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),  # older runs: best/…
+            # older runs: best/…
+            "objective": metrics.get(objective), "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),
             "val/loss": metrics.get("val/loss"), "train/loss": metrics.get("train/loss"),
             "error": " ".join(str(error).split())[:300],
         })

@@ -1,7 +1,7 @@
-"""MLflow beside TensorBoard (``logger=[tensorboard,mlflow]``; the ``mlflow`` extra): rank 0's writer sends the
-same rank-reduced scalars, the composed config as params, the HParams entry and provenance as tags, to one MLflow
-run per job (per sweep job, per study trial), grouped in an experiment named after the study or the sweep; at a
-successful end, the run's exported model as the artifact ``model/`` (``mlflow.log_model``).
+"""MLflow beside TensorBoard (``logger=[tensorboard,mlflow]``; the ``mlflow`` extra): rank 0's writer sends
+the same rank-reduced scalars, the composed config as params, the HParams entry and provenance as tags, to one
+MLflow run per job (per sweep job, per study trial), grouped in an experiment named after the study or the
+sweep; at a successful end, the run's exported model as the artifact ``model/`` (``mlflow.log_model``).
 
 Training never waits for MLflow: every call goes through a queue to one background thread. A tracking server
 that is down, slow or failing is said once (a warning naming the URI and the cause); from then on nothing more
@@ -30,7 +30,8 @@ from ddplab.writers import NullWriter
 
 log = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
-RUN_DIR_TAG = "ddplab.run_dir"  # each MLflow run's run dir: a resume finds its run by it when mlflow.json is gone
+# each MLflow run's run dir: a resume finds its run by it when mlflow.json is gone
+RUN_DIR_TAG = "ddplab.run_dir"
 THREAD = "ddplab-mlflow"
 
 
@@ -75,7 +76,8 @@ class MLflowWriter(NullWriter):
         self.log_model = log_model  # at a FINISHED close: the run's exported model as the artifact model/
         self.run_id: str | None = None
         self._mlflow: Any = None  # the MlflowClient, the thread's alone
-        self._sent: dict[str, int] = {}  # metric -> the last step the MLflow run already holds (a resumed run)
+        # metric -> the last step the MLflow run already holds (a resumed run)
+        self._sent: dict[str, int] = {}
         # Checkpoints before the first step: a resume, decided here, before this run can write one of its own.
         self._resuming = any((run_dir / "checkpoints").glob("*.pt"))
         self._q: queue.Queue = queue.Queue()
@@ -166,8 +168,8 @@ class MLflowWriter(NullWriter):
             self._record()
 
     def _recorded_run(self) -> str | None:
-        """The MLflow run id in ``mlflow.json``; None where there is none or it cannot be read (a file emptied by
-        a full disk before writes were atomic)."""
+        """The MLflow run id in ``mlflow.json``; None where there is none or it cannot be read (a file emptied
+        by a full disk before writes were atomic)."""
         try:
             return str(json.loads((self.run_dir / ID_FILE).read_text())["run_id"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -187,8 +189,8 @@ class MLflowWriter(NullWriter):
         return found[0].info.run_id if found else None
 
     def _record(self) -> None:
-        """``mlflow.json``, whole or not at all (a temp file renamed over it). A failed write (a full disk) loses
-        nothing now: the run id is held here, and a resume finds the run by its run dir tag."""
+        """``mlflow.json``, whole or not at all (a temp file renamed over it). A failed write (a full disk)
+        loses nothing now: the run id is held here, and a resume finds the run by its run dir tag."""
         id_file = self.run_dir / ID_FILE
         tmp = id_file.with_name(f".{ID_FILE}.tmp{os.getpid()}")
         try:
@@ -235,8 +237,8 @@ class MLflowWriter(NullWriter):
         self._client().set_terminated(self.run_id, status)
 
     def _model(self) -> None:
-        """The artifact ``model/``: what ``python -m ddplab export <run dir>`` writes (the best checkpoint's weights,
-        EMA's where the run had EMA; safetensors where installed), config and model card."""
+        """The artifact ``model/``: what ``python -m ddplab export <run dir>`` writes (the best checkpoint's
+        weights, EMA's where the run had EMA; safetensors where installed), config and model card."""
         import importlib.util
         import tempfile
 
@@ -247,10 +249,12 @@ class MLflowWriter(NullWriter):
         with tempfile.TemporaryDirectory(prefix="ddplab-mlflow-") as tmp:
             try:
                 out, said = export.export(self.run_dir, fmt, Path(tmp) / "model", trusted=True)  # its own
-            except InputError as e:  # no checkpoint to export (checkpoints off): a run without a model artifact
+            # no checkpoint to export (checkpoints off): a run without a model artifact
+            except InputError as e:
                 log.info("mlflow: no model artifact: %s", e)
                 return
-            except Exception as e:  # noqa: BLE001 - the run's own record is whole; only the artifact is missing
+            # noqa: BLE001 - the run's own record is whole; only the artifact is missing
+            except Exception as e:
                 log.warning("mlflow: no model artifact: exporting %s failed (%s: %s). Fix: python -m ddplab export "
                             "%s, then mlflow artifacts log-artifacts", self.run_dir, type(e).__name__,
                             str(e).strip().splitlines()[0][:300] if str(e).strip() else "", self.run_dir)
@@ -259,51 +263,9 @@ class MLflowWriter(NullWriter):
         self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
 
 
-class TeeWriter(NullWriter):
-    """Every call to each writer in turn, TensorBoard's first: what ddplab writes in the loop goes to all."""
-
-    def __init__(self, *writers: Any):
-        self.writers = writers
-
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        for w in self.writers:
-            w.scalars(values, step)
-
-    def text(self, tag: str, value: str) -> None:
-        for w in self.writers:
-            w.text(tag, value)
-
-    def hparams(self, hparams: dict[str, Any], trial: str) -> None:
-        for w in self.writers:
-            w.hparams(hparams, trial)
-
-    def charts(self, categories: dict[str, dict[str, list[str]]]) -> None:
-        for w in self.writers:
-            w.charts(categories)
-
-    def image(self, tag: str, image: Any, step: int) -> None:
-        for w in self.writers:
-            w.image(tag, image, step)
-
-    def purge_after(self, step: int) -> None:
-        for w in self.writers:
-            w.purge_after(step)
-
-    def close(self) -> None:
-        for w in self.writers:
-            w.close()
-
-    def drain(self) -> None:
-        for w in self.writers:
-            w.drain()
-
-    def hurry(self, seconds: float) -> None:
-        for w in self.writers:
-            w.hurry(seconds)
-
-
 def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
-    """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or ddplab."""
+    """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or
+    ddplab."""
     if cfg.mlflow.get("experiment"):
         return str(cfg.mlflow.experiment)
     if "study" in (cfg.callbacks or {}):
@@ -315,9 +277,10 @@ def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
 
 def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: bool = False) -> Any:
     """The job's writer: rank 0's TensorBoard writer (a do-nothing one elsewhere), and with
-    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it (``evaluating``: mode=eval, no model to log)."""
+    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it (``evaluating``: mode=eval, no model to
+    log)."""
     from ddplab import rundir
-    from ddplab.writers import make_writer
+    from ddplab.writers import TeeWriter, make_writer
 
     tensorboard = make_writer(dist, log_dir)
     if not dist.is_main or "mlflow" not in list(cfg.get("logger") or []):
@@ -339,19 +302,21 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = Tru
 
 
 def mlflow_environment() -> None:
-    """MLflow's switches that ddplab sets where the user has not, before MLflow is imported (it reads some then)."""
+    """MLflow's switches that ddplab sets where the user has not, before MLflow is imported (it reads some
+    then)."""
     from ddplab.runtime import env
 
-    # Its usage telemetry (on by default outside CI): a thread MLflow starts at import fetches a config from the
-    # internet, then changes the process environment while this writer's thread sends (requests reads it for
-    # proxies): one KeyError ended MLflow logging for a run (the soak's trial 1864753826). Offline clusters gain
-    # nothing from it. MLFLOW_DISABLE_TELEMETRY=false keeps it.
+    # Its usage telemetry (on by default outside CI): a thread MLflow starts at import fetches a config from
+    # the internet, then changes the process environment while this writer's thread sends (requests reads it
+    # for proxies): one KeyError ended MLflow logging for a run (the soak's trial 1864753826). Offline
+    # clusters gain nothing from it. MLFLOW_DISABLE_TELEMETRY=false keeps it.
     env.library_default("MLFLOW_DISABLE_TELEMETRY", "true")
     # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each,
     # backoff doubling from 2 s).
     env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    # No jitter: urllib3 and MLflow draw it from Python's global `random`, from this writer's thread at any moment,
-    # so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the server's health.
+    # No jitter: urllib3 and MLflow draw it from Python's global `random`, from this writer's thread at any
+    # moment, so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the
+    # server's health.
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")

@@ -80,7 +80,8 @@ class Stopped(Preempted):
 
 
 class PreemptAt(Callback):
-    """Rank 0 signals itself SIGUSR1 after optimizer step ``step``: ddplab's own preemption path does the rest."""
+    """Rank 0 signals itself SIGUSR1 after optimizer step ``step``: ddplab's own preemption path does the
+    rest."""
 
     def __init__(self, step: int):
         self.step = step
@@ -170,7 +171,8 @@ def _mid_epoch(total: int, epochs: int) -> int:
 
 
 def _trajectory(value: Any) -> Any:
-    """An entry without what the clock measured (``vitals/*``: step times, samples/s), which no resume repeats."""
+    """An entry without what the clock measured (``vitals/*``: step times, samples/s), which no resume
+    repeats."""
     if isinstance(value, dict):
         return {k: _trajectory(v) for k, v in value.items() if not str(k).startswith(WALL_CLOCK)}
     return value
@@ -219,7 +221,8 @@ def _with_stop(job: dict[str, Any], step: int) -> dict[str, Any]:
 
 def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: bool = False) -> dict[str, Any]:
     """``python -m ddplab.verify`` on ``job`` in ``run_dir``; its result.json. Output in ``run_dir``/../*.log.
-    A run stopped from outside (a signal, its launcher's death) that was not meant to stop: :class:`Stopped`."""
+    A run stopped from outside (a signal, its launcher's death) that was not meant to stop:
+    :class:`Stopped`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job = _with(job, {"run_dir": str(run_dir)})
     refusal = run_dir.parent / f"{run_dir.name}.refused"
@@ -252,7 +255,8 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     # one's (a leg refused before its Session starts writes none).
     result = rundir.read_result(run_dir, since=started) or {}
     refused = refusal.read_text() if refusal.is_file() else str(result.get("error", ""))
-    if refused.startswith("config error: "):  # the job cannot run as it is (e.g. a stream that differs by rank)
+    # the job cannot run as it is (e.g. a stream that differs by rank)
+    if refused.startswith("config error: "):
         raise ConfigError(f"{what}: {refused.removeprefix('config error: ')}")
     if result.get("status") == "preempted" and not stop_expected:
         raise Stopped(what, str(result.get("signal", "SIGTERM")), int(result.get("step", -1)))

@@ -18,8 +18,8 @@ def same(a: Any, b: Any, where: str = "") -> str | None:
 
 
 def load(path: Path, converted: bool = False) -> dict[str, Any]:
-    """A checkpoint, read as ddplab reads one (``weights_only``: tensors and plain data, nothing that runs code);
-    ``converted``: a file torch's DCP converter wrote for this test (its entries are not all plain)."""
+    """A checkpoint, read as ddplab reads one (``weights_only``: tensors and plain data, nothing that runs
+    code); ``converted``: a file torch's DCP converter wrote for this test (its entries are not all plain)."""
     return torch.load(path, map_location="cpu", weights_only=not converted)
 
 

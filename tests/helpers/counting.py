@@ -43,7 +43,8 @@ def assert_quiet_between_log_steps(ranks: list[list[dict[str, int]]], steps_per_
                 assert {key: steps[k][key] for key in ("collectives", "syncs", "cuda_syncs")} == \
                     {"collectives": checks, "syncs": checks, "cuda_syncs": 0}, (where, steps[k])
         # The first check comes after step 1 and measures it; from then on one per PERIOD_S at most (an epoch
-        # end's entry also holds its evaluation, which has a cadence of its own: one check per evaluation here).
+        # end's entry also holds its evaluation, which has a cadence of its own: one check per evaluation
+        # here).
         checks = sum(s["stop_checks"] for k, s in enumerate(steps) if k % steps_per_epoch)
         seconds = steps[-1]["t"] - steps[0]["t"]
         assert 1 <= checks <= 2 + seconds / PERIOD_S, (rank, checks, seconds)

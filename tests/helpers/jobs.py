@@ -74,9 +74,9 @@ def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run to completion; on timeout kill the whole process group (torchrun's workers too). ``python train.py``
-    and ``python -m torch.distributed.run`` are forked from this worker's pre-imported server where the job's
-    environment allows (helpers/zygote.py), with their processes' spares (helpers/spares.py)."""
+    """Run to completion; on timeout kill the whole process group (torchrun's workers too). ``python
+    train.py`` and ``python -m torch.distributed.run`` are forked from this worker's pre-imported server where
+    the job's environment allows (helpers/zygote.py), with their processes' spares (helpers/spares.py)."""
     if _servable(args) and os.environ.get("DDPLAB_TEST_FRESH") != "1":
         done = _zygote().run(args[1:], cwd, {**job_env(), **(extra_env or {})}, timeout)
         if done is not None:
@@ -95,10 +95,10 @@ def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
 def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
           extra_env: dict[str, str] | None = None, fresh: bool = False) -> Any:
     """Started, not waited for, in a session of its own (so a signal to the group reaches torchrun's workers
-    too): a ``subprocess.Popen``, or where it is ``python train.py`` or torchrun and the environment allows, the
-    job forked from this worker's server (a Popen-like ``helpers.zygote.Job``: its pid, poll, wait, communicate,
-    signals). ``fresh``: a real interpreter whatever the job (a test that reads its processes' command lines or
-    ``/proc/PID/environ``, which show what a process was exec'd with)."""
+    too): a ``subprocess.Popen``, or where it is ``python train.py`` or torchrun and the environment allows,
+    the job forked from this worker's server (a Popen-like ``helpers.zygote.Job``: its pid, poll, wait,
+    communicate, signals). ``fresh``: a real interpreter whatever the job (a test that reads its processes'
+    command lines or ``/proc/PID/environ``, which show what a process was exec'd with)."""
     env = {**job_env(), **(extra_env or {})}
     if not fresh and _servable(args) and os.environ.get("DDPLAB_TEST_FRESH") != "1":
         job = _zygote().start(args[1:], cwd, env, stdout, stderr)
@@ -133,10 +133,10 @@ def torchrun_cmd(nproc: int, script_args: list[str], script: Path = TRAIN) -> li
 
 def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300,
           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one, its
-    self-launch for more (``distributed.nproc_per_node=n``: ranks forked from one pre-imported server, where
-    torchrun starts n + 1 interpreters, ~4 CPU-s each; past the machine's cores, CI's 2, the ranks share them:
-    ``distributed.oversubscribe_cpu``)."""
+    """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one,
+    its self-launch for more (``distributed.nproc_per_node=n``: ranks forked from one pre-imported server,
+    where torchrun starts n + 1 interpreters, ~4 CPU-s each; past the machine's cores, CI's 2, the ranks share
+    them: ``distributed.oversubscribe_cpu``)."""
     if n == 1:
         return python_train(script_args, cwd, timeout, extra_env)
     return python_train([*script_args, f"distributed.nproc_per_node={n}", "distributed.oversubscribe_cpu=true"],
@@ -166,7 +166,8 @@ _ZYGOTE_START = threading.Lock()
 
 
 def _zygote():
-    """This pytest process's server (started at its first job, with the environment jobs get; killed at exit)."""
+    """This pytest process's server (started at its first job, with the environment jobs get; killed at
+    exit)."""
     with _ZYGOTE_START:
         if not _ZYGOTES:
             import atexit
@@ -233,9 +234,10 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, for a server a test starts later. Below the kernel's ephemeral range:
-    a port bind(("", 0)) hands out is free only until the kernel gives it to the next socket that asks, such as
-    torchrun --standalone's store or any outgoing connection (seen: EADDRINUSE in a 2-rank tcp:// init)."""
+    """A loopback port nothing listens on, for a server a test starts later. Below the kernel's ephemeral
+    range: a port bind(("", 0)) hands out is free only until the kernel gives it to the next socket that asks,
+    such as torchrun --standalone's store or any outgoing connection (seen: EADDRINUSE in a 2-rank tcp://
+    init)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     pick = random.SystemRandom()
     for _ in range(500):

@@ -103,7 +103,8 @@ class Spare:
         tempfile.tempdir = None
         os.chdir(self.request["cwd"])
         env._PARENT_AT_START = os.getppid()  # the process that started it
-        for sig in self.request["ignored"]:  # ignored stays ignored across exec; handlers reset (none are set)
+        # ignored stays ignored across exec; handlers reset (none are set)
+        for sig in self.request["ignored"]:
             signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, self.request["mask"])
 
@@ -139,7 +140,8 @@ def _serve_forks(spare: Spare, said: list) -> None:
         sys.argv = ["-c"]
         for w in said:  # the imports' warnings, which a fresh server prints too
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-        here = dict(zip(spare.request["passfds"], spare.fds))  # the descriptors, under numbers of their own here
+        # the descriptors, under numbers of their own here
+        here = dict(zip(spare.request["passfds"], spare.fds))
         listener, alive = (here[int(n)] for n in FORKSERVER.match(spare.request["cmd"]).groups())
         cmd = FORKSERVER.sub(f"from multiprocessing.forkserver import main; main({listener}, {alive}, ",
                              spare.request["cmd"], 1)
@@ -158,8 +160,9 @@ def _serve_forks(spare: Spare, said: list) -> None:
 
 
 def offer_workers(count: int, said: list) -> dict | None:
-    """``count`` spares for torchrun's workers (its ``SubprocessHandler._popen`` is wrapped). In a spare given a
-    worker: that worker's request (argv, the rest already taken over), which the caller then runs; else None."""
+    """``count`` spares for torchrun's workers (its ``SubprocessHandler._popen`` is wrapped). In a spare given
+    a worker: that worker's request (argv, the rest already taken over), which the caller then runs; else
+    None."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
 
     started_with = dict(os.environ)
@@ -200,8 +203,9 @@ def torchrun_workers(argv: list[str]) -> int:
 
 def offer_module_runs(count: int, module: str, said: list) -> dict | None:
     """``count`` spares for children started as ``subprocess.Popen([sys.executable, "-m", module, ...])``
-    (verify_resume's legs; Popen's ``_execute_child`` is wrapped): the spare gets the child's stdin, stdout and
-    stderr, and the Popen its pid, as if it had forked and exec'd. In a spare given a start: its request."""
+    (verify_resume's legs; Popen's ``_execute_child`` is wrapped): the spare gets the child's stdin, stdout
+    and stderr, and the Popen its pid, as if it had forked and exec'd. In a spare given a start: its
+    request."""
     import inspect
 
     started_with = dict(os.environ)

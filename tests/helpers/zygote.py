@@ -1,9 +1,10 @@
 """The tests' jobs without an interpreter's start-up each time: a process per pytest worker imports what every
 job imports (torch, Hydra, ddplab, TensorBoard, with train.preload: ~2 of the ~3 CPU-seconds a one-step job
 costs) once, then forks a child per job (``helpers.jobs._servable``: train.py, torch's launchers, ``python -m
-ddplab``, tests/workers). The child is a process of its own (pid, session, working dir, environment, stdout and
-stderr pipes the caller reads to their end, as ``communicate()`` does) that runs the script as ``__main__`` and
-ends through the interpreter's own exit (threads joined, atexit handlers, exit code), as a fresh one does.
+ddplab``, tests/workers). The child is a process of its own (pid, session, working dir, environment, stdout
+and stderr pipes the caller reads to their end, as ``communicate()`` does) that runs the script as
+``__main__`` and ends through the interpreter's own exit (threads joined, atexit handlers, exit code), as a
+fresh one does.
 
 Only where nothing the job reads at import time can differ: its environment is the server's but for
 ``MAY_DIFFER``, what a launcher gives a rank (``LAUNCHER_KEYS``) and PYTHONPATH entries before the server's
@@ -31,18 +32,21 @@ from typing import Any
 # reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
 MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU", "TORCHINDUCTOR_CACHE_DIR",
               "COUNT_OUT")
-# What a launcher gives a rank the tests start by hand (plain processes with an init_method, srun's tasks): read
-# when the process group forms, never at import (not OMP_NUM_THREADS: the OpenMP runtime reads it at load).
+# What a launcher gives a rank the tests start by hand (plain processes with an init_method, srun's tasks):
+# read when the process group forms, never at import (not OMP_NUM_THREADS: the OpenMP runtime reads it at
+# load).
 LAUNCHER_KEYS = re.compile(r"RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|SLURM_\w+")
 
 
 class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.env, self.served = env, 0  # jobs it forked
-        self.cpu = 0.0  # their CPU seconds (a forked job is the server's child: the caller's rusage misses it)
+        # their CPU seconds (a forked job is the server's child: the caller's rusage misses it)
+        self.cpu = 0.0
         self.dir = Path(tempfile.mkdtemp(prefix="ddpz-"))
         self.path = self.dir / "s"
-        with open(self.dir / "server.log", "w") as log:  # what the server itself says, out of any test's output
+        # what the server itself says, out of any test's output
+        with open(self.dir / "server.log", "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())],
                                          env=env, cwd=Path(__file__).parents[1], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -54,8 +58,9 @@ class Zygote:
             set((self.dir / "modules").read_text().split()) if self.ready else set())
 
     def fits(self, env: dict[str, str]) -> bool:
-        # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's processes
-        # by the SOAK_TRIAL_ID in /proc/PID/environ, which shows what a process was exec'd with: not a fork's
+        # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's
+        # processes by the SOAK_TRIAL_ID in /proc/PID/environ, which shows what a process was exec'd with: not
+        # a fork's
         soak = '"target": "all"' not in env.get("SOAK_FAULT", "")
 
         def strip(e: dict[str, str]) -> dict[str, str]:
@@ -140,8 +145,8 @@ def more_path(served: str, job: str) -> list[str] | None:
 
 class Job:
     """A forked job as ``subprocess.Popen`` shows one: ``pid`` (signal it, or its session, as any process),
-    ``poll``, ``wait``, ``communicate`` (text), ``send_signal``/``terminate``/``kill``, ``returncode``. Its exit
-    code comes from the server, whose child it is (a signal's: minus its number, as Popen says)."""
+    ``poll``, ``wait``, ``communicate`` (text), ``send_signal``/``terminate``/``kill``, ``returncode``. Its
+    exit code comes from the server, whose child it is (a signal's: minus its number, as Popen says)."""
 
     def __init__(self, server: Zygote, conn: socket.socket, pid: int, args: list[str], pipes: dict[str, int]):
         self.server, self.conn, self.pid, self.args = server, conn, pid, args
@@ -286,7 +291,8 @@ def _serve_jobs(server: socket.socket, parent: int, home: Path) -> tuple[dict, l
             _, fds, _, _ = socket.recv_fds(conn, 1, 2)
             request = json.loads(conn.makefile().readline())
             pid = os.fork()
-            if pid == 0:  # a process as a fresh one starts: no handler, no wakeup fd, none of the server's sockets
+            # a process as a fresh one starts: no handler, no wakeup fd, none of the server's sockets
+            if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 sel.close()
@@ -295,7 +301,8 @@ def _serve_jobs(server: socket.socket, parent: int, home: Path) -> tuple[dict, l
                 os.close(woken)
                 os.close(wake)
                 return request, fds
-            for fd in fds:  # the child's now: the caller sees EOF once the job (and whatever it started) closed them
+            # the child's now: the caller sees EOF once the job (and whatever it started) closed them
+            for fd in fds:
                 os.close(fd)
             conn.sendall(f"{pid}\n".encode())
             jobs[pid] = conn
@@ -303,8 +310,8 @@ def _serve_jobs(server: socket.socket, parent: int, home: Path) -> tuple[dict, l
 
 
 def _reap(jobs: dict[int, socket.socket]) -> None:
-    """Tell each exited job's caller its exit code and CPU (its own and its reaped children's: not the caller's
-    to see, the job being the server's child)."""
+    """Tell each exited job's caller its exit code and CPU (its own and its reaped children's: not the
+    caller's to see, the job being the server's child)."""
     while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -360,8 +367,8 @@ def become(request: dict, fds: list[int], said: list) -> None:
 
 
 def _not_yet_run(module: str) -> None:
-    """Forget the module `python -m` runs, so runpy runs it anew: a package's ``__main__`` (the package itself,
-    ``ddplab``, stays: a fresh ``python -m ddplab`` imports it as one too)."""
+    """Forget the module `python -m` runs, so runpy runs it anew: a package's ``__main__`` (the package
+    itself, ``ddplab``, stays: a fresh ``python -m ddplab`` imports it as one too)."""
     package = hasattr(sys.modules.get(module), "__path__")
     sys.modules.pop(f"{module}.__main__" if package else module, None)
 
@@ -376,7 +383,8 @@ def run_as_main(argv: list[str]) -> None:
         if argv[0] == "-m":
             sys.argv = argv[1:]
             _not_yet_run(argv[1])  # imported by the server (what it imports is), not yet run as __main__
-            sys.modules["__main__"] = types.ModuleType("__main__")  # the module's own namespace, as `python -m`
+            # the module's own namespace, as `python -m`
+            sys.modules["__main__"] = types.ModuleType("__main__")
             runpy._run_module_as_main(argv[1])  # noqa: SLF001  (what `python -m` calls: its frames, its argv)
         else:
             runpy.run_path(argv[0], run_name="__main__")

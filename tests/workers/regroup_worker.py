@@ -1,7 +1,7 @@
 """A rank whose job forms several process groups in turn (as a study worker does: one per agreement, one per
 trial), with SLURM's task variables and no launcher's store: rank 0 serves the rendezvous store itself. Rank 0
-lets go of each group's store half a second after the others have left the group (a busy or descheduled rank 0,
-as the soak met under srun). Prints ``RESULT ok`` when every group formed and reduced."""
+lets go of each group's store half a second after the others have left the group (a busy or descheduled rank
+0, as the soak met under srun). Prints ``RESULT ok`` when every group formed and reduced."""
 
 import os
 import time

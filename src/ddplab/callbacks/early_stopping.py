@@ -17,11 +17,10 @@ class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` checks, or when it
     crosses ``divergence_threshold`` (or stops being finite).
 
-    ``monitor`` is any logged tag: ``val/*`` and ``val_ema/*`` are checked after each evaluation,
-    ``train/*`` at each log step; training stops after the current evaluation (an epoch's, or with
-    eval_every_n_steps a step's) and its checkpoint. ``mode``: ``min``, ``max`` or ``auto`` (the task's ``maximize`` decides). The
-    values are the reduced ones, equal on every rank, so all ranks stop at the same step.
-    """
+    ``monitor`` is any logged tag: ``val/*`` and ``val_ema/*`` are checked after each evaluation, ``train/*``
+    at each log step; training stops after the current evaluation (an epoch's, or with eval_every_n_steps a
+    step's) and its checkpoint. ``mode``: ``min``, ``max`` or ``auto`` (the task's ``maximize`` decides). The
+    values are the reduced ones, equal on every rank, so all ranks stop at the same step."""
 
     training_only = True  # it decides when training stops: nothing to decide in mode=eval
 
@@ -49,7 +48,8 @@ class EarlyStopping(Callback):
     def on_eval_end(self, state: State, metrics: dict[str, float]) -> None:
         if not self.monitor.startswith("train/"):
             if self.monitor not in metrics:
-                # Found at the first evaluation, alike on every rank: still the config's fault (one line, exit 2).
+                # Found at the first evaluation, alike on every rank: still the config's fault (one line, exit
+                # 2).
                 raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation "
                                   f"logged {sorted(metrics)}). Fix: monitor one of those")
             self._check(state, metrics[self.monitor])

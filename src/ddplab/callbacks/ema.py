@@ -13,8 +13,8 @@ from ddplab.train.state import State
 
 
 class EMA(Callback):
-    """``ema ← ema + (1 - d)·(param − ema)`` after each optimizer step, as one fused
-    ``compat.lerp_all_`` (torch's fused foreach lerp) over all parameters: a few kernels, no host sync, no collective.
+    """``ema ← ema + (1 - d)·(param − ema)`` after each optimizer step, as one fused ``compat.lerp_all_``
+    (torch's fused foreach lerp) over all parameters: a few kernels, no host sync, no collective.
 
     ``d`` warms up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates (``warmup=true``), so
     early weights do not dominate. Parameters are identical on every DDP rank, so each rank's

@@ -33,7 +33,8 @@ class Staging:
     def copy(self, obj: Any) -> Any:
         """A copy of ``obj`` that no later training step changes. Tensors that are one object in ``obj``
         (tied weights) stay one in the copy, so the file stores them once, as torch.save would."""
-        seen: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (the tensor, kept alive so ids stay unique; its copy)
+        # id -> (the tensor, kept alive so ids stay unique; its copy)
+        seen: dict[int, tuple[Tensor, Tensor]] = {}
         out = self._copy(obj, (), seen)
         if any(t.is_cuda for t, _ in seen.values()):
             torch.cuda.synchronize()  # the copies are non-blocking; the writer must see them finished

@@ -1,11 +1,11 @@
-"""Getting the trained model out: ``python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict``.
+"""Getting the trained model out: ``python -m ddplab export <run dir or checkpoint> --to
+safetensors|state_dict``.
 
-A checkpoint (``last.pt``, ``best.pt``) is ddplab's resume format — model, optimizer, RNG, loop, callbacks — and
-only ddplab reads it. An export is the model alone, for serving stacks and other code: its weights (the EMA's
-when the run kept one, said so), the model's config (the checkpoint's own, so ``hydra.utils.instantiate`` of
-it builds the module the weights load into) and a model card (metrics, data, provenance, the command). FSDP
-checkpoints are read back whole from their shards, in this one process.
-"""
+A checkpoint (``last.pt``, ``best.pt``) is ddplab's resume format — model, optimizer, RNG, loop, callbacks —
+and only ddplab reads it. An export is the model alone, for serving stacks and other code: its weights (the
+EMA's when the run kept one, said so), the model's config (the checkpoint's own, so
+``hydra.utils.instantiate`` of it builds the module the weights load into) and a model card (metrics, data,
+provenance, the command). FSDP checkpoints are read back whole from their shards, in this one process."""
 
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torc
     if refused:  # checked before anything it names is imported
         raise InputError(refused)
     with open_dict(cfg.model):
-        cfg.model.pop("weights", None)  # ddplab's key (a file it loads), not the model's: the weights go in below
-    if "num_classes" in cfg.model and cfg.model.num_classes is None:  # counted from the data: read off the head
+        # ddplab's key (a file it loads), not the model's: the weights go in below
+        cfg.model.pop("weights", None)
+    # counted from the data: read off the head
+    if "num_classes" in cfg.model and cfg.model.num_classes is None:
         cfg.model.num_classes = int(next(t.shape[0] for k, t in reversed(ck["model"].items()) if t.dim() >= 1))
     model = builder.model(cfg)
     if not isinstance(model, torch.nn.Module):
@@ -98,11 +100,17 @@ def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torc
         raise InputError(f"export: the checkpoint's weights do not fit the model its config builds ({bad}). Fix: "
                          "export with the ddplab version the run was trained with")
     model.load_state_dict(ck["model"])
+    return model, _ema_or_trained(model, ck, weights), cfg
+
+
+def _ema_or_trained(model: torch.nn.Module, ck: dict[str, Any], weights: str) -> str:
+    """The EMA's weights copied into ``model`` where ``weights`` says so and the run kept one; which, in
+    words."""
     ema = ema_entry(ck)
     if weights == "ema" and ema is None:
         raise InputError("export --weights ema: the run kept no EMA (callbacks=[ema]). Fix: --weights raw")
     if ema is None or weights == "raw":
-        return model, "the trained weights" + (f" (the run's EMA, {ema[0]}, not used: --weights raw)" if ema else ""), cfg
+        return "the trained weights" + (f" (the run's EMA, {ema[0]}, not used: --weights raw)" if ema else "")
     floats = [p for p in model.parameters() if p.is_floating_point()]  # the EMA's order (callbacks/ema.py)
     shadow = ema[1]["shadow"]
     if len(shadow) != len(floats):
@@ -111,13 +119,14 @@ def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torc
     with torch.no_grad():
         for p, s in zip(floats, shadow):
             p.copy_(s)
-    return model, (f"the EMA of the weights ({ema[0]}: decay {ema[1]['decay']}, {int(ema[1]['updates'])} updates; "
-                   "--weights raw for the trained weights)"), cfg
+    return (f"the EMA of the weights ({ema[0]}: decay {ema[1]['decay']}, {int(ema[1]['updates'])} updates; "
+            "--weights raw for the trained weights)")
 
 
 def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, str]) -> Path:
     path = out / FILES[fmt]
-    if fmt == "hf":  # a directory from_pretrained loads: config.json + model.safetensors, the model's own names
+    # a directory from_pretrained loads: config.json + model.safetensors, the model's own names
+    if fmt == "hf":
         if not hasattr(model, "hf"):
             raise InputError(f"export --to hf: the run's model is {type(model).__module__}.{type(model).__name__}, "
                              "not a Hugging Face one (model=hf). Fix: --to safetensors")
@@ -171,7 +180,8 @@ def export(source: Path, fmt: str, out: Path | None = None, weights: str = "auto
     ck = read(path)
     model, said, cfg = build(ck, weights, trusted)
     meta = {"ddplab_checkpoint": str(path), "ddplab_step": str(ck.get("loop", {}).get("step")), "weights": said[:200]}
-    fresh = out.with_name(f".{out.name}.partial-{os.getpid()}")  # the whole export, then one rename into place
+    # the whole export, then one rename into place
+    fresh = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
     try:

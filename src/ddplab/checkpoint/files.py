@@ -54,8 +54,8 @@ class CheckpointWriteError(ResourceError):
 
 class CheckpointReadError(InputError, RuntimeError):
     """A checkpoint to resume from cannot be read (truncated, corrupt): a file the job reads, said in one line
-    with exit 2 (a RuntimeError too, as it was before it had a class). Every rank reads the same file and meets
-    the same error: rank 0 alone says it."""
+    with exit 2 (a RuntimeError too, as it was before it had a class). Every rank reads the same file and
+    meets the same error: rank 0 alone says it."""
 
     alike_on_every_rank = True
 

@@ -1,13 +1,11 @@
 """CheckpointManager: what goes into a checkpoint, when, under which name, and how a run resumes.
 
-Every component with state registers once (``manager.register("scheduler",
-scheduler)``) and implements torch's ``Stateful`` protocol
-(``torch.distributed.checkpoint.stateful``) — torch's optimizers, schedulers and modules already do. The manager owns the save
-policy (epoch ends, every N steps, keep the last K, best), atomic writes by
-rank 0, finding a resume point, and loading: every component's ``check`` runs
-before any component is loaded, so a checkpoint that does not fit changes
-nothing. It must not decide what a component's state *is*.
-"""
+Every component with state registers once (``manager.register("scheduler", scheduler)``) and implements
+torch's ``Stateful`` protocol (``torch.distributed.checkpoint.stateful``) — torch's optimizers, schedulers and
+modules already do. The manager owns the save policy (epoch ends, every N steps, keep the last K, best),
+atomic writes by rank 0, finding a resume point, and loading: every component's ``check`` runs before any
+component is loaded, so a checkpoint that does not fit changes nothing. It must not decide what a component's
+state *is*."""
 
 from __future__ import annotations
 
@@ -129,7 +127,8 @@ class CheckpointManager:
                 outcome = (str(self._write(entries, step, is_best)), "")
             except OSError as e:
                 outcome = ("", str(e))
-        path, error = broadcast_object(outcome, self.dist)  # nobody races ahead of (or reads) a half-written file
+        # nobody races ahead of (or reads) a half-written file
+        path, error = broadcast_object(outcome, self.dist)
         if error:
             raise files.CheckpointWriteError(error)
         self.last_save_s = self.last_stall_s = time.perf_counter() - t0
@@ -164,7 +163,8 @@ class CheckpointManager:
         if self._group is None and any(hasattr(c, "stage") for c in self.components.values()):
             self._group = side_group(self.dist) or False
         entries: dict[str, Any] = {}
-        pending: list[Callable[[], None]] = []  # sharded writes in flight: done before the step file names them
+        # sharded writes in flight: done before the step file names them
+        pending: list[Callable[[], None]] = []
         for key, c in self.components.items():
             if hasattr(c, "stage"):
                 entries[key], finish = c.stage(self._group or None)
@@ -187,7 +187,8 @@ class CheckpointManager:
         return self._in_flight
 
     def _settled(self, error: str) -> None:
-        """Every rank, with rank 0's word on the write in flight: its error raised, or ``saved`` told of it."""
+        """Every rank, with rank 0's word on the write in flight: its error raised, or ``saved`` told of
+        it."""
         path, self._in_flight = self._in_flight, ""
         if error:
             raise files.CheckpointWriteError(error)
@@ -199,7 +200,8 @@ class CheckpointManager:
             self._stop(f"a background checkpoint write failed ({error.split(':')[0]})")
 
     def finish(self) -> None:
-        """Collective, at the end of a run: the last background write is done; its failure fails every rank."""
+        """Collective, at the end of a run: the last background write is done; its failure fails every
+        rank."""
         if self._writer is None:
             return
         self._settled(broadcast_object(self._settle(time.perf_counter()), self.dist))
@@ -215,8 +217,8 @@ class CheckpointManager:
     def resume(self, resume: str | None, run_dir: Path, search_earlier_runs: bool = False) -> Path | None:
         """Load the checkpoint ``resume`` names (null | auto | path) into every component; its path.
 
-        ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with ``search_earlier_runs``.
-        """
+        ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with
+        ``search_earlier_runs``."""
         digest = drift.trajectory_digest(self.meta["config"]) if "config" in self.meta else None
         found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)] \
             if self.dist.is_main else []
@@ -262,7 +264,8 @@ def _save_times(ckpt_dir: Path) -> dict[str, float]:
 
 
 def _note_save_time(ckpt_dir: Path, name: str, seconds: float) -> None:
-    """Rank 0, after a save: record its duration (for files that still exist). Best effort: never fails a save."""
+    """Rank 0, after a save: record its duration (for files that still exist). Best effort: never fails a
+    save."""
     times = {k: v for k, v in _save_times(ckpt_dir).items() if (ckpt_dir / k).exists()}
     times[name] = times[files.LAST] = round(seconds, 3)
     tmp = ckpt_dir / f".{_TIMES}.tmp"

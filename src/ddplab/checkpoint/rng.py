@@ -45,8 +45,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def streams_kept() -> Iterator[None]:
-    """Whatever runs inside draws from the streams, then they are back where they were: an evaluation (a task's
-    visualize may sample) never moves training's randomness, so how often a run evaluates changes no weight."""
+    """Whatever runs inside draws from the streams, then they are back where they were: an evaluation (a
+    task's visualize may sample) never moves training's randomness, so how often a run evaluates changes no
+    weight."""
     saved = rng_state()
     try:
         yield

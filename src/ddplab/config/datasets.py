@@ -205,7 +205,8 @@ class HFDataConfig:
     val_fraction: float = 0.1  # without val_path
     cache_dir: Optional[str] = None  # datasets' cache of the converted files; null: its default
     streaming: bool = False  # read row by row in constant memory, as one stream (needs val_path)
-    num_samples: Optional[int] = None  # with streaming: the samples an epoch yields; null: counted at start-up
+    # with streaming: the samples an epoch yields; null: counted at start-up
+    num_samples: Optional[int] = None
 
     @staticmethod
     def check(c: Any, key: str) -> None:

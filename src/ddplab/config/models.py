@@ -23,7 +23,8 @@ class ModelConfig:
     """Keys every model option has; `weights` is ddplab's (see build.model), the rest go to the factory."""
 
     _target_: str = MISSING
-    num_classes: Optional[int] = MISSING  # null: the dataset's own count (dataset=imagefolder: its class folders)
+    # null: the dataset's own count (dataset=imagefolder: its class folders)
+    num_classes: Optional[int] = MISSING
     in_channels: int = 1  # image channels (the dataset's, by interpolation)
     weights: Optional[str] = None  # local state_dict file (torchvision format), loaded before the wrap
 
@@ -36,7 +37,8 @@ class ResNetConfig(ModelConfig):
     # pooled away to 1x1 before layer2. Only conv1's kernel shape changes, so
     # state_dict keys stay torchvision's.
     small_input: bool = False
-    # Each residual block's last BatchNorm starts at zero: every block starts as the identity (helps large batches).
+    # Each residual block's last BatchNorm starts at zero: every block starts as the identity (helps large
+    # batches).
     zero_init_residual: bool = False
 
 

@@ -1,8 +1,9 @@
-"""Schemas of the optimizer and scheduler groups (conf/optimizer, conf/scheduler); ddplab.config.groups lists them.
+"""Schemas of the optimizer and scheduler groups (conf/optimizer, conf/scheduler); ddplab.config.groups lists
+them.
 
 A scheduler's factory (ddplab.optim) gets the run's optimizer steps (``total_steps``: num_epochs, max_steps or
-the first of the two to end) and the steps per epoch; its warmup is ``warmup_steps``, or ``warmup_fraction`` of
-the run's steps when that is set (the same steps at any world size: a step is one of the global batch)."""
+the first of the two to end) and the steps per epoch; its warmup is ``warmup_steps``, or ``warmup_fraction``
+of the run's steps when that is set (the same steps at any world size: a step is one of the global batch)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class AdamWConfig:
     _target_: str = "torch.optim.AdamW"
     _partial_: bool = True
     lr: float = 1e-3  # the peak learning rate (the schedule scales it)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # decay of the gradient's 1st and 2nd moments
+    # decay of the gradient's 1st and 2nd moments
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.01  # decoupled from the gradient (AdamW's)
     eps: float = 1e-8  # added to the second moment's root
 @dataclass
@@ -42,7 +44,8 @@ class CosineConfig:
     _target_: str = "ddplab.optim.cosine"
     _partial_: bool = True
     warmup_steps: int = 20  # optimizer steps of linear warmup from lr/warmup_steps
-    warmup_fraction: Optional[float] = None  # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    warmup_fraction: Optional[float] = None
     min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * lr
 
     @staticmethod
@@ -59,7 +62,8 @@ class StepConfig:
     step_epochs: int = 30  # multiply the lr by gamma every step_epochs epochs
     gamma: float = 0.1  # the factor, each step_epochs epochs
     warmup_steps: int = 0  # optimizer steps of linear warmup
-    warmup_fraction: Optional[float] = None  # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    warmup_fraction: Optional[float] = None
 
     @staticmethod
     def check(c: Any, key: str) -> None:
@@ -73,6 +77,7 @@ class ConstantConfig:
     _target_: str = "ddplab.optim.constant"
     _partial_: bool = True
     warmup_steps: int = 0  # optimizer steps of linear warmup, then lr
-    warmup_fraction: Optional[float] = None  # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    # e.g. 0.05: warm up over 5% of the run's steps (warmup_steps ignored)
+    warmup_fraction: Optional[float] = None
 
     check = staticmethod(_check_warmup)

@@ -1,6 +1,6 @@
-"""The top-level schema (``train.yaml`` merges over :class:`TrainConfig`) and its typed
-sub-configs (``distributed`` and ``perf``: system.py). Each field's default is set here and nowhere else; each class checks
-its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
+"""The top-level schema (``train.yaml`` merges over :class:`TrainConfig`) and its typed sub-configs
+(``distributed`` and ``perf``: system.py). Each field's default is set here and nowhere else; each class
+checks its own ranges in ``check`` (run by :func:`ddplab.config.validate`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from ddplab.config.system import DistributedConfig, PerfConfig
 
 def _installed(package: str) -> bool:
     """``package`` is importable as installed: found without running it, and not a mere folder of that name in
-    the working dir (a namespace package, which imports and then lacks everything; MLflow's own ``mlflow/`` data
-    folder is one)."""
+    the working dir (a namespace package, which imports and then lacks everything; MLflow's own ``mlflow/``
+    data folder is one)."""
     spec = importlib.util.find_spec(package)
     return spec is not None and spec.origin is not None
 
@@ -64,8 +64,10 @@ class StudyConfig:
     workers share through ``storage``; each asks for a trial, trains it as a normal run, tells the result."""
 
     name: str = "study"  # the study in the storage; reusing a name with another space is refused
-    dir: str = "multirun/study-${study.name}"  # trial run dirs <dir>/<number>/, summary.md; shared by the workers
-    storage: Optional[str] = None  # null: sqlite:///<dir>/study.db; or journal:<file>, postgresql://..., mysql://...
+    # trial run dirs <dir>/<number>/, summary.md; shared by the workers
+    dir: str = "multirun/study-${study.name}"
+    # null: sqlite:///<dir>/study.db; or journal:<file>, postgresql://..., mysql://...
+    storage: Optional[str] = None
     n_trials: int = 16  # trials in the study, over all workers (running, finished or failed)
     # key -> expression, the Hydra Optuna sweeper's grammar: interval(lo, hi), tag(log, interval(lo, hi)),
     # tag(int, interval(lo, hi)), range(lo, hi[, step]), choice(a, b, ...)
@@ -74,7 +76,8 @@ class StudyConfig:
     # the study's seed plus the worker's number).
     sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "n_startup_trials": 5})
     pruner: Any = None  # e.g. {_target_: optuna.pruners.MedianPruner, n_warmup_steps: 1}; null: never prune
-    max_retries: int = 2  # a trial whose worker died (no result recorded) is resumed this many times, then failed
+    # a trial whose worker died (no result recorded) is resumed this many times, then failed
+    max_retries: int = 2
     timeout_s: float = 20.0  # opening the storage (a database that does not answer) fails after this long
 
     @staticmethod
@@ -88,12 +91,14 @@ class StudyConfig:
 
 @dataclass
 class MLflowConfig:
-    """logger=[tensorboard,mlflow] (ddplab.tracking): rank 0's scalars, config and tags to an MLflow run too."""
+    """logger=[tensorboard,mlflow] (ddplab.tracking): rank 0's scalars, config and tags to an MLflow run
+    too."""
 
     tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local store)
     experiment: Optional[str] = None  # null: the study's or the sweep's, else "ddplab"
     close_timeout_s: float = 30.0  # at the end, how long MLflow may take to receive what is still queued
-    log_model: bool = True  # at a successful end, the run's model (python -m ddplab export's folder) as model/
+    # at a successful end, the run's model (python -m ddplab export's folder) as model/
+    log_model: bool = True
 
     @staticmethod
     def check(c: Any, key: str = "mlflow") -> None:
@@ -123,7 +128,8 @@ class TrainConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # mode=verify_resume only
     study: StudyConfig = field(default_factory=StudyConfig)  # mode=study only
     perf: PerfConfig = field(default_factory=PerfConfig)
-    # Where rank 0's scalars go: TensorBoard always (the run dir's record), MLflow too with [tensorboard,mlflow].
+    # Where rank 0's scalars go: TensorBoard always (the run dir's record), MLflow too with
+    # [tensorboard,mlflow].
     logger: Any = field(default_factory=lambda: ["tensorboard"])
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
 
@@ -147,7 +153,8 @@ class TrainConfig:
     amp_dtype: AmpDtype = AmpDtype.auto  # or bfloat16 | float16 (bf16 | fp16)
     log_every_n_steps: int = 10  # one collective per interval (and one at each epoch's end)
     eval_every_n_epochs: int = 1  # the last epoch is always evaluated
-    # >0: evaluate every N optimizer steps (mid-epoch too) and at the run's last step, instead of at epoch ends
+    # >0: evaluate every N optimizer steps (mid-epoch too) and at the run's last step, instead of at epoch
+    # ends
     eval_every_n_steps: int = 0
     # null: start fresh; auto: continue from last.pt of this run dir (or, when
     # Hydra made up the dir, of the newest earlier run with the same overrides);

@@ -1,5 +1,6 @@
-"""The schema's sections on how the job runs on the machine: ``distributed`` (ranks, backend, strategy, timeouts)
-and ``perf`` (loader workers, compile, host memory); part of :class:`ddplab.config.schema.TrainConfig`."""
+"""The schema's sections on how the job runs on the machine: ``distributed`` (ranks, backend, strategy,
+timeouts) and ``perf`` (loader workers, compile, host memory); part of
+:class:`ddplab.config.schema.TrainConfig`."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class PerfConfig:
     # Peak TFLOP/s of one device for vitals/mfu; null: looked up for known GPUs.
     peak_tflops: Optional[float] = None
     # tuned: a rank training on the CPU keeps the blocks a step freed for the next step (glibc's malloc
-    # thresholds; no page faults per step; memory freed between phases is kept); system: the C library's defaults.
+    # thresholds; no page faults per step; memory freed between phases is kept); system: the C library's
+    # defaults.
     host_allocator: str = "tuned"  # tuned | system
 
     @staticmethod
@@ -105,9 +107,9 @@ class PerfConfig:
                     f"use {key}.{k}=auto, true or false")
         require(pf.num_workers >= 0, f"{key}.num_workers", pf.num_workers, "must be >= 0",
                 f"pass {key}.num_workers=4")
-        # A loader worker hands each batch's tensors over a unix socket that multiprocessing makes under the temp
-        # dir (<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX); a socket path over 107 bytes fails in the worker and the
-        # job waits for its batch forever (a long per-job TMPDIR does it).
+        # A loader worker hands each batch's tensors over a unix socket that multiprocessing makes under the
+        # temp dir (<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX); a socket path over 107 bytes fails in the worker
+        # and the job waits for its batch forever (a long per-job TMPDIR does it).
         sock = len(os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx"))
         require(pf.num_workers == 0 or sock <= 107, f"{key}.num_workers", pf.num_workers,
                 f"loader workers pass batches over a unix socket under the temp dir {tempfile.gettempdir()}, whose "

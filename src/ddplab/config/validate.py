@@ -32,7 +32,8 @@ def validate(cfg: DictConfig) -> None:
                           "together (task=lm goes with dataset=text model=gpt)") from None
     nodes = {key: cfg.get(key) if key else cfg for key in _ORDER}
     nodes.update({f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()})
-    for key, node in nodes.items():  # each node's check is its schema's (every config arrives typed: config.typed)
+    # each node's check is its schema's (every config arrives typed: config.typed)
+    for key, node in nodes.items():
         if isinstance(node, DictConfig) and hasattr(OmegaConf.get_type(node), "check"):
             OmegaConf.get_type(node).check(node, key)
     _any_option_keys(cfg)
@@ -48,7 +49,8 @@ def _any_option_keys(cfg: DictConfig) -> None:
     if ds.get("augment") is not None:
         AugmentConfig.check(ds.augment, "dataset.augment")
         size = ds.get("image_size")
-        if size:  # a crop window made mostly of padding trains on zeros (8x8 digits, padding 100: 6 % val acc)
+        # a crop window made mostly of padding trains on zeros (8x8 digits, padding 100: 6 % val acc)
+        if size:
             require(2 * ds.augment.crop_padding < size, "dataset.augment.crop_padding", ds.augment.crop_padding,
                     f"must be less than half of dataset.image_size={size}",
                     f"pass dataset.augment.crop_padding={max(size // 8, 0)} (or 0: off)")

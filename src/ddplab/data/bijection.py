@@ -1,12 +1,12 @@
 """A seeded shuffle of ``range(n)`` in constant memory: ``order[i]`` computed for any ``i`` on demand.
 
-A permutation tensor costs 8 bytes per sample (16 GB per rank for the windows of a 1 TB token file); this costs
-a few integers. It is a balanced Feistel network over the smallest even-bit power of two that holds ``n`` (a
-bijection of that domain for any round function), cycle-walked back into ``range(n)``: an index that lands
-outside is put through the network again until it lands inside, which keeps it a bijection of ``range(n)``.
-The domain is under 4n, so an index walks fewer than 4 times on average. Six rounds of a splitmix64-style mix
-keyed by (seed, round) make the order look random; the same (n, seed) give the same order on every machine.
-"""
+A permutation tensor costs 8 bytes per sample (16 GB per rank for the windows of a 1 TB token file); this
+costs a few integers. It is a balanced Feistel network over the smallest even-bit power of two that holds
+``n`` (a bijection of that domain for any round function), cycle-walked back into ``range(n)``: an index that
+lands outside is put through the network again until it lands inside, which keeps it a bijection of
+``range(n)``. The domain is under 4n, so an index walks fewer than 4 times on average. Six rounds of a
+splitmix64-style mix keyed by (seed, round) make the order look random; the same (n, seed) give the same order
+on every machine."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 class IndexBijection:
-    """``order(positions)``: the shuffled index at each position, for an array of positions in ``range(n)``."""
+    """``order(positions)``: the shuffled index at each position, for an array of positions in
+    ``range(n)``."""
 
     def __init__(self, n: int, seed: int):
         if n < 1:

@@ -37,7 +37,8 @@ def _record_path(source: dict[str, Any]) -> Path:
 
 
 def record(source: dict[str, Any], files: list[str], n: int) -> None:
-    """Note that ``source`` (its path spec and how it is read) held ``n`` samples in ``files`` (best effort)."""
+    """Note that ``source`` (its path spec and how it is read) held ``n`` samples in ``files`` (best
+    effort)."""
     path = _record_path(source)
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     try:

@@ -119,8 +119,8 @@ def hf(path: str | None = None, val_path: str | None = None, x: str = "text", y:
        tokenizer: str | None = None, block_size: int = 64, vocab_size: int = 256, num_classes: int | None = None,
        pad_id: int = 0, val_fraction: float = 0.1, cache_dir: str | None = None, streaming: bool = False,
        num_samples: int | None = None) -> Splits:
-    """``dataset=hf``: local files through ``datasets``; ``y`` None: language-model windows, else labelled rows.
-    ``streaming``: read row by row in constant memory, as one stream (ddplab.data.hf_stream)."""
+    """``dataset=hf``: local files through ``datasets``; ``y`` None: language-model windows, else labelled
+    rows. ``streaming``: read row by row in constant memory, as one stream (ddplab.data.hf_stream)."""
     if path is None:
         raise InputError("dataset.path=None: dataset=hf reads local files. Fix: dataset.path=<a Parquet/JSONL/CSV/"
                          "Arrow file or a folder of them>")

@@ -1,18 +1,17 @@
 """``dataset=hf dataset.streaming=true``: local files read row by row through ``datasets``' streaming mode, in
 constant memory, as ONE global stream that ddplab shards (ddplab.data.streams).
 
-The samples are those of the in-memory source (ddplab.data.hf) with one difference: windows never cross a file's
-end (each file's ids are joined and cut on their own), so the set of samples does not depend on how many loader
-workers read the files (with ``perf.num_workers`` = W, worker w reads files w, w+W, ...; one file: the samples
-are exactly the in-memory source's). The order is the files' order (no shuffle: shuffle the rows when the files
-are written); with workers, the loader takes one sample from each in turn.
+The samples are those of the in-memory source (ddplab.data.hf) with one difference: windows never cross a
+file's end (each file's ids are joined and cut on their own), so the set of samples does not depend on how
+many loader workers read the files (with ``perf.num_workers`` = W, worker w reads files w, w+W, ...; one file:
+the samples are exactly the in-memory source's). The order is the files' order (no shuffle: shuffle the rows
+when the files are written); with workers, the loader takes one sample from each in turn.
 
-A resume continues mid-file: the state is the file, ``datasets``' own position in it (``state_dict``) before the
-last read of rows, the tokens left over before that read (fewer than a window) and how many of its samples were
-taken; the resume redoes that one read (a few hundred rows), so the state a loader worker sends with each sample
-stays a few hundred bytes. ``__len__`` (the samples an epoch yields: the lr
-schedule's length) is counted by one pass at start-up, or given as ``dataset.num_samples``.
-"""
+A resume continues mid-file: the state is the file, ``datasets``' own position in it (``state_dict``) before
+the last read of rows, the tokens left over before that read (fewer than a window) and how many of its samples
+were taken; the resume redoes that one read (a few hundred rows), so the state a loader worker sends with each
+sample stays a few hundred bytes. ``__len__`` (the samples an epoch yields: the lr schedule's length) is
+counted by one pass at start-up, or given as ``dataset.num_samples``."""
 
 from __future__ import annotations
 
@@ -142,17 +141,20 @@ class HFStream(IterableDataset):
         self._where = (len(self.files), None, [], 0)  # done: a resume reads nothing more this epoch
 
     def _file(self, i: int, resume: dict[str, Any] | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """File ``i``'s samples, from a saved position: the rows' state before a read, what was left uncut before
-        it (under a window), and how far into that read's samples it was (the read is redone: a small state)."""
+        """File ``i``'s samples, from a saved position: the rows' state before a read, what was left uncut
+        before it (under a window), and how far into that read's samples it was (the read is redone: a small
+        state)."""
         rows, before, carry, skip = self._rows(self.files[i]), None, [], 0
-        self._read = 0  # rows of this file read so far (a resumed read counts from its position: said roughly)
+        # rows of this file read so far (a resumed read counts from its position: said roughly)
+        self._read = 0
         if resume is not None:
             before, carry, skip = resume["rows"], list(resume["carry"]), resume["at"]
             if before is not None:
                 rows.load_state_dict(before)
         need, step = (1, 1) if self.y is not None else (self.block_size + 1, self.block_size)
-        # Batches of rows through .iter: iterating the dataset itself inside a loader worker would let datasets
-        # split the (one-file) dataset over the workers once more, and all but one would read nothing.
+        # Batches of rows through .iter: iterating the dataset itself inside a loader worker would let
+        # datasets split the (one-file) dataset over the workers once more, and all but one would read
+        # nothing.
         for batch in rows.iter(batch_size=ROWS_PER_READ):
             pending, at, skip = carry + self._encode(batch, i), skip, 0
             while len(pending) - at >= need:
@@ -169,7 +171,8 @@ class HFStream(IterableDataset):
         return w[:-1], w[1:]
 
     def _encode(self, batch: dict[str, list[Any]], i: int = 0) -> list[Any]:
-        """A read's rows (columns of lists) of file ``i``: LM: their ids joined; labelled: one (x, y) per row."""
+        """A read's rows (columns of lists) of file ``i``: LM: their ids joined; labelled: one (x, y) per
+        row."""
         for key, name in (("x", self.x), ("y", self.y)):
             if name is not None and name not in batch:
                 if i:  # the first file has it: the files disagree, and another column would break the others

@@ -50,8 +50,8 @@ class TrainLoader:
                  starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext):
         """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can.
         ``collate_fn``: the dataset's own, for the DataLoader path; ``prefetch_factor``: batches each worker
-        keeps ready; ``worker_init_fn``: run in each worker as it starts; ``starting_workers``: the context the
-        workers are forked in (ddplab.runtime.signals.WorkerShield.starting)."""
+        keeps ready; ``worker_init_fn``: run in each worker as it starts; ``starting_workers``: the context
+        the workers are forked in (ddplab.runtime.signals.WorkerShield.starting)."""
         self.data, self.sampler, self.device = data, sampler, device
         self.starting_workers = starting_workers
         self.augment = augment if augment is not None and augment.enabled else None

@@ -68,8 +68,8 @@ class ShardedGlobalSampler(Sampler[int]):
         self.epoch, self.skip = epoch, skip
 
     def batches(self) -> Tensor:
-        """(num_micro_batches, per_rank_batch) indices for this rank and epoch (held whole: the indexed path's,
-        for data in memory)."""
+        """(num_micro_batches, per_rank_batch) indices for this rank and epoch (held whole: the indexed
+        path's, for data in memory)."""
         if self.order == "bijection":
             rows = np.arange(self.num_micro_batches)[:, None] * self.global_batch + self.rank * self.per_rank_batch
             order = IndexBijection(self.num_samples, self.seed + self.epoch)
@@ -103,8 +103,8 @@ class ShardedGlobalSampler(Sampler[int]):
 
 
 def eval_span(num_samples: int, world_size: int, rank: int) -> range:
-    """This rank's validation indices as a range: contiguous, no padding, sizes differ by <= 1. A range, not an
-    index per sample: a token file's validation windows run to millions."""
+    """This rank's validation indices as a range: contiguous, no padding, sizes differ by <= 1. A range, not
+    an index per sample: a token file's validation windows run to millions."""
     q, r = divmod(num_samples, world_size)  # torch.tensor_split's cut
     start = rank * q + min(rank, r)
     return range(start, start + q + (rank < r))

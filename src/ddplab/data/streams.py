@@ -15,8 +15,8 @@ So the stream must be the same on every rank: the first global batch each proces
 sample, ONE small collective) and a stream that differs (one that shards itself by rank, or shuffles with a
 generator ddplab seeds per rank) is refused in one line rather than losing or doubling samples without a word.
 
-The price: every rank reads the whole stream (it collates only its slice). That is cheap beside a training step for
-token or feature streams; decoding-heavy streams are better as map-style datasets (``imagefolder``).
+The price: every rank reads the whole stream (it collates only its slice). That is cheap beside a training
+step for token or feature streams; decoding-heavy streams are better as map-style datasets (``imagefolder``).
 
 What the dataset must do (docs/data-at-scale.md): have ``__len__`` (samples per epoch: the schedule's
 length), give the same stream for the same ``set_epoch(epoch)`` (called when defined), and with
@@ -67,7 +67,8 @@ class StreamLoader:
         self.all_ranks_rows, self.name = all_ranks_rows, name or type(data).__name__
         self._checked = all_ranks_rows is None  # once per process: the ranks read one stream
         self.num_workers, self.prefetch, self.worker_init_fn = num_workers, prefetch_factor, worker_init_fn
-        self.collate = collate_fn or default_collate  # this rank's slice only: nobody collates the whole batch
+        # this rank's slice only: nobody collates the whole batch
+        self.collate = collate_fn or default_collate
         self.pin = pin_memory and device.type == "cuda"
         self._loader: Any = None
         self._epoch, self._served = 0, 0  # micro-batches of this epoch handed out
@@ -89,13 +90,15 @@ class StreamLoader:
 
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: a warning per epoch, not ours to fix.
+        # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: a warning per epoch, not ours to
+        # fix.
         warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated", category=UserWarning)
         # Samples, not batches, from the workers: torch batches an IterableDataset per worker, so each worker
         # would drop its own tail and the epoch would depend on num_workers. Its own generator: a loader draws
         # a seed per iterator, which would otherwise come from the global RNG and shift dropout's stream.
         workers = self.num_workers
-        ahead = max(1, self.prefetch * self.sampler.global_batch // workers) if workers else None  # samples each
+        # samples each
+        ahead = max(1, self.prefetch * self.sampler.global_batch // workers) if workers else None
         return StatefulDataLoader(self.data, batch_size=None, num_workers=workers, prefetch_factor=ahead,
                                   collate_fn=_by_value if workers else None,
                                   worker_init_fn=self.worker_init_fn if workers else None,
@@ -211,9 +214,10 @@ def _unwrapped(sample: Any) -> Any:
     return sample
 
 def sample_id(sample: Any) -> int:
-    """A 64-bit hash of a sample that is the same in every process for the same data: tensors and arrays (numpy,
-    PIL images: anything with ``tobytes``) by type, shape and bytes; strings and bytes as they are; numbers by
-    repr; an object whose repr is only its address (``<Foo at 0x7f...>``, different in each process) by its type."""
+    """A 64-bit hash of a sample that is the same in every process for the same data: tensors and arrays
+    (numpy, PIL images: anything with ``tobytes``) by type, shape and bytes; strings and bytes as they are;
+    numbers by repr; an object whose repr is only its address (``<Foo at 0x7f...>``, different in each
+    process) by its type."""
     h = hashlib.blake2b(digest_size=8)
 
     def feed(x: Any) -> None:
@@ -230,7 +234,8 @@ def sample_id(sample: Any) -> int:
                 feed(v)
         elif isinstance(x, (str, bytes)):
             h.update(x.encode() if isinstance(x, str) else x)
-        elif callable(getattr(x, "tobytes", None)):  # numpy arrays, PIL images: their repr elides or is an address
+        # numpy arrays, PIL images: their repr elides or is an address
+        elif callable(getattr(x, "tobytes", None)):
             shape = getattr(x, "shape", None) or getattr(x, "size", None)
             h.update(f"{type(x).__name__}{getattr(x, 'dtype', getattr(x, 'mode', ''))}{shape}".encode())
             h.update(x.tobytes())

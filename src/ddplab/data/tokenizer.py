@@ -1,6 +1,6 @@
-"""Subword token ids for token files (``scripts/make_tokens.py``): a local Hugging Face ``tokenizer.json``, or a
-byte-level BPE trained on the text itself. Nothing is downloaded. Needs Hugging Face ``tokenizers`` (the ``hf``
-extra); its absence is one line naming it.
+"""Subword token ids for token files (``scripts/make_tokens.py``): a local Hugging Face ``tokenizer.json``, or
+a byte-level BPE trained on the text itself. Nothing is downloaded. Needs Hugging Face ``tokenizers`` (the
+``hf`` extra); its absence is one line naming it.
 
 A corpus bigger than memory is encoded a chunk at a time, in worker processes, and the ids are the ones the
 whole text would get: a chunk is cut only at a line break between two non-space characters (``...x\\nY...``),
@@ -23,7 +23,8 @@ import numpy as np
 
 from ddplab.errors import InputError
 
-CUT = re.compile(rb"(?<=[^\s])\n(?=[^\s])")  # a line break between two non-space bytes: where chunks may be cut
+# a line break between two non-space bytes: where chunks may be cut
+CUT = re.compile(rb"(?<=[^\s])\n(?=[^\s])")
 MAX_CARRY = 64 << 20  # bytes without any such break before the text is refused (no exact cut is possible)
 
 
@@ -132,8 +133,8 @@ def _encode(text: str) -> np.ndarray:
 
 
 def encode(tok: Any, texts: Iterable[tuple[int, str]], workers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
-    """(part, ids) of each (part, text) piece, in order; ``workers`` > 1: encoded in that many processes, at most
-    two pieces each in flight (memory stays bounded by the chunk size, whatever the corpus)."""
+    """(part, ids) of each (part, text) piece, in order; ``workers`` > 1: encoded in that many processes, at
+    most two pieces each in flight (memory stays bounded by the chunk size, whatever the corpus)."""
     last = None
     if workers <= 1:
         _init(tok.to_str())

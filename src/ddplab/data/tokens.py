@@ -202,7 +202,8 @@ class TokenShards(IterableDataset):
         mine = self._order(len(self.shards), 0)(np.arange(len(self.shards)))[w::nw].tolist()
         while self.shard < len(mine):
             shard = self.shards[mine[self.shard]]
-            order = self._order(len(shard), 1 + mine[self.shard])  # the shard's window order: no permutation held
+            # the shard's window order: no permutation held
+            order = self._order(len(shard), 1 + mine[self.shard])
             while self.window < len(shard):
                 chunk = order(np.arange(self.window, min(self.window + _CHUNK, len(shard)))).tolist()
                 for i in chunk:

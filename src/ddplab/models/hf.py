@@ -27,7 +27,8 @@ def transformers_module() -> Any:
 
 
 class HFModel(nn.Module):
-    """``self.hf``: the transformers model itself (``save_pretrained``, its own blocks); ``forward``: logits."""
+    """``self.hf``: the transformers model itself (``save_pretrained``, its own blocks); ``forward``:
+    logits."""
 
     def __init__(self, kind: str = "causal_lm", config: dict[str, Any] | None = None, pretrained: str | None = None,
                  num_labels: int | None = None):

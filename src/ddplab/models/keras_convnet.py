@@ -1,4 +1,5 @@
-"""The Keras multi-GPU guide's convnet, built with Keras 3 on its torch backend (optional: ``pip install keras``).
+"""The Keras multi-GPU guide's convnet, built with Keras 3 on its torch backend (optional: ``pip install
+keras``).
 
 Under ``KERAS_BACKEND=torch`` a Keras model *is* a ``torch.nn.Module``: its
 variables are torch parameters, so ddplab's DDP, optimizers, autocast and

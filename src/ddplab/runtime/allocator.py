@@ -25,7 +25,8 @@ from ddplab.runtime import env
 
 # mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold: bigger blocks keep their own mapping
+# glibc's own ceiling for its moving threshold: bigger blocks keep their own mapping
+MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 512 << 20  # free heap top kept before it is returned (a step's churn fits many times)
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 _done = False  # once per process: a sweep runs many jobs in one

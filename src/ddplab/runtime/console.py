@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from pathlib import Path
 from typing import Callable
 
 from ddplab import redact
@@ -38,11 +39,13 @@ class MaskedFormatter(logging.Formatter):
         return redact.text(super().format(record), redact.active())
 
 
-LOG_FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's, as conf/train.yaml spells it
+# Hydra's, as conf/train.yaml spells it
+LOG_FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 def log_file_formatter() -> MaskedFormatter:
-    """A log file's lines (a self-launched rank 0's, a study trial's), as Hydra's train.log: secrets masked."""
+    """A log file's lines (a self-launched rank 0's, a study trial's), as Hydra's train.log: secrets
+    masked."""
     return MaskedFormatter(LOG_FILE_FORMAT)
 
 
@@ -65,6 +68,15 @@ class ConsoleFormatter(logging.Formatter):
         record.tag = self.tag
         record.mark = f"{record.levelname}: " if record.levelno >= logging.WARNING else ""
         return redact.text(super().format(record), redact.active())  # any line, any library's: no secret
+
+
+def log_to(path: Path) -> logging.Handler:
+    """Also log to ``path`` (a study trial's own train.log, beside its worker's), quietly on a full disk."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(log_file_formatter())
+    logging.getLogger().addHandler(handler)
+    quiet_log_files()
+    return handler
 
 
 def quiet_log_files() -> None:

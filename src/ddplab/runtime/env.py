@@ -156,8 +156,8 @@ def launcher() -> dict[str, str]:
 
 
 # This process's parent when it started: a process that runs several jobs (a study worker's trials, a sweep
-# under torchrun) asks for its launcher again at each job, after the launcher may have died; its parent by then
-# is whoever adopted the orphan, whose death means nothing.
+# under torchrun) asks for its launcher again at each job, after the launcher may have died; its parent by
+# then is whoever adopted the orphan, whose death means nothing.
 _PARENT_AT_START = os.getppid()
 
 
@@ -190,7 +190,8 @@ def orphaned(launcher: int) -> bool:
         return True
     try:  # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses
         return int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher
-    except (OSError, ValueError, IndexError):  # no /proc (not Linux): only a launcher that is the parent is watched
+    # no /proc (not Linux): only a launcher that is the parent is watched
+    except (OSError, ValueError, IndexError):
         return False
 
 
@@ -206,7 +207,8 @@ def launcher_grace_s() -> float | None:
     self-launcher's 30 s, Kubernetes' default 30 s, SLURM's KillWait; the shortest where several apply."""
     e = os.environ
     graces = [LAUNCHER_GRACE_S] if is_self_launched() or "KUBERNETES_SERVICE_HOST" in e else []
-    if "TORCHELASTIC_RUN_ID" in e:  # torchrun's --shutdown-timeout reaches its ranks only through this variable
+    # torchrun's --shutdown-timeout reaches its ranks only through this variable
+    if "TORCHELASTIC_RUN_ID" in e:
         try:
             graces.append(float(e.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", LAUNCHER_GRACE_S)))
         except ValueError:

@@ -64,7 +64,8 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         n = torch.cuda.device_count()
         if local_rank >= n and n == 1 and env.srun_task():
-            return torch.device("cuda", 0)  # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
+            # srun --gpus-per-task=1: each task sees only its own GPU, as cuda:0
+            return torch.device("cuda", 0)
         if local_rank >= n:
             raise RuntimeError(
                 f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible. "
@@ -131,7 +132,8 @@ def _interruptible(join: Callable[[], Any], what: str) -> Any:
         except BaseException as e:  # handed to the waiting thread as it is
             box["error"] = e
 
-    earlier = signals.held()  # a signal of start-up: the job joins, then stops at its first step with a checkpoint
+    # a signal of start-up: the job joins, then stops at its first step with a checkpoint
+    earlier = signals.held()
     helper = threading.Thread(target=body, name="ddplab-join", daemon=True)
     helper.start()
     while helper.is_alive():
@@ -151,11 +153,11 @@ _KEPT: dict[tuple[Any, ...], Any] = {}  # the rendezvous store this process made
 
 
 def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta) -> tuple[Any, int, int]:
-    """The rendezvous store, made once per process and kept for every later group (a study worker's, a sweep's).
-    Without torchrun's agent (srun, submitit, tcp://) rank 0 serves the store itself on a fixed port: made anew
-    for each group, a peer that is quicker to the next group than rank 0 connects to the server rank 0 is still
-    closing and fails ("Failed to recv, got 0 bytes"), leaving rank 0 waiting for it. Groups of one process are
-    told apart by the key prefix init gives each (``_generation``)."""
+    """The rendezvous store, made once per process and kept for every later group (a study worker's, a
+    sweep's). Without torchrun's agent (srun, submitit, tcp://) rank 0 serves the store itself on a fixed
+    port: made anew for each group, a peer that is quicker to the next group than rank 0 connects to the
+    server rank 0 is still closing and fails ("Failed to recv, got 0 bytes"), leaving rank 0 waiting for it.
+    Groups of one process are told apart by the key prefix init gives each (``_generation``)."""
     key = (init_method, env.master_address(), rank, world_size)
     if key not in _KEPT:
         store, rank, world_size = next(torch_dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
@@ -233,45 +235,23 @@ def describe_failure(dist: Dist, exc: BaseException, where: str, job_key: str, t
     rank says; whether it only lost a peer that said nothing). Usually the same one paragraph, naming the
     rank(s) at fault where possible.
 
-    Each failing rank leaves a note in the rendezvous store (no collective: the
-    group may be broken). A rank whose collective timed out waits briefly for
-    the others' notes; ranks that left none never reached the collective —
-    hung, dead, cut off or far slower — and are named, with their hosts (``hosts``: rank -> host, from
-    the start-up rank table): across machines, a silent host is the first thing to look at. A rank that
-    only lost its connection to a peer records the note of the rank that failed first, and says one line.
-    """
+    Each failing rank leaves a note in the rendezvous store (no collective: the group may be broken). A rank
+    whose collective timed out waits briefly for the others' notes; ranks that left none never reached the
+    collective — hung, dead, cut off or far slower — and are named, with their hosts (``hosts``: rank -> host,
+    from the start-up rank table): across machines, a silent host is the first thing to look at. A rank that
+    only lost its connection to a peer records the note of the rank that failed first, and says one line."""
     msg = f"rank {dist.rank}/{dist.world_size} failed {where}: {type(exc).__name__}: {plain_message(exc)}"
     if not (dist.is_distributed and torch_dist.is_initialized()):
         return msg, msg, False
     lost = any(s in str(exc).lower() for s in _LOST_PEER)
-    found: list[list[int]] = []
-    first: list[tuple[int, str]] = []
-
-    def notes() -> None:
-        try:
-            store = compat.default_store()
-            store.set(f"ddplab/{job_key}/failed/{dist.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
-            if not lost:  # the first real failure to get here is the job's: one key, whatever the world size
-                store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": dist.rank, "msg": msg}))
-            if lost:
-                first.extend(_first_real_failure(store, job_key))
-            elif _is_timeout(exc):
-                time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
-                found.append([r for r in range(dist.world_size)
-                              if not store.check([f"ddplab/{job_key}/failed/{r}"])])
-        except Exception:  # the store may be gone too; the plain message still stands
-            pass
-
-    # In a thread, waited for a bounded time: the store lives on rank 0's host, and a rank cut off from it
-    # (its host's link is down) would block in the store's socket until the link came back.
-    worker = threading.Thread(target=notes, name="ddplab-failure-notes", daemon=True)
-    worker.start()
-    worker.join(min(3.0, timeout_s / 4) + 5.0)
+    found: list[list[int]] = []  # the ranks that noted nothing, for a timeout
+    first: list[tuple[int, str]] = []  # the rank that failed first and its report, for a lost connection
+    answered = _noted(dist, job_key, msg, lost, _is_timeout(exc), timeout_s, found, first)
     if first:
         peer, report = first[0]
         return report, (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to rank {peer}, "
                         "which failed first (its error is above, and in result.json)"), False
-    if lost and not worker.is_alive():  # the store answered, and no rank noted an error: one died without a word
+    if lost and answered:  # the store answered, and no rank noted an error: one died without a word
         said = (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to a rank that said "
                 f"nothing: killed (SIGKILL, the OOM killer) or cut off ({plain_message(exc)[:200]})")
         return said, said, True
@@ -282,9 +262,39 @@ def describe_failure(dist: Dist, exc: BaseException, where: str, job_key: str, t
                 f"Rank(s) {silent} never reached it{f' ({on})' if on else ''}: hung, dead, cut off from the "
                 "network or far slower than the rest (a stuck data loader, a deadlock, a rank-dependent "
                 "branch that skips a collective, a host whose link is down).")
-    elif worker.is_alive():
+    elif not answered:
         msg += "\n  The job's store (on rank 0's host) did not answer: is this host cut off from it?"
     return msg, msg, False
+
+
+def _noted(dist: Dist, job_key: str, msg: str, lost: bool, timed_out: bool, timeout_s: float,
+           found: list[list[int]], first: list[tuple[int, str]]) -> bool:
+    """:func:`_note` in a thread, waited for a bounded time: the store lives on rank 0's host, and a rank cut
+    off from it (its host's link is down) would block in the store's socket until the link came back. Whether
+    the store answered in that time."""
+    worker = threading.Thread(target=_note, args=(dist, job_key, msg, lost, timed_out, timeout_s, found, first),
+                              name="ddplab-failure-notes", daemon=True)
+    worker.start()
+    worker.join(min(3.0, timeout_s / 4) + 5.0)
+    return not worker.is_alive()
+
+
+def _note(dist: Dist, job_key: str, msg: str, lost: bool, timed_out: bool, timeout_s: float,
+          found: list[list[int]], first: list[tuple[int, str]]) -> None:
+    """This rank's note in the store; then, for a lost connection, the first real failure another rank noted
+    (into ``first``), or for a timeout, the ranks that noted nothing (into ``found``)."""
+    try:
+        store = compat.default_store()
+        store.set(f"ddplab/{job_key}/failed/{dist.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
+        if not lost:  # the first real failure to get here is the job's: one key, whatever the world size
+            store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": dist.rank, "msg": msg}))
+        if lost:
+            first.extend(_first_real_failure(store, job_key))
+        elif timed_out:
+            time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
+            found.append([r for r in range(dist.world_size) if not store.check([f"ddplab/{job_key}/failed/{r}"])])
+    except Exception:  # the store may be gone too; the plain message still stands
+        pass
 
 
 def _first_real_failure(store: Any, job_key: str, wait_s: float = 2.0) -> list[tuple[int, str]]:

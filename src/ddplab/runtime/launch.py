@@ -33,7 +33,8 @@ log = logging.getLogger("ddplab")
 
 Entry = Callable[[dict[str, Any]], dict[str, float]]
 
-CONFIG_EXIT = 2  # a rank's exit code for a config error (the entry's to use; rank 0 recorded it in result.json)
+# a rank's exit code for a config error (the entry's to use; rank 0 recorded it in result.json)
+CONFIG_EXIT = 2
 # a rank's exit code for an error it said whole in one line (errors.ResourceError: a full disk); its process
 # exits without a traceback, and the agent's own about the exit is noise too
 SAID_EXIT = 4
@@ -131,7 +132,8 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
                 max_restarts=max_restarts, monitor_interval=0.2, **extra,
             )
-            # (the start method the ranks' own processes, their loader workers, get: this process's, as under spawn)
+            # (the start method the ranks' own processes, their loader workers, get: this process's, as under
+            # spawn)
             results = elastic_launch(config, _rank_main)(entry, job, str(run_dir), config.start_method,
                                                          multiprocessing.get_start_method())
     except SignalException as e:  # the agent stopped the ranks with our signal; they checkpointed
@@ -145,8 +147,8 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
         if failure.exitcode == SAID_EXIT:
             raise RankSaid(rank) from None
         others = ", ".join(f"rank {r} with {f.exitcode}" for r, f in sorted(e.failures.items()) if r != rank)
-        # torch's record of a rank's exception: {"message": "Type: text", "extraInfo": {its call stack}}
-        # (a str where the rank left no error file: torch's boilerplate about enabling tracebacks, not the cause)
+        # torch's record of a rank's exception: {"message": "Type: text", "extraInfo": {its call stack}} (a
+        # str where the rank left no error file: torch's boilerplate about enabling tracebacks, not the cause)
         said = failure.message.get("message") if isinstance(failure.message, dict) else None
         raise RankFailed(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
@@ -164,14 +166,16 @@ def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str, start_method: st
     from ddplab.runtime.console import ConsoleFormatter, log_file_formatter, quiet_log_files
 
     if start_method == "forkserver":
-        for sig in SERVER_HOLDS:  # ignored (some also blocked) by the server it was forked from; a spawned rank
+        # ignored (some also blocked) by the server it was forked from; a spawned rank
+        for sig in SERVER_HOLDS:
             signal.signal(sig, signal.SIG_DFL)  # starts with the defaults
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_HOLDS)
         # A fork ends in os._exit once multiprocessing's finalizers ran: the atexit handlers a spawned
-        # interpreter would run at its exit (the user's, MLflow's, teardown's below) run as its last finalizer.
+        # interpreter would run at its exit (the user's, MLflow's, teardown's below) run as its last
+        # finalizer.
         multiprocessing.util.Finalize(None, compat.run_exit_handlers, exitpriority=-1)
-        # A fork of the server would start its own processes through a server too: loader workers that are
-        # not the rank's children outlive a killed rank (its watch, signals.shield_worker, looks at the parent).
+        # A fork of the server would start its own processes through a server too: loader workers that are not
+        # the rank's children outlive a killed rank (its watch, signals.shield_worker, looks at the parent).
         multiprocessing.set_start_method(children_start, force=True)
         # What it inherited stays out of the collector's passes: a collection writes to every object it
         # visits, copying the server's pages into this rank one by one (665 page faults a step, measured).

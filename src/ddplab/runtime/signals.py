@@ -64,9 +64,10 @@ def hold_for_life() -> None:
 
 
 def end_hold_for_life(acted: bool = False) -> None:
-    """The study worker's last call: its hold ends with it. A program that ran the worker in-process (a notebook,
-    a test, a sweep's next job) gets the signals' default back. A held signal the worker ``acted`` on (it stopped)
-    is spent; one it did not (it came as the study ended) stays held, for the next job to stop at its first step."""
+    """The study worker's last call: its hold ends with it. A program that ran the worker in-process (a
+    notebook, a test, a sweep's next job) gets the signals' default back. A held signal the worker ``acted``
+    on (it stopped) is spent; one it did not (it came as the study ended) stays held, for the next job to stop
+    at its first step."""
     _FOR_LIFE.clear()
     if acted:
         _EARLY.clear()
@@ -82,9 +83,10 @@ def held() -> str | None:
 
 
 def hand_on(name: str, at: float | None = None) -> None:
-    """A stop signal that reached a job after its last stop check (the job completed), from whatever took it: the
-    job's own handler, or torch's launch agent in a self-launching parent. A study worker takes no further trial.
-    ``at``: when it arrived (monotonic), where known: a repeat within a second of it is the same event."""
+    """A stop signal that reached a job after its last stop check (the job completed), from whatever took it:
+    the job's own handler, or torch's launch agent in a self-launching parent. A study worker takes no further
+    trial. ``at``: when it arrived (monotonic), where known: a repeat within a second of it is the same
+    event."""
     if _FOR_LIFE and not _EARLY:
         _EARLY.append((name, time.monotonic() if at is None else at))
 
@@ -98,14 +100,15 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 
 
 def shield_worker(worker_id: int, rank_pid: int | None = None) -> None:
-    """A DataLoader worker's ``worker_init_fn`` (:class:`WorkerShield` binds ``rank_pid``, the rank that built the
-    loader): stop signals are its rank's to act on. Launchers signal a rank's whole process group (torchrun's
-    agent, Ctrl-C in a terminal) or every process of a job (SLURM's cgroup-wide signals, ``scancel --full``),
-    workers included, and a worker ended by one fails its rank ("DataLoader worker ... exited unexpectedly")
-    before the rank can checkpoint. So a worker ignores the stop requests (SIGINT, SIGUSR1, SIGUSR2) and leaves
-    the rank's process group. SIGTERM it takes only from its rank (torch's ``terminate()``, Python's exit of a
-    process with daemonic children): anyone else's waits unanswered, since the rank, told the same, stops at
-    a step boundary and ends its workers itself. It still ends with its rank: torch's workers watch their parent."""
+    """A DataLoader worker's ``worker_init_fn`` (:class:`WorkerShield` binds ``rank_pid``, the rank that built
+    the loader): stop signals are its rank's to act on. Launchers signal a rank's whole process group
+    (torchrun's agent, Ctrl-C in a terminal) or every process of a job (SLURM's cgroup-wide signals, ``scancel
+    --full``), workers included, and a worker ended by one fails its rank ("DataLoader worker ... exited
+    unexpectedly") before the rank can checkpoint. So a worker ignores the stop requests (SIGINT, SIGUSR1,
+    SIGUSR2) and leaves the rank's process group. SIGTERM it takes only from its rank (torch's
+    ``terminate()``, Python's exit of a process with daemonic children): anyone else's waits unanswered, since
+    the rank, told the same, stops at a step boundary and ends its workers itself. It still ends with its
+    rank: torch's workers watch their parent."""
     try:
         os.setpgid(0, 0)
     except OSError:  # not permitted here: a group-wide SIGTERM then reaches the worker, and is refused below
@@ -125,8 +128,9 @@ def shield_worker(worker_id: int, rank_pid: int | None = None) -> None:
 
 
 class WorkerShield:
-    """A loader's ``worker_init_fn`` (:func:`shield_worker`, knowing the pid of the rank that built the loader: a
-    worker a fork server starts has that server for parent) and the context its workers are forked in."""
+    """A loader's ``worker_init_fn`` (:func:`shield_worker`, knowing the pid of the rank that built the
+    loader: a worker a fork server starts has that server for parent) and the context its workers are forked
+    in."""
 
     def __init__(self) -> None:
         self.rank_pid = os.getpid()
@@ -137,9 +141,10 @@ class WorkerShield:
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
         """SIGTERM blocked in this thread while it forks workers: a child inherits the mask, so a SIGTERM sent
-        to every process before a worker reaches its ``worker_init_fn`` waits there for :func:`shield_worker`'s
-        taker instead of meeting torch's handler. The rank loses nothing: another of its threads takes the
-        signal (Python's handler still runs in the main thread), or it is delivered as the block ends."""
+        to every process before a worker reaches its ``worker_init_fn`` waits there for
+        :func:`shield_worker`'s taker instead of meeting torch's handler. The rank loses nothing: another of
+        its threads takes the signal (Python's handler still runs in the main thread), or it is delivered as
+        the block ends."""
         if not _WORKERS_ENDED_AT_EXIT:
             _WORKERS_ENDED_AT_EXIT.append(True)
             atexit.register(_end_workers_at_exit)  # after multiprocessing's own exit hook, so it runs first
@@ -157,8 +162,9 @@ WORKER_EXIT_S = 5.0  # how long a rank's exit waits for a loader worker told to 
 def _end_workers_at_exit() -> None:
     """A rank's exit ends the loader workers a live iterator still holds as multiprocessing's own exit would
     (SIGTERM, then a join), but bounded: a worker whose SIGTERM taker cannot run (its interpreter held by C
-    code, or the rank's SIGTERM merged into a stranger's still pending) would hold that join, and the exit, for
-    ever. Such a worker is killed; torch's SIGCHLD watch, which would call that a worker failure, goes first."""
+    code, or the rank's SIGTERM merged into a stranger's still pending) would hold that join, and the exit,
+    for ever. Such a worker is killed; torch's SIGCHLD watch, which would call that a worker failure, goes
+    first."""
     import multiprocessing
 
     workers = [p for p in multiprocessing.active_children() if p.daemon]
@@ -185,9 +191,9 @@ def _terminate_only_from(senders: set[int]) -> None:
 
 def _end_with_parent(parent: int) -> None:
     """A worker out of its rank's group is missed by a group-wide kill: it must end itself when its rank dies.
-    torch's own watch exits through multiprocessing's finalizers, which wait for the worker's queue to drain into
-    a pipe nobody reads any more — forever once it is full (a killed rank's workers were left running, holding
-    the launcher's output open). Nothing of a loader worker outlives its rank, so it just exits."""
+    torch's own watch exits through multiprocessing's finalizers, which wait for the worker's queue to drain
+    into a pipe nobody reads any more — forever once it is full (a killed rank's workers were left running,
+    holding the launcher's output open). Nothing of a loader worker outlives its rank, so it just exits."""
     while os.getppid() == parent:
         time.sleep(LAUNCHER_POLL_S)
     os._exit(1)
@@ -252,10 +258,11 @@ class StopSignal:
         self._old.clear()
 
     def reason(self) -> str | None:
-        """Why this rank stops: the first signal's name, or that its launcher died. torch's ranks (self-launch)
-        get SIGINT as the death signal of the process that started them, maybe before a parent pid changes:
-        asked later (when the stop is carried out), the parent pids tell which it was. With no request of its own
-        (a peer's flag stopped it before this rank's watch polled), a dead launcher is still the reason."""
+        """Why this rank stops: the first signal's name, or that its launcher died. torch's ranks
+        (self-launch) get SIGINT as the death signal of the process that started them, maybe before a parent
+        pid changes: asked later (when the stop is carried out), the parent pids tell which it was. With no
+        request of its own (a peer's flag stopped it before this rank's watch polled), a dead launcher is
+        still the reason."""
         orphan = self._launcher is not None and env.orphaned(self._launcher)
         if self.name is None and orphan:
             return f"launcher died (pid {self._launcher})"
@@ -270,8 +277,8 @@ class StopSignal:
             log.warning("%s: stopping at the next step boundary all ranks agree on, after a checkpoint", reason)
 
     def _watch_launcher(self, pid: int) -> None:
-        """A rank whose launcher died is an orphan: nobody will stop it, restart it or collect its exit
-        code. The kernel re-parents it (or the fork server between them), so a parent pid changes: poll that."""
+        """A rank whose launcher died is an orphan: nobody will stop it, restart it or collect its exit code.
+        The kernel re-parents it (or the fork server between them), so a parent pid changes: poll that."""
         while not self._watching.wait(LAUNCHER_POLL_S):
             if env.orphaned(pid):
                 self.request(f"launcher died (pid {pid})")

@@ -71,10 +71,10 @@ class StopAgreement:
         return self.signal.reason() or "a signal to another rank"
 
     def hurry(self, writer: Any, stopped: bool = False) -> None:
-        """After a stop signal (this rank's, or a peer's the ranks ``stopped`` on) the launcher's grace bounds the
-        job's end (none known: no one kills the job, nothing to hurry): the checkpoint came first, and a tracking
-        server still being sent to gets what is left of it but EXIT_MARGIN_S (a dead server otherwise held the
-        exit for ``mlflow.close_timeout_s``, past the grace)."""
+        """After a stop signal (this rank's, or a peer's the ranks ``stopped`` on) the launcher's grace bounds
+        the job's end (none known: no one kills the job, nothing to hurry): the checkpoint came first, and a
+        tracking server still being sent to gets what is left of it but EXIT_MARGIN_S (a dead server otherwise
+        held the exit for ``mlflow.close_timeout_s``, past the grace)."""
         if self.grace_s is not None and (stopped or self.signal.requested):
             since = time.monotonic() - self.signal.at if self.signal.requested else 0.0
             writer.hurry(max(1.0, self.grace_s - since - EXIT_MARGIN_S))

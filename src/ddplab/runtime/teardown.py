@@ -25,7 +25,8 @@ def cheap_interpreter_exit() -> None:
     are not collected, which Python does not promise to finalize at exit anyway, and the operating
     system reclaims them with the process.
     """
-    atexit.unregister(_freeze_what_is_left)  # once: a rank forked from a server that registered it registers too
+    # once: a rank forked from a server that registered it registers too
+    atexit.unregister(_freeze_what_is_left)
     atexit.register(_freeze_what_is_left)
 
 

@@ -95,7 +95,8 @@ class StallWatch:
     PATIENCE = 100  # a step this many times longer than this rank's usual step is worth a word
     PUBLISH_PATIENCE = 10  # ... and this many times longer is published for the other ranks' words
     HISTORY = 8  # the usual step: the median of this many recent ones
-    WAITING_PHASES = ("backward", "log collective")  # where a rank blocks on its peers (DDP all-reduces in backward)
+    # where a rank blocks on its peers (DDP all-reduces in backward)
+    WAITING_PHASES = ("backward", "log collective")
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, store: Any = None):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s

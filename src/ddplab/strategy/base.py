@@ -134,7 +134,8 @@ class Strategy:
         """After this rank's evaluation batches: extra forwards, where the strategy needs lockstep."""
 
     def whole_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Whole, plain copies of tensors shaped like the parameters (for a checkpoint); every rank calls it."""
+        """Whole, plain copies of tensors shaped like the parameters (for a checkpoint); every rank calls
+        it."""
         return [t.detach().clone() for t in tensors]
 
     def load_whole_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:

@@ -39,7 +39,8 @@ def run_study(cfg: DictConfig) -> dict[str, float]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddplab says what happens to each trial, once
     try:
-        signals.hold_for_life()  # a stop signal between trials (or after a job's last stop check) ends the worker
+        # a stop signal between trials (or after a job's last stop check) ends the worker
+        signals.hold_for_life()
         return StudyWorker(cfg).run()
     except ConfigError:
         raise

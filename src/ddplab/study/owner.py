@@ -155,7 +155,8 @@ class Hold:
     def left(self, step: int, signal_name: str) -> None:
         """Preempted: the next worker resumes at once, and counts no death."""
         self.release()
-        with contextlib.suppress(Exception):  # not recorded: it is resumed as a death, from the same checkpoint
+        # not recorded: it is resumed as a death, from the same checkpoint
+        with contextlib.suppress(Exception):
             self.trial.set_user_attr(OWNER, {**self.record, "left": "preempted", "step": step, "signal": signal_name})
 
     def still_mine(self) -> bool:

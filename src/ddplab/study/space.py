@@ -24,7 +24,8 @@ GRAMMAR = ("interval(lo, hi), tag(log, interval(lo, hi)), tag(int, interval(lo, 
 
 
 def parse(params: Any, cfg: DictConfig) -> dict[str, Any]:
-    """``{key: distribution}`` for ``study.params``; a ConfigError names the key, the expression and the fix."""
+    """``{key: distribution}`` for ``study.params``; a ConfigError names the key, the expression and the
+    fix."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
@@ -42,7 +43,8 @@ def parse(params: Any, cfg: DictConfig) -> dict[str, Any]:
             space[key] = _distribution(key, expr, override)
         except ConfigError:
             raise
-        except Exception as e:  # what Hydra or Optuna still refuses (range(1, 5, 0)): before any trial, not in one
+        # what Hydra or Optuna still refuses (range(1, 5, 0)): before any trial, not in one
+        except Exception as e:
             why = " ".join(str(e).split())[:200]
             raise ConfigError(f"study.params.{key}={expr!r}: not a usable search expression ({type(e).__name__}: "
                               f"{why}). Fix: {GRAMMAR}") from None
@@ -108,7 +110,8 @@ def signature(space: dict[str, Any]) -> str:
 
 
 def differences(stored: str, mine: str) -> str:
-    """What differs between two signatures, for the refusal: ``optimizer.lr (FloatDistribution 0.001..0.1 vs ...)``."""
+    """What differs between two signatures, for the refusal: ``optimizer.lr (FloatDistribution 0.001..0.1 vs
+    ...)``."""
     a, b = json.loads(stored), json.loads(mine)
     keys = sorted(set(a) | set(b))
     out = [f"{k} ({_short(a.get(k))} vs {_short(b.get(k))})" for k in keys if a.get(k) != b.get(k)]

@@ -1,4 +1,5 @@
-"""Where a study lives: an Optuna storage opened from a URL, and the study in it, checked against this worker's.
+"""Where a study lives: an Optuna storage opened from a URL, and the study in it, checked against this
+worker's.
 
     sqlite:///multirun/study-x/study.db     one machine (the default: <study.dir>/study.db)
     journal:/shared/fs/study-x.log          Optuna's journal file: workers on hosts sharing a file system
@@ -22,13 +23,15 @@ log = logging.getLogger("ddplab")
 
 SPACE_ATTR = "ddplab:space"  # the study's search space (space.signature), set by the worker that created it
 DIRECTION_ATTR = "ddplab:objective"
-TRAINING_ATTR = "ddplab:training"  # the config that trains its trials, outside the space (config.drift's keys)
-STORAGE_EXIT = 3  # a worker whose storage failed under it: not a config error (2), not a preemption (128 + signal)
+# the config that trains its trials, outside the space (config.drift's keys)
+TRAINING_ATTR = "ddplab:training"
+# a worker whose storage failed under it: not a config error (2), not a preemption (128 + signal)
+STORAGE_EXIT = 3
 
 
 def default_url(study_dir: Path) -> str:
-    """``<study_dir>/study.db`` as an SQLAlchemy URL, escaped: a ``?`` or ``#`` in a path would start the URL's
-    query or fragment, and the database would silently go elsewhere."""
+    """``<study_dir>/study.db`` as an SQLAlchemy URL, escaped: a ``?`` or ``#`` in a path would start the
+    URL's query or fragment, and the database would silently go elsewhere."""
     from sqlalchemy.engine import URL
 
     return URL.create("sqlite", database=str(study_dir.absolute() / "study.db")).render_as_string(hide_password=False)
@@ -47,7 +50,8 @@ def open_storage(url: str, timeout_s: float) -> Any:
                 raise FileNotFoundError(f"no directory {path.parent}")
             return JournalStorage(JournalFileBackend(str(path)))
         return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url, timeout_s))
-    except ImportError as e:  # the database's driver (Optuna re-raises it as "Failed to import DB access module")
+    # the database's driver (Optuna re-raises it as "Failed to import DB access module")
+    except ImportError as e:
         driver = "'psycopg[binary]'" if "postgres" in url else "pymysql" if "mysql" in url else "the database's driver"
         raise ConfigError(f"study.storage={url}: its driver is not installed ({' '.join(str(e).split())[:200]}). "
                           f"Fix: pip install {driver}") from None
@@ -94,7 +98,8 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
                if str((node or {}).get("_target_", "")).startswith(SHIPPED_CALLBACKS)}
 
     def reporting(k: str) -> bool:
-        if k.startswith("callbacks"):  # an empty callbacks node is a leaf: no shipped callback, nothing to add
+        # an empty callbacks node is a leaf: no shipped callback, nothing to add
+        if k.startswith("callbacks"):
             return k.startswith("callbacks.") and k.split(".")[1] in shipped
         return k in REPORTING
 
@@ -147,9 +152,10 @@ def _trained_apart(study: dict[str, Any], here: dict[str, Any], shown: int = 8) 
 
 class StorageLost(ResourceError):
     """The study's storage failed under a running worker (a full disk, a file made read-only or deleted, a
-    database gone): one line naming the storage, the innermost cause, and what became of the trial in hand.
-    A resource the machine refused: a self-launched rank that meets it says it and exits like a full disk; the
-    worker exits :data:`STORAGE_EXIT` (``ddplab.failure``). ``alike``: every rank of the worker ends with it."""
+    database gone): one line naming the storage, the innermost cause, and what became of the trial in hand. A
+    resource the machine refused: a self-launched rank that meets it says it and exits like a full disk; the
+    worker exits :data:`STORAGE_EXIT` (``ddplab.failure``). ``alike``: every rank of the worker ends with
+    it."""
 
     exit_code = STORAGE_EXIT
 
@@ -181,7 +187,8 @@ def _failed_here(e: BaseException) -> bool:
 
 def innermost(e: BaseException) -> str:
     """The real cause, as one short phrase: the first error in the chain that is the database driver's or the
-    OS's own, not a wrapper of Optuna's or SQLAlchemy's (an error while handling another chains to that one)."""
+    OS's own, not a wrapper of Optuna's or SQLAlchemy's (an error while handling another chains to that
+    one)."""
     chain = list(_chain(e))
     for x in chain:
         if isinstance(x, StorageLost):

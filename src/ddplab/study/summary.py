@@ -61,7 +61,8 @@ def finish(w: Opened) -> dict[str, float]:
     log.info("%s", headline(w, trials, counts))
     for line in sweep.to_console(rows, objective, w.minimize):
         log.info("%s", line)
-    log.info("%sdashboard: optuna-dashboard %s", table, shlex.quote(w.url.removeprefix("journal:")))  # pasted as is
+    # pasted as is
+    log.info("%sdashboard: optuna-dashboard %s", table, shlex.quote(w.url.removeprefix("journal:")))
     return best(w)
 
 

@@ -30,7 +30,8 @@ def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
     Hydra's Optuna sweeper."""
     from hydra.utils import instantiate
 
-    spec = dict(cast(dict, OmegaConf.to_container(cfg.study.sampler, resolve=True)))  # a mapping: the schema's
+    # a mapping: the schema's
+    spec = dict(cast(dict, OmegaConf.to_container(cfg.study.sampler, resolve=True)))
     spec["seed"] = int(spec.get("seed", cfg.seed)) + n
     if str(spec.get("_target_", "")).endswith("GridSampler") and "search_space" not in spec:
         spec["search_space"] = {k: list(getattr(d, "choices", ())) for k, d in space.items()}

@@ -6,20 +6,18 @@ run dir (:meth:`~StudyWorker.train`; the trial's ReportToStudy callback reports 
 
 Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens the
 study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a trial
-lives in the storage, not in a directory (``ddplab.study.owner``): workers given different ``study.dir``s share
-nothing else. A trial is taken over only when its owner was preempted (the record says where; no death) or is
-provably gone (its process is dead on this machine, or its lease ran out), and then resumed in its own run dir
-from its last checkpoint (resume=auto), and told once. A takeover of a trial whose worker died counts a death;
-past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat is not used: it would fail a preempted
-trial that is about to resume. Asking and claiming happen under the storage's lock (owner.claim_lock), so
-``study.n_trials`` is exact however many workers start at once.
-"""
+lives in the storage, not in a directory (``ddplab.study.owner``): workers given different ``study.dir``s
+share nothing else. A trial is taken over only when its owner was preempted (the record says where; no death)
+or is provably gone (its process is dead on this machine, or its lease ran out), and then resumed in its own
+run dir from its last checkpoint (resume=auto), and told once. A takeover of a trial whose worker died counts
+a death; past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat is not used: it would fail
+a preempted trial that is about to resume. Asking and claiming happen under the storage's lock
+(owner.claim_lock), so ``study.n_trials`` is exact however many workers start at once."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,20 +25,19 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig
 
 from ddplab import compat, failure, rundir
-from ddplab.config.errors import ConfigError
 from ddplab.errors import ResourceError, was_said
 from ddplab.runtime import env, group, signals
-from ddplab.runtime.console import log_file_formatter, quiet_log_files
+from ddplab.runtime.console import log_to
 from ddplab.runtime.signals import Preempted
-from ddplab.study import owner, space, storage, summary
-from ddplab.study.ranks import agree, trial_world_size
+from ddplab.study import owner, storage, summary
+from ddplab.study.opening import open_study
+from ddplab.study.ranks import agree
 from ddplab.study.report import PRUNED
 from ddplab.study.trials import (
     TRIAL_FILE,
     make_sampler,
     objective_value,
     trial_config,
-    where,
 )
 
 log = logging.getLogger("ddplab")
@@ -59,9 +56,9 @@ class Pending(NamedTuple):
 
 
 class StudyWorker:
-    """A worker, on every rank of it. Rank 0 opens the study (:meth:`open`: its handle ``study``, the ``space``,
-    ``limit``, ...); the trials it holds until told are ``holds``; ``pending`` is the last trial trained, told at
-    the ranks' next agreement (a storage lost there stops every rank alike)."""
+    """A worker, on every rank of it. Rank 0 opens the study (:meth:`open`: its handle ``study``, the
+    ``space``, ``limit``, ...); the trials it holds until told are ``holds``; ``pending`` is the last trial
+    trained, told at the ranks' next agreement (a storage lost there stops every rank alike)."""
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -76,26 +73,8 @@ class StudyWorker:
         self.taken: tuple[Any, owner.Hold] | None = None  # rank 0: the trial this round claimed
 
     def open(self) -> None:
-        """Rank 0, before any trial is asked: the objective, the space, sampler and pruner checked, the storage
-        and the study opened (refused when its trials would train or report otherwise than this worker's)."""
-        cfg = self.cfg
-        self.minimize = _check_objective(cfg)
-        self.space = space.parse(cfg.study.params, cfg)
-        self.dir, self.url = where(cfg)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for key in ("sampler", "pruner"):  # a typo here would fail every trial: say it once, now
-            _check_target(cfg, key, self.space)
-        with owner.claim_lock(self.url, cfg.study.timeout_s, self.dir):
-            store = storage.open_storage(self.url, cfg.study.timeout_s)
-            self.study = storage.open_study(store, self.url, str(cfg.study.name),
-                                            "minimize" if self.minimize else "maximize", space.signature(self.space),
-                                            str(cfg.objective), storage.training(cfg, self.space, trial_world_size(cfg)))
-        log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, self.url, cfg.study.n_trials,
-                 "minimizing" if self.minimize else "maximizing", cfg.objective, self.dir)
-        self.limit = int(cfg.study.n_trials)
-        if str((cfg.study.sampler or {}).get("_target_", "")).endswith("GridSampler"):
-            grid = math.prod(len(getattr(d, "choices", ())) for d in self.space.values())
-            self.limit = min(self.limit, grid)  # as Hydra's sweeper does: a grid point is not run twice
+        """Rank 0, before any trial is asked: the study checked and opened (``study.opening``)."""
+        self.study, self.space, self.dir, self.url, self.minimize, self.limit = open_study(self.cfg)
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self) -> dict[str, float]:
@@ -128,8 +107,8 @@ class StudyWorker:
         return None if picked is None else picked[1:]
 
     def _decide(self) -> tuple[Any, ...] | None:
-        """Rank 0, inside the ranks' agreement: the last trial told first (a storage lost there stops every rank
-        alike), then the next one claimed, or a stop held since the last trial."""
+        """Rank 0, inside the ranks' agreement: the last trial told first (a storage lost there stops every
+        rank alike), then the next one claimed, or a stop held since the last trial."""
         self._tell_pending()
         if signals.held():  # preempted between trials: take none (the last one was told)
             return ("stop", signals.held())
@@ -220,16 +199,18 @@ class StudyWorker:
 
     # ------------------------------------------------------------------------------------------ train
     def train(self, trial: Any, hold: owner.Hold) -> None:
-        """Rank 0: train the trial it claimed; it is told (and its claim let go) at the next agreement, before the
-        next trial is asked. A trial that ends otherwise is told, or left for the next worker, here."""
+        """Rank 0: train the trial it claimed; it is told (and its claim let go) at the next agreement, before
+        the next trial is asked. A trial that ends otherwise is told, or left for the next worker, here."""
         try:
             self.pending = Pending(trial, hold, self._trained(trial))
         except BaseException as e:
             try:
                 if isinstance(e, Preempted):
-                    hold.left(e.step, e.signal_name)  # the next worker resumes it at once, and counts no death
+                    # the next worker resumes it at once, and counts no death
+                    hold.left(e.step, e.signal_name)
                 elif isinstance(e, ResourceError) and not storage.failed(e):
-                    hold.left(-1, "a full disk")  # as preempted: no death counted for what the machine refused
+                    # as preempted: no death counted for what the machine refused
+                    hold.left(-1, "a full disk")
             finally:
                 hold.release()
             raise
@@ -245,13 +226,14 @@ class StudyWorker:
             done.hold.release()  # only once told: a claim let go before would let another worker take it over
 
     def _trained(self, trial: Any) -> Ended | None:
-        """Train ``trial``; how it ended, to be told once (None: told already, it failed). A preemption leaves it
-        RUNNING for a resume (the worker exits)."""
+        """Train ``trial``; how it ended, to be told once (None: told already, it failed). A preemption leaves
+        it RUNNING for a resume (the worker exits)."""
         tdir = self.trial_dir(trial)
         log.info("trial %d (%s): %s", trial.number, rundir.label({k: str(v) for k, v in trial.params.items()}), tdir)
-        handler = _log_to(tdir)
+        handler = log_to(tdir / "train.log")  # the trial's own train.log, beside the worker's
         try:
-            cfg = trial_config(self.cfg, trial.number, trial.params, str(tdir))  # a trial that cannot be composed: told
+            # a trial that cannot be composed: told
+            cfg = trial_config(self.cfg, trial.number, trial.params, str(tdir))
             metrics = self._through_rank_deaths(trial.number, cfg)
         except Preempted:
             log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again",
@@ -270,15 +252,17 @@ class StudyWorker:
         return cfg, tdir, outcome, value, metrics
 
     def _failed(self, trial: Any, e: Exception) -> bool:
-        """A trial's job ended with ``e``: told FAIL, or left RUNNING for the next worker (its worker stops: True,
-        ``e`` propagates), or told FAIL with the study going on (False). The trial's error is the job's record
-        (``ddplab.failure``): a rank that only lost its peer carries the peer's error, not the lost connection."""
+        """A trial's job ended with ``e``: told FAIL, or left RUNNING for the next worker (its worker stops:
+        True, ``e`` propagates), or told FAIL with the study going on (False). The trial's error is the job's
+        record (``ddplab.failure``): a rank that only lost its peer carries the peer's error, not the lost
+        connection."""
         ended = failure.of(e)
         cause = (ended.record or {}).get("error") or f"{type(e).__name__}: {e}"
         if ended.kind == "config":  # every trial would fail alike: fail this one and stop the worker
             self._tell_or_keep(trial, "FAIL", None, cause)
             return True
-        if isinstance(e, group.PeerLost):  # a rank of it died without a word: its death, the next worker counts
+        # a rank of it died without a word: its death, the next worker counts
+        if isinstance(e, group.PeerLost):
             log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a "
                         "death", trial.number)
             return True
@@ -290,7 +274,8 @@ class StudyWorker:
         self._tell_or_keep(trial, "FAIL", None, storage.innermost(e) if lost else cause)
         if lost:
             raise storage.StorageLost(self.url, e, f"trial {trial.number} told FAIL") from None
-        if env.is_launched():  # ranks may have failed at different points: torchrun ends them, the study stays
+        # ranks may have failed at different points: torchrun ends them, the study stays
+        if env.is_launched():
             return True
         if was_said(e):  # by the trial's job, where it happened
             log.warning("trial %d failed (its error is above, and in %s), the study goes on", trial.number,
@@ -311,7 +296,8 @@ class StudyWorker:
             try:
                 return train(cfg, search_earlier_runs=False)
             except RankFailed as e:
-                if e.killed_by is None or not self.holds[number].still_mine():  # lapsed: another worker has it
+                # lapsed: another worker has it
+                if e.killed_by is None or not self.holds[number].still_mine():
                     raise
                 deaths = self.count_death(number)
                 if deaths > retries:
@@ -331,8 +317,8 @@ class StudyWorker:
         log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
 
     def _tell_or_keep(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
-        """:meth:`tell`; where the storage cannot take it, the trial stays RUNNING and the line says so (the next
-        worker, on a mended storage, resumes it as one whose worker died)."""
+        """:meth:`tell`; where the storage cannot take it, the trial stays RUNNING and the line says so (the
+        next worker, on a mended storage, resumes it as one whose worker died)."""
         try:
             self.tell(trial, outcome, value, error)
         except Exception as e:
@@ -342,8 +328,8 @@ class StudyWorker:
                                       "cannot be written") from None
 
     def tell(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
-        """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in its
-        run dir (result.json's ``trial``)."""
+        """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in
+        its run dir (result.json's ``trial``)."""
         from optuna.trial import TrialState
 
         hold = self.holds.pop(trial.number, None)
@@ -360,7 +346,8 @@ class StudyWorker:
                 self.study.tell(trial.number, value)
             else:
                 self.study.tell(trial.number, state=TrialState[outcome])
-        except RuntimeError as e:  # told (stored first); a GridSampler whose grid is done calls Study.stop, which
+        # told (stored first); a GridSampler whose grid is done calls Study.stop, which
+        except RuntimeError as e:
             if "Study.stop" not in str(e):  # only works inside Study.optimize: the limit stops us instead
                 raise
         tdir = self.trial_dir(trial)
@@ -368,38 +355,3 @@ class StudyWorker:
         result["trial"] = {"study": self.study.study_name, "number": trial.number, "state": outcome, "value": value,
                            "params": trial.params}
         rundir.write_result(tdir, result)
-
-
-def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
-    spec = cfg.study.get(key)
-    if not spec:
-        return
-    from hydra.utils import instantiate
-
-    try:
-        make_sampler(cfg, searched, 0) if key == "sampler" else instantiate(spec)
-    except ConfigError:
-        raise
-    except Exception as e:
-        why = " ".join(str(e).split())[:300]
-        raise ConfigError(f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "
-                          f"{'optuna.samplers.TPESampler' if key == 'sampler' else 'optuna.pruners.MedianPruner'} "
-                          f"and its arguments, or study.{key}=null") from None
-
-
-def _check_objective(cfg: DictConfig) -> bool:
-    """The trainer's check, before any trial: an objective nothing logs would fail every trial. Minimised?"""
-    from ddplab import build
-    from ddplab.task import check_objective
-    from ddplab.train.hooks import Callbacks
-
-    return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())
-
-
-def _log_to(tdir: Path) -> logging.Handler:
-    """The trial's own train.log, beside the worker's."""
-    handler = logging.FileHandler(tdir / "train.log")
-    handler.setFormatter(log_file_formatter())
-    logging.getLogger().addHandler(handler)
-    quiet_log_files()
-    return handler

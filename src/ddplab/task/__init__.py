@@ -78,8 +78,9 @@ def logged_names(task: Any) -> list[str]:
 
 
 def check_objective(objective: str, task: Any, callback_names: list[str]) -> bool:
-    """The objective must be a metric the task (or a callback: val_ema/*) logs, else no best checkpoint is kept
-    and sweepers and studies get None: a ConfigError listing the ones there are. Whether it is minimised."""
+    """The objective must be a metric the task (or a callback: val_ema/*) logs, else no best checkpoint is
+    kept and sweepers and studies get None: a ConfigError listing the ones there are. Whether it is
+    minimised."""
     names = [f"val/{m}" for m in logged_names(task)] + list(callback_names)
     if objective not in names:
         from ddplab.config.errors import ConfigError

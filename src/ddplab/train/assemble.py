@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 from hydra.utils import instantiate
@@ -22,6 +23,7 @@ from ddplab.train.batch_size import global_batch_size
 from ddplab.train.hooks import Callbacks, Hook
 from ddplab.checkpoint.rng import RNGStreams, seed_everything
 from ddplab.data.batches import in_memory_format
+from ddplab.data.datasets import Splits
 from ddplab.train.evaluation import Evaluator
 from ddplab.optim import make_optimizer
 from ddplab.precision import Precision
@@ -30,7 +32,7 @@ from ddplab.runtime import env
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
 from ddplab.runtime.stopping import slow_save_warning
-from ddplab.task import check_objective
+from ddplab.task import Task, check_objective
 from ddplab.train.length import RunLength
 from ddplab.train.state import LoopState, Results, State
 from ddplab.tracking import writer_for
@@ -40,12 +42,10 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
                 search_earlier_runs: bool = False, stop: StopSignal | None = None,
                 provenance: str | None = None) -> State:
     """The job's parts from ``cfg``, in an order that fixes the random draws (same seed on every rank here:
-    identical initial weights and data order), resumed as ``cfg.resume`` says.
-
-    ``evaluating``: mode=eval (the batch need not divide the data; training-only callbacks left out).
-    ``search_earlier_runs``: resume=auto may continue the newest earlier run of the same command (only for
-    run dirs Hydra made up). ``stop``: the Session's preemption flag (a fresh, never-set one when None).
-    ``provenance``: shown in TensorBoard's Text tab."""
+    identical initial weights and data order), resumed as ``cfg.resume`` says. ``evaluating``: mode=eval (the
+    batch need not divide the data; training-only callbacks left out). ``search_earlier_runs``: resume=auto
+    may continue the newest earlier run of the same command (only for run dirs Hydra made up). ``stop``: the
+    Session's preemption flag (a fresh, never-set one when None). ``provenance``: TensorBoard's Text tab."""
     global_batch = global_batch_size(cfg, dist.world_size, exact=not evaluating)
     accum = cfg.grad_accum_steps
     strat = strategy.make(cfg, dist)  # draws nothing
@@ -55,7 +55,45 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
     task = build.task(cfg)
     callbacks = Callbacks(build.callbacks(cfg, evaluating=evaluating))
     data, sampler, loader, spe = build.train_data(cfg, dist, global_batch, accum)
-    # The unwrapped module: evaluation and checkpoints use it; the step calls the wrapped one.
+    m = _model(cfg, dist, strat, task, data, sampler.per_rank_batch, spe)
+    events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
+    stop = stop or StopSignal()
+    guard = ResumeGuard(cfg, dist.world_size)  # a checkpoint of another config is refused
+    s = State(cfg=cfg, dist=dist, run_dir=run_dir, task=task, strategy=strat, **m._asdict(),
+              data=data, sampler=sampler, train_loader=loader,
+              steps_per_epoch=spe, global_batch=global_batch, accum=accum,
+              loop=LoopState(seed=cfg.seed, accum=accum), results=Results(minimize=_minimized(cfg.objective, task)), rng=RNGStreams(dist),
+              callbacks=callbacks, stop=stop, events_dir=events_dir,
+              writer=writer_for(dist, str(events_dir), cfg, run_dir, evaluating),
+              # on_save hears of each checkpoint once it is on disk (with async_save: after the write).
+              checkpoints=checkpoint_manager(cfg, dist, run_dir, guard, stop.request,
+                                             saved=lambda path: callbacks(Hook.ON_SAVE, s, path)),
+              search_earlier_runs=search_earlier_runs)
+    callbacks(Hook.SETUP, s)
+    # The objective must be a metric the task logs: otherwise no best checkpoint is kept and sweepers get
+    # None.
+    check_objective(cfg.objective, task, callbacks.logged_names())
+    _resume(s, guard, provenance)
+    return s
+
+
+class _Model(NamedTuple):
+    """The State's fields that stand or fall with the model: built in this order, after the data (their
+    draws)."""
+
+    module: torch.nn.Module  # unwrapped: evaluation and checkpoints use it
+    model: torch.nn.Module  # wrapped by the strategy: the step calls it
+    params: list[torch.nn.Parameter]
+    precision: Precision
+    optimizer: torch.optim.Optimizer
+    length: RunLength
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    memory_format: Callable[[Any], Any]
+    evaluator: Evaluator
+
+
+def _model(cfg: DictConfig, dist: Dist, strat: strategy.Strategy, task: Task, data: Splits, per_rank_batch: int,
+           spe: int) -> _Model:
     module = strat.prepare(build.model(cfg, data.num_classes))
     model = strat.wrap(module)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -66,29 +104,14 @@ def build_state(cfg: DictConfig, dist: Dist, run_dir: Path, *, evaluating: bool 
     scheduler = instantiate(cfg.scheduler, _convert_="all")(optimizer, total_steps=length.total_steps,
                                                             steps_per_epoch=spe)
     memory_format = functools.partial(in_memory_format, fmt=torch.channels_last if cfg.perf.channels_last else None)
-    evaluator = Evaluator(task, module, data, dist, precision, strat, max(sampler.per_rank_batch, 256),
-                          memory_format, cfg.limit_val_batches)
-    events_dir = rundir.events_dir(run_dir)  # tb/, or named after a sweep job's values
-    stop = stop or StopSignal()
-    guard = ResumeGuard(cfg, dist.world_size)  # a checkpoint of another config is refused
-    # Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower.
-    results = Results(minimize=cfg.objective.split("/", 1)[-1] not in getattr(task, "maximize", ()))
-    s = State(cfg=cfg, dist=dist, run_dir=run_dir, task=task, strategy=strat, module=module,
-              model=model, params=params, optimizer=optimizer, scheduler=scheduler,
-              precision=precision, memory_format=memory_format, data=data, sampler=sampler, train_loader=loader,
-              steps_per_epoch=spe, length=length, global_batch=global_batch, accum=accum,
-              loop=LoopState(seed=cfg.seed, accum=accum), results=results, rng=RNGStreams(dist),
-              evaluator=evaluator, callbacks=callbacks, stop=stop, events_dir=events_dir,
-              writer=writer_for(dist, str(events_dir), cfg, run_dir, evaluating),
-              # on_save hears of each checkpoint once it is on disk (with async_save: after the write).
-              checkpoints=checkpoint_manager(cfg, dist, run_dir, guard, stop.request,
-                                             saved=lambda path: callbacks(Hook.ON_SAVE, s, path)),
-              search_earlier_runs=search_earlier_runs)
-    callbacks(Hook.SETUP, s)
-    # The objective must be a metric the task logs: otherwise no best checkpoint is kept and sweepers get None.
-    check_objective(cfg.objective, task, callbacks.logged_names())
-    _resume(s, guard, provenance)
-    return s
+    evaluator = Evaluator(task, module, data, dist, precision, strat, max(per_rank_batch, 256), memory_format,
+                          cfg.limit_val_batches)
+    return _Model(module, model, params, precision, optimizer, length, scheduler, memory_format, evaluator)
+
+
+def _minimized(objective: str, task: Task) -> bool:
+    """Higher is better only for what the task says (accuracy); losses, errors, perplexity: lower."""
+    return objective.split("/", 1)[-1] not in getattr(task, "maximize", ())
 
 
 def _resume(s: State, guard: ResumeGuard, provenance: str | None) -> None:

@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 
 class Callback:
-    """The base of every callback (optional: any object with some of these methods works); each hook a no-op."""
+    """The base of every callback (optional: any object with some of these methods works); each hook a
+    no-op."""
 
     logged_names: tuple[str, ...] = ()  # metric tags it logs, e.g. ("val_ema/acc",)
     # mode=eval evaluates with the callbacks the run trained with (EMA's val_ema/* is part of its evaluation);
-    # one that only serves training (a study trial's reporter, which would report to a finished trial) says so.
+    # one that only serves training (a study trial's reporter, which would report to a finished trial) says
+    # so.
     training_only: bool = False
 
     def setup(self, state: State) -> None: ...

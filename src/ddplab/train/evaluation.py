@@ -35,7 +35,8 @@ class Evaluator:
         self.precision, self.strategy, self.batch_size, self.to_memory_format = precision, strategy, batch_size, to_memory_format
         self.max_batches = max_batches
         self.step = getattr(task, "evaluate", task)
-        self.sample: Any = None  # this rank's first validation batch (for visualize and FSDP's extra forwards)
+        # this rank's first validation batch (for visualize and FSDP's extra forwards)
+        self.sample: Any = None
         self._checked = False
 
     def _batches(self, world_size: int, rank: int, batch_size: int) -> Any:
@@ -82,7 +83,8 @@ class Evaluator:
             with self.precision.autocast():
                 self.step(self.module, self.sample)
 
-        needed = math.ceil(len(eval_span(len(self.data.val), dist.world_size, 0)) / self.batch_size)  # rank 0's
+        # rank 0's
+        needed = math.ceil(len(eval_span(len(self.data.val), dist.world_size, 0)) / self.batch_size)
         needed = min(needed, self.max_batches) if self.max_batches is not None else needed
         self.strategy.finish_eval(self.module, done, needed, forward)
         values = meter.reduce(dist, f"evaluation; task {name_of(task)}")

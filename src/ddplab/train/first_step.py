@@ -33,7 +33,8 @@ class FirstStep:
             with probe.checked(self._checked_task, self._gradients_checked):
                 return train_step(batches)
         except RuntimeError as e:
-            refusal = None if updating else build.shape_mismatch(s.cfg, e)  # the config's fault: a model the data
+            # the config's fault: a model the data
+            refusal = None if updating else build.shape_mismatch(s.cfg, e)
             if refusal is None:                                             # cannot go through
                 raise
             raise refusal from e

@@ -1,5 +1,5 @@
-"""Where a job's callbacks are called: :class:`Hook` (each point of the loop) and :class:`Callbacks` (the job's
-callbacks; per hook, those that implement it). What a callback is: :mod:`ddplab.train.callback`."""
+"""Where a job's callbacks are called: :class:`Hook` (each point of the loop) and :class:`Callbacks` (the
+job's callbacks; per hook, those that implement it). What a callback is: :mod:`ddplab.train.callback`."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ HOOKS = tuple(h.value for h in Hook)
 
 
 def _overrides(cb: Any, hook: str) -> bool:
-    """Whether ``cb``'s class has its own ``hook``, not only the no-op of :class:`ddplab.train.callback.Callback`
-    (named here, not imported: the base class's hooks take the State, and the State holds a :class:`Callbacks`)."""
+    """Whether ``cb``'s class has its own ``hook``, not only the no-op of
+    :class:`ddplab.train.callback.Callback` (named here, not imported: the base class's hooks take the State,
+    and the State holds a :class:`Callbacks`)."""
     mine = getattr(type(cb), hook, None)
     base = (getattr(mine, "__module__", ""), getattr(mine, "__qualname__", ""))
     return mine is not None and base != ("ddplab.train.callback", f"Callback.{hook}")

@@ -34,7 +34,8 @@ class StepProbe:
     (timed: the interval's data time; the stall watch told the step waits for data, then runs its forward),
     the task's call (the watch told the backward comes next), the optimizer's step (its pre-hook: the watch
     told so), and the gradients made ready for it (nothing but in the first step: its checks,
-    :class:`ddplab.train.first_step.FirstStep`, which also puts the checked task in ``task`` for that step)."""
+    :class:`ddplab.train.first_step.FirstStep`, which also puts the checked task in ``task`` for that
+    step)."""
 
     def __init__(self, task: Any, watch: StallWatch, optimizer: Any):
         self.task, self.watch = task, watch
@@ -85,7 +86,8 @@ class LogInterval:
         self.every = int(cfg.log_every_n_steps)  # a plain int: read every step
         self.metrics = TrainMetrics(dist, getattr(s.task, "metric_names", ()), cfg.nonfinite_loss, s.accum,
                                     cfg.log_every_n_steps * s.accum)
-        self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())  # a hung peer gets said
+        # a hung peer gets said
+        self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())
         self.flops = FlopRate(s.strategy.counts_flops, s.module, dist.device, s.precision.dtype,
                               cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (keep)
         self.tokens_per_sample = 0  # a task that counts tokens: the first batch's sequence length
@@ -151,7 +153,8 @@ class LogInterval:
         scale = s.precision.loss_scale()
         if scale is not None:
             values["vitals/loss_scale"] = scale
-            values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()  # not errors: the scaler's job
+            # not errors: the scaler's job
+            values["train/fp16_skipped_steps"] = s.precision.pop_overflow_steps()
         s.writer.scalars(values, step)
         self.bar.show(s.loop.epoch, step, values)
         s.results.last_train = values

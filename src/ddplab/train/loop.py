@@ -39,14 +39,16 @@ log = logging.getLogger("ddplab")
 class Trainer:
     def __init__(self, state: State):
         self.state = s = state
-        self.stopper = StopAgreement(s.stop, s.dist)  # when every rank stops together (a signal, a dead launcher)
+        # when every rank stops together (a signal, a dead launcher)
+        self.stopper = StopAgreement(s.stop, s.dist)
         # Read once: a config node's access costs microseconds, and these are read every step.
         self.grad_clip = float(s.cfg.grad_clip)
         self.skip_nonfinite = s.cfg.nonfinite_loss == "skip"
         self.interval = LogInterval(s, self.stopper)  # metrics, stop agreement, stall watch, progress, FLOPs
         self.probe = self.interval.probe  # the step's batches (timed), its task call, its gradients ready
         self.validation = Validation(s, self.stopper)  # when an evaluation is due; running and recording it
-        self.first_step: FirstStep | None = FirstStep(s, self.interval)  # this invocation's first step: checked
+        # this invocation's first step: checked
+        self.first_step: FirstStep | None = FirstStep(s, self.interval)
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
 
     # ------------------------------------------------------------------- the run
@@ -61,7 +63,8 @@ class Trainer:
         t0 = time.perf_counter()
         stop = s.cfg.stop_after_epochs
         try:
-            if loop.eval_pending:  # stopped before an evaluation (an epoch's end, or a step's): that runs first
+            # stopped before an evaluation (an epoch's end, or a step's): that runs first
+            if loop.eval_pending:
                 self._evaluate_mid_epoch() if loop.batches_in_epoch else self._end_epoch()
             while not s.length.done(loop.epoch, loop.step) and (stop is None or loop.epoch < stop) \
                     and s.stop_reason is None:
@@ -70,7 +73,8 @@ class Trainer:
         except BaseException as e:
             s.checkpoints.drain()  # a checkpoint being written in the background is finished, not lost
             s.callbacks(Hook.ON_EXCEPTION, s, e)
-            with contextlib.suppress(Exception):  # what was queued for a tracking server is sent (within its timeout)
+            # what was queued for a tracking server is sent (within its timeout)
+            with contextlib.suppress(Exception):
                 self.stopper.hurry(s.writer, isinstance(e, Preempted))
                 s.writer.drain()
             raise
@@ -127,7 +131,8 @@ class Trainer:
                     hook(s, loop.step)
                 agreed = iv.after_step()
                 at_end = loop.batches_in_epoch == spe  # the epoch's end: _next_epoch evaluates, saves, stops
-                loop.eval_pending = not at_end and self.validation.due(at_epoch_end=False)  # saved with a stop
+                # saved with a stop
+                loop.eval_pending = not at_end and self.validation.due(at_epoch_end=False)
                 if agreed and not at_end:
                     self._preempt()
                 if loop.eval_pending:
@@ -147,7 +152,8 @@ class Trainer:
         return first(self.train_step, batches)
 
     def train_step(self, batches: Iterator[Any]) -> bool:
-        """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, NaN/Inf on a rank)."""
+        """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, NaN/Inf on a
+        rank)."""
         s, probe, metrics = self.state, self.probe, self.interval.metrics
         for micro in range(s.accum):
             batch = s.memory_format(next(batches))
@@ -182,7 +188,8 @@ class Trainer:
         self._end_epoch()
 
     def _drop_nonfinite(self) -> bool:
-        """nonfinite_loss=skip: a NaN/Inf loss on any rank drops this step, its gradients too, on every rank."""
+        """nonfinite_loss=skip: a NaN/Inf loss on any rank drops this step, its gradients too, on every
+        rank."""
         if not self.interval.metrics.nonfinite_on_any_rank(self.state.loop.step + 1):
             return False
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -196,9 +203,9 @@ class Trainer:
         self._save(is_best=improved)
 
     def _evaluate_mid_epoch(self) -> None:
-        """A step's evaluation (eval_every_n_steps, or the run's last step inside an epoch) and its checkpoint;
-        training then goes on with the epoch's next batch. A stop agreed during it saves with the evaluation
-        pending: the resumed run evaluates first, then trains on from the same batch."""
+        """A step's evaluation (eval_every_n_steps, or the run's last step inside an epoch) and its
+        checkpoint; training then goes on with the epoch's next batch. A stop agreed during it saves with the
+        evaluation pending: the resumed run evaluates first, then trains on from the same batch."""
         s = self.state
         self.interval.close()
         improved = self._evaluate()
@@ -208,7 +215,8 @@ class Trainer:
         self.interval.restart()
 
     def _evaluate(self) -> bool:
-        """The evaluation now due (a stop agreed during it: checkpoint and leave); True if the objective improved."""
+        """The evaluation now due (a stop agreed during it: checkpoint and leave); True if the objective
+        improved."""
         improved = self.validation.run()
         if improved is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
             self._preempt()

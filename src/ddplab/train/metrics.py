@@ -175,8 +175,8 @@ class TrainMetrics:
         return self.losses[len(self.sizes) - self.accum: len(self.sizes)]
 
     def nonfinite_on_any_rank(self, step: int) -> bool:
-        """nonfinite_loss=skip: whether any rank's loss in step ``step`` (any micro-batch) is NaN/Inf (a sync and
-        a collective: that mode's cost); such a step is counted and said, and every rank drops it."""
+        """nonfinite_loss=skip: whether any rank's loss in step ``step`` (any micro-batch) is NaN/Inf (a sync
+        and a collective: that mode's cost); such a step is counted and said, and every rank drops it."""
         if not any_rank((~torch.isfinite(self.last_step_losses())).any(), self.dist):
             return False
         self.skipped += 1
@@ -204,7 +204,8 @@ class TrainMetrics:
         row = torch.zeros(len(lay), dtype=torch.float64, device=dev)
         losses = self.losses[:k].double()
         finite = torch.isfinite(losses)
-        w = torch.tensor(self.sizes, dtype=torch.float64, device=dev) * finite  # skipped (non-finite) ones weigh 0
+        # skipped (non-finite) ones weigh 0
+        w = torch.tensor(self.sizes, dtype=torch.float64, device=dev) * finite
         row[lay["loss"]] = (torch.where(finite, losses, 0.0) * w).sum()
         row[lay["num_samples"]] = w.sum()
         # A step fp16's scaler skipped has an inf norm (its gradients overflowed): not a number to average,

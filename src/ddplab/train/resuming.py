@@ -1,6 +1,6 @@
 """The trainer's checkpoints and how a run resumes: which of its parts are checkpointed
-(:func:`checkpoint_manager`, :func:`register_entries`), the checkpoint's config against the current one, and — when the
-user opted in with ``resume_apply_changes=true`` — new values really applied and recorded
+(:func:`checkpoint_manager`, :func:`register_entries`), the checkpoint's config against the current one, and —
+when the user opted in with ``resume_apply_changes=true`` — new values really applied and recorded
 (:func:`resume`). ``mode=eval`` takes its config from the checkpoint (:func:`eval_config`).
 
 :meth:`ResumeGuard.check` goes to the CheckpointManager (it runs before any component
@@ -83,7 +83,8 @@ class ResumeGuard:
     def _record(self, run_dir: Path, step: int) -> None:
         """Append to ``run_dir/config_changes.yaml``: one entry per resume that applied changes."""
         f = run_dir / CHANGES_FILE
-        entries = list(OmegaConf.to_container(OmegaConf.load(f))) if f.is_file() else []  # type: ignore[arg-type]
+        # type: ignore[arg-type]
+        entries = list(OmegaConf.to_container(OmegaConf.load(f))) if f.is_file() else []
         entries.append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "from": str(self.source),
                         "changes": {k: {"checkpoint": _plain(a), "now": _plain(b)} for k, a, b in self.changes}})
         f.write_text(OmegaConf.to_yaml(OmegaConf.create(entries)))
@@ -97,7 +98,8 @@ def checkpoint_manager(cfg: DictConfig, dist: Dist, run_dir: Path, guard: Resume
                        stop: Callable[[str], None], saved: Callable[[str], None]) -> CheckpointManager:
     """The job's CheckpointManager, before any entry is registered (:func:`register_entries`). ``guard``
     refuses a checkpoint of another config; ``stop(reason)``: how a failed background write stops the loop
-    (the StopSignal's request); ``saved(path)``: each checkpoint once it is on disk (the callbacks' on_save)."""
+    (the StopSignal's request); ``saved(path)``: each checkpoint once it is on disk (the callbacks'
+    on_save)."""
     # Secrets masked: a checkpoint travels (exports, model cards and MLflow artifacts are made from it).
     meta = {"config": redact.config_yaml(cfg), "world_size": dist.world_size}
     return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, dist, meta, check_meta=guard.check,
@@ -115,7 +117,8 @@ def register_entries(s: State) -> None:
         entries["data"] = s.train_loader
     for key, component in entries.items():
         manager.register(key, component)
-    for key, component in s.callbacks.stateful().items():  # a callback added since the checkpoint starts fresh
+    # a callback added since the checkpoint starts fresh
+    for key, component in s.callbacks.stateful().items():
         manager.register(key, component, optional=True)
 
 

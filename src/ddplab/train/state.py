@@ -85,8 +85,8 @@ class State:
         return self.global_batch * self.accum
 
     def request_stop(self, reason: str) -> None:
-        """Stop after the current evaluation (an epoch's, or a step's with eval_every_n_steps) and its checkpoint.
-        Callbacks: decide alike on every rank (from reduced values), or ranks part ways."""
+        """Stop after the current evaluation (an epoch's, or a step's with eval_every_n_steps) and its
+        checkpoint. Callbacks: decide alike on every rank (from reduced values), or ranks part ways."""
         if self.stop_reason is None:
             self.stop_reason = reason
             log.info("%s", reason)
@@ -108,7 +108,8 @@ class LoopState:
     # step that nonfinite_loss=skip dropped. The data resumes from here, not from the step count.
     batches_in_epoch: int = 0
     eval_pending: bool = False  # stopped before the epoch-end evaluation: it runs first on resume
-    start_step: int = 0  # where this invocation began: the resumed step (throughput in the summary; not saved)
+    # where this invocation began: the resumed step (throughput in the summary; not saved)
+    start_step: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
@@ -119,7 +120,8 @@ class LoopState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.epoch, self.step, self.step_in_epoch = sd["epoch"], sd["step"], sd.get("step_in_epoch", 0)
-        self.batches_in_epoch = sd.get("batches_in_epoch", self.step_in_epoch)  # older checkpoints: no skips known
+        # older checkpoints: no skips known
+        self.batches_in_epoch = sd.get("batches_in_epoch", self.step_in_epoch)
         self.eval_pending = sd.get("eval_pending", False)
         self.start_step = self.step
 
@@ -150,7 +152,8 @@ class Results:
     last_val: dict[str, float] = field(default_factory=dict)
     last_train: dict[str, float] = field(default_factory=dict)  # the last log step's train/* and vitals/*
     first_val: dict[str, float] = field(default_factory=dict)  # the run's first evaluation (for the summary)
-    # This invocation's first logged train/loss, the barely trained model's: the summary's yardstick (not saved).
+    # This invocation's first logged train/loss, the barely trained model's: the summary's yardstick (not
+    # saved).
     first_train_loss: float | None = None
 
     def final(self, objective: str, loop: LoopState, seconds: float) -> dict[str, float]:

@@ -44,7 +44,8 @@ class Validation:
             return None
         improved = s.results.update(val, cfg.objective, loop.epoch, loop.step)
         best = {} if s.results.best is None else {best_name(cfg.objective): s.results.best}
-        epoch = loop.epoch + loop.batches_in_epoch / s.steps_per_epoch  # a step evaluation: part-way through one
+        # a step evaluation: part-way through one
+        epoch = loop.epoch + loop.batches_in_epoch / s.steps_per_epoch
         s.writer.scalars({**val, **best, "vitals/epoch": epoch}, loop.step)  # the best so far: a curve
         s.evaluator.visualize(s.writer, loop.step)
         head = (f"step {loop.step}/{s.length.total_steps} " if self.step_cadence or loop.batches_in_epoch
