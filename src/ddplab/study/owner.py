@@ -227,3 +227,17 @@ def _db_lock(url: str, timeout_s: float) -> Iterator[None]:
             conn.execute(text("SELECT pg_advisory_unlock(7172023)" if pg else "SELECT RELEASE_LOCK('ddplab-claim')"))
         conn.close()
         engine.dispose()
+
+
+DEATHS = "ddplab:deaths"  # trial user attr: how often its worker died before recording anything
+
+
+def count_death(study: Any, number: int) -> int:
+    """One more death of trial ``number`` (its worker, or a rank of its job, killed before it recorded a
+    result), read and written in the storage, where every worker counts them; the count now."""
+    from ddplab import compat
+
+    live = compat.optuna_trial(study, number)
+    deaths = int(compat.frozen_trial(live).user_attrs.get(DEATHS, 0)) + 1
+    live.set_user_attr(DEATHS, deaths)
+    return deaths

@@ -15,6 +15,9 @@ from ddplab.config.errors import ConfigError
 
 TRIAL_FILE = "trial.json"  # in the trial's run dir: study, number, params (rundir.swept reads it)
 
+# How a trained trial ended, to be told: its config, run dir, outcome, objective value and metrics.
+Ended = tuple[DictConfig, Path, str, "float | None", dict[str, float]]
+
 
 def where(cfg: DictConfig) -> tuple[Path, str]:
     """The study's dir (absolute) and its storage URL, as every worker and rank computes them."""

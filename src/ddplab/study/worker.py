@@ -5,14 +5,9 @@ run dir (:meth:`~StudyWorker.train`; the trial's ReportToStudy callback reports 
 (:meth:`~StudyWorker.tell`) — until the study needs no more.
 
 Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens the
-study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a trial
-lives in the storage, not in a directory (``ddplab.study.owner``): workers given different ``study.dir``s
-share nothing else. A trial is taken over only when its owner was preempted (the record says where; no death)
-or is provably gone (its process is dead on this machine, or its lease ran out), and then resumed in its own
-run dir from its last checkpoint (resume=auto), and told once. A takeover of a trial whose worker died counts
-a death; past ``study.max_retries`` the trial is told FAIL. Optuna's own heartbeat is not used: it would fail
-a preempted trial that is about to resume. Asking and claiming happen under the storage's lock
-(owner.claim_lock), so ``study.n_trials`` is exact however many workers start at once."""
+study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a trial,
+and when another worker may take it over and resume it, lives in the storage (``ddplab.study.owner``). A
+takeover of a trial whose worker died counts a death; past ``study.max_retries`` the trial is told FAIL."""
 
 from __future__ import annotations
 
@@ -34,6 +29,7 @@ from ddplab.study.opening import open_study
 from ddplab.study.ranks import agree
 from ddplab.study.report import PRUNED
 from ddplab.study.trials import (
+    Ended,
     TRIAL_FILE,
     make_sampler,
     objective_value,
@@ -42,9 +38,6 @@ from ddplab.study.trials import (
 
 log = logging.getLogger("ddplab")
 
-DEATHS = "ddplab:deaths"  # trial user attr: how often its worker died before recording anything
-# How a trained trial ended, to be told: its config, run dir, outcome, objective value and metrics.
-Ended = tuple[DictConfig, Path, str, "float | None", dict[str, float]]
 
 
 class Pending(NamedTuple):
@@ -169,7 +162,7 @@ class StudyWorker:
         why, retries = v.why, self.cfg.study.max_retries
         if v.death:
             why += f" {owner.progress(tdir)}"
-            deaths = self.count_death(trial.number)
+            deaths = owner.count_death(self.study, trial.number)
             if deaths > retries:
                 error = (f"its worker died {deaths} times without recording a result (study.max_retries="
                          f"{retries}); the last time: {why}")
@@ -188,14 +181,6 @@ class StudyWorker:
     def trial_dir(self, trial: Any) -> Path:
         """The trial's run dir, as recorded in the study when it was asked (whichever worker asked it)."""
         return Path(trial.user_attrs.get(owner.DIR) or self.dir / str(trial.number))
-
-    def count_death(self, number: int) -> int:
-        """One more death of trial ``number`` (its worker, or a rank of its job, killed before it recorded a
-        result), read and written in the storage, where every worker counts them; the count now."""
-        live = compat.optuna_trial(self.study, number)
-        deaths = int(compat.frozen_trial(live).user_attrs.get(DEATHS, 0)) + 1
-        live.set_user_attr(DEATHS, deaths)
-        return deaths
 
     # ------------------------------------------------------------------------------------------ train
     def train(self, trial: Any, hold: owner.Hold) -> None:
@@ -299,7 +284,7 @@ class StudyWorker:
                 # lapsed: another worker has it
                 if e.killed_by is None or not self.holds[number].still_mine():
                     raise
-                deaths = self.count_death(number)
+                deaths = owner.count_death(self.study, number)
                 if deaths > retries:
                     raise RankFailed(f"{e} (death {deaths}, past study.max_retries={retries})") from None
                 log.warning("trial %d: a rank was killed by %s: death %d of study.max_retries=%d, resuming it from "
