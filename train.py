@@ -1,16 +1,18 @@
 """ddplab's entry point: Hydra composes conf/, ddplab.run trains.
 
-    python train.py                                            # one process (debugger-friendly)
-    torchrun --standalone --nproc_per_node=2 train.py model=resnet18 amp=true
-    python train.py distributed.nproc_per_node=2               # starts its own 2 ranks
-    python train.py -m optimizer.lr=0.1,0.01 model=mlp,convnet # sweep (add hydra/launcher=joblib ...)
-    python train.py --cfg job                                  # print the composed config
+python train.py                                            # one process (debugger-friendly)
+torchrun --standalone --nproc_per_node=2 train.py model=resnet18 amp=true
+python train.py distributed.nproc_per_node=2               # starts its own 2 ranks
+python train.py -m optimizer.lr=0.1,0.01 model=mlp,convnet # sweep (add hydra/launcher=joblib ...)
+python train.py --cfg job                                  # print the composed config
 """
 
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # first, before the seconds of imports below: a preemption signal then is not fatal
+if (
+    __name__ == "__main__"
+):  # first, before the seconds of imports below: a preemption signal then is not fatal
     from ddplab.runtime import signals, teardown
 
     signals.hold_during_startup()
@@ -32,6 +34,8 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     register_configs()  # the typed schemas conf/'s defaults lists name
-    cli.skip_needless_mode_lookup(Path(__file__).resolve().parent / "conf")  # one compose, not two, where it can
+    cli.skip_needless_mode_lookup(
+        Path(__file__).resolve().parent / "conf"
+    )  # one compose, not two, where it can
     sys.argv = cli.prepare_argv(sys.argv)
     main()

@@ -43,13 +43,15 @@ def main() -> None:
     model = ConvNet(num_classes=10, in_channels=1)
     ddp = DDP(model) if world > 1 else model
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(a.steps, 1))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(a.steps, 1)))
+    )
     writer = SummaryWriter(f"{a.out}/tb") if rank == 0 else None
     per_rank = 64 // world
     order = torch.randperm(len(data.train.y), generator=torch.Generator().manual_seed(0))
     ddp.train()
     for step in range(a.steps):
-        idx = order[(step * world + rank) * per_rank: (step * world + rank + 1) * per_rank]
+        idx = order[(step * world + rank) * per_rank : (step * world + rank + 1) * per_rank]
         loss = F.cross_entropy(ddp(data.train.x[idx]), data.train.y[idx])
         loss.backward()
         opt.step()
@@ -62,8 +64,13 @@ def main() -> None:
     with torch.no_grad():
         mine = torch.arange(rank, len(data.val.y), world)
         logits = model(data.val.x[mine])
-        sums = torch.stack([F.cross_entropy(logits, data.val.y[mine], reduction="sum"),
-                            (logits.argmax(1) == data.val.y[mine]).sum().float(), torch.tensor(float(len(mine)))])
+        sums = torch.stack(
+            [
+                F.cross_entropy(logits, data.val.y[mine], reduction="sum"),
+                (logits.argmax(1) == data.val.y[mine]).sum().float(),
+                torch.tensor(float(len(mine))),
+            ]
+        )
     if world > 1:
         torch_dist.all_reduce(sums)
     if writer is not None:
@@ -71,8 +78,10 @@ def main() -> None:
         writer.add_scalar("val/loss", (sums[0] / sums[2]).item(), a.steps)
         writer.add_scalar("val/acc", (sums[1] / sums[2]).item(), a.steps)
         writer.close()
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-                   f"{a.out}/last.pt")
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+            f"{a.out}/last.pt",
+        )
     if world > 1:
         # Without it rank 1, done first, tore its gloo group down while rank 0 was still writing: gloo aborted
         # it ("terminate called without an active exception", SIGABRT) in about 1 launch in 10.

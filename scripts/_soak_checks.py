@@ -36,7 +36,9 @@ def run_attempt(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeo
     with open(log, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     timed_out = False
     try:
         proc.wait(timeout)
@@ -88,9 +90,16 @@ def check_preempted(run: Path, what: str) -> list[str]:
         return []
     ck = res.get("checkpoint")
     if not ck or not Path(ck).is_file():
-        return [f"{what}: result.json says preempted at step {res.get('step')} with checkpoint {ck!r}, no such file"]
+        return [
+            f"{what}: result.json says preempted at step {res.get('step')} with checkpoint {ck!r}, no such "
+            "file"
+        ]
     step = load(Path(ck))["loop"]["step"]
-    return [] if step == res.get("step") else [f"{what}: result.json step {res.get('step')} but {ck} holds step {step}"]
+    return (
+        []
+        if step == res.get("step")
+        else [f"{what}: result.json step {res.get('step')} but {ck} holds step {step}"]
+    )
 
 
 def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -> list[str]:
@@ -102,7 +111,12 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
     if t.fault not in SIGNALS and t.fault != "bad_file":
         return check_one_line(t, a, notes)
     res = read_result(run)
-    if t.signal == "SIGKILL" or t.launcher == "slurm" and t.target in ("launcher", "all") and t.signal == "SIGTERM":
+    if (
+        t.signal == "SIGKILL"
+        or t.launcher == "slurm"
+        and t.target in ("launcher", "all")
+        and t.signal == "SIGTERM"
+    ):
         # srun, sent SIGTERM, cancels its step: SLURM kills the ranks at once, as SIGKILL does (SLURM's
         # choice)
         notes.append(f"exit {a.rc}, {res.get('status', 'no result.json')}")
@@ -123,9 +137,13 @@ def check_fault(t: Trial, a: Attempt, run: Path, tdir: Path, notes: list[str]) -
     elif status == "preempted" and a.rc != 0:
         notes.append(f"preempted at step {res['step']} ({res.get('signal')}), exit {a.rc}")
         if res["step"] < fired["step"]:
-            problems.append(f"stopped at step {res['step']}, before step {fired['step']} where the signal came: lost")
+            problems.append(
+                f"stopped at step {res['step']}, before step {fired['step']} where the signal came: lost"
+            )
     else:
-        problems.append(f"after {t.signal}: exit {a.rc} with result.json status {status!r} ({res.get('error', '')[:300]})")
+        problems.append(
+            f"after {t.signal}: exit {a.rc} with result.json status {status!r} ({res.get('error', '')[:300]})"
+        )
     return problems
 
 
@@ -138,12 +156,19 @@ def check_final(run: Path, ref: Path, skip_rng: bool = False) -> list[str]:
         return [f"never completed: result.json {json.dumps(res)[:300]}"]
     # load_whole: an FSDP checkpoint's model and optimizer, read back from the shards its step file names
     mine, theirs = load_whole(run / "checkpoints" / "last.pt"), load_whole(ref / "checkpoints" / "last.pt")
-    problems = [f"final {k} differs from the uninterrupted run's at {d}" for k in COMPARED
-                if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))]
+    problems = [
+        f"final {k} differs from the uninterrupted run's at {d}"
+        for k in COMPARED
+        if not (skip_rng and k == "rng") and (d := same(mine.get(k), theirs.get(k), k))
+    ]
     mine["results"].pop("last_train"), theirs["results"].pop("last_train")  # its vitals/* are timings
-    problems += [f"final results differ at {d}"] if (d := same(mine["results"], theirs["results"], "results")) else []
+    problems += (
+        [f"final results differ at {d}"] if (d := same(mine["results"], theirs["results"], "results")) else []
+    )
     if res.get("metrics", {}).get("step") != mine["loop"]["step"]:
-        problems.append(f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}")
+        problems.append(
+            f"result.json step {res.get('metrics', {}).get('step')} != last.pt's {mine['loop']['step']}"
+        )
     return problems + check_events(run, ref)
 
 
@@ -171,7 +196,9 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
         try:
             run_id = json.loads(record.read_text())["run_id"]
         except (ValueError, KeyError) as e:
-            problems.append(f"{run.name}: mlflow.json unreadable ({type(e).__name__}): a resume loses its MLflow run")
+            problems.append(
+                f"{run.name}: mlflow.json unreadable ({type(e).__name__}): a resume loses its MLflow run"
+            )
             continue
         for key, points in read_scalars(events_dir(run)).items():
             if key.startswith("vitals/"):
@@ -180,29 +207,44 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
             history = client.get_metric_history(run_id, key)
             got = dict(sorted((m.step, m.value) for m in history))
             tb = dict(points)
-            if len(history) != len(got) or not set(got) <= set(tb) or (not lossy and set(got) != set(tb)) \
-                    or max(got, default=None) != max(tb):
-                problems.append(f"{run.name}: MLflow's {key} at steps {sorted(m.step for m in history)[:20]}, "
-                                f"TensorBoard's at {sorted(tb)[:20]}")
+            if (
+                len(history) != len(got)
+                or not set(got) <= set(tb)
+                or (not lossy and set(got) != set(tb))
+                or max(got, default=None) != max(tb)
+            ):
+                problems.append(
+                    f"{run.name}: MLflow's {key} at steps {sorted(m.step for m in history)[:20]}, "
+                    f"TensorBoard's at {sorted(tb)[:20]}"
+                )
             elif any(np.float32(got[st]) != np.float32(tb[st]) for st in got):
                 problems.append(f"{run.name}: MLflow's {key} values differ from TensorBoard's")
             missing += len(set(tb) - set(got))
         status = client.get_run(run_id).info.status
         problems += [f"{run.name}: MLflow run {status}, not FINISHED"] if status != "FINISHED" else []
-    notes.append(f"MLflow compared: {seen} TensorBoard points in {len(runs)} run(s)" +
-                 (f", {missing} lost to the kill" if missing else ""))
+    notes.append(
+        f"MLflow compared: {seen} TensorBoard points in {len(runs)} run(s)"
+        + (f", {missing} lost to the kill" if missing else "")
+    )
     return problems
 
 
-def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_under_torchrun: bool = False) -> list[str]:
+def check_files(
+    cwd: Path, before: dict, tmp: Path, notes: list[str], failed_under_torchrun: bool = False
+) -> list[str]:
     """Invariant 5: only the run dir changed in the working dir; ddplab's scratch is gone from TMPDIR.
     ``failed_under_torchrun``: the job's last run failed for good under torchrun, whose restarts need rank 0's
     memo of the run dir: it stays (the next ddplab start removes it once the agent is gone), noted."""
     after = snapshot(cwd)
-    outside = sorted(p for p in set(before) | set(after) if p.split("/")[0] not in ("run", "run-again")
-                     and before.get(p) != after.get(p))
+    outside = sorted(
+        p
+        for p in set(before) | set(after)
+        if p.split("/")[0] not in ("run", "run-again") and before.get(p) != after.get(p)
+    )
     problems = [f"written outside the run dir: {outside[:10]}"] if outside else []
-    ours = [p.name for p in tmp.glob("ddplab-rank*")] + [f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")]
+    ours = [p.name for p in tmp.glob("ddplab-rank*")] + [
+        f"{p.parent.name}/{p.name}" for p in tmp.glob("ddplab-*/*")
+    ]
     memos = [o for o in ours if failed_under_torchrun and o.startswith("ddplab-") and "/run-" in o]
     notes += [f"torchrun's restart memo of the failed job kept: {memos}"] if memos else []
     ours = [o for o in ours if o not in memos]
@@ -221,8 +263,10 @@ def check_files(cwd: Path, before: dict, tmp: Path, notes: list[str], failed_und
 
 # What each fault that is not a signal must be said with (the job's one line): the cause, as the OS or SQLite
 # said it.
-CAUSES = {"disk_full": ("No space left on device", "free on its file system"),
-          "storage_loss": ("attempt to write a readonly database", "no such table", "unable to open database file")}
+CAUSES = {
+    "disk_full": ("No space left on device", "free on its file system"),
+    "storage_loss": ("attempt to write a readonly database", "no such table", "unable to open database file"),
+}
 
 
 def check_one_line(t: Trial, a: Attempt, notes: list[str]) -> list[str]:
@@ -237,7 +281,9 @@ def check_one_line(t: Trial, a: Attempt, notes: list[str]) -> list[str]:
     if ours:
         problems.append(f"{t.fault}: {len(ours)} traceback(s): {ours[0][:600]!r}")
     if not any(cause in a.out for cause in CAUSES[t.fault]):
-        problems.append(f"{t.fault}: no line names the cause ({' / '.join(CAUSES[t.fault])}): {a.out[-800:]!r}")
+        problems.append(
+            f"{t.fault}: no line names the cause ({' / '.join(CAUSES[t.fault])}): {a.out[-800:]!r}"
+        )
     return problems
 
 

@@ -13,8 +13,19 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from _soak_checks import (GRACE_S, Attempt, check_fault, check_final, check_preempted, check_tracking, load,
-                          read_result, run_attempt, spoil_newest, tracebacks)
+from _soak_checks import (
+    GRACE_S,
+    Attempt,
+    check_fault,
+    check_final,
+    check_preempted,
+    check_tracking,
+    load,
+    read_result,
+    run_attempt,
+    spoil_newest,
+    tracebacks,
+)
 from soak_plan import Trial
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,15 +37,25 @@ VERDICT = "Likely cause:"  # verify_resume's FAIL verdict: the job itself does n
 def command(t: Trial, run: Path, resume: bool = False) -> list[str]:
     """The job's command line. A study worker's trials go to ``run`` (its own dir inside), and it resumes its
     trials itself; verify_resume starts from scratch (a rerun gets a fresh ``run``)."""
-    where = [f"study.dir={run}", f"hydra.run.dir={run}/worker"] if t.mode == "study" else [f"hydra.run.dir={run}"]
+    where = (
+        [f"study.dir={run}", f"hydra.run.dir={run}/worker"] if t.mode == "study" else [f"hydra.run.dir={run}"]
+    )
     args = t.overrides() + where + (["resume=auto"] if resume and t.mode == "train" else [])
     if t.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.world}", str(TRAIN),
-                *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={t.world}",
+            str(TRAIN),
+            *args,
+        ]
     if t.launcher == "slurm":  # a job step of N tasks, the ranks (ddplab reads SLURM_PROCID/NTASKS)
         return ["srun", f"--ntasks={t.world}", "--cpus-per-task=1", sys.executable, str(TRAIN), *args]
-    return [sys.executable, str(TRAIN), *args] + ([f"distributed.nproc_per_node={t.world}"] if t.launcher == "selflaunch"
-                                                  else [])
+    return [sys.executable, str(TRAIN), *args] + (
+        [f"distributed.nproc_per_node={t.world}"] if t.launcher == "selflaunch" else []
+    )
 
 
 def short_tmp(tdir: Path) -> str:
@@ -51,20 +72,42 @@ def short_tmp(tdir: Path) -> str:
 def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
     """helpers.jobs.job_env()'s environment, plus the trial's: its own TMPDIR, its id, the delays and the
     fault."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SOAK_"))
+    }
     # srun names its job so (the driver cancels an allocation srun's death left behind)
     if t.launcher == "slurm":
         env["SLURM_JOB_NAME"] = trial_id
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=short_tmp(tdir), SOAK_TRIAL_ID=trial_id,
-               SOAK_DIR=str(tdir), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])))
+    env.update(
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        TMPDIR=short_tmp(tdir),
+        SOAK_TRIAL_ID=trial_id,
+        SOAK_DIR=str(tdir),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])),
+    )
     if fault:
         run = tdir / "cwd" / "run"
-        env.update(SOAK_DELAY_S=repr(t.step_s / t.accum), SOAK_EVAL_DELAY_S=repr(t.eval_s),
-                   SOAK_FAULT=json.dumps({"phase": "fetch" if t.phase in ("data", "between") else t.phase, "k": t.k,
-                                          "rank": t.rank, "target": t.target, "signal": t.signal, "dir": str(tdir),
-                                          "fault": t.fault, "disk": str(run), "storage": str(run / "study.db"),
-                                          "server": t.server_pid}))
+        env.update(
+            SOAK_DELAY_S=repr(t.step_s / t.accum),
+            SOAK_EVAL_DELAY_S=repr(t.eval_s),
+            SOAK_FAULT=json.dumps(
+                {
+                    "phase": "fetch" if t.phase in ("data", "between") else t.phase,
+                    "k": t.k,
+                    "rank": t.rank,
+                    "target": t.target,
+                    "signal": t.signal,
+                    "dir": str(tdir),
+                    "fault": t.fault,
+                    "disk": str(run),
+                    "storage": str(run / "study.db"),
+                    "server": t.server_pid,
+                }
+            ),
+        )
     return env
 
 
@@ -139,11 +182,15 @@ def left_over(attempts: list[Attempt], timeout: float) -> list[str]:
     problems = []
     for i, a in enumerate(attempts):
         problems += [f"attempt {i} timed out after {timeout:.0f}s"] if a.timed_out else []
-        problems += [f"attempt {i}: processes alive {GRACE_S:.0f}s after it ended: {a.left}"] if a.left else []
+        problems += (
+            [f"attempt {i}: processes alive {GRACE_S:.0f}s after it ended: {a.left}"] if a.left else []
+        )
     return problems
 
 
-def study_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]) -> tuple[list[str], list[str]]:
+def study_flow(
+    t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]
+) -> tuple[list[str], list[str]]:
     """A study worker faulted in one of its two trials, then workers started again until both are done (at
     most 3); each trial then bitwise its uninterrupted study's, told once, with the same value. storage_loss:
     the worker ends in one line, and there is no study left to finish."""
@@ -179,13 +226,17 @@ def told(study_dir: Path) -> list[tuple[str, Any]]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = optuna.storages.RDBStorage(f"sqlite:///{study_dir / 'study.db'}")
     try:
-        return [(tr.state.name, tr.value) for tr in optuna.load_study(study_name="digits_lr_wd",
-                                                                      storage=store).get_trials()]
+        return [
+            (tr.state.name, tr.value)
+            for tr in optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+        ]
     finally:
         store.engine.dispose()
 
 
-def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]) -> tuple[list[str], list[str]]:
+def verify_flow(
+    t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Path]
+) -> tuple[list[str], list[str]]:
     """mode=verify_resume faulted: it says PASS (the fault missed what it compares) or fails without a verdict
     on the job (a FAIL would blame the user's code for an outside fault), in one line; run again, it says
     PASS. The uninterrupted leg of the run that passed is bitwise the plain training run."""
@@ -195,7 +246,11 @@ def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pa
     a, problems, passed = attempts[0], [], run
     if not (tdir / "fired").exists():
         problems.append("the fault never fired (k beyond the calls the job made?)")
-    errors = [line for line in a.out.splitlines() if "verify_resume: " in line and ("ERROR" in line or "WARNING" in line)]
+    errors = [
+        line
+        for line in a.out.splitlines()
+        if "verify_resume: " in line and ("ERROR" in line or "WARNING" in line)
+    ]
     notes.append(f"exit {a.rc}: {(errors or ['PASS' if PASS in a.out else 'no line'])[-1][-200:]}")
     # verify_resume's own process too
     killed_itself = t.signal == "SIGKILL" and t.target == "all" and a.rc == -9
@@ -211,4 +266,6 @@ def verify_flow(t: Trial, tdir: Path, cwd: Path, run: Path, ref: Callable[[], Pa
         attempts.append(run_attempt(command(t, passed), env, cwd, log, timeout))
         if attempts[-1].rc != 0 or PASS not in attempts[-1].out:
             problems.append(f"verify_resume run again: exit {attempts[-1].rc}: {attempts[-1].out[-600:]!r}")
-    return problems + left_over(attempts, timeout) + check_final(passed / "verify_resume" / "uninterrupted", ref()), notes
+    return problems + left_over(attempts, timeout) + check_final(
+        passed / "verify_resume" / "uninterrupted", ref()
+    ), notes

@@ -42,7 +42,9 @@ def end_everything_when_stopped() -> None:
             quiet = 0 if left else quiet + 1
             time.sleep(0.1)
         if shutil.which("squeue"):  # a killed srun's allocation outlives it (as run_attempt's scancel says)
-            jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout.split("\n")
+            jobs = subprocess.run(
+                ["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True
+            ).stdout.split("\n")
             ids = [line.split()[0] for line in jobs if f"-{me}-" in line]
             if ids:
                 subprocess.run(["scancel", *ids], capture_output=True)

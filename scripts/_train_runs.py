@@ -16,8 +16,9 @@ def train_throughput(cmd: list[str], run_dir: Path) -> float:
     sys.path.insert(0, str(REPO / "src"))
     from ddplab.events import read_scalars
 
-    proc = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    proc = subprocess.run(
+        [*cmd, f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}")
     values = [v for _, v in read_scalars(run_dir / "tb")["vitals/samples_per_s"]][1:]

@@ -4,7 +4,7 @@
     python scripts/bench_checkpoint.py                    # 0.1, 1, 2 GB; 3 saves each; a table
     python scripts/bench_checkpoint.py --gb 1 --saves 5   # one size
     python scripts/bench_checkpoint.py --dir /mnt/nfs/x   # checkpoints on another file system
-    python scripts/bench_checkpoint.py --allocator system # glibc's malloc defaults (perf.host_allocator=system)
+    python scripts/bench_checkpoint.py --allocator system # glibc's defaults (perf.host_allocator=system)
 
 Each (size, mode) is one ``python train.py``-equivalent run in its own process (its peak memory is its
 own): the real trainer, ``model=mlp`` with hidden layers [H, H, H] sized so that the weights plus
@@ -59,8 +59,14 @@ class SaveRecorder:
         def save(*args, **kwargs):
             path = inner(*args, **kwargs)
             if path:
-                RECORD.append({"save": state.loop.step, "stall_s": ck.last_stall_s, "wait_s": ck.last_wait_s,
-                               "staging_bytes": ck.staging_bytes})
+                RECORD.append(
+                    {
+                        "save": state.loop.step,
+                        "stall_s": ck.last_stall_s,
+                        "wait_s": ck.last_wait_s,
+                        "staging_bytes": ck.staging_bytes,
+                    }
+                )
                 self.t = time.perf_counter()
             return path
 
@@ -81,19 +87,30 @@ def every_for(gb: float) -> int:
 
 def one(gb: float, mode: str, saves: int, where: Path, allocator: str = "tuned") -> dict[str, float]:
     sys.path.insert(0, str(REPO / "src"))
-    import ddplab
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
+    import ddplab
     from ddplab.config import register_configs
 
     register_configs()
     h = hidden_for(gb)
-    ov = ["model=mlp", f"model.hidden=[{h},{h},{h}]", "model.dropout=0", "num_epochs=1",
-          f"limit_train_steps={every_for(gb) * saves + 1}", f"checkpoint.every_n_steps={every_for(gb)}", f"checkpoint.keep_last={saves + 2}",
-          "checkpoint.save_best=false", "limit_val_batches=1", "batch_size=32", "progress=none",
-          f"checkpoint.async_save={mode == 'async'}", f"perf.host_allocator={allocator}",
-          "+callbacks.rec._target_=__main__.SaveRecorder"]
+    ov = [
+        "model=mlp",
+        f"model.hidden=[{h},{h},{h}]",
+        "model.dropout=0",
+        "num_epochs=1",
+        f"limit_train_steps={every_for(gb) * saves + 1}",
+        f"checkpoint.every_n_steps={every_for(gb)}",
+        f"checkpoint.keep_last={saves + 2}",
+        "checkpoint.save_best=false",
+        "limit_val_batches=1",
+        "batch_size=32",
+        "progress=none",
+        f"checkpoint.async_save={mode == 'async'}",
+        f"perf.host_allocator={allocator}",
+        "+callbacks.rec._target_=__main__.SaveRecorder",
+    ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=ov)
     with open_dict(cfg):
@@ -105,14 +122,20 @@ def one(gb: float, mode: str, saves: int, where: Path, allocator: str = "tuned")
     saves_ = [r for r in RECORD if "save" in r][1:]
     steps = [r["step_s"] for i, r in enumerate(RECORD) if "step" in r and i and "save" in RECORD[i - 1]][1:]
     state_bytes = sum(p.stat().st_size for p in (where / "checkpoints").glob("step-*.pt")) / max(
-        1, len(list((where / "checkpoints").glob("step-*.pt"))))
-    return {"gb": gb, "mode": mode, "state_gb": state_bytes / 2**30,
-            "stall_s": statistics.median(r["stall_s"] for r in saves_),
-            "wait_s": max(r["wait_s"] for r in saves_),
-            "write_s": statistics.median(v for k, v in written.items() if k.startswith("step-")),
-            "step_after_save_s": statistics.median(steps) if steps else float("nan"),
-            "staging_gb": max(r["staging_bytes"] for r in saves_) / 2**30, "run_s": run_s,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        1, len(list((where / "checkpoints").glob("step-*.pt")))
+    )
+    return {
+        "gb": gb,
+        "mode": mode,
+        "state_gb": state_bytes / 2**30,
+        "stall_s": statistics.median(r["stall_s"] for r in saves_),
+        "wait_s": max(r["wait_s"] for r in saves_),
+        "write_s": statistics.median(v for k, v in written.items() if k.startswith("step-")),
+        "step_after_save_s": statistics.median(steps) if steps else float("nan"),
+        "staging_gb": max(r["staging_bytes"] for r in saves_) / 2**30,
+        "run_s": run_s,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
 def main() -> None:
@@ -131,23 +154,46 @@ def main() -> None:
         for gb in a.gb:
             for mode in ("sync", "async"):
                 where = Path(tmp) / f"{gb}-{mode}"
-                out = subprocess.run([sys.executable, __file__, "--one", str(gb), mode, "--saves", str(a.saves),
-                                      "--dir", str(where), "--allocator", a.allocator], capture_output=True, text=True, cwd=tmp,
-                                     env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        str(gb),
+                        mode,
+                        "--saves",
+                        str(a.saves),
+                        "--dir",
+                        str(where),
+                        "--allocator",
+                        a.allocator,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    cwd=tmp,
+                    env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
+                )
                 line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{gb} GB {mode} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
                 rows.append(json.loads(line[7:]))
                 subprocess.run(["rm", "-rf", str(where)])
                 print(f"done: {gb} GB {mode}", file=sys.stderr, flush=True)
-    print("| state | mode | loop stall per save | of it, waiting for the previous write (max) | write (save start "
-          "to file on disk) | stall / sync stall | step after a save | whole run | staging buffers | peak RSS |")
+    print(
+        "| state | mode | loop stall per save | of it, waiting for the previous write (max) | write (save "
+        "start "
+        "to file on disk) | stall / sync stall | step after a save | whole run | staging buffers | peak RSS |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sync = next(x for x in rows if x["gb"] == r["gb"] and x["mode"] == "sync")
-        print(f"| {r['state_gb']:.2f} GB | {r['mode']} | {r['stall_s']:.3f} s | {r['wait_s']:.2f} s | {r['write_s']:.2f} s "
-              f"| {100 * r['stall_s'] / sync['stall_s']:.1f} % | {r['step_after_save_s']:.2f} s | {r['run_s']:.1f} s "
-              f"| {r['staging_gb']:.2f} GB | {r['peak_rss_gb']:.2f} GB |")
+        print(
+            f"| {r['state_gb']:.2f} GB | {r['mode']} | {r['stall_s']:.3f} s | {r['wait_s']:.2f} s | "
+            f"{r['write_s']:.2f} s "
+            f"| {100 * r['stall_s'] / sync['stall_s']:.1f} % | {r['step_after_save_s']:.2f} s | "
+            f"{r['run_s']:.1f} s "
+            f"| {r['staging_gb']:.2f} GB | {r['peak_rss_gb']:.2f} GB |"
+        )
 
 
 if __name__ == "__main__":

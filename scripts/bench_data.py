@@ -25,19 +25,34 @@ from _train_runs import REPO, train_throughput
 
 CASES = {
     "digits": ["dataset=digits", "num_epochs=3"],
-    "digits + crop/flip": ["dataset=digits", "num_epochs=3", "dataset.augment.crop_padding=1",
-                           "dataset.augment.hflip=true"],
+    "digits + crop/flip": [
+        "dataset=digits",
+        "num_epochs=3",
+        "dataset.augment.crop_padding=1",
+        "dataset.augment.hflip=true",
+    ],
     "synthetic 3x32x32": ["dataset=synthetic", "dataset.num_train=8192", "num_epochs=1"],
-    "synthetic 3x32x32 + crop/flip": ["dataset=synthetic", "dataset.num_train=8192",
-                                      "num_epochs=1", "dataset.augment.crop_padding=4", "dataset.augment.hflip=true"],
+    "synthetic 3x32x32 + crop/flip": [
+        "dataset=synthetic",
+        "dataset.num_train=8192",
+        "num_epochs=1",
+        "dataset.augment.crop_padding=4",
+        "dataset.augment.hflip=true",
+    ],
 }
-PATHS = {"before (DataLoader)": ["perf.data_on_device=false"], "after (on device)": ["perf.data_on_device=true"]}
+PATHS = {
+    "before (DataLoader)": ["perf.data_on_device=false"],
+    "after (on device)": ["perf.data_on_device=true"],
+}
 
 
 def samples_per_s(args: list[str], nproc: int, work: Path) -> float:
     run_dir = work / f"run{len(list(work.iterdir()))}"
-    launcher = [sys.executable] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
     return train_throughput([*launcher, str(REPO / "train.py"), *args, "progress=none"], run_dir)
 
 
@@ -56,10 +71,14 @@ def main() -> None:
         for name, case in CASES.items():
             rates = []
             for path_args in PATHS.values():
-                runs = [samples_per_s(case + path_args + extra, a.nproc, Path(work)) for _ in range(a.repeats)]
+                runs = [
+                    samples_per_s(case + path_args + extra, a.nproc, Path(work)) for _ in range(a.repeats)
+                ]
                 rates.append(statistics.median(runs))
-            print(f"| {name} | " + " | ".join(f"{r:,.0f}" for r in rates) + f" | {rates[1] / rates[0]:.2f}x |",
-                  flush=True)
+            print(
+                f"| {name} | " + " | ".join(f"{r:,.0f}" for r in rates) + f" | {rates[1] / rates[0]:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -35,20 +35,43 @@ def main() -> None:
 
     gpus = a.gpus or torch.cuda.device_count()
     if gpus < 2 or torch.cuda.device_count() < gpus:
-        print(f"bench_dp_vs_ddp: needs at least 2 GPUs, this machine has {torch.cuda.device_count()}; "
-              "nothing to compare (skipped).")
+        print(
+            f"bench_dp_vs_ddp: needs at least 2 GPUs, this machine has {torch.cuda.device_count()}; "
+            "nothing to compare (skipped)."
+        )
         return
-    common = [f"model={a.model}", "dataset=synthetic", f"dataset.num_train={a.num_train}", "dataset.num_val=512",
-              f"dataset.image_size={a.image_size}", f"batch_size={a.batch_size}", "num_epochs=2", "progress=none",
-              f"amp={str(a.amp).lower()}", "log_every_n_steps=10"]
+    common = [
+        f"model={a.model}",
+        "dataset=synthetic",
+        f"dataset.num_train={a.num_train}",
+        "dataset.num_val=512",
+        f"dataset.image_size={a.image_size}",
+        f"batch_size={a.batch_size}",
+        "num_epochs=2",
+        "progress=none",
+        f"amp={str(a.amp).lower()}",
+        "log_every_n_steps=10",
+    ]
     train = str(REPO / "train.py")
     with tempfile.TemporaryDirectory(prefix="ddplab-dp-ddp-") as work:
         env_gpus = ",".join(map(str, range(gpus)))
         gpu_env = ["env", f"CUDA_VISIBLE_DEVICES={env_gpus}", sys.executable]
         dp = train_throughput([*gpu_env, train, "distributed=dp", *common], Path(work) / "dp")
-        ddp = train_throughput([*gpu_env, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                                train, *common], Path(work) / "ddp")
-    print(f"| {a.model}, {a.image_size}x{a.image_size}, global batch {a.batch_size}, {gpus} GPUs | images/s |")
+        ddp = train_throughput(
+            [
+                *gpu_env,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={gpus}",
+                train,
+                *common,
+            ],
+            Path(work) / "ddp",
+        )
+    print(
+        f"| {a.model}, {a.image_size}x{a.image_size}, global batch {a.batch_size}, {gpus} GPUs | images/s |"
+    )
     print("|---|---|")
     print(f"| DataParallel (1 process) | {dp:,.0f} |")
     print(f"| DistributedDataParallel ({gpus} processes) | {ddp:,.0f} ({ddp / dp:.2f}x) |")

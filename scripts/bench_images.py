@@ -42,7 +42,9 @@ def make_images(root: Path, n: int, classes: int, size: tuple[int, int]) -> None
         for i in range(count):
             d = root / split / f"c{i % classes}"
             d.mkdir(parents=True, exist_ok=True)
-            base = (xx * rng.uniform(0.2, 1.0) + yy * rng.uniform(0.2, 1.0))[..., None] * rng.uniform(0.3, 1, 3)
+            base = (xx * rng.uniform(0.2, 1.0) + yy * rng.uniform(0.2, 1.0))[..., None] * rng.uniform(
+                0.3, 1, 3
+            )
             img = np.clip(base % 256 + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
             Image.fromarray(img).save(d / f"{i:06d}.jpg", quality=90)
 
@@ -78,13 +80,21 @@ class HandImages(Dataset):
 
 def loaders(root: Path, args: argparse.Namespace) -> dict[str, object]:
     cpu = torch.device("cpu")
-    hand = DataLoader(HandImages(root / "train", args.image_size), batch_size=args.batch_size, shuffle=True,
-                      num_workers=args.workers, pin_memory=torch.cuda.is_available(), drop_last=True,
-                      persistent_workers=args.workers > 0, prefetch_factor=args.prefetch if args.workers else None)
+    hand = DataLoader(
+        HandImages(root / "train", args.image_size),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=True,
+        persistent_workers=args.workers > 0,
+        prefetch_factor=args.prefetch if args.workers else None,
+    )
     data = imagefolder(str(root), image_size=args.image_size)
     sampler = ShardedGlobalSampler(len(data.train), args.batch_size, 1, 0, seed=0)
-    ours = TrainLoader(data.train, sampler, cpu, num_workers=args.workers, pin_memory=True,
-                       prefetch_factor=args.prefetch)  # perf.prefetch_factor
+    ours = TrainLoader(
+        data.train, sampler, cpu, num_workers=args.workers, pin_memory=True, prefetch_factor=args.prefetch
+    )  # perf.prefetch_factor
     return {"hand-written DataLoader": hand, "ddplab imagefolder": ours}
 
 
@@ -105,7 +115,9 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=4, help="prefetch_factor of both (ddplab: perf.prefetch_factor)")
+    p.add_argument(
+        "--prefetch", type=int, default=4, help="prefetch_factor of both (ddplab: perf.prefetch_factor)"
+    )
     p.add_argument("--epochs", type=int, default=6, help="per side, the first left out")
     args = p.parse_args()
     torch.set_num_threads(1)  # the main process only collates and hands over: leave the cores to the workers
@@ -116,16 +128,20 @@ def main() -> None:
         sides = list(loaders(root, args).items())  # made once: persistent workers stay up, as in training
         rates: dict[str, list[float]] = {name: [] for name, _ in sides}
         for epoch in range(args.epochs):
-            for name, loader in (sides if epoch % 2 else sides[::-1]):  # who goes first alternates
+            for name, loader in sides if epoch % 2 else sides[::-1]:  # who goes first alternates
                 rates[name].append(epoch_rate(loader, epoch))
         med = {k: statistics.median(v[1:]) for k, v in rates.items()}
-    print(f"{args.images} JPEGs {args.source_size[0]}x{args.source_size[1]} ({kb:.0f} KB each) -> "
-          f"{args.image_size}x{args.image_size}, batch {args.batch_size}, {args.workers} worker(s), "
-          f"{args.epochs} epochs a side (first left out), alternating\n")
+    print(
+        f"{args.images} JPEGs {args.source_size[0]}x{args.source_size[1]} ({kb:.0f} KB each) -> "
+        f"{args.image_size}x{args.image_size}, batch {args.batch_size}, {args.workers} worker(s), "
+        f"{args.epochs} epochs a side (first left out), alternating\n"
+    )
     print("| loader | samples/s per epoch | median |\n|---|---|---|")
     for name, v in rates.items():
         print(f"| {name} | {', '.join(f'{r:,.0f}' for r in v)} | **{med[name]:,.0f}** |")
-    print(f"\nratio ddplab / hand-written: **{med['ddplab imagefolder'] / med['hand-written DataLoader']:.3f}**")
+    print(
+        f"\nratio ddplab / hand-written: **{med['ddplab imagefolder'] / med['hand-written DataLoader']:.3f}**"
+    )
 
 
 if __name__ == "__main__":

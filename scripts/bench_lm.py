@@ -77,8 +77,8 @@ def nanogpt_rank(train_bin: str, steps: int, out_dir: str) -> None:
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         data = np.memmap(train_bin, dtype=np.uint16, mode="r")  # re-opened per batch, as nanoGPT does
         ix = torch.randint(len(data) - BLOCK - 1, (per_rank,))
-        x = torch.stack([torch.from_numpy(data[i:i + BLOCK].astype(np.int64)) for i in ix.tolist()])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + BLOCK].astype(np.int64)) for i in ix.tolist()])
+        x = torch.stack([torch.from_numpy(data[i : i + BLOCK].astype(np.int64)) for i in ix.tolist()])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + BLOCK].astype(np.int64)) for i in ix.tolist()])
         return x, y
 
     def get_lr(it: int) -> float:  # linear warmup, then cosine to 0.1 x lr
@@ -114,16 +114,42 @@ def nanogpt_rank(train_bin: str, steps: int, out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------ whole processes
-def command(side: str, a: argparse.Namespace, steps: int, train_bin: Path, val_bin: Path, out: Path) -> list[str]:
+def command(
+    side: str, a: argparse.Namespace, steps: int, train_bin: Path, val_bin: Path, out: Path
+) -> list[str]:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
     if side == "nanogpt":
-        return launch + [__file__, "--rank-of", "nanogpt", "--train-bin", str(train_bin), "--run-steps",
-                         str(steps), "--out", str(out)]
-    return launch + [str(REPO / "train.py"), "task=lm", "dataset=tokens", f"dataset.path={train_bin}",
-                     f"dataset.val_path={val_bin}", f"dataset.block_size={BLOCK}", f"dataset.vocab_size={VOCAB}",
-                     "model=gpt", "optimizer=adamw", f"optimizer.lr={LR}", "scheduler=cosine",
-                     f"scheduler.warmup_steps={WARMUP}", f"batch_size={BATCH}", f"log_every_n_steps={LOG_EVERY}",
-                     f"max_steps={steps}", "num_epochs=null", "progress=none", f"hydra.run.dir={out}"]
+        return launch + [
+            __file__,
+            "--rank-of",
+            "nanogpt",
+            "--train-bin",
+            str(train_bin),
+            "--run-steps",
+            str(steps),
+            "--out",
+            str(out),
+        ]
+    return launch + [
+        str(REPO / "train.py"),
+        "task=lm",
+        "dataset=tokens",
+        f"dataset.path={train_bin}",
+        f"dataset.val_path={val_bin}",
+        f"dataset.block_size={BLOCK}",
+        f"dataset.vocab_size={VOCAB}",
+        "model=gpt",
+        "optimizer=adamw",
+        f"optimizer.lr={LR}",
+        "scheduler=cosine",
+        f"scheduler.warmup_steps={WARMUP}",
+        f"batch_size={BATCH}",
+        f"log_every_n_steps={LOG_EVERY}",
+        f"max_steps={steps}",
+        "num_epochs=null",
+        "progress=none",
+        f"hydra.run.dir={out}",
+    ]
 
 
 # What ddplab's perf.host_allocator=tuned sets in its CPU ranks (ddplab.runtime.allocator), as glibc's
@@ -148,8 +174,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mb", type=float, default=20, help="the token file's size")
     p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--same-allocator", action="store_true",
-                   help="give the nanoGPT side ddplab's malloc thresholds too (its loop against ddplab's, alone)")
+    p.add_argument(
+        "--same-allocator",
+        action="store_true",
+        help="give the nanoGPT side ddplab's malloc thresholds too (its loop against ddplab's, alone)",
+    )
     p.add_argument("--rank-of", help=argparse.SUPPRESS)
     p.add_argument("--train-bin", help=argparse.SUPPRESS)
     p.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)
@@ -165,24 +194,39 @@ def main() -> None:
         for r in range(a.rounds):
             for side in ("nanogpt", "ddplab") if r % 2 == 0 else ("ddplab", "nanogpt"):
                 extra = SAME_ALLOCATOR if side == "nanogpt" and a.same_allocator else {}
-                walls = {n: wall(command(side, a, n, train_bin, val_bin, Path(tmp) / f"{side}-{r}-{n}"), extra)
-                         for n in (short, long)}
+                walls = {
+                    n: wall(command(side, a, n, train_bin, val_bin, Path(tmp) / f"{side}-{r}-{n}"), extra)
+                    for n in (short, long)
+                }
                 per_step[side].append((walls[long] - walls[short]) / (long - short) * 1e3)
-                print(f"round {r + 1} {side:8s} {short} steps {walls[short]:.2f} s, {long} steps {walls[long]:.2f} s: "
-                      f"{per_step[side][-1]:.2f} ms/step", flush=True)
+                print(
+                    f"round {r + 1} {side:8s} {short} steps {walls[short]:.2f} s, {long} steps "
+                    f"{walls[long]:.2f} s: "
+                    f"{per_step[side][-1]:.2f} ms/step",
+                    flush=True,
+                )
     med = {k: statistics.median(v) for k, v in per_step.items()}
     # The two sides of a round ran back to back: their ratio is the least touched by the VM's drift over
     # minutes.
     paired = [d / n for d, n in zip(per_step["ddplab"], per_step["nanogpt"])]
-    print(f"\nms per step (median of {a.rounds}): nanoGPT {med['nanogpt']:.2f}, ddplab {med['ddplab']:.2f}; "
-          f"ratio ddplab / nanoGPT {med['ddplab'] / med['nanogpt']:.3f}; per round "
-          f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})")
-    print("| rounds | nanoGPT ms/step | ddplab ms/step | ratio of medians | ratio per round (median) |\n|---|---|---|---|---|")
-    print(f"| {a.rounds} | {', '.join(f'{v:.2f}' for v in per_step['nanogpt'])} | "
-          f"{', '.join(f'{v:.2f}' for v in per_step['ddplab'])} | **{med['ddplab'] / med['nanogpt']:.3f}** | "
-          f"{', '.join(f'{r:.3f}' for r in paired)} (**{statistics.median(paired):.3f}**) |")
+    print(
+        f"\nms per step (median of {a.rounds}): nanoGPT {med['nanogpt']:.2f}, ddplab {med['ddplab']:.2f}; "
+        f"ratio ddplab / nanoGPT {med['ddplab'] / med['nanogpt']:.3f}; per round "
+        f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})"
+    )
+    print(
+        "| rounds | nanoGPT ms/step | ddplab ms/step | ratio of medians | ratio per round (median) "
+        "|\n|---|---|---|---|---|"
+    )
+    print(
+        f"| {a.rounds} | {', '.join(f'{v:.2f}' for v in per_step['nanogpt'])} | "
+        f"{', '.join(f'{v:.2f}' for v in per_step['ddplab'])} | **{med['ddplab'] / med['nanogpt']:.3f}** | "
+        f"{', '.join(f'{r:.3f}' for r in paired)} (**{statistics.median(paired):.3f}**) |"
+    )
     if a.json:
-        Path(a.json).write_text(json.dumps({"per_step_ms": per_step, "median": med, "paired": paired}, indent=1))
+        Path(a.json).write_text(
+            json.dumps({"per_step_ms": per_step, "median": med, "paired": paired}, indent=1)
+        )
 
 
 if __name__ == "__main__":

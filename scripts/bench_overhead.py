@@ -98,11 +98,22 @@ def ddplab_worker(a: argparse.Namespace, out: str) -> None:
 
 
 def ddplab_overrides(a: argparse.Namespace) -> list[str]:
-    return [f"model={a.model}", "dataset=synthetic", f"dataset.num_train={a.num_train}",
-            f"dataset.num_val={a.num_val}", f"dataset.image_size={a.image_size}", "dataset.in_channels=3",
-            f"batch_size={a.batch_size}", f"num_epochs={a.epochs}", "log_every_n_steps=10", "progress=none",
-            f"amp={str(a.amp).lower()}", f"perf.channels_last={str(a.channels_last).lower()}",
-            f"distributed.device={a.device}", *a.ddplab_args]
+    return [
+        f"model={a.model}",
+        "dataset=synthetic",
+        f"dataset.num_train={a.num_train}",
+        f"dataset.num_val={a.num_val}",
+        f"dataset.image_size={a.image_size}",
+        "dataset.in_channels=3",
+        f"batch_size={a.batch_size}",
+        f"num_epochs={a.epochs}",
+        "log_every_n_steps=10",
+        "progress=none",
+        f"amp={str(a.amp).lower()}",
+        f"perf.channels_last={str(a.channels_last).lower()}",
+        f"distributed.device={a.device}",
+        *a.ddplab_args,
+    ]
 
 
 def hand_worker(a: argparse.Namespace, out: str) -> None:
@@ -126,6 +137,7 @@ def interleaved_worker(a: argparse.Namespace, out: str) -> None:
     from ddplab.runtime import group
     from ddplab.train.assemble import build_state
     from ddplab.train.loop import Trainer
+
     register_configs()
 
     clock = StepClock()
@@ -180,22 +192,34 @@ class HandLoop:
         self.ddp = DDP(self.model, device_ids=[local] if cuda else None) if self.world > 1 else self.model
         self.per_rank = a.batch_size // self.world
         total = a.num_train // a.batch_size * a.epochs
-        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+        self.opt = torch.optim.SGD(
+            self.ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True
+        )
         warm = min(20, total - 1)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (
-            1 + math.cos(math.pi * min((s - warm) / max(total - warm, 1), 1.0))))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt,
+            lambda s: (
+                (s + 1) / warm
+                if s < warm
+                else 0.5 * (1 + math.cos(math.pi * min((s - warm) / max(total - warm, 1), 1.0)))
+            ),
+        )
         self.dtype = torch.bfloat16 if (not cuda or torch.cuda.is_bf16_supported()) else torch.float16
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=a.amp and self.dtype == torch.float16)
         self.writer = SummaryWriter(f"{a.workdir}/hand/tb") if self.rank == 0 else None
 
         train_set = TensorDataset(data.train.x, data.train.y)
-        self.sampler = DistributedSampler(train_set, self.world, self.rank, shuffle=True, seed=0, drop_last=True)
-        self.loader = DataLoader(train_set, batch_size=self.per_rank, sampler=self.sampler, drop_last=True,
-                                 pin_memory=cuda)
+        self.sampler = DistributedSampler(
+            train_set, self.world, self.rank, shuffle=True, seed=0, drop_last=True
+        )
+        self.loader = DataLoader(
+            train_set, batch_size=self.per_rank, sampler=self.sampler, drop_last=True, pin_memory=cuda
+        )
         self.xs, self.ys = data.train.x.to(self.device), data.train.y.to(self.device)  # "tensor" path
         val_set = TensorDataset(data.val.x, data.val.y)
-        self.val_loader = DataLoader(val_set, batch_size=256,
-                                     sampler=DistributedSampler(val_set, self.world, self.rank, shuffle=False))
+        self.val_loader = DataLoader(
+            val_set, batch_size=256, sampler=DistributedSampler(val_set, self.world, self.rank, shuffle=False)
+        )
         self.step = self.epochs_done = 0
 
     def reduce_tensor(self, t):
@@ -247,16 +271,28 @@ class HandLoop:
                 x, y = x.to(dev).contiguous(memory_format=self.fmt), y.to(dev)
                 with torch.autocast(dev.type, dtype=self.dtype, enabled=self.a.amp):
                     logits = self.model(x)
-                sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                                     (logits.argmax(1) == y).sum().double(), torch.tensor(len(y), device=dev)])
+                sums += torch.stack(
+                    [
+                        F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                        (logits.argmax(1) == y).sum().double(),
+                        torch.tensor(len(y), device=dev),
+                    ]
+                )
         if self.world > 1:
             dist.all_reduce(sums)
         if self.rank == 0:
             self.writer.add_scalar("val/loss", (sums[0] / sums[2]).item(), self.step)
             self.writer.add_scalar("val/acc", (sums[1] / sums[2]).item(), self.step)
-            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                        "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
-                        "epoch": self.epochs_done}, f"{self.a.workdir}/hand/ckpt.pt")
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "epoch": self.epochs_done,
+                },
+                f"{self.a.workdir}/hand/ckpt.pt",
+            )
         self.epochs_done += 1
 
     def close(self) -> None:
@@ -269,13 +305,27 @@ class HandLoop:
 
 
 # ------------------------------------------------------------ the driver
-def launch(worker: str, nproc: int, a: argparse.Namespace, argv: list[str], epochs: int) -> tuple[dict, float]:
+def launch(
+    worker: str, nproc: int, a: argparse.Namespace, argv: list[str], epochs: int
+) -> tuple[dict, float]:
     """Run one worker (``python`` or ``torchrun``); returns rank 0's clock and the wall time."""
     out = Path(a.workdir) / f"{worker}.json"
     out.unlink(missing_ok=True)
-    me = [str(Path(__file__).resolve()), "--worker", worker, "--result", str(out), *argv, "--epochs", str(epochs)]
-    cmd = [sys.executable, *me] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *me]
+    me = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        worker,
+        "--result",
+        str(out),
+        *argv,
+        "--epochs",
+        str(epochs),
+    ]
+    cmd = (
+        [sys.executable, *me]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *me]
+    )
     env = {**os.environ, "BENCH_T0": repr(time.time())}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -297,13 +347,19 @@ def per_step(nproc: int, a: argparse.Namespace, argv: list[str]) -> dict:
     stamps = r["stamps"]
     epochs: dict[str, list[float]] = {"hand": [], "ddplab": []}  # per-epoch median step time
     for e in range(len(stamps) // spe):
-        block = stamps[e * spe: (e + 1) * spe]
+        block = stamps[e * spe : (e + 1) * spe]
         epochs[block[0][0]].append(statistics.median(step_intervals_ms(block, spe)[block[0][0]]))
     every = step_intervals_ms(stamps, spe)
     paired = sorted(d / h for h, d in zip(epochs["hand"], epochs["ddplab"]))
-    return {"hand_step_ms": statistics.median(every["hand"]), "ddplab_step_ms": statistics.median(every["ddplab"]),
-            "hand_mean_ms": statistics.fmean(every["hand"]), "ddplab_mean_ms": statistics.fmean(every["ddplab"]),
-            "paired_min": paired[0], "paired_max": paired[-1], "paired_median": statistics.median(paired)}
+    return {
+        "hand_step_ms": statistics.median(every["hand"]),
+        "ddplab_step_ms": statistics.median(every["ddplab"]),
+        "hand_mean_ms": statistics.fmean(every["hand"]),
+        "ddplab_mean_ms": statistics.fmean(every["ddplab"]),
+        "paired_min": paired[0],
+        "paired_max": paired[-1],
+        "paired_median": statistics.median(paired),
+    }
 
 
 def start_up(nproc: int, a: argparse.Namespace, argv: list[str]) -> dict:
@@ -313,17 +369,27 @@ def start_up(nproc: int, a: argparse.Namespace, argv: list[str]) -> dict:
         for side in ("hand", "ddplab") if i % 2 == 0 else ("ddplab", "hand"):
             r, total = launch(side, nproc, a, argv, a.launch_epochs)
             runs[side].append((r["first_step_s"], total))
-            print(f"  nproc={nproc} launch {i + 1}/{a.repeats} {side:6s} first step {r['first_step_s']:.2f} s, "
-                  f"total {total:.2f} s", flush=True)
-    return {f"{side}_{k}": statistics.median(x[j] for x in rs)
-            for side, rs in runs.items() for j, k in enumerate(("first_s", "total_s"))}
+            print(
+                f"  nproc={nproc} launch {i + 1}/{a.repeats} {side:6s} first step {r['first_step_s']:.2f} s, "
+                f"total {total:.2f} s",
+                flush=True,
+            )
+    return {
+        f"{side}_{k}": statistics.median(x[j] for x in rs)
+        for side, rs in runs.items()
+        for j, k in enumerate(("first_s", "total_s"))
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
     p.add_argument("--epochs", type=int, default=8, help="epochs per side in the interleaved step-time run")
-    p.add_argument("--repeats", type=int, default=5, help="separate-process launches per side (start-up times)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="separate-process launches per side (start-up times)"
+    )
     p.add_argument("--launch-epochs", type=int, default=1, help="epochs of each start-up run")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--model", choices=["convnet", "resnet18"], default="convnet")
@@ -334,14 +400,18 @@ def main() -> None:
     p.add_argument("--amp", action="store_true", help="autocast: bf16 (fp16 + GradScaler on pre-Ampere GPUs)")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--hand-data", choices=["tensor", "loader"], default="tensor")
-    p.add_argument("--ddplab-args", nargs="*", default=[], help="extra train.py overrides for the ddplab side")
+    p.add_argument(
+        "--ddplab-args", nargs="*", default=[], help="extra train.py overrides for the ddplab side"
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--worker", choices=["hand", "ddplab", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        {"hand": hand_worker, "ddplab": ddplab_worker, "interleaved": interleaved_worker}[a.worker](a, a.result)
+        {"hand": hand_worker, "ddplab": ddplab_worker, "interleaved": interleaved_worker}[a.worker](
+            a, a.result
+        )
         return
 
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as work:
@@ -352,8 +422,10 @@ def main() -> None:
             if a.batch_size % nproc:
                 raise SystemExit(f"--batch-size {a.batch_size} does not split over {nproc} ranks")
             row = {"nproc": nproc, **per_step(nproc, a, argv)}
-            print(f"nproc={nproc} step ms: hand {row['hand_step_ms']:.2f}, ddplab {row['ddplab_step_ms']:.2f}",
-                  flush=True)
+            print(
+                f"nproc={nproc} step ms: hand {row['hand_step_ms']:.2f}, ddplab {row['ddplab_step_ms']:.2f}",
+                flush=True,
+            )
             row.update(start_up(nproc, a, argv))
             rows.append(row)
     print_table(rows, a)
@@ -378,22 +450,31 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
 def print_table(rows: list[dict], a: argparse.Namespace) -> None:
     import platform
 
-    print(f"\n{a.model}, synthetic 3x{a.image_size}x{a.image_size}, global batch {a.batch_size}, "
-          f"{a.num_train // a.batch_size} steps/epoch, device {a.device}"
-          f"{', amp' if a.amp else ''}{', channels_last' if a.channels_last else ''}, hand data: {a.hand_data}; "
-          f"step times: {a.epochs} interleaved epochs per side; start-up: median of {a.repeats} launches per side; "
-          f"{platform.machine()}, {os.cpu_count()} cores\n")
-    print("| ranks | step ms hand / ddplab | **step ratio** | per-epoch ratios (min–max) | mean ms hand / ddplab "
-          "| first step s hand / ddplab | **first-step ratio** | total s hand / ddplab |")
+    print(
+        f"\n{a.model}, synthetic 3x{a.image_size}x{a.image_size}, global batch {a.batch_size}, "
+        f"{a.num_train // a.batch_size} steps/epoch, device {a.device}"
+        f"{', amp' if a.amp else ''}{', channels_last' if a.channels_last else ''}, hand data: "
+        f"{a.hand_data}; "
+        f"step times: {a.epochs} interleaved epochs per side; start-up: median of {a.repeats} launches per "
+        "side; "
+        f"{platform.machine()}, {os.cpu_count()} cores\n"
+    )
+    print(
+        "| ranks | step ms hand / ddplab | **step ratio** | per-epoch ratios (min–max) | mean ms hand / "
+        "ddplab "
+        "| first step s hand / ddplab | **first-step ratio** | total s hand / ddplab |"
+    )
     print("|---" * 8 + "|")
     for r in rows:
-        print(f"| {r['nproc']} | {r['hand_step_ms']:.2f} / {r['ddplab_step_ms']:.2f} "
-              f"| **{r['ddplab_step_ms'] / r['hand_step_ms']:.3f}** "
-              f"| {r['paired_min']:.3f}–{r['paired_max']:.3f} "
-              f"| {r['hand_mean_ms']:.2f} / {r['ddplab_mean_ms']:.2f} "
-              f"| {r['hand_first_s']:.2f} / {r['ddplab_first_s']:.2f} "
-              f"| **{r['ddplab_first_s'] / r['hand_first_s']:.3f}** "
-              f"| {r['hand_total_s']:.2f} / {r['ddplab_total_s']:.2f} |")
+        print(
+            f"| {r['nproc']} | {r['hand_step_ms']:.2f} / {r['ddplab_step_ms']:.2f} "
+            f"| **{r['ddplab_step_ms'] / r['hand_step_ms']:.3f}** "
+            f"| {r['paired_min']:.3f}–{r['paired_max']:.3f} "
+            f"| {r['hand_mean_ms']:.2f} / {r['ddplab_mean_ms']:.2f} "
+            f"| {r['hand_first_s']:.2f} / {r['ddplab_first_s']:.2f} "
+            f"| **{r['ddplab_first_s'] / r['hand_first_s']:.3f}** "
+            f"| {r['hand_total_s']:.2f} / {r['ddplab_total_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

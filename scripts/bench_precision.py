@@ -34,11 +34,16 @@ def step_ms(model: nn.Module, x: torch.Tensor, dtype: torch.dtype | None, steps:
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 64 * 64, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 64 * 64, 10)
+    )
     x = torch.randn(64, 3, 64, 64)
     fp32, bf16 = step_ms(model, x, None), step_ms(model, x, torch.bfloat16)
     picked = Precision(True, "auto", torch.device("cpu")).describe()
-    print(f"fp32 {fp32:.1f} ms | bf16 autocast {bf16:.1f} ms ({fp32 / bf16:.2f}x fp32's speed) | amp=true picks: {picked}")
+    print(
+        f"fp32 {fp32:.1f} ms | bf16 autocast {bf16:.1f} ms ({fp32 / bf16:.2f}x fp32's speed) | amp=true "
+        f"picks: {picked}"
+    )
 
 
 if __name__ == "__main__":

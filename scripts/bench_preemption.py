@@ -30,13 +30,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 def one(step_s: float, log_every: int, after: int, workdir: Path) -> dict[str, object]:
     run, trace, out = workdir / "run", workdir / "trace", workdir / "log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-           "model=mlp", "model._target_=toy.SlowMLP", f"+model.delay_s={step_s}", f"+model.trace={trace}",
-           "num_epochs=50", f"log_every_n_steps={log_every}", "progress=log", f"hydra.run.dir={run}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        f"+model.delay_s={step_s}",
+        f"+model.trace={trace}",
+        "num_epochs=50",
+        f"log_every_n_steps={log_every}",
+        "progress=log",
+        f"hydra.run.dir={run}",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     with open(out, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         while _train_forwards(trace) < after + 1:  # steps 1..after done, step after+1 begun
             if proc.poll() is not None:
@@ -57,9 +75,16 @@ def one(step_s: float, log_every: int, after: int, workdir: Path) -> dict[str, o
     ckpt = res.get("checkpoint")
     saved = Path(ckpt).stat().st_mtime - t_signal if ckpt and Path(ckpt).exists() else None
     step = res.get("step") if res.get("status") == "preempted" else 0
-    return {"step_s": step_s, "log_every": log_every, "done_at_signal": done, "checkpoint_step": step,
-            "lost": max(0, done - (step or 0)), "signal_to_checkpoint_s": saved, "exit_s": exit_s,
-            "status": res.get("status", "no result.json")}
+    return {
+        "step_s": step_s,
+        "log_every": log_every,
+        "done_at_signal": done,
+        "checkpoint_step": step,
+        "lost": max(0, done - (step or 0)),
+        "signal_to_checkpoint_s": saved,
+        "exit_s": exit_s,
+        "status": res.get("status", "no result.json"),
+    }
 
 
 def _train_forwards(trace: Path) -> int:
@@ -75,8 +100,12 @@ def main() -> None:
     ap.add_argument("--logs", type=int, nargs="+", default=[1, 10, 100], help="log_every_n_steps values")
     args = ap.parse_args()
     rows = []
-    print("| step s | log every | steps done at signal | checkpoint step | steps lost | signal → checkpoint s | "
-          "signal → exit s | status |\n|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| step s | log every | steps done at signal | checkpoint step | steps lost | signal → checkpoint s "
+        "| "
+        "signal → exit s | status |\n|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     for step_s in args.steps:
         for log_every in args.logs:
             # Signal well into the run: after ~2 s of steps, and at least after step 2 (right after a log step
@@ -87,8 +116,12 @@ def main() -> None:
                 r = one(step_s, log_every, after, Path(d))
             rows.append(r)
             ck = "—" if r["signal_to_checkpoint_s"] is None else f"{r['signal_to_checkpoint_s']:.1f}"
-            print(f"| {step_s:g} | {log_every} | {r['done_at_signal']} | {r['checkpoint_step'] or '—'} | {r['lost']} | "
-                  f"{ck} | {r['exit_s']:.1f} | {r['status']} |", flush=True)
+            print(
+                f"| {step_s:g} | {log_every} | {r['done_at_signal']} | {r['checkpoint_step'] or '—'} | "
+                f"{r['lost']} | "
+                f"{ck} | {r['exit_s']:.1f} | {r['status']} |",
+                flush=True,
+            )
     bad = [r for r in rows if r["lost"] or r["status"] != "preempted"]
     sys.exit(1 if bad else 0)
 

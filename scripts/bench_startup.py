@@ -30,7 +30,9 @@ JOB = ["num_epochs=1", "limit_train_steps=1", "progress=none", "log_every_n_step
 
 # phase -> (a pattern of the profiled function, what it is). Each is a cumulative time inside the run.
 PHASES = {
-    "hydra: compose the config (twice: Hydra's get_mode, then run)": "hydra/_internal/hydra.py:*(compose_config)",
+    "hydra: compose the config (twice: Hydra's get_mode, then run)": (
+        "hydra/_internal/hydra.py:*(compose_config)"
+    ),
     "ddplab: session (process group, run dir, lock, provenance)": "ddplab/session.py:*(__enter__)",
     "ddplab: dataset": "ddplab/build.py:*(train_data)",
     "ddplab: model built, prepared and wrapped": "ddplab/build.py:*(model)",
@@ -66,11 +68,17 @@ def wall(cmd: list[str], cwd: Path) -> float:
 def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
     """Launch → exit of ddplab's default job and the hand-written one, alternating; medians and the
     difference."""
-    print("| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side | failed, rerun "
-          "(hand / ddplab) |\n|---|---|---|---|---|---|")
+    print(
+        "| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side | failed, "
+        "rerun "
+        "(hand / ddplab) |\n|---|---|---|---|---|---|"
+    )
     for n in nprocs:
-        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={n}"]
+        launch = (
+            [sys.executable]
+            if n == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+        )
         times: dict[str, list[float]] = {"hand": [], "ddplab": []}
         failed = {"hand": 0, "ddplab": 0}
         for i in range(repeats):
@@ -78,9 +86,18 @@ def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
                 for attempt in range(3):  # a failed launch is rerun (and counted): its time measures nothing
                     out = work / f"{side}-{n}-{i}-{attempt}"
                     out.mkdir()
-                    cmd = [*launch, str(REPO / "scripts" / "_hand_default_job.py"), "--steps", "1", "--out",
-                           str(out)] if side == "hand" else [*launch, str(REPO / "train.py"), *JOB,
-                                                             f"hydra.run.dir={out}"]
+                    cmd = (
+                        [
+                            *launch,
+                            str(REPO / "scripts" / "_hand_default_job.py"),
+                            "--steps",
+                            "1",
+                            "--out",
+                            str(out),
+                        ]
+                        if side == "hand"
+                        else [*launch, str(REPO / "train.py"), *JOB, f"hydra.run.dir={out}"]
+                    )
                     try:
                         times[side].append(wall(cmd, work))
                         break
@@ -88,10 +105,16 @@ def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
                         failed[side] += 1
                         if attempt == 2:
                             raise
-                        print(f"<!-- {side} launch failed, rerun: {str(e).splitlines()[0][:200]} -->", flush=True)
+                        print(
+                            f"<!-- {side} launch failed, rerun: {str(e).splitlines()[0][:200]} -->",
+                            flush=True,
+                        )
         hand, ours = statistics.median(times["hand"]), statistics.median(times["ddplab"])
-        print(f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} | {failed['hand']} / "
-              f"{failed['ddplab']} |", flush=True)
+        print(
+            f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} | {failed['hand']} / "
+            f"{failed['ddplab']} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -106,17 +129,32 @@ def main() -> None:
         vs_hand(a.nproc, a.repeats, work)
         return
     args = [*JOB, *a.overrides]
-    plain = [wall([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={work}/plain{i}"], work)
-             for i in range(a.repeats)]
+    plain = [
+        wall([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={work}/plain{i}"], work)
+        for i in range(a.repeats)
+    ]
     imports = [wall([sys.executable, "-c", "import torch, hydra, omegaconf"], work) for _ in range(a.repeats)]
     prof = work / "train.prof"
-    wall([sys.executable, "-m", "cProfile", "-o", str(prof), str(REPO / "train.py"), *args,
-          f"hydra.run.dir={work}/profiled"], work)
+    wall(
+        [
+            sys.executable,
+            "-m",
+            "cProfile",
+            "-o",
+            str(prof),
+            str(REPO / "train.py"),
+            *args,
+            f"hydra.run.dir={work}/profiled",
+        ],
+        work,
+    )
     stats = pstats.Stats(str(prof))
     total = max(s[3] for s in stats.stats.values())  # type: ignore[attr-defined]
-    print(f"python train.py {' '.join(args)}: median wall {statistics.median(plain):.2f} s over {a.repeats} "
-          f"launches (min {min(plain):.2f}, max {max(plain):.2f}); python -c 'import torch, hydra, omegaconf': "
-          f"median {statistics.median(imports):.2f} s\n")
+    print(
+        f"python train.py {' '.join(args)}: median wall {statistics.median(plain):.2f} s over {a.repeats} "
+        f"launches (min {min(plain):.2f}, max {max(plain):.2f}); python -c 'import torch, hydra, omegaconf': "
+        f"median {statistics.median(imports):.2f} s\n"
+    )
     print("| phase (profiled run) | s | share |\n|---|---|---|")
     print(f"| the whole process, profiled | {total:.2f} | 100 % |")
     for what, pattern in PHASES.items():

@@ -38,8 +38,9 @@ class Digits(IterableDataset):
 
 def epoch_seconds(workers: int) -> float:
     data = Digits()
-    loader = streams.StreamLoader(data, ShardedGlobalSampler(len(data), 48, 1, 0, 0), torch.device("cpu"),
-                                  num_workers=workers)
+    loader = streams.StreamLoader(
+        data, ShardedGlobalSampler(len(data), 48, 1, 0, 0), torch.device("cpu"), num_workers=workers
+    )
     loader.set_epoch(0)
     t0 = time.perf_counter()
     sum(1 for _ in loader)
@@ -56,8 +57,10 @@ def main() -> None:
     with shm if args.shm else contextlib.nullcontext():
         for workers in (0, 2):
             took = statistics.median(epoch_seconds(workers) for _ in range(args.repeats))
-            print(f"workers={workers} {'shm' if args.shm else 'by value'}: {n / took:,.0f} samples/s "
-                  f"({took:.2f} s an epoch of {n}, median of {args.repeats})")
+            print(
+                f"workers={workers} {'shm' if args.shm else 'by value'}: {n / took:,.0f} samples/s "
+                f"({took:.2f} s an epoch of {n}, median of {args.repeats})"
+            )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ COMMON = ["model=convnet", "progress=none", "checkpoint.keep_last=1"]
 def space(key: str) -> str:
     """The grid as a dict override of ``key`` (added with ++: the presets' own params stay unless
     replaced)."""
-    return (f"{key}={{num_epochs:'choice({','.join(map(str, EPOCHS))})',"
-            f"optimizer.lr:'choice({','.join(map(str, LRS))})',optimizer.weight_decay:'choice(0.0001)'}}")
+    return (
+        f"{key}={{num_epochs:'choice({','.join(map(str, EPOCHS))})',"
+        f"optimizer.lr:'choice({','.join(map(str, LRS))})',optimizer.weight_decay:'choice(0.0001)'}}"
+    )
 
 
 def hydra_cmd(out: Path, n: int) -> list[list[str]]:
@@ -59,28 +61,50 @@ hydra:
     n_trials: {n}
     n_jobs: 2
     params:
-      num_epochs: choice({','.join(map(str, EPOCHS))})
-      optimizer.lr: choice({','.join(map(str, LRS))})
+      num_epochs: choice({",".join(map(str, EPOCHS))})
+      optimizer.lr: choice({",".join(map(str, LRS))})
       optimizer.weight_decay: choice(0.0001)
 """)
-    return [[sys.executable, str(REPO / "train.py"), f"--config-dir={extra.parent}", "hparams_search=bench_grid",
-             f"hydra.sweep.dir={out}", *COMMON]]
+    return [
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            f"--config-dir={extra.parent}",
+            "hparams_search=bench_grid",
+            f"hydra.sweep.dir={out}",
+            *COMMON,
+        ]
+    ]
 
 
 def study_cmd(out: Path, n: int, pruner: bool) -> list[list[str]]:
-    prune = ["study.pruner.n_startup_trials=4", "study.pruner.n_warmup_steps=2"] if pruner else ["study.pruner=null"]
-    one = [sys.executable, str(REPO / "train.py"), "hparams_search=study", f"study.dir={out}", f"study.n_trials={n}",
-           "study.sampler=null", "++study.sampler={_target_:optuna.samplers.GridSampler}",
-           space("++study.params"),
-           *prune, *COMMON]
+    prune = (
+        ["study.pruner.n_startup_trials=4", "study.pruner.n_warmup_steps=2"]
+        if pruner
+        else ["study.pruner=null"]
+    )
+    one = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "hparams_search=study",
+        f"study.dir={out}",
+        f"study.n_trials={n}",
+        "study.sampler=null",
+        "++study.sampler={_target_:optuna.samplers.GridSampler}",
+        space("++study.params"),
+        *prune,
+        *COMMON,
+    ]
     return [one, one]  # two workers, the same command
 
 
 def run(cmds: list[list[str]], log: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
-    procs = [subprocess.Popen(c, cwd=log.parent, env=env, stdout=open(f"{log}.{i}", "w"), stderr=subprocess.STDOUT)
-             for i, c in enumerate(cmds)]
+    procs = [
+        subprocess.Popen(c, cwd=log.parent, env=env, stdout=open(f"{log}.{i}", "w"), stderr=subprocess.STDOUT)
+        for i, c in enumerate(cmds)
+    ]
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"exit codes {codes}; see {log}.*")
@@ -94,7 +118,9 @@ def intervals(sweep: Path) -> list[tuple[float, float, dict]]:
     for job in sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()):
         files = [f for f in job.rglob("*") if f.is_file()]
         first = min(f.stat().st_mtime for f in files if f.name in ("trial.json", "overrides.yaml"))
-        out.append((first, max(f.stat().st_mtime for f in files), json.loads((job / "result.json").read_text())))
+        out.append(
+            (first, max(f.stat().st_mtime for f in files), json.loads((job / "result.json").read_text()))
+        )
     return sorted(out, key=lambda x: x[0])
 
 
@@ -110,17 +136,27 @@ def slots(spans: list[tuple[float, float, dict]], k: int = 2) -> dict[str, float
     tail = sum(finish - f for f in free)
     whole = k * (finish - begin)
     busy = sum(e - s for s, e, _ in spans)
-    return {"span_s": finish - begin, "busy_s": busy, "idle_between": sum(gaps) / whole, "idle_tail": tail / whole,
-            "idle_total": 1 - busy / whole}
+    return {
+        "span_s": finish - begin,
+        "busy_s": busy,
+        "idle_between": sum(gaps) / whole,
+        "idle_tail": tail / whole,
+        "idle_total": 1 - busy / whole,
+    }
 
 
 def summary(name: str, wall: float, sweep: Path) -> dict:
     spans = intervals(sweep)
     accs = [r.get("metrics", {}).get("val/acc") for *_, r in spans]
     states = [(r.get("trial") or {}).get("state", r["status"]) for *_, r in spans]
-    return {"method": name, "wall_s": round(wall, 1), **{k: round(v, 3) for k, v in slots(spans).items()},
-            "trials": len(spans), "pruned": states.count("PRUNED"),
-            "best_val_acc": max(a for a in accs if a is not None)}
+    return {
+        "method": name,
+        "wall_s": round(wall, 1),
+        **{k: round(v, 3) for k, v in slots(spans).items()},
+        "trials": len(spans),
+        "pruned": states.count("PRUNED"),
+        "best_val_acc": max(a for a in accs if a is not None),
+    }
 
 
 def main() -> None:
@@ -131,9 +167,11 @@ def main() -> None:
     shutil.rmtree(a.out, ignore_errors=True)
     a.out.mkdir(parents=True)
     rows = []
-    for name, cmds in (("hydra optuna sweeper, joblib n_jobs=2", hydra_cmd(a.out / "hydra", a.trials)),
-                       ("ddplab study, 2 workers", study_cmd(a.out / "study", a.trials, False)),
-                       ("ddplab study, 2 workers, MedianPruner", study_cmd(a.out / "pruned", a.trials, True))):
+    for name, cmds in (
+        ("hydra optuna sweeper, joblib n_jobs=2", hydra_cmd(a.out / "hydra", a.trials)),
+        ("ddplab study, 2 workers", study_cmd(a.out / "study", a.trials, False)),
+        ("ddplab study, 2 workers, MedianPruner", study_cmd(a.out / "pruned", a.trials, True)),
+    ):
         sweep = a.out / ("hydra" if name.startswith("hydra") else "pruned" if "Pruner" in name else "study")
         wall = run(cmds, a.out / sweep.name)
         rows.append(summary(name, wall, sweep))
@@ -143,8 +181,10 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(str(r[k]) for k in keys) + " |")
     base = rows[1]["busy_s"]
-    print(f"\npruning saved {1 - rows[2]['busy_s'] / base:.1%} of the study's training time "
-          f"({rows[2]['busy_s']:.0f} s vs {base:.0f} s summed over trials)")
+    print(
+        f"\npruning saved {1 - rows[2]['busy_s'] / base:.1%} of the study's training time "
+        f"({rows[2]['busy_s']:.0f} s vs {base:.0f} s summed over trials)"
+    )
 
 
 if __name__ == "__main__":

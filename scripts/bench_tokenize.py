@@ -1,7 +1,7 @@
 """How fast scripts/make_tokens.py turns text into a subword tokenizer's ids (MB of text per second), by
 ``--workers``, as whole processes (launch to exit, the files written).
 
-    python scripts/bench_tokenize.py                       # 40 MB of generated text, a BPE of 8192, workers 1 and 2
+    python scripts/bench_tokenize.py         # 40 MB of generated text, a BPE of 8192, workers 1 and 2
     python scripts/bench_tokenize.py --mb 200 --workers 1 2 4 --vocab 32000
 
 The text is generated (lines of sentences, nothing downloaded); the BPE is learnt on its first 8 MB once,
@@ -29,7 +29,7 @@ def corpus(path: Path, mb: float) -> None:
     with open(path, "w", encoding="utf-8") as f:
         while left > 0:
             said = generated_corpus(sentences=20000, seed=seed).strip().split(". ")
-            text = "".join(". ".join(said[i:i + 5]) + ".\n" for i in range(0, len(said), 5))[:left]
+            text = "".join(". ".join(said[i : i + 5]) + ".\n" for i in range(0, len(said), 5))[:left]
             f.write(text)
             left, seed = left - len(text.encode()), seed + 1
 
@@ -53,9 +53,21 @@ def main() -> None:
         for _ in range(args.repeats):
             for w in args.workers:
                 t0 = time.perf_counter()
-                subprocess.run([sys.executable, str(REPO / "scripts" / "make_tokens.py"), str(tmp / "text.txt"),
-                                "--out", str(tmp / f"out{w}"), "--tokenizer", str(tmp / "tokenizer.json"),
-                                "--workers", str(w)], check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        str(REPO / "scripts" / "make_tokens.py"),
+                        str(tmp / "text.txt"),
+                        "--out",
+                        str(tmp / f"out{w}"),
+                        "--tokenizer",
+                        str(tmp / "tokenizer.json"),
+                        "--workers",
+                        str(w),
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
                 walls[w].append(time.perf_counter() - t0)
         print(f"| text MB | vocabulary | workers | median s (of {args.repeats}) | MB/s |")
         print("|---|---|---|---|---|")

@@ -67,7 +67,8 @@ class MemmapWindows:
 
     def __getitem__(self, i: int):
         import torch
-        w = torch.from_numpy(self.data[i * self.block: i * self.block + self.block + 1].astype(np.int64))
+
+        w = torch.from_numpy(self.data[i * self.block : i * self.block + self.block + 1].astype(np.int64))
         return w[:-1], w[1:]
 
 
@@ -81,6 +82,7 @@ def read_epoch(path: str, mode: str, block: int, limit: int | None) -> dict:
     order of a permutation tensor (ddplab before issue 33); ``memmap``: nanoGPT's reads."""
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.tokens import tokens
+
     train = tokens(path, val_path=path, block_size=block).train
     data = MemmapWindows(path, block, len(train)) if mode == "memmap" else train
     before, t0, n = rss_mib(), time.perf_counter(), 0
@@ -91,14 +93,21 @@ def read_epoch(path: str, mode: str, block: int, limit: int | None) -> dict:
         if n == limit:
             break
     secs = time.perf_counter() - t0
-    return {"windows": n, "rss_before_mib": round(before, 1), "seconds": round(secs, 2), "windows_per_s": n / secs}
+    return {
+        "windows": n,
+        "rss_before_mib": round(before, 1),
+        "seconds": round(secs, 2),
+        "windows_per_s": n / secs,
+    }
 
 
 def peak_of(cmd: list[str]) -> tuple[dict, float, float]:
     """Figures (the last JSON line it printed), peak RSS (MiB, from wait4: this child alone) and wall s."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
@@ -116,16 +125,47 @@ def child(args: argparse.Namespace) -> None:
 def rows_for(path: Path, args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     rows = []
     for mode in args.modes:  # each in a fresh process: its own peak RSS, cold or warm cache alike
-        cmd = [sys.executable, __file__, "--read", str(path), "--mode", mode, "--block-size", str(args.block_size),
-               *(["--max-windows", str(args.max_windows)] if args.max_windows else [])]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--read",
+            str(path),
+            "--mode",
+            mode,
+            "--block-size",
+            str(args.block_size),
+            *(["--max-windows", str(args.max_windows)] if args.max_windows else []),
+        ]
         figs, peak, wall = peak_of(cmd)
-        rows.append([f"read, {mode}", f"{figs['windows']:,}", f"{figs['rss_before_mib']:.0f}", f"{peak:.0f}",
-                     f"{figs['seconds']:.1f}", f"{figs['windows_per_s']:,.0f}"])
+        rows.append(
+            [
+                f"read, {mode}",
+                f"{figs['windows']:,}",
+                f"{figs['rss_before_mib']:.0f}",
+                f"{peak:.0f}",
+                f"{figs['seconds']:.1f}",
+                f"{figs['windows_per_s']:,.0f}",
+            ]
+        )
     run_dir = tmp / f"run-{path.stem}"
-    cmd = [sys.executable, str(REPO / "train.py"), "task=lm", "dataset=tokens", f"dataset.path={path}",
-           f"dataset.val_path={path}", f"dataset.block_size={args.block_size}", "model.n_layer=1", "model.n_embd=64",
-           "model.n_head=2", "batch_size=16", "num_epochs=1", f"limit_train_steps={args.train_steps}",
-           "limit_val_batches=2", "progress=none", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "task=lm",
+        "dataset=tokens",
+        f"dataset.path={path}",
+        f"dataset.val_path={path}",
+        f"dataset.block_size={args.block_size}",
+        "model.n_layer=1",
+        "model.n_embd=64",
+        "model.n_head=2",
+        "batch_size=16",
+        "num_epochs=1",
+        f"limit_train_steps={args.train_steps}",
+        "limit_val_batches=2",
+        "progress=none",
+        f"hydra.run.dir={run_dir}",
+    ]
     _, peak, wall = peak_of(cmd)
     rows.append([f"train, {args.train_steps} steps", "", "", f"{peak:.0f}", f"{wall:.1f}", ""])
     return rows
@@ -143,8 +183,10 @@ def main() -> None:
     args = p.parse_args()
     if args.read:
         return child(args)
-    print("| file | what | windows | RSS before the epoch, MiB | peak RSS, MiB | s | windows/s |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| file | what | windows | RSS before the epoch, MiB | peak RSS, MiB | s | windows/s |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     with tempfile.TemporaryDirectory() as d:
         for mb in args.sizes_mb:
             path = Path(d) / f"tokens-{mb:g}mb.bin"

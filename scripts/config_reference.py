@@ -46,8 +46,11 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _own_comments(cls: type) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     lines = source.splitlines()
     out = {}
     for node in ast.parse(source).body[0].body:
@@ -145,8 +148,10 @@ def group_section(group: str) -> list[str]:
         name = path.stem
         composed = compose([f"+{group}=[{name}]" if group == "callbacks" else f"{group}={name}"])
         values = composed["callbacks"][name] if group == "callbacks" else composed[group]
-        schema = next((cls for key, cls in SCHEMAS[group].items()
-                       if f"/schema/{group}/{key}@" in path.read_text()), None)
+        schema = next(
+            (cls for key, cls in SCHEMAS[group].items() if f"/schema/{group}/{key}@" in path.read_text()),
+            None,
+        )
         lines += [f"### `{group}={name}`" if group != "callbacks" else f"### `callbacks=[{name}]`", ""]
         lines += [first_comment(path) or f"(conf/{group}/{name}.yaml)", ""]
         if schema is not None:
@@ -168,33 +173,61 @@ def preset_section(group: str) -> list[str]:
     lines = [f"## `{group}=`", "", "| option | what it is | what it sets |", "| --- | --- | --- |"]
     for path in sorted((CONF / group).glob("*.yaml")):
         changed = flat(compose([f"{group}={path.stem}"]))
-        sets = [f"`{k}={shown(v).strip('`')}`" for k, v in sorted(changed.items())
-                if base.get(k, "<absent>") != v and not k.startswith(("hydra.", group))]
-        lines.append(f"| `{path.stem}` | {cell(first_comment(path))} | {cell(', '.join(sets) or '(the defaults)')} |")
+        sets = [
+            f"`{k}={shown(v).strip('`')}`"
+            for k, v in sorted(changed.items())
+            if base.get(k, "<absent>") != v and not k.startswith(("hydra.", group))
+        ]
+        lines.append(
+            f"| `{path.stem}` | {cell(first_comment(path))} | {cell(', '.join(sets) or '(the defaults)')} |"
+        )
     return lines + [""]
 
 
 def render() -> str:
     from ddplab.config import register_configs
-    from ddplab.config.schema import (CheckpointConfig, DistributedConfig, PerfConfig, StudyConfig, TrainConfig,
-                                      VerifyConfig)
+    from ddplab.config.schema import (
+        CheckpointConfig,
+        DistributedConfig,
+        PerfConfig,
+        StudyConfig,
+        TrainConfig,
+        VerifyConfig,
+    )
 
     register_configs()
-    lines = ["# Configuration reference", "",
-             "<!-- Written by scripts/config_reference.py from src/ddplab/config/ and conf/; do not edit by hand "
-             "(tests/test_config_reference.py checks it is current). -->", "",
-             "Every key, group option and default, as the schema and `conf/` define them today. How the groups "
-             "compose and how a job runs: [Configuration](configuration.md).", "", "## Top-level keys", ""]
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Written by scripts/config_reference.py from src/ddplab/config/ and conf/; do not edit by hand "
+        "(tests/test_config_reference.py checks it is current). -->",
+        "",
+        "Every key, group option and default, as the schema and `conf/` define them today. How the groups "
+        "compose and how a job runs: [Configuration](configuration.md).",
+        "",
+        "## Top-level keys",
+        "",
+    ]
     lines += schema_table(TrainConfig, "") + [""]
-    for name, cls in zip(NESTED, (DistributedConfig, CheckpointConfig, PerfConfig, VerifyConfig, StudyConfig)):
+    for name, cls in zip(
+        NESTED, (DistributedConfig, CheckpointConfig, PerfConfig, VerifyConfig, StudyConfig)
+    ):
         # not dataclass's
         doc = inspect.getdoc(cls) if not (cls.__doc__ or "").startswith(f"{cls.__name__}(") else ""
         lines += [f"## `{name}.*`", ""] + ([doc.replace("\n", " "), ""] if doc else [])
         lines += schema_table(cls, f"{name}.") + [""]
-    lines += ["## `distributed=` options", "", "| option | what it is | what it sets |", "| --- | --- | --- |"]
+    lines += [
+        "## `distributed=` options",
+        "",
+        "| option | what it is | what it sets |",
+        "| --- | --- | --- |",
+    ]
     for path in sorted((CONF / "distributed").glob("*.yaml")):
         sets = flat(compose([f"distributed={path.stem}"])["distributed"])
-        lines.append(f"| `{path.stem}` | {cell(first_comment(path))} | `strategy={shown(sets['strategy']).strip('`')}` |")
+        lines.append(
+            f"| `{path.stem}` | {cell(first_comment(path))} | "
+            f"`strategy={shown(sets['strategy']).strip('`')}` |"
+        )
     lines.append("")
     for group in GROUPS:
         lines += group_section(group)
@@ -205,13 +238,18 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/reference.md is not what this writes")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/reference.md is not what this writes"
+    )
     args = ap.parse_args(argv)
     text = render()
     if args.check:
         current = OUT.read_text() if OUT.exists() else ""
         if current != text:
-            print(f"{OUT.relative_to(REPO)} is out of date. Fix: python scripts/config_reference.py", file=sys.stderr)
+            print(
+                f"{OUT.relative_to(REPO)} is out of date. Fix: python scripts/config_reference.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.write_text(text)

@@ -4,12 +4,12 @@ split into ``train.bin`` and ``val.bin`` (the last ``--val-fraction``), each wit
     python scripts/make_tokens.py book.txt --out data/
     python scripts/make_tokens.py --generated-mb 200 --out /tmp/big/     # a generated corpus of ~200 MB
     python train.py task=lm dataset=tokens dataset.path=data/train.bin dataset.val_path=data/val.bin
-    python scripts/make_tokens.py book.txt --out data/ --shards 8        # train/shard-0000.bin ...: token_shards
+    python scripts/make_tokens.py book.txt --out data/ --shards 8        # train/shard-0000.bin ...
 
 Bytes need no tokenizer and no download. A subword vocabulary (Hugging Face ``tokenizers``: the ``hf`` extra):
 
     python scripts/make_tokens.py book.txt --out data/ --tokenizer my/tokenizer.json   # a local tokenizer
-    python scripts/make_tokens.py book.txt --out data/ --train-bpe 4096 --workers 2    # a BPE trained on the text
+    python scripts/make_tokens.py book.txt --out data/ --train-bpe 4096 --workers 2    # a BPE of the text
     python train.py task=lm dataset=tokens dataset.path=data/train.bin dataset.val_path=data/val.bin \
         dataset.vocab_size=4096
 
@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ddplab.data.tabular import generated_corpus  # noqa: E402
 from ddplab.config import InputError  # noqa: E402
+from ddplab.data.tabular import generated_corpus  # noqa: E402
 from ddplab.data.tokens import DTYPES, write_sidecar  # noqa: E402
 
 CHUNK = 64 << 20  # bytes read and written at a time
@@ -55,16 +55,28 @@ def chunks(args: argparse.Namespace, size: int | None = None):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("text", nargs="?", help="a text file (read as bytes)")
-    p.add_argument("--generated-mb", type=float, default=0, help="instead of a file: a generated corpus this big")
+    p.add_argument(
+        "--generated-mb", type=float, default=0, help="instead of a file: a generated corpus this big"
+    )
     p.add_argument("--out", default=".", help="folder for train.bin and val.bin")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="uint16")
-    p.add_argument("--shards", type=int, default=1, help="N > 1: the training tokens as N files in train/ "
-                   "(dataset=token_shards) instead of train.bin")
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="N > 1: the training tokens as N files in train/ (dataset=token_shards) instead of train.bin",
+    )
     p.add_argument("--tokenizer", help="a local Hugging Face tokenizer.json: its ids instead of bytes")
-    p.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB ids on the text "
-                   "(its first --train-mb) and write its ids")
-    p.add_argument("--train-mb", type=float, default=100, help="--train-bpe: how much of the text it learns from")
+    p.add_argument(
+        "--train-bpe",
+        type=int,
+        metavar="VOCAB",
+        help="train a byte-level BPE of VOCAB ids on the text (its first --train-mb) and write its ids",
+    )
+    p.add_argument(
+        "--train-mb", type=float, default=100, help="--train-bpe: how much of the text it learns from"
+    )
     p.add_argument("--workers", type=int, default=1, help="processes that encode with the tokenizer")
     args = p.parse_args(argv)
     if not args.text and not args.generated_mb:
@@ -97,10 +109,15 @@ def main(argv: list[str] | None = None) -> None:
         write_sidecar(path, args.dtype, n, 256)
     if args.shards > 1:
         shard(files[0][0], args.shards, args.dtype)
-        print(f"{out / 'train'}: {args.shards} shards, {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens "
-              f"({args.dtype}, vocabulary 256)")
+        print(
+            f"{out / 'train'}: {args.shards} shards, {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens "
+            f"({args.dtype}, vocabulary 256)"
+        )
         return
-    print(f"{files[0][0]}: {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens ({args.dtype}, vocabulary 256)")
+    print(
+        f"{files[0][0]}: {files[0][1]:,} tokens; {files[1][0]}: {n_val:,} tokens ({args.dtype}, vocabulary "
+        "256)"
+    )
 
 
 def write_subword(args: argparse.Namespace, out: Path, split_at: int) -> None:
@@ -116,8 +133,10 @@ def write_subword(args: argparse.Namespace, out: Path, split_at: int) -> None:
         tok = tz.load(args.tokenizer)
     vocab = tok.get_vocab_size()
     if args.train_bpe and vocab < args.train_bpe:
-        print(f"make_tokens.py: the BPE stopped at {vocab} ids (--train-bpe {args.train_bpe}): the text has no "
-              "pair left to merge; the files and sidecars say {vocab}".replace("{vocab}", str(vocab)))
+        print(
+            f"make_tokens.py: the BPE stopped at {vocab} ids (--train-bpe {args.train_bpe}): the text has no "
+            "pair left to merge; the files and sidecars say {vocab}".replace("{vocab}", str(vocab))
+        )
     dtype = args.dtype if vocab <= np.iinfo(DTYPES[args.dtype]).max + 1 else "uint32"
     saved = out / "tokenizer.json"
     tok.save(str(saved))
@@ -134,8 +153,10 @@ def write_subword(args: argparse.Namespace, out: Path, split_at: int) -> None:
     if args.shards > 1:
         shard(files[0], args.shards, dtype, vocab, meta)
     train = f"{out / 'train'}: {args.shards} shards" if args.shards > 1 else f"{files[0]}"
-    print(f"{train}: {counts[0]:,} tokens; {files[1]}: {counts[1]:,} tokens ({dtype}, {meta['model']} "
-          f"vocabulary {vocab}, {saved})")
+    print(
+        f"{train}: {counts[0]:,} tokens; {files[1]}: {counts[1]:,} tokens ({dtype}, {meta['model']} "
+        f"vocabulary {vocab}, {saved})"
+    )
 
 
 def _prefix(parts, budget: int):
@@ -155,7 +176,7 @@ def shard(train: Path, n: int, dtype: str, vocab: int = 256, tokenizer: dict | N
     bounds = np.linspace(0, len(data), n + 1).astype(np.int64)
     for k in range(n):
         path = folder / f"shard-{k:04d}.bin"
-        np.asarray(data[bounds[k]:bounds[k + 1]]).tofile(path.with_name(path.name + ".tmp"))
+        np.asarray(data[bounds[k] : bounds[k + 1]]).tofile(path.with_name(path.name + ".tmp"))
         os.replace(path.with_name(path.name + ".tmp"), path)
         write_sidecar(path, dtype, int(bounds[k + 1] - bounds[k]), vocab, tokenizer=tokenizer)
     del data

@@ -1,7 +1,7 @@
 """Print a run's logged scalars as a table: last value, min, max, and the step of the last one.
 
-    python scripts/show_metrics.py outputs/2026-11-21/10-00-00      # a run dir (reads <dir>/tb)
-    python scripts/show_metrics.py outputs/.../tb --prefix val/
+python scripts/show_metrics.py outputs/2026-11-21/10-00-00      # a run dir (reads <dir>/tb)
+python scripts/show_metrics.py outputs/.../tb --prefix val/
 """
 
 import argparse

@@ -1,10 +1,10 @@
 """Fault-injection soak of the preemption promises: nothing lost, bitwise resume, exact metrics, no run mixed
 up with another (issue 22, item 9; issue 32). Each trial beside its uninterrupted reference.
 
-    python scripts/soak.py --pairwise [--plan]            # the fixed plan: every pair of dimension values once
-    python scripts/soak.py --pairwise --part 2/4          # a quarter of it (CI: one a commit), every value in it
-    python scripts/soak.py --trials 20 --seed 1           # 20 trials drawn at random from seed 1
-    python scripts/soak.py --only 1234567 [--long]        # one trial again, exactly (a failure prints the command)
+    python scripts/soak.py --pairwise [--plan]      # the fixed plan: every pair of dimension values once
+    python scripts/soak.py --pairwise --part 2/4    # a quarter of it (CI: one a commit), every value in it
+    python scripts/soak.py --trials 20 --seed 1     # 20 trials drawn at random from seed 1
+    python scripts/soak.py --only 1234567 [--long]  # one trial again, exactly (a failure prints the command)
     python scripts/soak.py --trials 300 --seed 5 --jobs 2 --minutes 45   # no trial started after 45 min
 
 A trial (tests/soak_plan.py: its dimensions and their values) is a launcher and world size (1-3 ranks; with
@@ -29,9 +29,9 @@ checks (scripts/_soak_checks.py):
 5. nothing changed in the trial's working dir outside the run dir; none of ddplab's scratch (``ddplab-rank*``,
    ``ddplab-<uid>/*``) left in the trial's TMPDIR (others, torch's, are noted);
 6. SIGTERM/SIGINT/SIGUSR1: signal -> every process of the job gone within 30 s (torchrun's grace);
-7. a full disk or a lost storage: the job fails in one line naming the cause, no traceback of ddplab's; a study:
-   told exactly what its uninterrupted twin was told, each trial's checkpoint bitwise its twin's; verify_resume:
-   PASS, or a failure without a verdict on the job, then PASS when run again;
+7. a full disk or a lost storage: the job fails in one line naming the cause, no traceback of ddplab's; a
+   study: told exactly what its uninterrupted twin was told, each trial's checkpoint bitwise its twin's;
+   verify_resume: PASS, or a failure without a verdict on the job, then PASS when run again;
 8. MLflow with its server up: each run's MLflow run FINISHED, holding TensorBoard's scalars at the same steps,
    each step once (vitals/* aside); down or killed, the invariants above all the same.
 Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
@@ -53,8 +53,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,11 +63,21 @@ sys.path.insert(0, str(REPO / "tests"))
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from _soak_stop import STOPPING, end_everything_when_stopped  # noqa: E402
-# noqa: E402
-from soak_plan import (DIMENSIONS, HF_VOCAB, SLURM, TOKEN_BLOCK, TOKEN_WINDOWS, Trial, coverage, dimensions, draw,
-                       plan_trials, trial_seeds)
-from soak_toy import snapshot  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
+from soak_plan import (  # noqa: E402
+    DIMENSIONS,
+    HF_VOCAB,
+    SLURM,
+    TOKEN_BLOCK,
+    TOKEN_WINDOWS,
+    Trial,
+    coverage,
+    dimensions,
+    draw,
+    plan_trials,
+    trial_seeds,
+)
+from soak_toy import snapshot  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
 
@@ -96,8 +106,13 @@ def reference(t: Trial, root: Path, cache: dict) -> Path:
         (rdir / "cwd").mkdir()
         (rdir / "tmp").mkdir()
         run = rdir / "cwd" / "run"
-        a = run_attempt(command(t, run), job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
-                        rdir / "cwd", rdir / "run.log", 600)
+        a = run_attempt(
+            command(t, run),
+            job_env(t, rdir, f"soak-ref-{os.getpid()}-{n}", False),
+            rdir / "cwd",
+            rdir / "run.log",
+            600,
+        )
         Path(short_tmp(rdir)).unlink(missing_ok=True)
         done = [run / str(i) for i in range(2)] if t.mode == "study" else [run]
         if a.rc != 0 or any(read_result(d).get("status") != "completed" for d in done):
@@ -113,7 +128,9 @@ def run_disk(t: Trial, run: Path):
         yield
         return
     run.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", DISK, "tmpfs", str(run)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", DISK, "tmpfs", str(run)], capture_output=True
+    ).returncode:
         raise RuntimeError(f"cannot mount a tmpfs at {run} for disk_full (needs root)")
     try:
         yield
@@ -181,8 +198,10 @@ def summary(done: list[tuple[Trial, bool, float]]) -> None:
             print(f"{name:10s} {value:10s} {table[name, value][0]:4d} {table[name, value][1]:6d}")
     walls = [w for _, _, w in done] or [0.0]
     held = sum(h for _, h, _ in done)
-    print(f"{held}/{len(done)} trials held; wall per trial: median {statistics.median(walls):.0f}s, "
-          f"max {max(walls):.0f}s, total {sum(walls) / 60:.1f} min")
+    print(
+        f"{held}/{len(done)} trials held; wall per trial: median {statistics.median(walls):.0f}s, "
+        f"max {max(walls):.0f}s, total {sum(walls) / 60:.1f} min"
+    )
 
 
 def report_failure(t: Trial, problems: list[str], root: Path) -> None:
@@ -201,7 +220,7 @@ def token_file(root: Path) -> Path:
 
     path = root / "tokens.bin"
     if not path.exists():
-        text = generated_corpus(sentences=4000, seed=0).encode()[:TOKEN_WINDOWS * TOKEN_BLOCK + 1]
+        text = generated_corpus(sentences=4000, seed=0).encode()[: TOKEN_WINDOWS * TOKEN_BLOCK + 1]
         write_tokens(list(text), path, "uint16", 256)
     return path
 
@@ -214,11 +233,16 @@ def shard_dir(root: Path) -> Path:
 
     folder = root / "shards"
     if not folder.exists():
-        text = list(generated_corpus(sentences=4000, seed=0).encode()[:TOKEN_WINDOWS * TOKEN_BLOCK + 1])
+        text = list(generated_corpus(sentences=4000, seed=0).encode()[: TOKEN_WINDOWS * TOKEN_BLOCK + 1])
         (folder / "train").mkdir(parents=True)
         cut, n = TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK, 4
         for i in range(n):
-            write_tokens(text[i * cut // n:(i + 1) * cut // n + 1], folder / "train" / f"shard-{i:04d}.bin", "uint16", 256)
+            write_tokens(
+                text[i * cut // n : (i + 1) * cut // n + 1],
+                folder / "train" / f"shard-{i:04d}.bin",
+                "uint16",
+                256,
+            )
         write_tokens(text[cut:], folder / "val.bin", "uint16", 256)
     return folder
 
@@ -234,7 +258,11 @@ def hf_dir(root: Path) -> Path:
     if (folder / "val.jsonl").exists():
         return folder
     folder.mkdir()
-    lines = [sentence + "." for sentence in generated_corpus(sentences=12000, seed=0).split(".") if sentence.strip()]
+    lines = [
+        sentence + "."
+        for sentence in generated_corpus(sentences=12000, seed=0).split(".")
+        if sentence.strip()
+    ]
     tok = train_bpe(lines, HF_VOCAB)
     tok.save(str(folder / "tokenizer.json"))
     rows, ids, cut = [[], []], 0, TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK + 1
@@ -267,16 +295,21 @@ def choose(args: argparse.Namespace) -> list[Trial]:
         trials = plan_trials(args.seed, args.long, args.part)
         picked = [t for t in trials if args.only in (None, t.seed)]
         if not picked:
-            raise NotInPlan(f"--only {args.only}: no trial of the pairwise plan of --seed {args.seed} has that seed. Fix: "
-                             f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} --plan "
-                             "lists its trials), or drop --pairwise for a trial drawn at random")
+            raise NotInPlan(
+                f"--only {args.only}: no trial of the pairwise plan of --seed {args.seed} has that seed. "
+                "Fix: "
+                f"the --seed the failure printed (python scripts/soak.py --pairwise --seed {args.seed} "
+                "--plan "
+                "lists its trials), or drop --pairwise for a trial drawn at random"
+            )
         return picked
-    seeds = [args.only] if args.only is not None else trial_seeds(args.seed, args.trials)[args.first - 1:]
+    seeds = [args.only] if args.only is not None else trial_seeds(args.seed, args.trials)[args.first - 1 :]
     return [draw(s, args.long, slurm=args.slurm) for s in seeds]
 
 
-def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1,
-            until: float = float("inf")) -> list[tuple[Trial, bool, float]]:
+def run_all(
+    trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: int = 1, until: float = float("inf")
+) -> list[tuple[Trial, bool, float]]:
     """Every trial, ``jobs`` at a time (a trial mostly waits: its steps are sleeps, its processes start up;
     two at once on 2 cores is a loaded machine, which the trials must hold on too); each reported as it ends.
     None starts after ``until`` (a time.monotonic()): those run are the first ones, in order."""
@@ -305,8 +338,12 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
             return None
         wall = time.time() - t0
         with lock:
-            print(f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: {'held' if not problems else 'FAILED'} "
-                  f"({wall:.0f}s; {'; '.join(notes)})", flush=True)
+            print(
+                f"[{i}/{len(trials) + first - 1}] {t.seed:10d} {t.label()}: "
+                f"{'held' if not problems else 'FAILED'} "
+                f"({wall:.0f}s; {'; '.join(notes)})",
+                flush=True,
+            )
             if problems:
                 report_failure(t, problems, root)
         if not problems and not keep:
@@ -316,44 +353,80 @@ def run_all(trials: list[Trial], root: Path, keep: bool, first: int = 1, jobs: i
     with servers, concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         done = list(pool.map(lambda it: one(*it), enumerate(trials, first)))
     if None in done:
-        print(f"--minutes: stopped starting trials after {len(done) - done.count(None)} of {len(trials)}; "
-              f"--first {first + done.index(None)} continues with the same --trials and --seed", flush=True)
+        print(
+            f"--minutes: stopped starting trials after {len(done) - done.count(None)} of {len(trials)}; "
+            f"--first {first + done.index(None)} continues with the same --trials and --seed",
+            flush=True,
+        )
     return [d for d in done if d is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairwise", action="store_true", help="the fixed plan covering every pair of dimension values")
-    ap.add_argument("--part", type=part, help="K/N: only the K-th of the plan dealt into N parts, each with every "
-                    "value of every dimension (CI runs one a commit: every pair over N commits)")
+    ap.add_argument(
+        "--pairwise", action="store_true", help="the fixed plan covering every pair of dimension values"
+    )
+    ap.add_argument(
+        "--part",
+        type=part,
+        help="K/N: only the K-th of the plan dealt into N parts, each with every "
+        "value of every dimension (CI runs one a commit: every pair over N commits)",
+    )
     ap.add_argument("--trials", type=int, default=10, help="how many trials to draw (not with --pairwise)")
-    ap.add_argument("--seed", type=int, default=0, help="the trials' seeds (--pairwise: their remaining details)")
-    ap.add_argument("--first", type=int, default=1, help="start at this one of the --trials drawn (a soak run in "
-                    "parts: --trials 300 --first 151 runs the last 150 of the same 300)")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the trials' seeds (--pairwise: their remaining details)"
+    )
+    ap.add_argument(
+        "--first",
+        type=int,
+        default=1,
+        help="start at this one of the --trials drawn (a soak run in "
+        "parts: --trials 300 --first 151 runs the last 150 of the same 300)",
+    )
     ap.add_argument("--only", type=int, help="run just the trial with this seed (as a failure prints it)")
     ap.add_argument("--long", action="store_true", help="about ten times more training per trial")
-    ap.add_argument("--slurm", action="store_true", help="draw srun on a SLURM cluster as a launcher too "
-                    "(scripts/slurm_local.sh up starts one; not with --pairwise)")
+    ap.add_argument(
+        "--slurm",
+        action="store_true",
+        help="draw srun on a SLURM cluster as a launcher too "
+        "(scripts/slurm_local.sh up starts one; not with --pairwise)",
+    )
     ap.add_argument("--plan", action="store_true", help="print the trials' draws and run nothing")
-    ap.add_argument("--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)")
-    ap.add_argument("--jobs", type=int, default=1, help="trials run at once (CI: 2: they must hold on a loaded machine)")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep every trial's dir (failed ones are always kept)"
+    )
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="trials run at once (CI: 2: they must hold on a loaded machine)"
+    )
     ap.add_argument("--workdir", type=Path, help="where trials run (default: a new temp dir)")
-    ap.add_argument("--minutes", type=float, help="start no trial after this many minutes (those started end); "
-                    "the summary covers the trials run and says which --first continues")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        help="start no trial after this many minutes (those started end); "
+        "the summary covers the trials run and says which --first continues",
+    )
     args = ap.parse_args(argv)
     # data prep counts
     until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")
     if args.minutes is not None and (args.pairwise or args.only is not None):
-        ap.error("--minutes bounds a run of --trials drawn at random (--first continues it); the pairwise plan and "
-                 "--only run whole: drop --minutes")
+        ap.error(
+            "--minutes bounds a run of --trials drawn at random (--first continues it); the pairwise plan "
+            "and "
+            "--only run whole: drop --minutes"
+        )
     if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
         ap.error(f"--first {args.first}: one of the --trials drawn at random, counted from 1")
     if args.part and not args.pairwise:
         ap.error("--part deals the --pairwise plan into parts: add --pairwise, or drop --part")
     if args.slurm and args.pairwise:
-        ap.error("--slurm draws srun among the launchers at random; the --pairwise plan is fixed: drop one of them")
-    if args.slurm and subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True,
-                                     text=True).stdout.strip() == "":
+        ap.error(
+            "--slurm draws srun among the launchers at random; the --pairwise plan is fixed: drop one of them"
+        )
+    if (
+        args.slurm
+        and subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True, text=True).stdout.strip()
+        == ""
+    ):
         ap.error("--slurm: no SLURM node is up (sinfo lists none idle). Fix: scripts/slurm_local.sh up")
     try:
         trials = choose(args)

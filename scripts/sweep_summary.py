@@ -20,9 +20,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep_dir", type=Path, help="multirun/<date>/<time>")
     ap.add_argument("--objective", default="val/acc")
-    ap.add_argument("--minimize", action="store_true", default=None,
-                    help="lower objective is better (default: as the jobs recorded it; a loss is minimised)")
-    ap.add_argument("--csv", type=Path, default=None, help="CSV output path (default <sweep_dir>/summary.csv)")
+    ap.add_argument(
+        "--minimize",
+        action="store_true",
+        default=None,
+        help="lower objective is better (default: as the jobs recorded it; a loss is minimised)",
+    )
+    ap.add_argument(
+        "--csv", type=Path, default=None, help="CSV output path (default <sweep_dir>/summary.csv)"
+    )
     args = ap.parse_args()
     if not args.sweep_dir.is_dir():
         raise SystemExit(f"{args.sweep_dir} is not a directory: pass a multirun/<date>/<time> folder")

@@ -43,8 +43,10 @@ def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if config.getvalue("dist") == "loadgroup" and _drops_xdist_groups():
-        raise pytest.UsageError(f"--dist loadgroup: pytest {pytest.__version__} drops the xdist_group of every test "
-                                "(pytest-dev/pytest-xdist#1386). Fix: pip install 'pytest<9.2'")
+        raise pytest.UsageError(
+            f"--dist loadgroup: pytest {pytest.__version__} drops the xdist_group of every test "
+            "(pytest-dev/pytest-xdist#1386). Fix: pip install 'pytest<9.2'"
+        )
 
 
 def _drops_xdist_groups() -> bool:
@@ -55,7 +57,9 @@ def _drops_xdist_groups() -> bool:
 
     from packaging.version import Version
 
-    return Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0")
+    return Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version(
+        "3.8.0"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,8 +69,12 @@ def pytest_collection_modifyitems(config, items):
     # The soak plan (12 minutes, the longest test by far) first: under `-n 3` one worker runs it while the
     # others takes the rest, instead of it starting last and running alone; then the slurm tests, whose jobs
     # mostly wait on SLURM (one worker takes them in turn, beside the rest).
-    items.sort(key=lambda item: (item.name != "test_the_pairwise_soak_plan_holds_every_invariant",
-                                 item.get_closest_marker("slurm") is None))
+    items.sort(
+        key=lambda item: (
+            item.name != "test_the_pairwise_soak_plan_holds_every_invariant",
+            item.get_closest_marker("slurm") is None,
+        )
+    )
     # .ci/run runs them in a phase of their own, beside this one
     if os.environ.get("DDPLAB_SLURM_APART") == "1":
         apart = [item for item in items if item.get_closest_marker("slurm")]
@@ -93,8 +101,11 @@ def _leaves_no_signal_state():
     from ddplab.runtime import signals
 
     def state():
-        return ([signal.getsignal(getattr(signal, s)) for s in _STOP_SIGNALS], list(signals._EARLY),
-                list(signals._FOR_LIFE))
+        return (
+            [signal.getsignal(getattr(signal, s)) for s in _STOP_SIGNALS],
+            list(signals._EARLY),
+            list(signals._FOR_LIFE),
+        )
 
     before = state()
     yield
@@ -146,7 +157,9 @@ def pytest_runtest_makereport(item, call):
         reason = str(rep.longrepr[2] if isinstance(rep.longrepr, tuple) else rep.longrepr)
         if not any(word in reason for word in CI_MAY_SKIP):
             rep.outcome = "failed"
-            rep.longrepr = f"skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run provide what this test needs"
+            rep.longrepr = (
+                f"skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run provide what this test needs"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -160,14 +173,25 @@ def pytest_make_collect_report(collector):
         reason = str(rep.longrepr[2] if isinstance(rep.longrepr, tuple) else rep.longrepr)
         if not any(word in reason for word in CI_MAY_SKIP):
             rep.outcome = "failed"
-            rep.longrepr = f"{collector.nodeid} skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run install it"
+            rep.longrepr = (
+                f"{collector.nodeid} skipped under DDPLAB_CI=1: {reason}. Fix: make .ci/run install it"
+            )
 
 
 # The variables that place a process in a job: ddplab reads them at every run, so one a test leaves behind
 # changes every later in-process run of the session (LOCAL_RANK=1 makes a GPU host ask for cuda:1; a CPU
 # host would not notice).
-_JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "CUDA_VISIBLE_DEVICES")
+_JOB_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -203,8 +227,10 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu() -> float:
         forked = sum(z.cpu for z in helpers.jobs._ZYGOTES)  # jobs forked by the server (not our children)
-        return forked + sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                               resource.getrusage(resource.RUSAGE_CHILDREN)))
+        return forked + sum(
+            r.ru_utime + r.ru_stime
+            for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+        )
 
     t0, c0 = time.monotonic(), cpu()
     yield

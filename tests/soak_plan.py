@@ -31,8 +31,14 @@ DATA = ("memory", "stream", "tokens", "shards", "hf", "hf_stream")
 # trials rather than 7 x 6: the six data kinds are the six (source, access) pairs, each in some trial.
 SOURCES = ("digits", "tokens", "hf")
 ACCESS = ("memory", "stream")
-DATA_OF = {("digits", "memory"): "memory", ("digits", "stream"): "stream", ("tokens", "memory"): "tokens",
-           ("tokens", "stream"): "shards", ("hf", "memory"): "hf", ("hf", "stream"): "hf_stream"}
+DATA_OF = {
+    ("digits", "memory"): "memory",
+    ("digits", "stream"): "stream",
+    ("tokens", "memory"): "tokens",
+    ("tokens", "stream"): "shards",
+    ("hf", "memory"): "hf",
+    ("hf", "stream"): "hf_stream",
+}
 SOURCE_ACCESS = {kind: pair for pair, kind in DATA_OF.items()}
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGKILL")
 # Faults that are not a signal, made by rank r at its k-th call of the phase: ``disk_full`` fills the file
@@ -46,8 +52,12 @@ TARGETS = ("self", "peer", "launcher", "all")
 PHASES = ("data", "forward", "backward", "between", "optimizer", "evaluation", "checkpoint")
 # The plan's phase dimension: where in the job the fault lands, the phase inside a group drawn from the seed
 # (7 phases would make the plan 7 x 4 trials at least; the groups keep it inside CI's budget).
-PHASE_GROUPS = {"input": ("data", "between"), "step": ("forward", "backward", "optimizer"),
-                "evaluation": ("evaluation",), "checkpoint": ("checkpoint",)}
+PHASE_GROUPS = {
+    "input": ("data", "between"),
+    "step": ("forward", "backward", "optimizer"),
+    "evaluation": ("evaluation",),
+    "checkpoint": ("checkpoint",),
+}
 # One feature in play beside the rest: its overrides (Trial.overrides). "steps": the run's length in optimizer
 # steps (num_epochs=null max_steps) with evaluations every half epoch, mid-epoch; "workers": 2 loader workers.
 FEATURES = ("plain", "ema", "amp", "workers", "steps")
@@ -61,25 +71,58 @@ SERVER_STATES = ("up", "down", "killed")
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}
 ANY_STEP = (1e-3, 4.0)
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "launcher": LAUNCHERS, "strategy": STRATEGIES, "source": SOURCES, "access": ACCESS, "checkpoint": ("sync", "async"), "fault": FAULTS,
-    "target": TARGETS, "phase": tuple(PHASE_GROUPS), "timing": tuple(TIMINGS), "accum": (1, 2, 3), "mode": MODES,
-    "world": WORLDS, "feature": FEATURES, "tracking": TRACKING}
+    "launcher": LAUNCHERS,
+    "strategy": STRATEGIES,
+    "source": SOURCES,
+    "access": ACCESS,
+    "checkpoint": ("sync", "async"),
+    "fault": FAULTS,
+    "target": TARGETS,
+    "phase": tuple(PHASE_GROUPS),
+    "timing": tuple(TIMINGS),
+    "accum": (1, 2, 3),
+    "mode": MODES,
+    "world": WORLDS,
+    "feature": FEATURES,
+    "tracking": TRACKING,
+}
 TRAIN_SAMPLES, BATCH = 1438, 32  # digits' fixed split (the token file is made as long); global batch 32
 BATCH_3 = 48  # on 3 ranks: 32 does not split
 VAL_SAMPLES = {"memory": 359, "stream": 359, "tokens": 160, "shards": 160, "hf": 160, "hf_stream": 160}
 TOKEN_BLOCK, TOKEN_WINDOWS = 16, 1600  # the token file: 1600 windows, the last 10% validation
 HF_VOCAB = 320  # the soak's BPE: as many ids as it learns from the generated corpus, at most this
 DIGITS = ["model=mlp", "model._target_=soak_toy.SoakMLP"]
-PARTS = {"memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
-         "stream": DIGITS + ["dataset._target_=soak_toy.soak_stream"],
-         "tokens": ["task=lm", "dataset=tokens", "dataset._target_=soak_toy.soak_tokens",
-                    f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
-                    "model.n_embd=32"],
-         "shards": ["task=lm", "dataset=token_shards", "dataset._target_=soak_toy.soak_shards",
-                    f"dataset.block_size={TOKEN_BLOCK}", "model._target_=soak_toy.SoakGPT", "model.n_layer=1",
-                    "model.n_embd=32"],
-         "hf": ["task=lm", "dataset=hf", "dataset._target_=soak_toy.soak_hf", f"dataset.block_size={TOKEN_BLOCK}",
-                "model._target_=soak_toy.SoakGPT", "model.n_layer=1", "model.n_embd=32"]}
+PARTS = {
+    "memory": DIGITS + ["dataset._target_=soak_toy.soak_digits"],
+    "stream": DIGITS + ["dataset._target_=soak_toy.soak_stream"],
+    "tokens": [
+        "task=lm",
+        "dataset=tokens",
+        "dataset._target_=soak_toy.soak_tokens",
+        f"dataset.block_size={TOKEN_BLOCK}",
+        "model._target_=soak_toy.SoakGPT",
+        "model.n_layer=1",
+        "model.n_embd=32",
+    ],
+    "shards": [
+        "task=lm",
+        "dataset=token_shards",
+        "dataset._target_=soak_toy.soak_shards",
+        f"dataset.block_size={TOKEN_BLOCK}",
+        "model._target_=soak_toy.SoakGPT",
+        "model.n_layer=1",
+        "model.n_embd=32",
+    ],
+    "hf": [
+        "task=lm",
+        "dataset=hf",
+        "dataset._target_=soak_toy.soak_hf",
+        f"dataset.block_size={TOKEN_BLOCK}",
+        "model._target_=soak_toy.SoakGPT",
+        "model.n_layer=1",
+        "model.n_embd=32",
+    ],
+}
 PARTS["hf_stream"] = PARTS["hf"] + ["dataset.streaming=true"]
 # mode=study: two trials of the digits study's space (lr, weight decay; the sampler seeded per trial number),
 # no pruner; the objective one every task logs. The trials' dir is the trial's run dir (scripts/soak.py:
@@ -149,35 +192,72 @@ class Trial:
         return max(1, self.steps_per_epoch // 2)
 
     def feature_overrides(self) -> list[str]:
-        length = ([f"num_epochs={self.epochs}"] if self.feature != "steps" else
-                  ["num_epochs=null", f"max_steps={self.total_steps}", f"eval_every_n_steps={self.eval_every}"])
-        return length + {"plain": [], "steps": [], "ema": ["callbacks=[ema]"], "amp": ["amp=true"],
-                         "workers": ["perf.num_workers=2"]}[self.feature]
+        length = (
+            [f"num_epochs={self.epochs}"]
+            if self.feature != "steps"
+            else ["num_epochs=null", f"max_steps={self.total_steps}", f"eval_every_n_steps={self.eval_every}"]
+        )
+        return (
+            length
+            + {
+                "plain": [],
+                "steps": [],
+                "ema": ["callbacks=[ema]"],
+                "amp": ["amp=true"],
+                "workers": ["perf.num_workers=2"],
+            }[self.feature]
+        )
 
     @property
     def eval_s(self) -> float:
         return min(self.step_s, 2.0)
 
     def overrides(self) -> list[str]:
-        data = {"tokens": [f"dataset.path={self.token_file}"],
-                "shards": [f"dataset.path={self.shard_dir}/train", f"dataset.val_path={self.shard_dir}/val.bin"]}
+        data = {
+            "tokens": [f"dataset.path={self.token_file}"],
+            "shards": [f"dataset.path={self.shard_dir}/train", f"dataset.val_path={self.shard_dir}/val.bin"],
+        }
         for kind in ("hf", "hf_stream"):
-            data[kind] = [f"dataset.path={self.hf_dir}/train.jsonl", f"dataset.val_path={self.hf_dir}/val.jsonl",
-                          f"dataset.tokenizer={self.hf_dir}/tokenizer.json", f"dataset.vocab_size={HF_VOCAB}"]
-        return PARTS[self.data] + data.get(self.data, []) + COMMON + [f"mode={self.mode}"] * (self.mode != "train") + [
-            *(STUDY if self.mode == "study" else []), f"batch_size={self.batch}", *self.feature_overrides(),
-            f"distributed={self.strategy}", f"limit_train_steps={self.steps_per_epoch}",
-            f"grad_accum_steps={self.accum}", f"log_every_n_steps={self.log_every}",
-            f"checkpoint.every_n_steps={self.every_n}", f"checkpoint.async_save={self.async_save}",
-            *(["logger=[tensorboard,mlflow]", f"mlflow.tracking_uri={self.tracking_uri}"]
-              if self.tracking == "mlflow" else [])]
+            data[kind] = [
+                f"dataset.path={self.hf_dir}/train.jsonl",
+                f"dataset.val_path={self.hf_dir}/val.jsonl",
+                f"dataset.tokenizer={self.hf_dir}/tokenizer.json",
+                f"dataset.vocab_size={HF_VOCAB}",
+            ]
+        return (
+            PARTS[self.data]
+            + data.get(self.data, [])
+            + COMMON
+            + [f"mode={self.mode}"] * (self.mode != "train")
+            + [
+                *(STUDY if self.mode == "study" else []),
+                f"batch_size={self.batch}",
+                *self.feature_overrides(),
+                f"distributed={self.strategy}",
+                f"limit_train_steps={self.steps_per_epoch}",
+                f"grad_accum_steps={self.accum}",
+                f"log_every_n_steps={self.log_every}",
+                f"checkpoint.every_n_steps={self.every_n}",
+                f"checkpoint.async_save={self.async_save}",
+                *(
+                    ["logger=[tensorboard,mlflow]", f"mlflow.tracking_uri={self.tracking_uri}"]
+                    if self.tracking == "mlflow"
+                    else []
+                ),
+            ]
+        )
 
     def label(self) -> str:
-        return (f"{self.launcher:10s}x{self.world} {self.strategy:4s} {self.data:6s} {self.mode:13s} {self.feature:7s} "
-                f"{self.fault:>12s}->{self.target}@{self.phase}"
-                f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms x{self.epochs}x{self.steps_per_epoch} "
-                f"accum {self.accum} log {self.log_every} ckpt {self.every_n}{' async' if self.async_save else ''}"
-                f"{f' mlflow {self.server}' if self.tracking == 'mlflow' else ''}")
+        return (
+            f"{self.launcher:10s}x{self.world} {self.strategy:4s} {self.data:6s} {self.mode:13s} "
+            f"{self.feature:7s} "
+            f"{self.fault:>12s}->{self.target}@{self.phase}"
+            f"#{self.k} rank {self.rank} step {self.step_s * 1e3:.0f}ms "
+            f"x{self.epochs}x{self.steps_per_epoch} "
+            f"accum {self.accum} log {self.log_every} ckpt "
+            f"{self.every_n}{' async' if self.async_save else ''}"
+            f"{f' mlflow {self.server}' if self.tracking == 'mlflow' else ''}"
+        )
 
     def rerun(self) -> str:
         """The command that runs this trial again, exactly."""
@@ -191,12 +271,21 @@ def calls(t: Trial) -> list[int]:
     steps = t.epochs * t.steps_per_epoch
     micro = range(1, steps * t.accum + 1)
     mid_saves = [s for s in range(1, steps + 1) if t.every_n and s % t.every_n == 0 and s % t.steps_per_epoch]
-    evals = t.epochs if t.feature != "steps" else len({s for s in range(1, steps + 1) if s % t.eval_every == 0} | {steps})
-    return {"data": [k for k in micro if (k - 1) % t.accum == 0], "between": [k for k in micro if (k - 1) % t.accum],
-            "forward": list(micro), "backward": list(micro), "optimizer": list(range(1, steps + 1)),
-            # eval batches of max(per-rank batch, 256) over this rank's shard
-            "evaluation": list(range(1, evals * math.ceil(math.ceil(VAL_SAMPLES[t.data] / t.world) / 256) + 1)),
-            "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1))}[t.phase]  # epoch ends, every_n saves
+    evals = (
+        t.epochs
+        if t.feature != "steps"
+        else len({s for s in range(1, steps + 1) if s % t.eval_every == 0} | {steps})
+    )
+    return {
+        "data": [k for k in micro if (k - 1) % t.accum == 0],
+        "between": [k for k in micro if (k - 1) % t.accum],
+        "forward": list(micro),
+        "backward": list(micro),
+        "optimizer": list(range(1, steps + 1)),
+        # eval batches of max(per-rank batch, 256) over this rank's shard
+        "evaluation": list(range(1, evals * math.ceil(math.ceil(VAL_SAMPLES[t.data] / t.world) / 256) + 1)),
+        "checkpoint": list(range(1, t.epochs + len(mid_saves) + 1)),
+    }[t.phase]  # epoch ends, every_n saves
 
 
 def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slurm: bool = False) -> Trial:
@@ -216,7 +305,23 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
     fault = fixed.get("fault", rng.choice(SIGNALS))
     target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
-    t = Trial(seed, launcher, step_s, epochs, spe, accum, log_every, every_n, fault, target, 0, "", 0, long, slurm=slurm)
+    t = Trial(
+        seed,
+        launcher,
+        step_s,
+        epochs,
+        spe,
+        accum,
+        log_every,
+        every_n,
+        fault,
+        target,
+        0,
+        "",
+        0,
+        long,
+        slurm=slurm,
+    )
     t.rank = rng.randrange(t.world)
     t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else t.data
     phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
@@ -279,14 +384,18 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
     if {"launcher", "strategy"} == v.keys():
         return (v["launcher"] == "single") == (v["strategy"] == "none")  # one process: no process group
     if {"launcher", "target"} == v.keys() or {"strategy", "target"} == v.keys():
-        return v["target"] == "self" or v.get("launcher", "torchrun") != "single" and v.get("strategy") != "none"
+        return (
+            v["target"] == "self" or v.get("launcher", "torchrun") != "single" and v.get("strategy") != "none"
+        )
     if {"fault", "target"} == v.keys():  # a fault not a signal is made by the rank that meets it
         return v["fault"] in SIGNALS or v["target"] == "self"
     if {"fault", "mode"} == v.keys() and v["fault"] == "storage_loss":
         return v["mode"] == "study"  # only a study has a storage
     # 3 ranks: torchrun (or srun) only; self-launch refuses more than cores
     if {"launcher", "world"} == v.keys():
-        return (v["launcher"] == "single") == (v["world"] == 1) and (v["world"] < 3 or v["launcher"] == "torchrun")
+        return (v["launcher"] == "single") == (v["world"] == 1) and (
+            v["world"] < 3 or v["launcher"] == "torchrun"
+        )
     if {"strategy", "world"} == v.keys():
         return (v["strategy"] == "none") == (v["world"] == 1)
     if {"target", "world"} == v.keys():
@@ -294,13 +403,21 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
     if {"feature", "phase"} == v.keys():
         # loader workers collate in their own processes (a fetch fault would fire there); training by steps
         # saves at its own cadence (the checkpoint calls counted here are epoch ends)
-        return not (v["feature"] == "workers" and v["phase"] == "input" or v["feature"] == "steps" and
-                    v["phase"] == "checkpoint")
+        return not (
+            v["feature"] == "workers"
+            and v["phase"] == "input"
+            or v["feature"] == "steps"
+            and v["phase"] == "checkpoint"
+        )
     if "mode" in v and v["mode"] == "verify_resume":
         # verify_resume starts its own processes (not under torchrun or srun), compares one-file checkpoints
         # (not FSDP's shards) and runs both legs from scratch (no checkpoint of its own for bad_file to spoil)
-        return (v.get("launcher") not in ("torchrun", SLURM) and v.get("strategy") != "fsdp" and
-                v.get("fault") != "bad_file" and v.get("world") != 3)
+        return (
+            v.get("launcher") not in ("torchrun", SLURM)
+            and v.get("strategy") != "fsdp"
+            and v.get("fault") != "bad_file"
+            and v.get("world") != 3
+        )
     return True
 
 
@@ -315,8 +432,13 @@ def _pairs(trial: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]
 
 
 def valid_pairs() -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
-    return {((a, va), (b, vb)) for a, b in itertools.combinations(DIMENSIONS, 2)
-            for va in DIMENSIONS[a] for vb in DIMENSIONS[b] if _allowed(a, va, b, vb)}
+    return {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(DIMENSIONS, 2)
+        for va in DIMENSIONS[a]
+        for vb in DIMENSIONS[b]
+        if _allowed(a, va, b, vb)
+    }
 
 
 def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any], int]) -> dict[str, Any]:
@@ -327,7 +449,9 @@ def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any],
         if name in trial:
             continue
         options = [v for v in DIMENSIONS[name] if valid({**trial, name: v})]
-        trial[name] = max(options, key=lambda v: (len(_pairs({**trial, name: v}) & uncovered), -used[name, v]))
+        trial[name] = max(
+            options, key=lambda v: (len(_pairs({**trial, name: v}) & uncovered), -used[name, v])
+        )
     return {n: trial[n] for n in DIMENSIONS}
 
 
@@ -356,7 +480,7 @@ def plan_parts(n: int) -> list[list[int]]:
     load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16,
     so four consecutive parts hold every value, and the 16 every pair)."""
     if n > 4 and n % 4 == 0:
-        return [p[k::n // 4] for p in plan_parts(4) for k in range(n // 4)]
+        return [p[k :: n // 4] for p in plan_parts(4) for k in range(n // 4)]
     plan = pairwise_plan()
     values = [set(t.items()) for t in plan]
     load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]  # the launcher and its ranks
@@ -373,9 +497,11 @@ def plan_parts(n: int) -> list[list[int]]:
     while improved:
         improved = False
         for i in range(len(plan)):
-            swaps = [[deal[j] if k == i else deal[i] if k == j else p for k, p in enumerate(deal)]
-                     for j in range(len(plan))]
-            for candidate in swaps + [deal[:i] + [p] + deal[i + 1:] for p in range(n)]:
+            swaps = [
+                [deal[j] if k == i else deal[i] if k == j else p for k, p in enumerate(deal)]
+                for j in range(len(plan))
+            ]
+            for candidate in swaps + [deal[:i] + [p] + deal[i + 1 :] for p in range(n)]:
                 if score(candidate) < score(deal):
                     deal, improved = candidate, True
     return [[i for i, p in enumerate(deal) if p == part] for part in range(n)]
@@ -386,8 +512,11 @@ def plan_trials(seed: int, long: bool = False, part: tuple[int, int] | None = No
     the whole plan: a trial is the same in a part); ``part`` (k, n): only the k-th of ``plan_parts(n)``."""
     plan = pairwise_plan()
     chosen = set(plan_parts(part[1])[part[0] - 1]) if part else set(range(len(plan)))
-    trials = [draw(s, long, fixed) for i, (s, fixed) in enumerate(zip(trial_seeds(seed, len(plan)), plan))
-              if i in chosen]
+    trials = [
+        draw(s, long, fixed)
+        for i, (s, fixed) in enumerate(zip(trial_seeds(seed, len(plan)), plan))
+        if i in chosen
+    ]
     for t in trials:
         t.plan_seed = seed
     return trials
@@ -398,14 +527,28 @@ def coverage(trials: list[Trial]) -> str:
     every = valid_pairs()
     seen = set().union(*(_pairs(dimensions(t)) for t in trials)) & every
     values = {(n, v) for t in trials for n, v in dimensions(t).items()}
-    return (f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} trials, "
-            f"{len(values)}/{sum(map(len, DIMENSIONS.values()))} of their values")
+    return (
+        f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} "
+        "trials, "
+        f"{len(values)}/{sum(map(len, DIMENSIONS.values()))} of their values"
+    )
 
 
 def dimensions(t: Trial) -> dict[str, Any]:
     timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
-    return {"launcher": t.launcher, "strategy": t.strategy, "source": SOURCE_ACCESS[t.data][0],
-            "access": SOURCE_ACCESS[t.data][1],
-            "checkpoint": "async" if t.async_save else "sync", "fault": t.fault, "target": t.target,
-            "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps), "timing": timing, "accum": t.accum,
-            "mode": t.mode, "world": t.world, "feature": t.feature, "tracking": t.tracking}
+    return {
+        "launcher": t.launcher,
+        "strategy": t.strategy,
+        "source": SOURCE_ACCESS[t.data][0],
+        "access": SOURCE_ACCESS[t.data][1],
+        "checkpoint": "async" if t.async_save else "sync",
+        "fault": t.fault,
+        "target": t.target,
+        "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps),
+        "timing": timing,
+        "accum": t.accum,
+        "mode": t.mode,
+        "world": t.world,
+        "feature": t.feature,
+        "tracking": t.tracking,
+    }

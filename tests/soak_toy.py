@@ -15,10 +15,11 @@ same):
 
 * ``SOAK_DELAY_S`` / ``SOAK_EVAL_DELAY_S``: sleep per training micro-batch forward / per evaluation batch, in
   the processes started before the fault fired (those after it run at full speed);
-* ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir", "fault", "disk", "storage"}``: on its
-  ``k``-th call of ``phase`` rank ``rank`` fills the file system of ``disk`` (fault ``disk_full``) or deletes the
-  study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``, ``peer`` (the next rank), ``launcher`` (its parent: torchrun's
-  agent or the self-launching parent) or ``all`` (every process of the trial) — once per trial: ``dir/fired``
+* ``SOAK_FAULT``: JSON ``{"phase", "k", "rank", "target", "signal", "dir", "fault", "disk", "storage"}``: on
+  its ``k``-th call of ``phase`` rank ``rank`` fills the file system of ``disk`` (fault ``disk_full``) or
+  deletes the study's ``storage`` (``storage_loss``), and sends ``signal`` (if any) to ``target`` — ``self``,
+  ``peer`` (the next rank), ``launcher`` (its parent: torchrun's agent or the self-launching parent) or
+  ``all`` (every process of the trial) — once per trial: ``dir/fired``
   is created first (exclusively), so a resumed run never faults again. It records when and at which step.
 * ``SOAK_TRIAL_ID``: every process of the trial carries it (how ``all`` and the driver find them).
 
@@ -40,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
+from helpers.disk import fill
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ddplab.callbacks import Callback
-from helpers.disk import fill
-from helpers.compare import same  # noqa: F401  (scripts/soak.py compares checkpoints with it)
 from ddplab.data import Splits, digits, token_shards, tokens
 from ddplab.models import MLP, TinyGPT
 
@@ -64,8 +65,11 @@ def trial_pids(trial_id: str, containing: bool = False) -> list[int]:
             continue
         try:
             entries = (d / "environ").read_bytes().split(b"\0")
-            if key in entries or containing and any(e.startswith(b"SOAK_TRIAL_ID=") and trial_id.encode() in e
-                                                    for e in entries):
+            if (
+                key in entries
+                or containing
+                and any(e.startswith(b"SOAK_TRIAL_ID=") and trial_id.encode() in e for e in entries)
+            ):
                 found.append(int(d.name))
         except OSError:
             continue
@@ -117,9 +121,14 @@ def check_events(run: Path, ref: Path) -> list[str]:
     mine, theirs = read_scalars(events_dir(run)), read_scalars(events_dir(ref))
     dups = {tag: sorted({s for s, _ in pts if [x for x, _ in pts].count(s) > 1}) for tag, pts in mine.items()}
     dups = {tag: steps for tag, steps in dups.items() if steps}
-    problems = [f"steps logged more than once, in {len(dups)} tags: {dict(list(dups.items())[:3])}"] if dups else []
-    problems += [f"{tag}: {mine.get(tag)} vs the reference's {theirs.get(tag)}" for tag in ("val/loss", "val/acc")
-                 if mine.get(tag) != theirs.get(tag)]
+    problems = (
+        [f"steps logged more than once, in {len(dups)} tags: {dict(list(dups.items())[:3])}"] if dups else []
+    )
+    problems += [
+        f"{tag}: {mine.get(tag)} vs the reference's {theirs.get(tag)}"
+        for tag in ("val/loss", "val/acc")
+        if mine.get(tag) != theirs.get(tag)
+    ]
     for tag in ("train/loss", "train/acc"):
         problems += check_intervals(tag, dict(mine.get(tag, [])), dict(theirs.get(tag, [])))
     return problems
@@ -144,10 +153,14 @@ def check_intervals(tag: str, mine: dict[int, float], ref: dict[int, float]) -> 
             bounds = [prev] + parts
             mean = sum(mine[u] * (u - p) for p, u in zip(bounds, parts)) / (t - prev)
             if abs(mean - ref[t]) > 1e-5 * max(1.0, abs(ref[t])):
-                problems.append(f"{tag} over ({prev}, {t}] split at {parts[:-1]}: mean {mean!r} vs {ref[t]!r}")
+                problems.append(
+                    f"{tag} over ({prev}, {t}] split at {parts[:-1]}: mean {mean!r} vs {ref[t]!r}"
+                )
         prev = t
     extra = [u for u in mine if u > prev]
-    return problems + ([f"{tag}: logged at steps {extra}, after the reference's last log step"] if extra else [])
+    return problems + (
+        [f"{tag}: logged at steps {extra}, after the reference's last log step"] if extra else []
+    )
 
 
 # ------------------------------------------------------------------------ in the job
@@ -182,8 +195,14 @@ class _Injector:
         targets = self._targets(spec["target"]) if spec["signal"] else []
         step = self.state.loop.step if self.state is not None else -1
         run_dir = str(self.state.run_dir) if self.state is not None else None
-        record = {"time": time.time(), "step": step, "pid": os.getpid(), "targets": targets, "phase": spec["phase"],
-                  "run_dir": run_dir}
+        record = {
+            "time": time.time(),
+            "step": step,
+            "pid": os.getpid(),
+            "targets": targets,
+            "phase": spec["phase"],
+            "run_dir": run_dir,
+        }
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record))
         # tracking=mlflow, server=killed: the tracking server dies with the fault, for good
@@ -200,8 +219,11 @@ class _Injector:
         others = [str(p) for p in targets if p != os.getpid()]
         if spec["target"] == "all" and others:  # from a process of its own, as SLURM's step daemon signals a
             # job: a rank's loader workers take a SIGTERM their own rank sends as its order to end
-            subprocess.run(["kill", "-s", spec["signal"].removeprefix("SIG"), *others], check=False,
-                           stderr=subprocess.DEVNULL)  # one gone already: kill says so, and signals the rest
+            subprocess.run(
+                ["kill", "-s", spec["signal"].removeprefix("SIG"), *others],
+                check=False,
+                stderr=subprocess.DEVNULL,
+            )  # one gone already: kill says so, and signals the rest
             targets = [os.getpid()] if os.getpid() in targets else []
         for pid in sorted(targets, key=lambda p: p == os.getpid()):  # itself last: SIGKILL ends it here
             try:
@@ -319,7 +341,9 @@ def soak_stream(**kw: Any) -> Splits:
     from toy import StatefulDigitStream
 
     s = digits(**kw)
-    return Splits(StatefulDigitStream(s.train.x, s.train.y, kw.get("split_seed", 0)), s.val, s.num_classes, _collate)
+    return Splits(
+        StatefulDigitStream(s.train.x, s.train.y, kw.get("split_seed", 0)), s.val, s.num_classes, _collate
+    )
 
 
 def soak_tokens(**kw: Any) -> Splits:

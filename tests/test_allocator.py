@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.jobs import assert_ok, python_train, torchrun
 
 from ddplab.data.tokens import write_tokens
 from ddplab.runtime import allocator
-from helpers.jobs import assert_ok, python_train, torchrun
 
 # The language-model benchmark's job (scripts/bench_lm.py): TinyGPT, 2 ranks x 32 windows of 64 tokens.
-LM = ["task=lm", "dataset=tokens", "dataset.block_size=64", "dataset.vocab_size=256", "model=gpt", "batch_size=64",
-      "max_steps=45", "num_epochs=null", "progress=none"]
+LM = [
+    "task=lm",
+    "dataset=tokens",
+    "dataset.block_size=64",
+    "dataset.vocab_size=256",
+    "model=gpt",
+    "batch_size=64",
+    "max_steps=45",
+    "num_epochs=null",
+    "progress=none",
+]
 
 
 def _run(tmp_path, launcher: str, setting: str) -> tuple[list[float], dict]:
@@ -21,12 +30,19 @@ def _run(tmp_path, launcher: str, setting: str) -> tuple[list[float], dict]:
 
     write_tokens(np.random.default_rng(0).integers(0, 256, 200_000), tmp_path / "t.bin", "uint16", 256)
     run = tmp_path / f"run-{setting}"
-    args = LM + [f"dataset.path={tmp_path / 't.bin'}", f"perf.host_allocator={setting}",
-                 "+callbacks.pf._target_=toy.CountsPageFaults", f"+callbacks.pf.dir={tmp_path / setting}",
-                 f"hydra.run.dir={run}"]
+    args = LM + [
+        f"dataset.path={tmp_path / 't.bin'}",
+        f"perf.host_allocator={setting}",
+        "+callbacks.pf._target_=toy.CountsPageFaults",
+        f"+callbacks.pf.dir={tmp_path / setting}",
+        f"hydra.run.dir={run}",
+    ]
     (tmp_path / setting).mkdir()
-    proc = (python_train(args + ["distributed.nproc_per_node=2"], tmp_path, timeout=180) if launcher == "self"
-            else torchrun(2, args, tmp_path, timeout=180))
+    proc = (
+        python_train(args + ["distributed.nproc_per_node=2"], tmp_path, timeout=180)
+        if launcher == "self"
+        else torchrun(2, args, tmp_path, timeout=180)
+    )
     assert_ok(proc)
     faults = [float((tmp_path / setting / f"faults-rank{r}").read_text()) for r in (0, 1)]
     return faults, torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
@@ -44,7 +60,9 @@ def test_a_self_launched_cpu_rank_takes_no_stream_of_page_faults_per_step(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_under_torchrun_the_tuned_ranks_fault_no_pages_per_step_the_systems_do_and_both_train_the_same(tmp_path):
+def test_under_torchrun_the_tuned_ranks_fault_no_pages_per_step_the_systems_do_and_both_train_the_same(
+    tmp_path,
+):
     """perf.host_allocator=system is the control (so the bound says something); where memory comes from never
     changes a number: the two runs' weights and optimizer states are bitwise the same.
 
@@ -56,15 +74,23 @@ def test_under_torchrun_the_tuned_ranks_fault_no_pages_per_step_the_systems_do_a
     assert max(tuned) < 300 and sum(system) > 1000, (tuned, system)
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert torch.equal(torch.cat([v.flatten() for s in a["optimizer"]["state"].values() for v in s.values()]),
-                       torch.cat([v.flatten() for s in b["optimizer"]["state"].values() for v in s.values()]))
+    assert torch.equal(
+        torch.cat([v.flatten() for s in a["optimizer"]["state"].values() for v in s.values()]),
+        torch.cat([v.flatten() for s in b["optimizer"]["state"].values() for v in s.values()]),
+    )
 
 
-@pytest.mark.parametrize("env, said", [
-    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "untouched: set by the user (MALLOC_TRIM_THRESHOLD_)"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "untouched: set by the user (GLIBC_TUNABLES)"),
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "untouched: jemalloc is preloaded"),
-])
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, "untouched: set by the user (MALLOC_TRIM_THRESHOLD_)"),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+            "untouched: set by the user (GLIBC_TUNABLES)",
+        ),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "untouched: jemalloc is preloaded"),
+    ],
+)
 def test_a_users_own_allocator_settings_are_left_alone(monkeypatch, env, said):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -80,5 +106,7 @@ def test_a_later_job_in_the_same_process_says_the_thresholds_stay(monkeypatch):
     """A sweep in one process over perf.host_allocator: glibc's moving defaults cannot be set back, and the
     log says so instead of claiming the system defaults."""
     monkeypatch.setattr(allocator, "_done", True)
-    assert allocator.keep_freed_host_memory("cpu", "system") == \
-        "still tuned: an earlier job in this process set the thresholds"
+    assert (
+        allocator.keep_freed_host_memory("cpu", "system")
+        == "still tuned: an earlier job in this process set the thresholds"
+    )

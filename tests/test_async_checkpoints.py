@@ -15,21 +15,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import ddplab
 import toy
-from ddplab.checkpoint import files
 from helpers.compare import assert_same_checkpoint, load
 from helpers.jobs import TRAIN, assert_ok, compose_cfg, ranks, run_cmd, tmpfs, torchrun
 from test_preemption import finish, ranks_of, result, start, wait_for
+
+import ddplab
+from ddplab.checkpoint import files
 
 pytestmark = pytest.mark.slow
 
 ASYNC = ["checkpoint.async_save=true"]
 BASE = ["model=mlp", "num_epochs=2", "checkpoint.every_n_steps=5"]  # digits: 22 steps per epoch
 # Each training forward sleeps 10 ms, so a run lasts long enough for a stop to land mid-run.
-SLOW = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.01", "num_epochs=2", "log_every_n_steps=5",
-        "checkpoint.every_n_steps=10", "progress=log"]
+SLOW = [
+    "model=mlp",
+    "model._target_=toy.SlowMLP",
+    "+model.delay_s=0.01",
+    "num_epochs=2",
+    "log_every_n_steps=5",
+    "checkpoint.every_n_steps=10",
+    "progress=log",
+]
 
 
 def _step_files(run: Path) -> list[str]:
@@ -41,10 +48,18 @@ def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_the
     the loop has taken two more steps, so the loop went on while it was written (a synchronous save holds the
     loop for the whole write: the held disk lets it go only by its clock). How much shorter the loop's pause
     is, is a benchmark's figure (scripts/bench_checkpoint.py, docs/performance.md), not a timed test's."""
-    big = BASE + ["model.hidden=[3072,3072]", "checkpoint.every_n_steps=4", "num_epochs=1", "checkpoint.keep_last=9",
-                  "+callbacks.stall._target_=toy.StallRecorder"]
-    held = ["+callbacks.disk._target_=toy.DiskHeldForTwoSteps", "+callbacks.disk.steps=[4,8,12,16,20]",
-            "+callbacks.disk.wait_s=20"]  # a write the loop waited for: 20 s each, then False
+    big = BASE + [
+        "model.hidden=[3072,3072]",
+        "checkpoint.every_n_steps=4",
+        "num_epochs=1",
+        "checkpoint.keep_last=9",
+        "+callbacks.stall._target_=toy.StallRecorder",
+    ]
+    held = [
+        "+callbacks.disk._target_=toy.DiskHeldForTwoSteps",
+        "+callbacks.disk.steps=[4,8,12,16,20]",
+        "+callbacks.disk.wait_s=20",
+    ]  # a write the loop waited for: 20 s each, then False
     stalls = {}
     toy.HELD.clear()
     for mode, extra in (("sync", []), ("async", ASYNC + held)):
@@ -54,7 +69,9 @@ def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_the
     assert len(stalls["sync"]) == len(stalls["async"]) == 6  # steps 4..20 and the epoch's end, 22
     assert _step_files(tmp_path / "sync") == _step_files(tmp_path / "async")
     for name in _step_files(tmp_path / "sync"):
-        assert_same_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name)
+        assert_same_checkpoint(
+            tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name
+        )
     # each let go by the loop's steps
     assert toy.HELD == [(f"step-{k:08d}.pt", True) for k in (4, 8, 12, 16, 20)]
     # The run waits for its last write: result.json says completed only with last.pt on disk.
@@ -62,8 +79,11 @@ def test_async_saves_write_the_sync_saves_bitwise_and_the_loop_goes_on_while_the
 
 
 # each write takes 50 ms more
-UPLOAD = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=0.05",
-          "+callbacks.up._target_=toy.LoadsEachSave"]
+UPLOAD = [
+    "+callbacks.disk._target_=toy.SlowDisk",
+    "+callbacks.disk.delay_s=0.05",
+    "+callbacks.up._target_=toy.LoadsEachSave",
+]
 
 
 def test_on_save_is_told_of_each_async_checkpoint_once_it_is_on_disk_and_of_the_sync_runs_ones(tmp_path):
@@ -83,14 +103,31 @@ def test_on_save_is_told_of_each_async_checkpoint_once_it_is_on_disk_and_of_the_
 def test_two_rank_ddp_async_writes_the_sync_files_and_every_rank_is_told_of_each_at_the_same_step(tmp_path):
     """The default strategy (2-rank DDP): the step files are the synchronous run's bit for bit, and on_save
     fires on both ranks at the same step, each time with a file that loads."""
-    args = ["model=mlp", "num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=9", "progress=log"]
+    args = [
+        "model=mlp",
+        "num_epochs=1",
+        "checkpoint.every_n_steps=5",
+        "checkpoint.keep_last=9",
+        "progress=log",
+    ]
     for mode, extra in (("sync", []), ("async", ASYNC)):
         run = tmp_path / mode
-        assert_ok(torchrun(2, args + extra + UPLOAD + [f"+callbacks.up.record={tmp_path / mode}-saves",
-                                                       f"hydra.run.dir={run}"], tmp_path, timeout=240))
+        assert_ok(
+            torchrun(
+                2,
+                args
+                + extra
+                + UPLOAD
+                + [f"+callbacks.up.record={tmp_path / mode}-saves", f"hydra.run.dir={run}"],
+                tmp_path,
+                timeout=240,
+            )
+        )
     assert _step_files(tmp_path / "sync") == _step_files(tmp_path / "async")
     for name in _step_files(tmp_path / "sync"):
-        assert_same_checkpoint(tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name)
+        assert_same_checkpoint(
+            tmp_path / "sync" / "checkpoints" / name, tmp_path / "async" / "checkpoints" / name
+        )
     steps = [5, 10, 15, 20, 22]
     for rank in (0, 1):
         assert toy.saves_seen(f"{tmp_path}/sync-saves", rank) == [(s, str(s)) for s in steps]
@@ -98,7 +135,9 @@ def test_two_rank_ddp_async_writes_the_sync_files_and_every_rank_is_told_of_each
         assert got == [(at, str(s)) for at, s in zip(steps[1:] + [22], steps)], (rank, got)
 
 
-def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_continues(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_continues(
+    tmp_path, monkeypatch, caplog
+):
     real_save, calls = torch.save, []
 
     def full_disk(obj, f, *a, **k):
@@ -113,11 +152,18 @@ def test_a_full_disk_in_the_background_write_fails_the_run_cleanly_and_a_retry_c
         ddplab.run(compose_cfg(BASE + ASYNC, tmp_path / "run"))
     msg, ckdir = str(e.value), tmp_path / "run" / "checkpoints"
     assert f"could not write checkpoint {ckdir / 'step-00000015.pt'}" in msg
-    assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg) and "resume=auto" in msg
+    assert (
+        re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg)
+        and "resume=auto" in msg
+    )
     # Said at the next step (not at the next save): nothing after the failed write was written, no partial
     # file left.
-    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt",
-                                                      "step-00000010.pt"]
+    assert sorted(p.name for p in ckdir.iterdir()) == [
+        "last.pt",
+        "save_seconds.json",
+        "step-00000005.pt",
+        "step-00000010.pt",
+    ]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"], res
     # Every save after the failed write is refused: the loop stops as soon as it hears of the failure (a step
@@ -139,8 +185,17 @@ def test_a_stop_during_a_background_write_waits_for_it_and_saves_its_own_step(tm
     cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
     # SIGTERM as step 10's checkpoint starts being written in the background; its write takes 2 s.
     note = tmp_path / "signalled"
-    proc = start(cmd + ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=2",
-                        "+callbacks.disk.signal_at=10", f"+callbacks.disk.note={note}"], tmp_path, log)
+    proc = start(
+        cmd
+        + [
+            "+callbacks.disk._target_=toy.SlowDisk",
+            "+callbacks.disk.delay_s=2",
+            "+callbacks.disk.signal_at=10",
+            f"+callbacks.disk.note={note}",
+        ],
+        tmp_path,
+        log,
+    )
     finish(proc, log, timeout=60)
     took = time.time() - float(note.read_text())  # from the signal (the start-up before it is no part of it)
     out = log.read_text()
@@ -148,9 +203,15 @@ def test_a_stop_during_a_background_write_waits_for_it_and_saves_its_own_step(tm
     assert res["status"] == "preempted" and res["signal"] == "SIGTERM", out[-3000:]
     stop = res["step"]
     assert 10 < stop <= 15 and res["checkpoint"].endswith(f"step-{stop:08d}.pt"), res
-    assert re.search(rf"checkpoint at step {stop} waited [\d.]+s for the previous background write", out), out[-3000:]
-    assert _step_files(run) == ["best.pt", "last.pt", f"step-{10:08d}.pt", f"step-{stop:08d}.pt"] \
-        or _step_files(run) == ["last.pt", f"step-{10:08d}.pt", f"step-{stop:08d}.pt"]
+    assert re.search(rf"checkpoint at step {stop} waited [\d.]+s for the previous background write", out), (
+        out[-3000:]
+    )
+    assert _step_files(run) == [
+        "best.pt",
+        "last.pt",
+        f"step-{10:08d}.pt",
+        f"step-{stop:08d}.pt",
+    ] or _step_files(run) == ["last.pt", f"step-{10:08d}.pt", f"step-{stop:08d}.pt"]
     assert load(run / "checkpoints" / "last.pt")["meta"]["config"]  # the stop's own save, complete
     assert took < 15, took  # both writes (2 s each) well inside a launcher's 30 s grace
 
@@ -162,14 +223,21 @@ def test_the_real_writer_killed_mid_write_leaves_a_partial_temporary_file_only_a
     bitwise."""
     run, note, ckdir = tmp_path / "run", tmp_path / "note", tmp_path / "run" / "checkpoints"
     cmd = [sys.executable, str(TRAIN), *SLOW, *ASYNC, f"hydra.run.dir={run}"]
-    proc = run_cmd(cmd + ["+callbacks.die._target_=toy.DiesMidWrite", "+callbacks.die.at=30",
-                          f"+callbacks.die.note={note}"], tmp_path, timeout=120)
+    proc = run_cmd(
+        cmd
+        + ["+callbacks.die._target_=toy.DiesMidWrite", "+callbacks.die.at=30", f"+callbacks.die.note={note}"],
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     thread, name, size = note.read_text().split()
     partial = Path(name)
     assert thread == "ddplab-checkpoint-writer"  # the real background writer, inside torch.save
     assert partial.parent == ckdir and partial.name.startswith(".step-00000030.pt.tmp"), name
-    assert partial.stat().st_size == int(size) and 65536 <= int(size) < (ckdir / "step-00000022.pt").stat().st_size / 2
+    assert (
+        partial.stat().st_size == int(size)
+        and 65536 <= int(size) < (ckdir / "step-00000022.pt").stat().st_size / 2
+    )
     with pytest.raises(Exception):
         torch.load(partial, weights_only=True)
     assert _step_files(run) == ["best.pt", "last.pt", "step-00000020.pt", "step-00000022.pt"]  # keep_last=2
@@ -177,16 +245,26 @@ def test_the_real_writer_killed_mid_write_leaves_a_partial_temporary_file_only_a
     proc = run_cmd(cmd + ["resume=auto"], tmp_path, timeout=120)
     assert_ok(proc)
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "resumed from" in ln]
-    assert len(said) == 1 and re.search(r"resumed from \S*last\.pt: 1 epoch\(s\), 22 step\(s\) done", said[0]), said
+    assert len(said) == 1 and re.search(
+        r"resumed from \S*last\.pt: 1 epoch\(s\), 22 step\(s\) done", said[0]
+    ), said
     assert not any(".tmp" in p.name for p in ckdir.iterdir())
     ref = tmp_path / "ref"
     assert_ok(run_cmd([sys.executable, str(TRAIN), *SLOW, f"hydra.run.dir={ref}"], tmp_path, timeout=120))
     assert_same_checkpoint(ckdir / "last.pt", ref / "checkpoints" / "last.pt")
 
 
-DDP2 = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.1", "num_epochs=2", "log_every_n_steps=5",
-        # 2 ranks, 44 steps of 0.1 s
-        "checkpoint.every_n_steps=10", "progress=log", "distributed.timeout_s=30"]
+DDP2 = [
+    "model=mlp",
+    "model._target_=toy.SlowMLP",
+    "+model.delay_s=0.1",
+    "num_epochs=2",
+    "log_every_n_steps=5",
+    # 2 ranks, 44 steps of 0.1 s
+    "checkpoint.every_n_steps=10",
+    "progress=log",
+    "distributed.timeout_s=30",
+]
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +278,14 @@ def ddp_reference(tmp_path_factory) -> Path:
 def _wait_gone(pids: list[int], timeout: float = 60) -> None:
     """Until none of ``pids`` runs (ranks orphaned by a killed torchrun agent: each is in a session of its
     own)."""
+
     def alive() -> list[int]:
-        return [p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().rsplit(
-            ")", 1)[-1].split()[0] != "Z"]
+        return [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists()
+            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+        ]
 
     t0 = time.monotonic()
     while alive() and time.monotonic() - t0 < timeout:
@@ -217,37 +300,68 @@ def _wait_gone(pids: list[int], timeout: float = 60) -> None:
 def test_two_rank_ddp_async_full_disk_on_the_writer_stops_every_rank_with_the_write_error(tmp_path):
     """Rank 0's background write fills the disk: both ranks stop at the same step, before the next save,
     with the write's own error; result.json says failed; no partial file is left."""
-    args = ["model=mlp", "num_epochs=1", "checkpoint.every_n_steps=10", "distributed.timeout_s=30", "progress=log"]
+    args = [
+        "model=mlp",
+        "num_epochs=1",
+        "checkpoint.every_n_steps=10",
+        "distributed.timeout_s=30",
+        "progress=log",
+    ]
     with tmpfs(tmp_path / "disk", "size=600k") as disk:
         run = disk / "run"  # room for the logs and events, not for the first checkpoint
         proc = torchrun(2, args + ASYNC + [f"hydra.run.dir={run}"], tmp_path, timeout=180)
         out, ckdir = proc.stdout + proc.stderr, run / "checkpoints"
         assert proc.returncode != 0, out[-4000:]
-        said = {int(r): int(st) for r, st in re.findall(
-            rf"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write checkpoint "
-            rf"{re.escape(str(ckdir))}/step-00000010\.pt: \w+: .*No space left on device", out)}
+        said = {
+            int(r): int(st)
+            for r, st in re.findall(
+                r"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write "
+                r"checkpoint "
+                rf"{re.escape(str(ckdir))}/step-00000010\.pt: \w+: .*No space left on device",
+                out,
+            )
+        }
         # Each rank raised the write's error itself (none was left to torchrun's kill), at the same step, by
         # the next save (step 20, said as 21) at the latest.
         assert said.keys() == {0, 1} and len(set(said.values())) == 1 and 11 <= said[0] <= 21, out[-4000:]
         assert [p.name for p in ckdir.iterdir() if p.suffix == ".pt" or ".tmp" in p.name] == []
         res = json.loads((run / "result.json").read_text())
-        assert res["status"] == "failed" and "step-00000010.pt" in res["error"] \
-            and "No space left on device" in res["error"], res
+        assert (
+            res["status"] == "failed"
+            and "step-00000010.pt" in res["error"]
+            and "No space left on device" in res["error"]
+        ), res
 
 
 @pytest.mark.dist
 @pytest.mark.xdist_group("async_ddp_reference")  # both cases on one worker: `ddp_reference` is built once
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_both_and_resumes_bitwise(
-        tmp_path, ddp_reference, sig):
+    tmp_path, ddp_reference, sig
+):
     """torchrun's agent gets SIGTERM (passed on to the ranks) or SIGKILL (the ranks' launcher watch notices)
     while step 10's file is being written in the background (3 s): that write completes, the stop's own
     checkpoint follows it, last.pt is the stop's, and resume=auto from the dir ends bitwise."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    disk = ["+callbacks.disk._target_=toy.SlowDisk", "+callbacks.disk.delay_s=3", "+callbacks.disk.signal_at=10",
-            f"+callbacks.disk.signal={sig}", "+callbacks.disk.to=launcher"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
-           *DDP2, *ASYNC, *disk, f"hydra.run.dir={run}"]
+    disk = [
+        "+callbacks.disk._target_=toy.SlowDisk",
+        "+callbacks.disk.delay_s=3",
+        "+callbacks.disk.signal_at=10",
+        f"+callbacks.disk.signal={sig}",
+        "+callbacks.disk.to=launcher",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(TRAIN),
+        *DDP2,
+        *ASYNC,
+        *disk,
+        f"hydra.run.dir={run}",
+    ]
     proc = start(cmd, tmp_path, log, fresh=True)  # ranks_of reads /proc/PID/environ
     wait_for(run / "provenance.json", proc, log)  # both ranks are up
     ranks = list(ranks_of(proc.pid).values())
@@ -259,7 +373,9 @@ def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_b
     assert res["status"] == "preempted" and why in res["signal"], (res, out[-3000:])
     stop = res["step"]
     assert 10 < stop <= 30 and res["checkpoint"].endswith(f"step-{stop:08d}.pt"), res
-    assert re.search(rf"checkpoint at step {stop} waited [\d.]+s for the previous background write", out), out[-3000:]
+    assert re.search(rf"checkpoint at step {stop} waited [\d.]+s for the previous background write", out), (
+        out[-3000:]
+    )
     ckdir = run / "checkpoints"
     assert {"last.pt", "step-00000010.pt", f"step-{stop:08d}.pt"} <= set(_step_files(run))
     assert not [p.name for p in ckdir.iterdir() if ".tmp" in p.name]
@@ -273,14 +389,29 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
     """FSDP's sharded checkpoints through DCP's async_save: the run resumes from the shards written in the
     background to the uninterrupted run's end; on a disk too small for them every rank fails with one line,
     no shards left."""
-    fsdp = ["model=mlp", "num_epochs=1", "distributed=fsdp", "checkpoint.every_n_steps=10", "distributed.timeout_s=30"]
+    fsdp = [
+        "model=mlp",
+        "num_epochs=1",
+        "distributed=fsdp",
+        "checkpoint.every_n_steps=10",
+        "distributed.timeout_s=30",
+    ]
     a, c = tmp_path / "async", tmp_path / "resumed"
     assert_ok(ranks(2, fsdp + ASYNC + [f"hydra.run.dir={a}"], tmp_path, timeout=180))
-    assert sorted(p.name for p in (a / "checkpoints").glob("*.dcp")) == ["step-00000020.dcp", "step-00000022.dcp"]
+    assert sorted(p.name for p in (a / "checkpoints").glob("*.dcp")) == [
+        "step-00000020.dcp",
+        "step-00000022.dcp",
+    ]
     # The shards written in the background resume (by their step file, synchronously) to the same end:
     # complete.
-    assert_ok(ranks(2, fsdp + [f"hydra.run.dir={c}", f"resume={a / 'checkpoints' / 'step-00000020.pt'}"],
-                       tmp_path, timeout=180))
+    assert_ok(
+        ranks(
+            2,
+            fsdp + [f"hydra.run.dir={c}", f"resume={a / 'checkpoints' / 'step-00000020.pt'}"],
+            tmp_path,
+            timeout=180,
+        )
+    )
     val = {r: json.loads((r / "result.json").read_text())["metrics"]["val/loss"] for r in (a, c)}
     assert val[a] == val[c], val
 
@@ -290,9 +421,15 @@ def test_two_ranks_fsdp_async_matches_sync_and_a_full_disk_fails_every_rank(tmp_
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0
         # Said on every rank at the same step, before the run goes past its next save (step 20).
-        said = {int(r): int(st) for r, st in re.findall(
-            rf"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write sharded checkpoint "
-            rf"{re.escape(str(run / 'checkpoints'))}/step-00000010\.dcp", out)}
+        said = {
+            int(r): int(st)
+            for r, st in re.findall(
+                r"rank (\d)/2 failed in epoch 1, step (\d+): CheckpointWriteError: could not write sharded "
+                r"checkpoint "
+                rf"{re.escape(str(run / 'checkpoints'))}/step-00000010\.dcp",
+                out,
+            )
+        }
         assert said.keys() == {0, 1} and len(set(said.values())) == 1 and 11 <= said[0] <= 21, out[-4000:]
         assert [p.name for p in (run / "checkpoints").iterdir() if p.name.endswith(".dcp")] == []
         assert json.loads((run / "result.json").read_text())["status"] == "failed"

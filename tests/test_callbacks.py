@@ -11,12 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import load
+from helpers.counting import assert_quiet_between_log_steps, count_steps
+from helpers.jobs import (
+    CONF,
+    TRAIN,
+    assert_ok,
+    compose_cfg,
+    python_train,
+    read_scalars,
+    run_cmd,
+    run_killed_after_step,
+    torchrun_cmd,
+)
 
 import ddplab
-from helpers.counting import assert_quiet_between_log_steps, count_steps
-from helpers.compare import load
-from helpers.jobs import (CONF, TRAIN, assert_ok, compose_cfg, python_train, read_scalars, run_cmd, run_killed_after_step,
-                          torchrun_cmd)
 
 BASE = ["model=mlp", "progress=none"]  # digits: 22 steps per epoch
 
@@ -35,8 +44,13 @@ def test_ema_equals_a_reference_computed_by_hand_from_every_steps_weights(tmp_pa
     post = register_optimizer_step_post_hook(snap)
     try:
         # decay 0.5: the warm-up (1 + n) / (10 + n) reaches it at update 8, so both regimes are checked.
-        out = ddplab.run(compose_cfg(BASE + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.5",
-                                             "objective=val_ema/acc"], tmp_path / "r"))
+        out = ddplab.run(
+            compose_cfg(
+                BASE
+                + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.5", "objective=val_ema/acc"],
+                tmp_path / "r",
+            )
+        )
     finally:
         pre.remove(), post.remove()
     initial, steps = seen[0], seen[1:]
@@ -69,7 +83,9 @@ def test_val_ema_metrics_are_the_ema_weights_evaluated(tmp_path):
         model[k] = shadow
     torch.save(ck, ema / "checkpoints" / "last.pt")
     got = ddplab.run(compose_cfg(["mode=eval", f"resume={ema}", "progress=none"], tmp_path / "eval"))
-    assert got["val/acc"] == out["val_ema/acc"] and got["val/loss"] == pytest.approx(out["val_ema/loss"], rel=1e-6)
+    assert got["val/acc"] == out["val_ema/acc"] and got["val/loss"] == pytest.approx(
+        out["val_ema/loss"], rel=1e-6
+    )
     assert out["val_ema/acc"] != out["val/acc"]  # the live weights give another answer: the swap is real
 
 
@@ -89,8 +105,13 @@ def test_ema_is_restored_bitwise_on_resume(tmp_path):
 def test_ema_under_fsdp_is_sharded_and_matches_ddp(tmp_path):
     args = BASE + ["num_epochs=2", "callbacks=[ema]", "model.dropout=0"]
     for strategy in ("ddp", "fsdp"):
-        assert_ok(run_cmd(torchrun_cmd(2, args + [f"distributed={strategy}", f"hydra.run.dir={tmp_path / strategy}"]),
-                          tmp_path, timeout=240))
+        assert_ok(
+            run_cmd(
+                torchrun_cmd(2, args + [f"distributed={strategy}", f"hydra.run.dir={tmp_path / strategy}"]),
+                tmp_path,
+                timeout=240,
+            )
+        )
     a = load(tmp_path / "fsdp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
     b = load(tmp_path / "ddp" / "checkpoints" / "last.pt")["callbacks.ema"]["shadow"]
     # whole tensors in the checkpoint, not one rank's shard
@@ -116,14 +137,28 @@ def test_a_users_callback_receives_every_hook_in_order(tmp_path):
     toy.RECORDED.clear()
     toy._FAULTED.clear()  # FaultyMLP faults once per process
     with pytest.raises(RuntimeError, match="injected crash"):
-        ddplab.run(compose_cfg(BASE + ["model._target_=toy.FaultyMLP", "+model.fault=crash", "+model.fault_rank=0",
-                                       *rec], tmp_path / "crash"))
+        ddplab.run(
+            compose_cfg(
+                BASE + ["model._target_=toy.FaultyMLP", "+model.fault=crash", "+model.fault_rank=0", *rec],
+                tmp_path / "crash",
+            )
+        )
     steps = [("on_step_end", s) for s in range(1, 23)]
     for s in (10, 20):  # a log step's on_log follows its on_step_end
         steps.insert(steps.index(("on_step_end", s)) + 1, ("on_log", s))
-    assert first == [("setup", 0), ("on_fit_start", 0), *steps, ("on_log", 22), ("on_eval_end", 22),
-                     ("on_save", 22), ("on_fit_end", 22)]
-    assert again[:3] == [("setup", 0), ("on_load", 22), ("on_fit_start", 22)] and again[-1] == ("on_fit_end", 44)
+    assert first == [
+        ("setup", 0),
+        ("on_fit_start", 0),
+        *steps,
+        ("on_log", 22),
+        ("on_eval_end", 22),
+        ("on_save", 22),
+        ("on_fit_end", 22),
+    ]
+    assert again[:3] == [("setup", 0), ("on_load", 22), ("on_fit_start", 22)] and again[-1] == (
+        "on_fit_end",
+        44,
+    )
     assert again.count(("on_step_end", 23)) == 1 and ("on_step_end", 22) not in again
     assert toy.RECORDED[-1][0] == "on_exception" and "on_fit_end" not in dict(toy.RECORDED)
 
@@ -141,13 +176,27 @@ def test_a_callbacks_setup_sees_the_whole_state_and_on_load_the_resumed_one(tmp_
     ddplab.run(compose_cfg(BASE + ["num_epochs=2", "resume=auto", *rec], tmp_path / "r"))
     # a stop reason is set only by request_stop
     assert toy.UNSET_AT_SETUP == [["stop_reason"], ["stop_reason"]]
-    assert [h for h in toy.RECORDED if h[0] in ("setup", "on_load")] == [("setup", 0), ("setup", 0), ("on_load", 22)]
+    assert [h for h in toy.RECORDED if h[0] in ("setup", "on_load")] == [
+        ("setup", 0),
+        ("setup", 0),
+        ("on_load", 22),
+    ]
 
 
 # ------------------------------------------------------------------------- early stopping
 def _early_stop(tmp_path: Path, *args: str, epochs: int = 4) -> dict:
-    ddplab.run(compose_cfg(BASE + [f"num_epochs={epochs}", "callbacks=[early_stopping]",
-                                   "callbacks.early_stopping.monitor=val/acc", *args], tmp_path / "r"))
+    ddplab.run(
+        compose_cfg(
+            BASE
+            + [
+                f"num_epochs={epochs}",
+                "callbacks=[early_stopping]",
+                "callbacks.early_stopping.monitor=val/acc",
+                *args,
+            ],
+            tmp_path / "r",
+        )
+    )
     return json.loads((tmp_path / "r" / "result.json").read_text())
 
 
@@ -155,29 +204,45 @@ def _early_stop(tmp_path: Path, *args: str, epochs: int = 4) -> dict:
 def test_early_stopping_mode_says_which_way_is_better(tmp_path):
     """val/acc rises from epoch 1 to 2 here: under mode=max that is an improvement (no stop at the second
     check); under mode=min it is a worse value, so patience=1 stops the run there."""
-    up = _early_stop(tmp_path / "max", "callbacks.early_stopping.mode=max", "callbacks.early_stopping.patience=1",
-                     epochs=2)
-    down = _early_stop(tmp_path / "min", "callbacks.early_stopping.mode=min", "callbacks.early_stopping.patience=1")
+    up = _early_stop(
+        tmp_path / "max", "callbacks.early_stopping.mode=max", "callbacks.early_stopping.patience=1", epochs=2
+    )
+    down = _early_stop(
+        tmp_path / "min", "callbacks.early_stopping.mode=min", "callbacks.early_stopping.patience=1"
+    )
     accs = [v for _, v in read_scalars(tmp_path / "max" / "r" / "tb")["val/acc"]]
     assert len(accs) == 2 and accs[1] > accs[0]
     assert up["metrics"]["epoch"] == 2 and "note" not in up
     assert down["metrics"]["epoch"] == 2
-    assert down["note"].startswith("stopped early at epoch 2: val/acc did not improve by more than 0.0 for 1 checks")
+    assert down["note"].startswith(
+        "stopped early at epoch 2: val/acc did not improve by more than 0.0 for 1 checks"
+    )
 
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_early_stopping_divergence_threshold_stops_at_the_first_check_past_it(tmp_path):
     """mode=max: a value below the threshold has diverged (for mode=min, above it)."""
-    res = _early_stop(tmp_path, "callbacks.early_stopping.mode=max", "callbacks.early_stopping.divergence_threshold=0.999")
+    res = _early_stop(
+        tmp_path, "callbacks.early_stopping.mode=max", "callbacks.early_stopping.divergence_threshold=0.999"
+    )
     assert res["metrics"]["epoch"] == 1 and res["status"] == "completed"
-    assert res["note"].startswith("stopped early at epoch 1: val/acc=") and "crossed divergence_threshold=0.999" in res["note"]
+    assert (
+        res["note"].startswith("stopped early at epoch 1: val/acc=")
+        and "crossed divergence_threshold=0.999" in res["note"]
+    )
 
 
 @pytest.mark.dist
 def test_early_stopping_stops_every_rank_at_the_same_step_and_says_so(tmp_path):
     # min_delta=1.0: the loss never improves by that much, so the second evaluation stops the job.
-    args = BASE + ["num_epochs=10", "callbacks=[early_stopping]", "callbacks.early_stopping.patience=1",
-                   "callbacks.early_stopping.min_delta=1.0", "distributed.timeout_s=20", f"hydra.run.dir={tmp_path / 'r'}"]
+    args = BASE + [
+        "num_epochs=10",
+        "callbacks=[early_stopping]",
+        "callbacks.early_stopping.patience=1",
+        "callbacks.early_stopping.min_delta=1.0",
+        "distributed.timeout_s=20",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    ]
     proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120)
     # A rank that trained on would block the other in a collective until distributed.timeout_s: the job
     # would fail naming the timeout (no wall-clock bound: that flakes on 2 loaded cores).
@@ -185,28 +250,45 @@ def test_early_stopping_stops_every_rank_at_the_same_step_and_says_so(tmp_path):
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     res = json.loads((tmp_path / "r" / "result.json").read_text())
     assert res["status"] == "completed" and res["metrics"]["step"] == 44 and res["metrics"]["epoch"] == 2
-    assert res["note"].startswith("stopped early at epoch 2: val/loss did not improve by more than 1.0 for 1 checks")
+    assert res["note"].startswith(
+        "stopped early at epoch 2: val/loss did not improve by more than 1.0 for 1 checks"
+    )
     assert [st for st, _ in read_scalars(tmp_path / "r" / "tb")["val/loss"]] == [22, 44]
 
 
 # ------------------------------------------------------------------------------- profiler
 @pytest.mark.dist
 def test_profiler_writes_one_trace_per_rank_that_parses(tmp_path):
-    args = BASE + ["num_epochs=1", "callbacks=[profiler]", "callbacks.profiler.steps=[3,5]",
-                   f"hydra.run.dir={tmp_path / 'r'}", "progress=log"]
+    args = BASE + [
+        "num_epochs=1",
+        "callbacks=[profiler]",
+        "callbacks.profiler.steps=[3,5]",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        "progress=log",
+    ]
     proc = run_cmd(torchrun_cmd(2, args), tmp_path, timeout=120)
     assert_ok(proc)
     for rank in (0, 1):
         trace = json.loads((tmp_path / "r" / "profile" / f"trace-rank{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert any("Optimizer.step" in n for n in names), sorted(names)[:20]
-    assert f"profiler: steps 3-5 of rank 0 in {tmp_path / 'r' / 'profile' / 'trace-rank0.json'}" in proc.stdout + proc.stderr
+    assert (
+        f"profiler: steps 3-5 of rank 0 in {tmp_path / 'r' / 'profile' / 'trace-rank0.json'}"
+        in proc.stdout + proc.stderr
+    )
 
 
 @pytest.mark.dist
 def test_built_in_callbacks_add_no_collective_or_sync_between_log_steps(tmp_path):
-    args = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=log", "run_dir=run",
-            "callbacks=[ema,early_stopping]", "callbacks.early_stopping.monitor=train/loss"]
+    args = [
+        "model=mlp",
+        "num_epochs=2",
+        "log_every_n_steps=5",
+        "progress=log",
+        "run_dir=run",
+        "callbacks=[ema,early_stopping]",
+        "callbacks.early_stopping.monitor=train/loss",
+    ]
     # EMA steps and early stops stay quiet
     assert_quiet_between_log_steps(count_steps(tmp_path, 2, args), 22, 2, 5)
 
@@ -215,13 +297,15 @@ def test_built_in_callbacks_add_no_collective_or_sync_between_log_steps(tmp_path
 @pytest.mark.dist
 def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_path):
     run = tmp_path / "run"
-    assert_ok(run_cmd(torchrun_cmd(2, BASE + ["num_epochs=2", f"hydra.run.dir={run}"]), tmp_path, timeout=180))
+    assert_ok(
+        run_cmd(torchrun_cmd(2, BASE + ["num_epochs=2", f"hydra.run.dir={run}"]), tmp_path, timeout=180)
+    )
     last = json.loads((run / "result.json").read_text())["metrics"]
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
     for n in (1, 3):
         out = tmp_path / f"eval{n}"
         # Only the checkpoint is named: model, data and task come from its own config.
-        cmd = ([sys.executable, str(TRAIN)] if n == 1 else torchrun_cmd(n, []))
+        cmd = [sys.executable, str(TRAIN)] if n == 1 else torchrun_cmd(n, [])
         proc = run_cmd(cmd + ["mode=eval", f"resume={run}", f"hydra.run.dir={out}"], tmp_path, timeout=180)
         assert_ok(proc)
         got = json.loads((out / "result.json").read_text())["metrics"]
@@ -240,11 +324,25 @@ def test_eval_mode_of_a_run_trained_with_ema_evaluates_with_its_callbacks(tmp_pa
     import toy
 
     run = tmp_path / "r"
-    out = ddplab.run(compose_cfg(BASE + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.5",
-                                         "objective=val_ema/acc"], run))
+    out = ddplab.run(
+        compose_cfg(
+            BASE + ["num_epochs=1", "callbacks=[ema]", "callbacks.ema.decay=0.5", "objective=val_ema/acc"],
+            run,
+        )
+    )
     toy.RECORDED.clear()
-    got = ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "objective=val_ema/acc",
-                                  "+callbacks.rec._target_=toy.Recorder"], tmp_path / "eval"))
+    got = ddplab.run(
+        compose_cfg(
+            [
+                "mode=eval",
+                f"resume={run}",
+                "progress=none",
+                "objective=val_ema/acc",
+                "+callbacks.rec._target_=toy.Recorder",
+            ],
+            tmp_path / "eval",
+        )
+    )
     assert got["val_ema/acc"] == out["val_ema/acc"] and got["val/acc"] == out["val/acc"], got
     assert got["val_ema/loss"] == pytest.approx(out["val_ema/loss"], rel=1e-6)
     assert out["val_ema/acc"] != out["val/acc"]  # two weights, two answers: the EMA's are the shadow's
@@ -256,6 +354,7 @@ def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_pa
     """A study trial's reporter (training_only) came back with the run's callbacks: mode=eval of a trial's
     checkpoint would report to its finished trial. The study's own callback says it serves training only."""
     import toy
+
     from ddplab.study.report import ReportToStudy
 
     assert ReportToStudy.training_only
@@ -264,9 +363,21 @@ def test_eval_mode_leaves_out_the_runs_callbacks_that_only_serve_training(tmp_pa
     assert ("training_only.on_eval_end", 22) in toy.RECORDED  # it did run while training
     toy.RECORDED.clear()
     # The run's own callback is the user's code: their own run dir, so they trust its stored config.
-    ddplab.run(compose_cfg(["mode=eval", f"resume={run}", "progress=none", "+callbacks.rec._target_=toy.Recorder",
-                            "trust_stored_config=true"], tmp_path / "eval"))
-    assert ("on_eval_end", 22) in toy.RECORDED and not [h for h, _ in toy.RECORDED if h.startswith("training_only")]
+    ddplab.run(
+        compose_cfg(
+            [
+                "mode=eval",
+                f"resume={run}",
+                "progress=none",
+                "+callbacks.rec._target_=toy.Recorder",
+                "trust_stored_config=true",
+            ],
+            tmp_path / "eval",
+        )
+    )
+    assert ("on_eval_end", 22) in toy.RECORDED and not [
+        h for h, _ in toy.RECORDED if h.startswith("training_only")
+    ]
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
@@ -279,7 +390,9 @@ def test_eval_mode_without_a_checkpoint_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("experiment", ["digits_convnet", "vae_digits", "lm_text"])
 @pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_experiment_presets_run_under_fast_dev_run(tmp_path, experiment):
-    out = ddplab.run(compose_cfg([f"experiment={experiment}", "debug=fast_dev_run", "progress=none"], tmp_path / "r"))
+    out = ddplab.run(
+        compose_cfg([f"experiment={experiment}", "debug=fast_dev_run", "progress=none"], tmp_path / "r")
+    )
     assert out["step"] == 2 and out["epoch"] == 1
     assert not (tmp_path / "r" / "checkpoints").exists()  # fast_dev_run writes none
     assert out["val/num_samples"] <= 2 * 256  # 2 evaluation batches at most
@@ -287,8 +400,19 @@ def test_experiment_presets_run_under_fast_dev_run(tmp_path, experiment):
 
 def test_fast_dev_run_evaluates_two_batches_of_a_larger_validation_set(tmp_path):
     """The presets' validation sets fit in 2 batches of 256; 2000 samples do not: exactly 2 batches run."""
-    out = ddplab.run(compose_cfg(["model=mlp", "dataset=synthetic", "dataset.num_val=2000", "dataset.image_size=8",
-                                  "debug=fast_dev_run", "progress=none"], tmp_path / "r"))
+    out = ddplab.run(
+        compose_cfg(
+            [
+                "model=mlp",
+                "dataset=synthetic",
+                "dataset.num_val=2000",
+                "dataset.image_size=8",
+                "debug=fast_dev_run",
+                "progress=none",
+            ],
+            tmp_path / "r",
+        )
+    )
     assert out["step"] == 2 and out["val/num_samples"] == 2 * 256
 
 
@@ -319,8 +443,9 @@ def test_a_script_outside_any_repository_records_ddplabs_own_checkout(tmp_path, 
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "venv" / "bin" / "pytest")])
     code = provenance.collect([], None)["code"]
-    ours = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(ddplab.__file__).parent, capture_output=True,
-                          text=True).stdout.strip()
+    ours = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=Path(ddplab.__file__).parent, capture_output=True, text=True
+    ).stdout.strip()
     assert ours and code["commit"] == ours
 
 
@@ -333,11 +458,18 @@ def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_pat
     git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
     for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
         subprocess.run(git + cmd, cwd=repo, check=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     (repo / "conf" / "train.yaml").write_text((repo / "conf" / "train.yaml").read_text() + "# an edit\n")
     run = tmp_path / "run"
-    assert_ok(run_cmd([sys.executable, str(repo / "train.py"), "model=mlp", "num_epochs=1", f"hydra.run.dir={run}"],
-                      tmp_path, timeout=120))
+    assert_ok(
+        run_cmd(
+            [sys.executable, str(repo / "train.py"), "model=mlp", "num_epochs=1", f"hydra.run.dir={run}"],
+            tmp_path,
+            timeout=120,
+        )
+    )
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["code"]["commit"] == commit and prov["code"]["dirty"] is True
     assert "# an edit" in (run / prov["code"]["diff_file"]).read_text()
@@ -354,7 +486,9 @@ def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_pat
 @pytest.mark.dist
 def test_provenance_lists_every_rank_under_torchrun(tmp_path):
     run = tmp_path / "run"
-    assert_ok(run_cmd(torchrun_cmd(2, BASE + ["num_epochs=1", f"hydra.run.dir={run}"]), tmp_path, timeout=120))
+    assert_ok(
+        run_cmd(torchrun_cmd(2, BASE + ["num_epochs=1", f"hydra.run.dir={run}"]), tmp_path, timeout=120)
+    )
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["launcher"]["kind"] == "torchrun" and prov["world"]["size"] == 2
     assert [r["rank"] for r in prov["world"]["ranks"]] == [0, 1] and prov["world"]["backend"] == "gloo"

@@ -9,14 +9,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import (
+    assert_ok,
+    compose_cfg,
+    job_dirs,
+    job_env,
+    python_train,
+    ranks,
+    read_scalars,
+    torchrun,
+)
 
 import ddplab
-from helpers.compare import assert_same_checkpoint
-from helpers.jobs import (assert_ok, compose_cfg, job_dirs, job_env, python_train, ranks, read_scalars,
-    torchrun)
 
-FAULTY = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=2", "checkpoint.every_n_steps=5",
-          "log_every_n_steps=5", "progress=none"]  # mlp has dropout: RNG state must be restored too
+FAULTY = [
+    "model=mlp",
+    "model._target_=toy.FaultyMLP",
+    "num_epochs=2",
+    "checkpoint.every_n_steps=5",
+    "log_every_n_steps=5",
+    "progress=none",
+]  # mlp has dropout: RNG state must be restored too
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +56,15 @@ def uninterrupted(tmp_path_factory):
 
 
 # Checkpoints every 5 steps and at each epoch end (22 steps/epoch): each crash resumes from another one.
-@pytest.mark.parametrize("kill_at,resumed", [(8, "0 epoch(s), 5 step(s)"),  # mid-epoch 1
-                                             # first step after the epoch edge
-                                             (23, "1 epoch(s), 22 step(s)"),
-                                             (38, "1 epoch(s), 35 step(s)")])  # mid-epoch 2
+@pytest.mark.parametrize(
+    "kill_at,resumed",
+    [
+        (8, "0 epoch(s), 5 step(s)"),  # mid-epoch 1
+        # first step after the epoch edge
+        (23, "1 epoch(s), 22 step(s)"),
+        (38, "1 epoch(s), 35 step(s)"),
+    ],
+)  # mid-epoch 2
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 @pytest.mark.xdist_group("checkpoints_uninterrupted")  # the three cases on one worker: `uninterrupted` once
 def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, kill_at, resumed, caplog):
@@ -74,8 +93,15 @@ def test_in_process_crash_and_resume_is_bitwise_equal(tmp_path, uninterrupted, k
 def test_checkpoint_closes_the_log_interval_so_resume_loses_no_metrics(tmp_path):
     """Logs every 5 steps, checkpoints every 7: each checkpoint step logs too, so a run that crashes after
     a checkpoint and resumes has every interval's metrics once, equal to the uninterrupted run's."""
-    args = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=1", "log_every_n_steps=5",
-            "checkpoint.every_n_steps=7", "progress=none", "+model.fault_rank=0"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.FaultyMLP",
+        "num_epochs=1",
+        "log_every_n_steps=5",
+        "checkpoint.every_n_steps=7",
+        "progress=none",
+        "+model.fault_rank=0",
+    ]
     ddplab.run(compose_cfg(args + ["+model.fault_call=1000000"], run_dir=tmp_path / "full"))
     assert steps_of(tmp_path / "full") == [5, 7, 10, 14, 15, 20, 21, 22]
     part = tmp_path / "part"
@@ -88,15 +114,27 @@ def test_checkpoint_closes_the_log_interval_so_resume_loses_no_metrics(tmp_path)
 
 @pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_checkpoint_rotation_keeps_last_k_and_best(tmp_path):
-    ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "checkpoint.every_n_steps=10", "checkpoint.keep_last=2",
-                            "progress=none"], run_dir=tmp_path))
+    ddplab.run(
+        compose_cfg(
+            [
+                "model=mlp",
+                "num_epochs=3",
+                "checkpoint.every_n_steps=10",
+                "checkpoint.keep_last=2",
+                "progress=none",
+            ],
+            run_dir=tmp_path,
+        )
+    )
     ck = tmp_path / "checkpoints"
     assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000060.pt", "step-00000066.pt"]
     last, best = final_state(tmp_path), torch.load(ck / "best.pt", weights_only=True)
     assert last["loop"]["step"] == 66 and best["results"]["best"] == last["results"]["best"]
     assert best["results"]["last_val"]["val/acc"] == best["results"]["best"]
     # Full state is there: RNG per rank, sampler position, config.
-    assert {"python", "numpy", "torch"} <= set(last["rng"]["ranks"][0]) and last["loop"]["sampler"]["seed"] == 0
+    assert {"python", "numpy", "torch"} <= set(last["rng"]["ranks"][0]) and last["loop"]["sampler"][
+        "seed"
+    ] == 0
     assert "model:" in last["meta"]["config"] and last["meta"]["world_size"] == 1
 
 
@@ -116,7 +154,9 @@ def dying_save(obj, f):
 torch.save = dying_save
 checkpoint.save({{"step": 2, "w": torch.zeros(1000)}}, d, 2, keep_last=2, is_best=False)
 """
-    proc = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 9
     ck = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ck["step"] == 1 and torch.equal(ck["w"], torch.ones(1000))
@@ -135,7 +175,9 @@ def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path, caplog):
     bad.write_bytes(newest.read_bytes())  # (rotation will delete `newest` once training goes on)
     out = ddplab.run(compose_cfg(args + ["resume=auto"], run_dir=tmp_path))
     assert out["step"] == 44
-    assert f"cannot read checkpoint {newest}" in caplog.text and "trying the previous checkpoint" in caplog.text
+    assert (
+        f"cannot read checkpoint {newest}" in caplog.text and "trying the previous checkpoint" in caplog.text
+    )
     with pytest.raises(RuntimeError, match=f"resume: cannot read checkpoint {bad} \\(truncated or corrupt"):
         ddplab.run(compose_cfg(args + [f"resume={bad}"], run_dir=tmp_path / "explicit"))
 
@@ -148,19 +190,34 @@ def test_checkpoint_of_another_model_lists_the_keys(tmp_path):
     from ddplab.config import ConfigError  # exit 2 in one line, like any config that cannot work
 
     with pytest.raises(ConfigError) as e:
-        ddplab.run(compose_cfg(["model=mlp", "model.hidden=[128,256]", "num_epochs=1", f"resume={ck}"],
-                               run_dir=tmp_path / "b"))
+        ddplab.run(
+            compose_cfg(
+                ["model=mlp", "model.hidden=[128,256]", "num_epochs=1", f"resume={ck}"],
+                run_dir=tmp_path / "b",
+            )
+        )
     msg = str(e.value)
     assert "does not fit this model" in msg and "net.1.weight: checkpoint (256, 64) vs model (128, 64)" in msg
     assert "Fix:" in msg
-    with pytest.raises(ConfigError, match=rf"^resume={ck}: does not fit.*missing: features\.0\.weight.*unexpected: net\.1\.bias"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^resume={ck}: does not fit.*missing: features\.0\.weight.*unexpected: net\.1\.bias",
+    ):
         ddplab.run(compose_cfg(["model=convnet", "num_epochs=1", f"resume={ck}"], run_dir=tmp_path / "c"))
 
 
 @pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
 def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
-    args = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "+model.fault_call=7",
-            "+model.fault_rank=0", "num_epochs=1", "log_every_n_steps=5", "progress=none"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.FaultyMLP",
+        "+model.fault=nonfinite",
+        "+model.fault_call=7",
+        "+model.fault_rank=0",
+        "num_epochs=1",
+        "log_every_n_steps=5",
+        "progress=none",
+    ]
     from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 7 .*Fix: lower optimizer.lr"):
@@ -178,10 +235,27 @@ def test_nan_loss_stops_at_that_step_or_is_skipped(tmp_path):
 def test_fp16_scaler_skips_are_counted_not_errors(tmp_path):
     """An Inf gradient (finite loss) at step 7: the GradScaler skips that one step and halves its scale;
     the run goes on and the skip is counted in the interval that holds it."""
-    base = ["model=mlp", "num_epochs=1", "amp=true", "amp_dtype=float16", "log_every_n_steps=5", "progress=none"]
+    base = [
+        "model=mlp",
+        "num_epochs=1",
+        "amp=true",
+        "amp_dtype=float16",
+        "log_every_n_steps=5",
+        "progress=none",
+    ]
     ddplab.run(compose_cfg(base, run_dir=tmp_path / "ref"))
-    out = ddplab.run(compose_cfg(base + ["model._target_=toy.FaultyMLP", "+model.fault=infgrad",
-                                         "+model.fault_call=7", "+model.fault_rank=0"], run_dir=tmp_path / "inf"))
+    out = ddplab.run(
+        compose_cfg(
+            base
+            + [
+                "model._target_=toy.FaultyMLP",
+                "+model.fault=infgrad",
+                "+model.fault_call=7",
+                "+model.fault_rank=0",
+            ],
+            run_dir=tmp_path / "inf",
+        )
+    )
     ref, s = read_scalars(tmp_path / "ref" / "tb"), read_scalars(tmp_path / "inf" / "tb")
     assert s["train/fp16_skipped_steps"] == [(5, 0.0), (10, 1.0), (15, 0.0), (20, 0.0), (22, 0.0)]
     assert [v for _, v in ref["train/fp16_skipped_steps"]] == [0.0] * 5  # no overflow of its own
@@ -207,8 +281,17 @@ def test_bad_input_exits_nonzero_with_a_message(tmp_path):
 
 @pytest.mark.dist
 def test_self_launched_job_restarts_after_a_killed_rank(tmp_path):
-    proc = python_train(FAULTY + ["+model.fault_call=17", "+model.fault=kill", "+model.fault_rank=1",
-                                  "distributed.nproc_per_node=2", "distributed.max_restarts=1"], tmp_path)
+    proc = python_train(
+        FAULTY
+        + [
+            "+model.fault_call=17",
+            "+model.fault=kill",
+            "+model.fault_rank=1",
+            "distributed.nproc_per_node=2",
+            "distributed.max_restarts=1",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "15 step(s) done" in out
@@ -219,12 +302,22 @@ def test_self_launched_job_restarts_after_a_killed_rank(tmp_path):
 
 @pytest.mark.dist
 def test_mid_epoch_resume_on_another_world_size_warns_about_random_streams(tmp_path):
-    args = ["model=mlp", "model._target_=toy.FaultyMLP", "num_epochs=1", "checkpoint.every_n_steps=5",
-            "progress=log", "run_dir=run", "+model.fault_rank=0", "distributed.timeout_s=30"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.FaultyMLP",
+        "num_epochs=1",
+        "checkpoint.every_n_steps=5",
+        "progress=log",
+        "run_dir=run",
+        "+model.fault_rank=0",
+        "distributed.timeout_s=30",
+    ]
     crashed = torchrun(2, args + ["+model.fault_call=8"], tmp_path)  # checkpoint at step 5, crash at 8
     assert crashed.returncode != 0 and "injected crash" in crashed.stdout + crashed.stderr
     # Switching the injected fault off changes a model key: a deliberate change, so the opt-in says so.
-    proc = python_train(args + ["+model.fault_call=1000000", "resume=auto", "resume_apply_changes=true"], tmp_path)
+    proc = python_train(
+        args + ["+model.fault_call=1000000", "resume=auto", "resume_apply_changes=true"], tmp_path
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "0 epoch(s), 5 step(s) done" in out
@@ -337,7 +430,12 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
     torch.manual_seed(0)
     saved_ema = torch.nn.Linear(3, 2)
     manager(saved_ema, Counter(7)).save(step=12, is_best=True)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", "last.pt", "save_seconds.json", "step-00000012.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "best.pt",
+        "last.pt",
+        "save_seconds.json",
+        "step-00000012.pt",
+    ]
     ema, counter = torch.nn.Linear(3, 2), Counter(0)
     assert manager(ema, counter).resume("auto", tmp_path).name == "last.pt"
     assert counter.n == 7 and torch.equal(ema.weight, saved_ema.weight)
@@ -355,11 +453,19 @@ def test_a_component_joins_the_checkpoint_in_one_line_and_a_misfit_loads_nothing
 def test_objective_must_be_a_logged_validation_metric_and_a_loss_is_minimised(tmp_path):
     from ddplab.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"objective='val/accuracy': ClassificationTask logs no such metric\. "
-                                          r"Fix: objective= one of val/loss, val/acc"):
-        ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "objective=val/accuracy"], run_dir=tmp_path / "bad"))
-    out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=3", "objective=val/loss", "progress=none"],
-                                 run_dir=tmp_path / "loss"))
+    with pytest.raises(
+        ConfigError,
+        match=r"objective='val/accuracy': ClassificationTask logs no such metric\. "
+        r"Fix: objective= one of val/loss, val/acc",
+    ):
+        ddplab.run(
+            compose_cfg(["model=mlp", "num_epochs=1", "objective=val/accuracy"], run_dir=tmp_path / "bad")
+        )
+    out = ddplab.run(
+        compose_cfg(
+            ["model=mlp", "num_epochs=3", "objective=val/loss", "progress=none"], run_dir=tmp_path / "loss"
+        )
+    )
     losses = [v for _, v in read_scalars(tmp_path / "loss" / "tb")["val/loss"]]
     assert len(set(losses)) == 3 and losses.index(min(losses)) != 0  # the first epoch is not the best
     # lower is better for a loss (TB: float32)

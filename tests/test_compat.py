@@ -50,7 +50,9 @@ def test_default_store_is_the_groups_key_value_store(tmp_path):
 def test_cpu_capability_lists_this_cpus_features():
     caps = compat.cpu_capability()
     assert caps and all(k == k.lower() for k in caps)
-    flags = next((line.split(":")[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":")[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), []
+    )
     if "avx2" in flags:
         assert "avx2" in caps  # the two views of the same CPU agree
 
@@ -59,7 +61,9 @@ def test_agent_store_servers_replaces_the_agents_store_factory_and_restores_it()
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     handler = dr.DynamicRendezvousHandler
-    assert compat.has_agent_store_hook(), "torch's agent no longer builds its store via _create_tcp_store_server"
+    assert compat.has_agent_store_hook(), (
+        "torch's agent no longer builds its store via _create_tcp_store_server"
+    )
     original = handler.__dict__["_create_tcp_store_server"]
     assert list(inspect.signature(original).parameters) == ["self", "master_addr", "master_port"]
     made = []
@@ -114,7 +118,9 @@ def test_settle_ddp_buckets_gives_ddp_its_final_layout_before_any_step(tmp_path)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 300))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(300, 300), torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 300)
+        )
         ddp = DDP(model, bucket_cap_mb=1)
         assert len(ddp.reducer._get_zeros_like_grad_buckets()) == 1  # DDP's start: one bucket, until step 1
         assert compat.settle_ddp_buckets(ddp) is True
@@ -124,7 +130,9 @@ def test_settle_ddp_buckets_gives_ddp_its_final_layout_before_any_step(tmp_path)
         for _ in range(2):  # DDP's logger samples its runtime data from the second iteration on
             ddp(torch.randn(2, 300)).sum().backward()
         data = ddp._get_ddp_logging_data()
-        assert data["rebuilt_per_bucket_param_indices"] == "5 4, 3 2, 1 0" and data["has_rebuilt_buckets"] == 1
+        assert (
+            data["rebuilt_per_bucket_param_indices"] == "5 4, 3 2, 1 0" and data["has_rebuilt_buckets"] == 1
+        )
         assert compat.settle_ddp_buckets(DDP(model, find_unused_parameters=True)) is False  # never rebuilds
     finally:
         dist.destroy_process_group()
@@ -155,8 +163,9 @@ def test_rank_server_is_a_server_of_its_own_that_preloads_outlives_stop_signals_
             time.sleep(0.3)
             assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"  # still serving
             ours, theirs = multiprocessing.Pipe()
-            child = multiprocessing.get_context("forkserver").Process(target=_what_a_fork_of_the_server_has,
-                                                                      args=(theirs,))
+            child = multiprocessing.get_context("forkserver").Process(
+                target=_what_a_fork_of_the_server_has, args=(theirs,)
+            )
             child.start()
             # preloaded; the server's ignoring inherited (a rank sets its own)
             assert ours.recv() == (True, True)
@@ -173,8 +182,10 @@ def test_run_exit_handlers_runs_each_atexit_handler_now_and_once():
     import subprocess
     import sys
 
-    code = ("import atexit, os\nfrom ddplab import compat\natexit.register(print, 'ran', flush=True)\n"
-            "compat.run_exit_handlers()\ncompat.run_exit_handlers()\nos._exit(0)\n")
+    code = (
+        "import atexit, os\nfrom ddplab import compat\natexit.register(print, 'ran', flush=True)\n"
+        "compat.run_exit_handlers()\ncompat.run_exit_handlers()\nos._exit(0)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (0, "ran\n"), out.stderr
 
@@ -207,7 +218,8 @@ if sys.argv[1] == "deferred":
     compat.defer_dynamo()
 torch.manual_seed(0)
 m = torch.nn.Linear(5, 3)
-for opt in (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), torch.optim.AdamW(m.parameters(), lr=0.01)):
+sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+for opt in (sgd, torch.optim.AdamW(m.parameters(), lr=0.01)):
     for _ in range(3):
         m(torch.randn(4, 5)).square().sum().backward()
         opt.step()
@@ -234,8 +246,13 @@ def test_defer_dynamo_trains_bitwise_as_torch_does_without_importing_its_compile
 
     said = {}
     for mode in ("deferred", "torch"):
-        proc = subprocess.run([sys.executable, "-c", _TRAIN_A_LITTLE, mode], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, "-c", _TRAIN_A_LITTLE, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         said[mode] = proc.stdout.split("\n")
     assert said["torch"][0].startswith("dynamo True ")  # what torch does by itself
@@ -268,8 +285,13 @@ def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp
 
     from helpers.jobs import free_port
 
-    proc = subprocess.run([sys.executable, "-c", _BUILD_A_DDP, str(free_port())], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_A_DDP, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[:3] == ["deferred False False False", "real True", "after module"]
 
@@ -284,9 +306,13 @@ def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
     class Numbers(torch.utils.data.IterableDataset):  # worker 1's stream ends after 2 numbers
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
-            return iter([1, 3] if info and info.id == 1 else [n for n in range(40) if not info or n not in (1, 3)])
+            return iter(
+                [1, 3] if info and info.id == 1 else [n for n in range(40) if not info or n not in (1, 3)]
+            )
 
-    loader = StatefulDataLoader(Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
+    loader = StatefulDataLoader(
+        Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None
+    )
     it = iter(loader)
     head = [next(it) for _ in range(10)]
     raw = loader.state_dict()
@@ -296,7 +322,9 @@ def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
         assert raw["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] > 10  # wasted requests counted
         assert state["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] == 10
         assert loader.state_dict() == raw  # the loader's own state as it was
-    again = StatefulDataLoader(Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None)
+    again = StatefulDataLoader(
+        Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None
+    )
     again.load_state_dict(state)
     assert head + list(again) == list(range(40))
 
@@ -308,7 +336,9 @@ def test_answer_hydra_mode_answers_unset_without_composing_only_where_nothing_ca
 
     assert list(inspect.signature(Hydra.get_mode).parameters) == ["self", "config_name", "overrides"]
     composed: list[list[str]] = []
-    monkeypatch.setattr(Hydra, "get_mode", lambda self, name, overrides: composed.append(overrides) or "MULTIRUN")
+    monkeypatch.setattr(
+        Hydra, "get_mode", lambda self, name, overrides: composed.append(overrides) or "MULTIRUN"
+    )
     compat.answer_hydra_mode(lambda overrides: "hydra.mode=MULTIRUN" in overrides)
     assert Hydra.get_mode(None, "train", ["model=mlp"]) is None and composed == []
     assert Hydra.get_mode(None, "train", ["hydra.mode=MULTIRUN"]) == "MULTIRUN"

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.jobs import CONF, assert_ok, compose_cfg, python_train, torchrun
 from hydra.utils import instantiate
 
-from helpers.jobs import CONF, assert_ok, compose_cfg, python_train, torchrun
 from ddplab import build
 from ddplab.config import ConfigError, validate
 from ddplab.train.batch_size import global_batch_size
@@ -18,10 +18,32 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_documented_options():
-    assert options("model") == ["convnet", "gpt", "hf", "keras_convnet", "mlp", "resnet18", "resnet34", "resnet50",
-                                "vae", "vit"]
-    assert options("dataset") == ["cifar10", "cifar100", "diabetes", "digits", "fashion_mnist", "hf", "imagefolder",
-                                  "mnist", "synthetic", "text", "token_shards", "tokens"]
+    assert options("model") == [
+        "convnet",
+        "gpt",
+        "hf",
+        "keras_convnet",
+        "mlp",
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "vae",
+        "vit",
+    ]
+    assert options("dataset") == [
+        "cifar10",
+        "cifar100",
+        "diabetes",
+        "digits",
+        "fashion_mnist",
+        "hf",
+        "imagefolder",
+        "mnist",
+        "synthetic",
+        "text",
+        "token_shards",
+        "tokens",
+    ]
     assert options("task") == ["classification", "lm", "regression", "vae"]
     assert options("optimizer") == ["adamw", "sgd"]
     assert options("scheduler") == ["constant", "cosine", "step"]
@@ -31,14 +53,23 @@ def test_every_group_has_its_documented_options():
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])  # in memory; the file readers: test_datasets.py
 # The image classifiers; vae and gpt belong to their tasks (tests/test_tasks.py trains each), hf to token
 # data (tests/test_hf.py).
-@pytest.mark.parametrize("model", [pytest.param(m, marks=[pytest.mark.slow] if m in ("resnet34", "resnet50") else [])
-                                   # slow: 2 s each
-                                   for m in options("model") if m not in ("vae", "gpt", "hf")])
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(m, marks=[pytest.mark.slow] if m in ("resnet34", "resnet50") else [])
+        # slow: 2 s each
+        for m in options("model")
+        if m not in ("vae", "gpt", "hf")
+    ],
+)
 def test_model_and_dataset_compose_and_run_a_forward(model, dataset):
     if model == "keras_convnet" and importlib.util.find_spec("keras") is None:
         pytest.skip("keras not installed")
-    cfg = compose_cfg([f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
-                      if dataset == "synthetic" else [f"model={model}", f"dataset={dataset}"])
+    cfg = compose_cfg(
+        [f"model={model}", f"dataset={dataset}", "dataset.num_train=8"]
+        if dataset == "synthetic"
+        else [f"model={model}", f"dataset={dataset}"]
+    )
     validate(cfg)
     data, _ = build.dataset(cfg)
     net = build.model(cfg).eval()
@@ -71,9 +102,19 @@ def test_optimizer_and_scheduler_instantiate_and_step(optimizer, scheduler):
 
 
 def test_distributed_and_top_level_keys_are_typed():
-    cfg = compose_cfg(["distributed.find_unused_parameters=true", "distributed.sync_batchnorm=true",
-                       "distributed.bucket_cap_mb=50", "distributed.timeout_s=30", "amp=true",
-                       "grad_accum_steps=2", "grad_clip=1.0", "resume=auto", "batch_size_scope=per_rank"])
+    cfg = compose_cfg(
+        [
+            "distributed.find_unused_parameters=true",
+            "distributed.sync_batchnorm=true",
+            "distributed.bucket_cap_mb=50",
+            "distributed.timeout_s=30",
+            "amp=true",
+            "grad_accum_steps=2",
+            "grad_clip=1.0",
+            "resume=auto",
+            "batch_size_scope=per_rank",
+        ]
+    )
     validate(cfg)
     d = cfg.distributed
     assert d.find_unused_parameters is True and d.sync_batchnorm is True and cfg.amp is True
@@ -88,8 +129,16 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
 
     keys18 = set(resnet18(num_classes=10).state_dict())
     keys50 = set(resnet50(num_classes=10).state_dict())
-    for k in ["conv1.weight", "bn1.running_mean", "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
-              "layer2.0.downsample.1.num_batches_tracked", "layer4.1.bn2.weight", "fc.weight", "fc.bias"]:
+    for k in [
+        "conv1.weight",
+        "bn1.running_mean",
+        "layer1.0.conv1.weight",
+        "layer2.0.downsample.0.weight",
+        "layer2.0.downsample.1.num_batches_tracked",
+        "layer4.1.bn2.weight",
+        "fc.weight",
+        "fc.bias",
+    ]:
         assert k in keys18
     assert "layer4.2.conv3.weight" in keys50 and "layer1.0.downsample.0.weight" in keys50
     # torchvision: 122 state_dict entries in resnet18, 320 in resnet50.
@@ -98,61 +147,75 @@ def test_resnet_state_dict_keys_match_torchvision_naming():
     assert set(resnet18(num_classes=10, small_input=True).state_dict()) == keys18
 
 
-@pytest.mark.parametrize("override,key", [
-    ("batch_size=0", "batch_size"),
-    ("num_epochs=0", "num_epochs"),
-    ("optimizer.lr=-0.1", "optimizer.lr"),
-    ("grad_accum_steps=0", "grad_accum_steps"),
-    ("grad_clip=-1", "grad_clip"),
-    ("distributed.init_method=udp://x", "distributed.init_method"),
-    ("log_every_n_steps=0", "log_every_n_steps"),
-    ("num_epochs=-1", "num_epochs"),
-    ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps"),
-    ("distributed.nproc_per_node=0", "distributed.nproc_per_node"),
-    ("+dataset.root=/no/such/dir", "dataset.root"),
-    ("perf.data_on_device=maybe", "perf.data_on_device"),
-    ("perf.fused_optimizer=yes", "perf.fused_optimizer"),
-    ("perf.num_workers=-1", "perf.num_workers"),
-    ("perf.prefetch_factor=0", "perf.prefetch_factor"),
-    ("perf.peak_tflops=0", "perf.peak_tflops"),
-    ("perf.host_allocator=fast", "perf.host_allocator"),
-    ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
-    ("dataset.augment.crop_padding=-2", "dataset.augment.crop_padding"),
-    # Values that used to run to the end with a wrong meaning:
-    ("dataset.augment.crop_padding=100", "dataset.augment.crop_padding"),  # 8x8 digits: mostly padding
-    ("scheduler.min_lr_ratio=-1", "scheduler.min_lr_ratio"),  # a negative lr at the end
-    ("scheduler.warmup_steps=-10", "scheduler.warmup_steps"),
-    ("scheduler=step scheduler.gamma=0", "scheduler.gamma"),
-    ("dataset=synthetic dataset.num_val=0", "dataset.num_val"),  # no validation, no best.pt
-    ("seed=99999999999999999999", "seed"),  # was "Overflow when unpacking long long"
-    ("objective=train/loss", "objective"),  # best.pt follows validation metrics only
-    # Callbacks and tasks are typed too: refused here, before any process group, not while building the job.
-    ("callbacks=[ema] callbacks.ema.decay=2", "callbacks.ema.decay"),
-    ("callbacks=[early_stopping] callbacks.early_stopping.mode=up", "callbacks.early_stopping.mode"),
-    ("callbacks=[early_stopping] callbacks.early_stopping.patience=0", "callbacks.early_stopping.patience"),
-    ("callbacks=[profiler] callbacks.profiler.steps=[5,2]", "callbacks.profiler.steps"),
-    ("task=vae task.beta=-1", "task.beta"),
-    # was torch's ValueError with a traceback, at build time
-    ("model=mlp model.dropout=1.5", "model.dropout"),
-    ("task=lm model.dropout=-0.1", "model.dropout"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("batch_size=0", "batch_size"),
+        ("num_epochs=0", "num_epochs"),
+        ("optimizer.lr=-0.1", "optimizer.lr"),
+        ("grad_accum_steps=0", "grad_accum_steps"),
+        ("grad_clip=-1", "grad_clip"),
+        ("distributed.init_method=udp://x", "distributed.init_method"),
+        ("log_every_n_steps=0", "log_every_n_steps"),
+        ("num_epochs=-1", "num_epochs"),
+        ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps"),
+        ("distributed.nproc_per_node=0", "distributed.nproc_per_node"),
+        ("+dataset.root=/no/such/dir", "dataset.root"),
+        ("perf.data_on_device=maybe", "perf.data_on_device"),
+        ("perf.fused_optimizer=yes", "perf.fused_optimizer"),
+        ("perf.num_workers=-1", "perf.num_workers"),
+        ("perf.prefetch_factor=0", "perf.prefetch_factor"),
+        ("perf.peak_tflops=0", "perf.peak_tflops"),
+        ("perf.host_allocator=fast", "perf.host_allocator"),
+        ("perf.compile=true distributed.bucket_cap_mb=0.5", "distributed.bucket_cap_mb"),
+        ("dataset.augment.crop_padding=-2", "dataset.augment.crop_padding"),
+        # Values that used to run to the end with a wrong meaning:
+        ("dataset.augment.crop_padding=100", "dataset.augment.crop_padding"),  # 8x8 digits: mostly padding
+        ("scheduler.min_lr_ratio=-1", "scheduler.min_lr_ratio"),  # a negative lr at the end
+        ("scheduler.warmup_steps=-10", "scheduler.warmup_steps"),
+        ("scheduler=step scheduler.gamma=0", "scheduler.gamma"),
+        ("dataset=synthetic dataset.num_val=0", "dataset.num_val"),  # no validation, no best.pt
+        ("seed=99999999999999999999", "seed"),  # was "Overflow when unpacking long long"
+        ("objective=train/loss", "objective"),  # best.pt follows validation metrics only
+        # Callbacks and tasks are typed too: refused here, before any process group, not while building the
+        # job.
+        ("callbacks=[ema] callbacks.ema.decay=2", "callbacks.ema.decay"),
+        ("callbacks=[early_stopping] callbacks.early_stopping.mode=up", "callbacks.early_stopping.mode"),
+        (
+            "callbacks=[early_stopping] callbacks.early_stopping.patience=0",
+            "callbacks.early_stopping.patience",
+        ),
+        ("callbacks=[profiler] callbacks.profiler.steps=[5,2]", "callbacks.profiler.steps"),
+        ("task=vae task.beta=-1", "task.beta"),
+        # was torch's ValueError with a traceback, at build time
+        ("model=mlp model.dropout=1.5", "model.dropout"),
+        ("task=lm model.dropout=-0.1", "model.dropout"),
+    ],
+)
 def test_out_of_range_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as e:
         validate(compose_cfg(override.split()))
     assert str(e.value).startswith(f"{key}=") and "Fix:" in str(e.value)
 
 
-@pytest.mark.parametrize("override,key,options", [
-    ("amp_dtype=fp8", "amp_dtype", "auto, bfloat16, float16, bf16, fp16"),
-    ("distributed.backend=mpx", "distributed.backend", "auto, gloo, nccl, mpi"),
-    ("nonfinite_loss=ignore", "nonfinite_loss", "error, skip"),
-    ("distributed.comm_hook=int8", "distributed.comm_hook", "none, fp16, bf16"),
-    ("perf.compile_mode=fast", "perf.compile_mode", "default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
-    ("distributed.strategy=ddpp", "distributed.strategy", "ddp, none, dp, fsdp"),
-    ("distributed.device=tpu", "distributed.device", "auto, cpu, cuda"),
-    ("batch_size_scope=local", "batch_size_scope", "global, per_rank"),
-    ("progress=fancy", "progress", "auto, bar, log, none"),
-])
+@pytest.mark.parametrize(
+    "override,key,options",
+    [
+        ("amp_dtype=fp8", "amp_dtype", "auto, bfloat16, float16, bf16, fp16"),
+        ("distributed.backend=mpx", "distributed.backend", "auto, gloo, nccl, mpi"),
+        ("nonfinite_loss=ignore", "nonfinite_loss", "error, skip"),
+        ("distributed.comm_hook=int8", "distributed.comm_hook", "none, fp16, bf16"),
+        (
+            "perf.compile_mode=fast",
+            "perf.compile_mode",
+            "default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
+        ),
+        ("distributed.strategy=ddpp", "distributed.strategy", "ddp, none, dp, fsdp"),
+        ("distributed.device=tpu", "distributed.device", "auto, cpu, cuda"),
+        ("batch_size_scope=local", "batch_size_scope", "global, per_rank"),
+        ("progress=fancy", "progress", "auto, bar, log, none"),
+    ],
+)
 def test_unknown_choices_fail_while_composing(override, key, options):
     """Choice fields are typed (enums): Hydra rejects an unknown option while composing, naming the
     key and every valid option — before validate, before any process exists."""
@@ -181,11 +244,14 @@ def test_global_batch_must_split_over_ranks():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("override,expect", [
-    ("optimizer.lrr=0.1", ["optimizer.lrr", "Key 'lrr' not in"]),
-    ("num_epochs=abc", ["num_epochs", "could not be converted to Integer"]),
-    ("model=resnet19", ["model/resnet19", "resnet18"]),
-])
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("optimizer.lrr=0.1", ["optimizer.lrr", "Key 'lrr' not in"]),
+        ("num_epochs=abc", ["num_epochs", "could not be converted to Integer"]),
+        ("model=resnet19", ["model/resnet19", "resnet18"]),
+    ],
+)
 def test_bad_override_fails_before_any_process_group(tmp_path: Path, override, expect):
     proc = torchrun(2, [override], tmp_path, timeout=120)
     assert proc.returncode != 0
@@ -220,6 +286,7 @@ def test_defaults_live_in_one_place():
 
     schemas = {("distributed", "distributed"): DistributedConfig}
     schemas.update({(g, n): c for g, opts in GROUPS.items() for n, c in opts.items()})
+
     def load(f):
         return OmegaConf.to_container(OmegaConf.load(f), resolve=False)
 
@@ -234,8 +301,13 @@ def test_defaults_live_in_one_place():
     assert len(found) >= 20  # every option file was looked at
 
 
-@pytest.mark.parametrize("override,key", [("callbacks=[ema] callbacks.ema.decy=0.9", "callbacks.ema.decy"),
-                                          ("task=vae task.betta=2", "task.betta")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("callbacks=[ema] callbacks.ema.decy=0.9", "callbacks.ema.decy"),
+        ("task=vae task.betta=2", "task.betta"),
+    ],
+)
 def test_a_misspelt_callback_or_task_key_fails_while_composing(override, key):
     """A typed callback or task node refuses a key it does not have (it used to reach the constructor)."""
     from hydra.errors import ConfigCompositionException
@@ -254,8 +326,11 @@ def test_loader_workers_under_a_temp_dir_too_long_for_their_socket_are_one_confi
     long = tmp_path / ("d" * 90)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
-    with pytest.raises(ConfigError, match=r"perf.num_workers=2: loader workers pass batches over a unix socket .* "
-                                          r"Fix: a shorter TMPDIR \(at most \d+ characters\), or perf.num_workers=0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"perf.num_workers=2: loader workers pass batches over a unix socket .* "
+        r"Fix: a shorter TMPDIR \(at most \d+ characters\), or perf.num_workers=0",
+    ):
         validate(compose_cfg(["perf.num_workers=2"]))
     validate(compose_cfg(["perf.num_workers=0"]))  # no workers, no socket
 
@@ -285,17 +360,29 @@ def test_a_default_lives_in_the_schema_alone():
 
     from ddplab.config import schema
 
-    keys = {f.name for obj in vars(schema).values() if isinstance(obj, type) and dataclasses.is_dataclass(obj)
-            for f in dataclasses.fields(obj)}
+    keys = {
+        f.name
+        for obj in vars(schema).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+        for f in dataclasses.fields(obj)
+    }
     src = Path(schema.__file__).parents[1]
-    found = {f"{p.relative_to(src)}:{n.args[0].value}" for p in src.rglob("*.py")
-             for n in ast.walk(ast.parse(p.read_text()))
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
-             and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value in keys}
+    found = {
+        f"{p.relative_to(src)}:{n.args[0].value}"
+        for p in src.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "get"
+        and len(n.args) == 2
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value in keys
+    }
     assert found == {
         "rundir.py:params",  # a study trial's JSON record
         # a checkpoint's flat config,
-        "train/resuming.py:batch_size_scope", "train/resuming.py:grad_accum_steps",
+        "train/resuming.py:batch_size_scope",
+        "train/resuming.py:grad_accum_steps",
         "study/trials.py:seed",  # a sampler's spec                                  # maybe an older ddplab's
         "study/space.py:name",  # a search-space entry
     }, found
@@ -316,9 +403,14 @@ def test_a_config_from_plain_data_is_typed_by_the_schema(caplog):
         cfg = typed(plain, "resume=x.pt's stored config")
     assert OmegaConf.get_type(cfg.perf) is PerfConfig and cfg.perf.prefetch_factor == 2
     assert cfg.eval_every_n_steps == 0 and str(cfg.mode) == "train"
-    assert "resume=x.pt's stored config: keys this ddplab does not know, ignored: perf.retired_key" in caplog.text
+    assert (
+        "resume=x.pt's stored config: keys this ddplab does not know, ignored: perf.retired_key"
+        in caplog.text
+    )
     plain["batch_size"] = "many"
-    with pytest.raises(ConfigError, match=r"^resume=x.pt's stored config: batch_size='many': Value 'many' of type"):
+    with pytest.raises(
+        ConfigError, match=r"^resume=x.pt's stored config: batch_size='many': Value 'many' of type"
+    ):
         typed(plain, "resume=x.pt's stored config")
 
 
@@ -329,13 +421,28 @@ def test_every_rank_trains_on_the_typed_config(tmp_path):
     (MLPConfig)."""
     import json
 
-    want = {"perf": "PerfConfig", "checkpoint": "CheckpointConfig", "model": "MLPConfig", "optimizer": "SGDConfig",
-            "(root)": "TrainConfig"}
-    args = ["model=mlp", "batch_size=48", "num_epochs=1", "limit_train_steps=1", "progress=none", "checkpoint.enabled=false",
-            "+callbacks.types._target_=toy.NotesConfigTypes"]
+    want = {
+        "perf": "PerfConfig",
+        "checkpoint": "CheckpointConfig",
+        "model": "MLPConfig",
+        "optimizer": "SGDConfig",
+        "(root)": "TrainConfig",
+    }
+    args = [
+        "model=mlp",
+        "batch_size=48",
+        "num_epochs=1",
+        "limit_train_steps=1",
+        "progress=none",
+        "checkpoint.enabled=false",
+        "+callbacks.types._target_=toy.NotesConfigTypes",
+    ]
     launch = ["distributed.nproc_per_node=3", "distributed.oversubscribe_cpu=true"]
     assert_ok(python_train(args + launch + [f"hydra.run.dir={tmp_path / 'self'}"], tmp_path))
     assert_ok(torchrun(2, args + [f"hydra.run.dir={tmp_path / 'torchrun'}"], tmp_path))
-    seen = {f"{d}/{r}": json.loads((tmp_path / d / f"types-{r}.json").read_text())
-            for d, n in (("self", 3), ("torchrun", 2)) for r in range(n)}
+    seen = {
+        f"{d}/{r}": json.loads((tmp_path / d / f"types-{r}.json").read_text())
+        for d, n in (("self", 3), ("torchrun", 2))
+        for r in range(n)
+    }
     assert seen == {k: want for k in seen}, seen

@@ -29,7 +29,11 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
     assert (REPO / "docs" / "reference.md").read_text() == text, "Fix: python scripts/config_reference.py"
     keys = set(re.findall(r"^\| `([\w.]+)` \|", text, re.M))
     for f in dataclasses.fields(schema.TrainConfig):  # every top-level key and every key of a sub-config
-        if dataclasses.is_dataclass(f.default_factory()) if f.default_factory is not dataclasses.MISSING else False:
+        if (
+            dataclasses.is_dataclass(f.default_factory())
+            if f.default_factory is not dataclasses.MISSING
+            else False
+        ):
             sub = f.default_factory()
             assert {f"{f.name}.{g.name}" for g in dataclasses.fields(sub)} <= keys, f.name
         elif f.name not in config_reference.GROUPS:
@@ -37,8 +41,11 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
     # every option of conf/
     for group in config_reference.GROUPS + config_reference.PRESETS + ("distributed",):
         for path in (CONF / group).glob("*.yaml"):
-            assert (f"`{group}={path.stem}`" in text or f"`callbacks=[{path.stem}]`" in text
-                    or f"| `{path.stem}` |" in text), (group, path.stem)
+            assert (
+                f"`{group}={path.stem}`" in text
+                or f"`callbacks=[{path.stem}]`" in text
+                or f"| `{path.stem}` |" in text
+            ), (group, path.stem)
     assert set(GROUPS) >= {"model", "dataset", "optimizer", "scheduler", "task", "callbacks"}
     # Every key its own meaning (give the schema field a comment of its own), every option its description.
     assert config_reference.unmeant(text) == [], config_reference.unmeant(text)
@@ -48,6 +55,7 @@ def test_the_reference_page_is_what_the_schema_and_conf_say_today():
 def test_a_comment_means_the_one_key_under_it():
     """A comment block above one field does not also describe the fields after it (the rank timeout's comment
     was the meaning of four DDP keys); a field's trailing comment is its own."""
+
     @dataclasses.dataclass
     class Example:
         # the first key's meaning
@@ -55,9 +63,15 @@ def test_a_comment_means_the_one_key_under_it():
         second: int = 0
         third: int = 0  # the third's own
 
-    assert config_reference.field_comments(Example) == {"first": "the first key's meaning", "second": "",
-                                                         "third": "the third's own"}
-    table = "| key | default | meaning |\n| --- | --- | --- |\n| `a` | `1` | x |\n| `b` | `2` | x |\n| `c` | `3` |  |\n"
+    assert config_reference.field_comments(Example) == {
+        "first": "the first key's meaning",
+        "second": "",
+        "third": "the third's own",
+    }
+    table = (
+        "| key | default | meaning |\n| --- | --- | --- |\n| `a` | `1` | x |\n| `b` | `2` | x |\n"
+        "| `c` | `3` |  |\n"
+    )
     assert config_reference.unmeant(table) == ["b: the meaning of a", "c: no meaning"]
 
 

@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers.jobs import assert_ok, python_train
+
 from ddplab.events import events_in, read_hparams, read_scalars
-from ddplab.train.reporting import wrap
 from ddplab.rundir import label, swept
 from ddplab.sweep import summarize, to_console
+from ddplab.train.reporting import wrap
 
 STAMP = re.compile(r"^\d\d:\d\d:\d\d ")  # ddplab's console lines start with the time
 
@@ -47,8 +47,11 @@ def hparams_experiment(logdir: Path):
     mux = plugin_event_multiplexer.EventMultiplexer()
     mux.AddRunsFromDirectory(str(logdir))
     mux.Reload()
-    tb = base_plugin.TBContext(logdir=str(logdir), multiplexer=mux,
-                               data_provider=data_provider.MultiplexerDataProvider(mux, str(logdir)))
+    tb = base_plugin.TBContext(
+        logdir=str(logdir),
+        multiplexer=mux,
+        data_provider=data_provider.MultiplexerDataProvider(mux, str(logdir)),
+    )
     request = api_pb2.GetExperimentRequest()
     exp = get_experiment.Handler(context.RequestContext(), backend_context.Context(tb), "", request).run()
     return sorted(mux.Runs()), exp
@@ -66,11 +69,16 @@ def test_a_run_opens_on_train_and_val_with_charts_typed_hparams_and_a_short_cons
     # The best so far is a curve beside the objective, not a lone dot: a running max at each evaluation.
     acc, best = [v for _, v in s["val/acc"]], s["val/acc_best"]
     assert [st for st, _ in best] == [st for st, _ in s["val/acc"]] == [22, 44, 66]
-    assert [v for _, v in best] == pytest.approx([max(acc[:i + 1]) for i in range(3)])
+    assert [v for _, v in best] == pytest.approx([max(acc[: i + 1]) for i in range(3)])
     # Custom Scalars: train vs val on one chart, open; the vitals after it, folded; no empty chart.
     layout = custom_scalars_layout(run)
     first, second = layout.category
-    assert (first.title, first.closed, second.title, second.closed) == ("is it learning?", False, "vitals", True)
+    assert (first.title, first.closed, second.title, second.closed) == (
+        "is it learning?",
+        False,
+        "vitals",
+        True,
+    )
     charts = {c.title: list(c.multiline.tag) for c in first.chart}
     assert charts["loss: train vs val"] == ["train/loss$", "val/loss$"]
     assert charts["acc: train vs val"] == ["train/acc$", "val/acc$", "val/acc_best$"]
@@ -79,7 +87,9 @@ def test_a_run_opens_on_train_and_val_with_charts_typed_hparams_and_a_short_cons
             assert any(re.match(pattern, t) for t in s), (c.title, pattern)
     # HParams: real types (torch's own writer logged amp as 0.0).
     hp = read_hparams(run)
-    assert hp["amp"] is False and hp["batch_size"] == 64.0 and hp["model"] == "mlp" and hp["dataset"] == "digits"
+    assert (
+        hp["amp"] is False and hp["batch_size"] == 64.0 and hp["model"] == "mlp" and hp["dataset"] == "digits"
+    )
     # Console: short lines, and the summary says what result.json says.
     lines = ddplab_lines(proc.stdout)
     assert len(lines) > 10 and max(map(len, proc.stdout.splitlines())) <= 120
@@ -89,14 +99,27 @@ def test_a_run_opens_on_train_and_val_with_charts_typed_hparams_and_a_short_cons
     assert f"best val/acc={res['val/acc_best']:.4g} at epoch " in text
     assert re.search(rf"final: val/loss={res['val/loss']:.4g}  val/acc={res['val/acc']:.4g}$", text, re.M)
     assert f"done: 3/3 epochs, 66 steps, {res['time_s']:.1f} s this run" in text
-    assert [ln[9:] for ln in lines[-3:]] == [f"checkpoints: {rel / 'checkpoints'}", f"events: {rel / 'tb'}",
-                                             f"open: tensorboard --logdir {rel}"]
+    assert [ln[9:] for ln in lines[-3:]] == [
+        f"checkpoints: {rel / 'checkpoints'}",
+        f"events: {rel / 'tb'}",
+        f"open: tensorboard --logdir {rel}",
+    ]
 
 
 @pytest.mark.dist
 def test_a_parallel_sweep_names_runs_by_swept_values_and_ends_with_a_summary(tmp_path):
-    proc = python_train(["-m", "optimizer.lr=0.1,0.01,-1", "model=mlp", "num_epochs=1", "progress=log",
-                         "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], tmp_path)
+    proc = python_train(
+        [
+            "-m",
+            "optimizer.lr=0.1,0.01,-1",
+            "model=mlp",
+            "num_epochs=1",
+            "progress=log",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     runs, exp = hparams_experiment(sweep)
@@ -107,13 +130,17 @@ def test_a_parallel_sweep_names_runs_by_swept_values_and_ends_with_a_summary(tmp
     from tensorboard.plugins.hparams import api_pb2
 
     types = {n: api_pb2.DataType.Name(kinds[n].type) for n in ("optimizer.lr", "amp", "model", "batch_size")}
-    assert types == {"optimizer.lr": "DATA_TYPE_FLOAT64", "amp": "DATA_TYPE_BOOL", "model": "DATA_TYPE_STRING",
-                     "batch_size": "DATA_TYPE_FLOAT64"}
+    assert types == {
+        "optimizer.lr": "DATA_TYPE_FLOAT64",
+        "amp": "DATA_TYPE_BOOL",
+        "model": "DATA_TYPE_STRING",
+        "batch_size": "DATA_TYPE_FLOAT64",
+    }
     metrics = [m.name.tag for m in exp.metric_infos]
     assert {"val/acc", "val/acc_best"} <= set(metrics[:5])  # the first five are ticked in the HParams tab
     # Console: every line of a job carries its tag; the two jobs ran side by side.
     lines = ddplab_lines(proc.stdout)
-    ours = lines + proc.stdout[proc.stdout.index("sweep: 3 jobs"):].splitlines()  # Hydra's own lines aside
+    ours = lines + proc.stdout[proc.stdout.index("sweep: 3 jobs") :].splitlines()  # Hydra's own lines aside
     # An error stays on one line, whole, to be searched for; everything else fits 120 columns.
     assert max(len(ln) for ln in ours if " ERROR: " not in ln) <= 120
     for job in (0, 1):
@@ -125,7 +152,9 @@ def test_a_parallel_sweep_names_runs_by_swept_values_and_ends_with_a_summary(tmp
     results = {j: json.loads((sweep / str(j) / "result.json").read_text()) for j in range(3)}
     acc = {j: results[j]["metrics"]["val/acc"] for j in (0, 1)}
     order = sorted(acc, key=acc.get, reverse=True) + [2]
-    table = proc.stdout[proc.stdout.index("sweep: 3 jobs, 2 completed, 1 not; by val/acc (higher is better)"):]
+    table = proc.stdout[
+        proc.stdout.index("sweep: 3 jobs, 2 completed, 1 not; by val/acc (higher is better)") :
+    ]
     rows = [ln.split("] ", 1)[1].split() for ln in table.splitlines()[2:5]]
     assert [int(r[0]) for r in rows] == order and rows[2][1] == "failed"
     assert rows[0][2] == f"{acc[order[0]]:.4g}" and rows[0][4] == ("lr=0.1" if order[0] == 0 else "lr=0.01")
@@ -142,17 +171,24 @@ def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path)
     lines = wrap("epoch 3/10", items)
     assert len(lines) > 1 and max(map(len, lines)) <= 100
     assert " ".join(lines).split() == ["epoch", "3/10", *items]  # nothing lost, nothing reordered
-    assert label({"optimizer.lr": "0.0123456789", "model": "mlp", "dataset.root": "/data/x"}) == \
-        "lr=0.01235,model=mlp,root=_data_x"
+    assert (
+        label({"optimizer.lr": "0.0123456789", "model": "mlp", "dataset.root": "/data/x"})
+        == "lr=0.01235,model=mlp,root=_data_x"
+    )
     assert label({"optimizer.lr": "0.1", "scheduler.lr": "1e-3"}) == "optimizer.lr=0.1,scheduler.lr=0.001"
     # Which overrides a sweep varies: the command's sweeps and a sweeper's sampled params, not fixed values.
     sweep = tmp_path / "sweep"
     job = sweep / "3"
     (job / ".hydra").mkdir(parents=True)
-    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: ['optimizer.lr=0.1,0.01', 'num_epochs=2']\n")
-    (job / ".hydra" / "overrides.yaml").write_text("- optimizer.lr=0.01\n- num_epochs=2\n- optimizer.momentum=0.8\n")
-    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
-                                               "      optimizer.momentum: interval(0.5, 0.99)\n")
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task: ['optimizer.lr=0.1,0.01', 'num_epochs=2']\n"
+    )
+    (job / ".hydra" / "overrides.yaml").write_text(
+        "- optimizer.lr=0.01\n- num_epochs=2\n- optimizer.momentum=0.8\n"
+    )
+    (job / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      optimizer.momentum: interval(0.5, 0.99)\n"
+    )
     assert swept(job) == {"optimizer.lr": "0.01", "optimizer.momentum": "0.8"}
     (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
     assert swept(job) == {}  # a single run is no sweep
@@ -161,8 +197,16 @@ def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path)
         d = tmp_path / "s2" / str(j)
         d.mkdir(parents=True)
         metrics = {"val/mae": v, "val/mae_best": v} if v is not None else {}
-        (d / "result.json").write_text(json.dumps({"status": status, "metrics": metrics, "error": "x" * 300,
-                                                   "objective": {"name": "val/mae", "minimize": True}}))
+        (d / "result.json").write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "metrics": metrics,
+                    "error": "x" * 300,
+                    "objective": {"name": "val/mae", "minimize": True},
+                }
+            )
+        )
     rows = summarize(tmp_path / "s2", "val/mae")
     assert [r["job"] for r in rows] == [2, 0, 1]
     out = to_console(rows, "val/mae", True)
@@ -187,7 +231,9 @@ def test_a_rerun_within_the_same_second_shows_its_own_steps_not_the_crashed_runs
     crashed.close()
     # The crashed run's file, named as another process's of this second would be ("9" > "1..").
     (old,) = tmp_path.glob("events.out.tfevents.*")
-    os.rename(old, tmp_path / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.9")
+    os.rename(
+        old, tmp_path / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.9"
+    )
     resumed = TensorBoardWriter(str(tmp_path))
     resumed.purge_after(0)  # a run that starts fresh where an attempt left events: drops every step of it
     resumed.scalars({"train/loss": 2.0}, 5)
@@ -215,11 +261,14 @@ def test_a_purge_after_the_event_file_opened_still_drops_the_steps_after_the_che
     assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
-def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the_threads_traceback(tmp_path, capfd):
+def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the_threads_traceback(
+    tmp_path, capfd
+):
     """TensorBoard's writer thread met the full disk and printed its own traceback ("Exception in thread
     Thread-1: ... OSError: [Errno 28]"); the main thread then failed with a bare OSError at its next write."""
     from helpers.disk import fill
     from helpers.jobs import tmpfs
+
     from ddplab.errors import ResourceError
     from ddplab.writers import TensorBoardWriter
 
@@ -232,6 +281,8 @@ def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the
             for step in range(2, 200):
                 w.scalars({"train/loss": float(step)}, step)
             w.close()
-    assert str(e.value).startswith(f"could not write TensorBoard events to {disk / 'tb'}: OSError: [Errno 28] No space")
+    assert str(e.value).startswith(
+        f"could not write TensorBoard events to {disk / 'tb'}: OSError: [Errno 28] No space"
+    )
     assert "MiB free on its file system). Fix: free space" in str(e.value)
     assert "Traceback" not in capfd.readouterr().err

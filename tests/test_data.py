@@ -69,15 +69,20 @@ def test_digits_split_is_fixed_and_normalised():
 def test_synthetic_is_seeded_and_shaped():
     a = synthetic(num_train=20, num_val=5, num_classes=4, in_channels=2, image_size=6, seed=3)
     assert a.train.x.shape == (20, 2, 6, 6) and len(a.val) == 5 and int(a.train.y.max()) < 4
-    assert torch.equal(a.train.x, synthetic(num_train=20, num_val=5, num_classes=4, in_channels=2,
-                                            image_size=6, seed=3).train.x)
+    assert torch.equal(
+        a.train.x,
+        synthetic(num_train=20, num_val=5, num_classes=4, in_channels=2, image_size=6, seed=3).train.x,
+    )
 
 
-@pytest.mark.parametrize("argv,kept,local", [
-    (["train.py", "--local-rank=1", "model=mlp"], ["train.py", "model=mlp"], "1"),
-    (["train.py", "--local_rank=2"], ["train.py"], "2"),
-    (["train.py", "--local_rank", "3", "x=1"], ["train.py", "x=1"], "3"),
-])
+@pytest.mark.parametrize(
+    "argv,kept,local",
+    [
+        (["train.py", "--local-rank=1", "model=mlp"], ["train.py", "model=mlp"], "1"),
+        (["train.py", "--local_rank=2"], ["train.py"], "2"),
+        (["train.py", "--local_rank", "3", "x=1"], ["train.py", "x=1"], "3"),
+    ],
+)
 def test_legacy_launcher_local_rank_is_consumed(monkeypatch, argv, kept, local):
     # setenv first: a bare delenv of an absent key records nothing, and the LOCAL_RANK written below would
     # outlive the test (on a GPU host every later in-process run would then ask for cuda:1)
@@ -100,10 +105,12 @@ def test_batched_random_crop_and_flip_match_a_per_sample_reference():
     flip = torch.rand(16) < 0.5
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     for i in range(16):
-        ref = padded[i, :, dy[i]: dy[i] + 8, dx[i]: dx[i] + 8]
+        ref = padded[i, :, dy[i] : dy[i] + 8, dx[i] : dx[i] + 8]
         assert torch.equal(out[i], ref.flip(2) if flip[i] else ref)
     assert out.shape == x.shape
-    assert 0 < flip.sum() < 16 and len({(a, b) for a, b in zip(dy.view(-1).tolist(), dx.view(-1).tolist())}) > 3
+    assert (
+        0 < flip.sum() < 16 and len({(a, b) for a, b in zip(dy.view(-1).tolist(), dx.view(-1).tolist())}) > 3
+    )
 
 
 def test_augmentation_off_is_the_identity_and_negative_padding_is_refused():
@@ -129,7 +136,12 @@ def test_batches_of_namedtuples_lists_and_dicts_keep_their_types_on_the_way_to_t
     assert type(doubled) is list and type(doubled[0]) is Pair and type(doubled[2]) is tuple
     assert torch.equal(doubled[0].x, x * 2) and torch.equal(doubled[0].y, y * 2)
     assert torch.equal(doubled[1]["mask"], m * 2) and doubled[1]["name"] == "digits"  # non-tensors untouched
-    assert [where for where, _ in tensors(batch)] == ["batch[0][0]", "batch[0][1]", "batch[1]['mask']", "batch[2][0]"]
+    assert [where for where, _ in tensors(batch)] == [
+        "batch[0][0]",
+        "batch[0][1]",
+        "batch[1]['mask']",
+        "batch[2][0]",
+    ]
     assert first_tensor(batch) is x and first_tensor([{"name": "none"}]) is None
 
 
@@ -153,20 +165,27 @@ def test_the_bijection_order_gives_the_same_global_batches_at_any_world_size_and
     n, gb, accum = 10_007, 12, 2
     per_world = {}
     for ws in (1, 2, 3):
-        ranks = [ShardedGlobalSampler(n, gb, ws, r, seed=3, grad_accum_steps=accum, order="bijection") for r in range(ws)]
+        ranks = [
+            ShardedGlobalSampler(n, gb, ws, r, seed=3, grad_accum_steps=accum, order="bijection")
+            for r in range(ws)
+        ]
         for s in ranks:
             s.set_epoch(4)
         rows = [list(s) for s in ranks]  # each rank's indices, micro-batch after micro-batch
         per_rank = gb // ws
-        per_world[ws] = [i for mb in range(ranks[0].num_micro_batches) for r in range(ws)
-                         for i in rows[r][mb * per_rank:(mb + 1) * per_rank]]
+        per_world[ws] = [
+            i
+            for mb in range(ranks[0].num_micro_batches)
+            for r in range(ws)
+            for i in rows[r][mb * per_rank : (mb + 1) * per_rank]
+        ]
     assert per_world[1] == per_world[2] == per_world[3]
     epoch = per_world[1]
     # each window at most once, whole steps
     assert len(epoch) == len(set(epoch)) == (n // (gb * accum)) * gb * accum
     s = ShardedGlobalSampler(n, gb, 2, 1, seed=3, grad_accum_steps=accum, order="bijection")
     s.set_epoch(4, skip=7)  # a mid-epoch resume after 7 micro-batches
-    assert list(s) == [i for mb in range(7, s.num_micro_batches) for i in epoch[mb * gb + 6: mb * gb + 12]]
+    assert list(s) == [i for mb in range(7, s.num_micro_batches) for i in epoch[mb * gb + 6 : mb * gb + 12]]
     s.set_epoch(5)
     assert list(s)[:6] != epoch[6:12]  # a new order each epoch
     assert s.batches().tolist()[3] == list(s)[18:24]  # the indexed path holds the same order

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.jobs import compose_cfg
 
 import ddplab
-from helpers.jobs import compose_cfg
 from ddplab.config import ConfigError, validate
 from ddplab.data import DatasetFilesError, cifar10, cifar100, imagefolder, mnist, read_idx
 
@@ -46,8 +46,11 @@ def make_idx_dataset(d: Path, n_train=24, n_test=10, gz=True, seed=0) -> tuple[n
 def make_cifar(d: Path, hundred: bool, per_batch=6, seed=0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     d.mkdir(parents=True, exist_ok=True)
-    key, names = (b"fine_labels", ["train", "test"]) if hundred else \
-        (b"labels", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"])
+    key, names = (
+        (b"fine_labels", ["train", "test"])
+        if hundred
+        else (b"labels", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"])
+    )
     first = None
     for name in names:
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
@@ -71,7 +74,7 @@ def test_idx_reader_gzipped_and_plain(tmp_path):
     expected = (x[3, 5, 7] / 255.0 - 0.1307) / 0.3081  # standard MNIST normalisation
     assert s.train.x[3, 0, 5, 7].item() == pytest.approx(expected, rel=1e-5)
     # A truncated file says so.
-    raw = (tmp_path / "plain" / "MNIST" / "raw" / "t10k-images-idx3-ubyte")
+    raw = tmp_path / "plain" / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
     raw.write_bytes(raw.read_bytes()[:-100])
     with pytest.raises(ValueError, match="truncated"):
         mnist(str(tmp_path / "plain"))
@@ -90,7 +93,9 @@ def test_cifar10_and_cifar100_python_batches(tmp_path):
 
 
 def test_missing_root_or_files_say_what_is_expected(tmp_path):
-    with pytest.raises(ConfigError, match=r"dataset.root=None: .*mnist reads local files.*Fix: dataset.root="):
+    with pytest.raises(
+        ConfigError, match=r"dataset.root=None: .*mnist reads local files.*Fix: dataset.root="
+    ):
         validate(compose_cfg(["dataset=mnist"]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetFilesError) as e:
@@ -130,17 +135,26 @@ def test_imagefolder_decodes_resizes_and_checks_classes(tmp_path):
         imagefolder(str(tmp_path / "imgs"), num_classes=3, val_dir="validation")
 
 
-@pytest.mark.parametrize("dataset,maker", [
-    ("mnist", lambda d: make_idx_dataset(d, gz=True)),
-    ("fashion_mnist", lambda d: make_idx_dataset(d / "FashionMNIST" / "raw", gz=False)),
-    ("cifar10", lambda d: make_cifar(d, hundred=False)),
-    ("cifar100", lambda d: make_cifar(d / "cifar-100-python", hundred=True)),
-    ("imagefolder", lambda d: make_image_folder(d)),
-])
+@pytest.mark.parametrize(
+    "dataset,maker",
+    [
+        ("mnist", lambda d: make_idx_dataset(d, gz=True)),
+        ("fashion_mnist", lambda d: make_idx_dataset(d / "FashionMNIST" / "raw", gz=False)),
+        ("cifar10", lambda d: make_cifar(d, hundred=False)),
+        ("cifar100", lambda d: make_cifar(d / "cifar-100-python", hundred=True)),
+        ("imagefolder", lambda d: make_image_folder(d)),
+    ],
+)
 def test_each_dataset_trains_a_step(tmp_path, dataset, maker):
     maker(tmp_path / "data")
-    args = [f"dataset={dataset}", f"dataset.root={tmp_path / 'data'}", "model=convnet", "batch_size=4",
-            "num_epochs=1", "progress=none"]
+    args = [
+        f"dataset={dataset}",
+        f"dataset.root={tmp_path / 'data'}",
+        "model=convnet",
+        "batch_size=4",
+        "num_epochs=1",
+        "progress=none",
+    ]
     if dataset == "imagefolder":
         args += ["dataset.num_classes=3", "dataset.image_size=16"]
     out = ddplab.run(compose_cfg(args, run_dir=tmp_path / "run"))
@@ -186,8 +200,10 @@ def test_digits_read_from_scikit_learns_file_equal_its_loader_without_importing_
     bunch = load_digits()
     assert images.shape == (1797, 8, 8) and (images == bunch.images).all() and (target == bunch.target).all()
     # ... and the data layer pulls in no Hydra (a DataLoader worker unpickling a dataset imports its module).
-    probe = ("import sys, ddplab.data; from ddplab.data.datasets import digits; digits(); "
-             "print('sklearn' in sys.modules, 'hydra' in sys.modules, 'omegaconf' in sys.modules)")
+    probe = (
+        "import sys, ddplab.data; from ddplab.data.datasets import digits; digits(); "
+        "print('sklearn' in sys.modules, 'hydra' in sys.modules, 'omegaconf' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.stdout.strip() == "False False False", out.stdout + out.stderr
 
@@ -199,17 +215,35 @@ def test_imagefolder_infers_its_classes_from_the_folders_and_says_a_missing_root
     from helpers.jobs import python_train
 
     make_image_folder(tmp_path / "data", classes=("a", "b", "c", "d"))
-    args = ["dataset=imagefolder", "model=mlp", "dataset.image_size=8", "batch_size=4", "num_epochs=1",
-            "progress=none"]
+    args = [
+        "dataset=imagefolder",
+        "model=mlp",
+        "dataset.image_size=8",
+        "batch_size=4",
+        "num_epochs=1",
+        "progress=none",
+    ]
     out = ddplab.run(compose_cfg(args + [f"dataset.root={tmp_path / 'data'}"], run_dir=tmp_path / "run"))
-    last = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)[
+        "model"
+    ]
     assert out["val/num_samples"] == 8 and last["net.7.weight"].shape[0] == 4  # 4 class folders: 4 outputs
-    with pytest.raises(ConfigError, match=r"^dataset.num_classes=3, but .*train has 4 class folders. "
-                                          r"Fix: dataset.num_classes=4$"):
-        ddplab.run(compose_cfg(args + [f"dataset.root={tmp_path / 'data'}", "dataset.num_classes=3"],
-                               run_dir=tmp_path / "run3"))
-    proc = python_train(args + [f"dataset.root={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'gone'}"],
-                        tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"^dataset.num_classes=3, but .*train has 4 class folders. "
+        r"Fix: dataset.num_classes=4$",
+    ):
+        ddplab.run(
+            compose_cfg(
+                args + [f"dataset.root={tmp_path / 'data'}", "dataset.num_classes=3"],
+                run_dir=tmp_path / "run3",
+            )
+        )
+    proc = python_train(
+        args + [f"dataset.root={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'gone'}"], tmp_path
+    )
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "config error: " in ln]
     assert proc.returncode == 2 and len(said) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"config error: dataset.root='{tmp_path / 'missing'}': no such file or directory" in said[0], said[0]
+    assert f"config error: dataset.root='{tmp_path / 'missing'}': no such file or directory" in said[0], said[
+        0
+    ]

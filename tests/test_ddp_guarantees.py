@@ -13,9 +13,20 @@ import time
 
 import pytest
 import torch
+from helpers.jobs import (
+    REPO,
+    TRAIN,
+    assert_ok,
+    compose_cfg,
+    free_port,
+    job_dirs,
+    ranks,
+    read_scalars,
+    run_cmd,
+    start,
+    torchrun,
+)
 
-from helpers.jobs import (REPO, TRAIN, assert_ok, compose_cfg, free_port, job_dirs, ranks, read_scalars, run_cmd,
-                          start, torchrun)
 from ddplab.data import ShardedGlobalSampler
 
 pytestmark = pytest.mark.dist
@@ -24,17 +35,26 @@ PROBE = REPO / "tests" / "workers" / "probe_worker.py"
 
 def printed_result(proc) -> dict:
     assert_ok(proc)
-    return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
 def max_rel_weight_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item()
-               for k in b if b[k].is_floating_point())
+    return max(
+        ((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in b if b[k].is_floating_point()
+    )
 
 
 # --------------------------------------------------------------- exactness
-EXACT = ["model=convnet", "model.dropout=0", "distributed.sync_batchnorm=true", "batch_size=48",
-         "num_epochs=2", "log_every_n_steps=10", "progress=none", "run_dir=run"]
+EXACT = [
+    "model=convnet",
+    "model.dropout=0",
+    "distributed.sync_batchnorm=true",
+    "batch_size=48",
+    "num_epochs=2",
+    "log_every_n_steps=10",
+    "progress=none",
+    "run_dir=run",
+]
 
 
 def test_world_sizes_1_2_3_train_the_same_model(tmp_path):
@@ -45,21 +65,28 @@ def test_world_sizes_1_2_3_train_the_same_model(tmp_path):
         d = tmp_path / f"w{w}"
         d.mkdir()
         assert_ok(torchrun(3, EXACT, d) if w == 3 else ranks(w, EXACT, d))
-        runs[w] = (torch.load(d / "run" / "checkpoints" / "last.pt", weights_only=True),
-                   read_scalars(d / "run" / "tb"))
+        runs[w] = (
+            torch.load(d / "run" / "checkpoints" / "last.pt", weights_only=True),
+            read_scalars(d / "run" / "tb"),
+        )
     ref_ck, ref_s = runs[1]
     print("\nworld | max rel weight diff | train/loss (last) | val/loss | val/acc")
     for w, (ck, s) in runs.items():
         diff = max_rel_weight_diff(ck["model"], ref_ck["model"])
-        print(f"{w:5} | {diff:19.3e} | {s['train/loss'][-1][1]:.9g} | {ck['results']['last_val']['val/loss']:.9g} | "
-              f"{ck['results']['last_val']['val/acc']:.9g}")
+        print(
+            f"{w:5} | {diff:19.3e} | {s['train/loss'][-1][1]:.9g} | "
+            f"{ck['results']['last_val']['val/loss']:.9g} | "
+            f"{ck['results']['last_val']['val/acc']:.9g}"
+        )
         assert diff <= 1e-5
         assert [st for st, _ in s["train/loss"]] == [st for st, _ in ref_s["train/loss"]]
         for (_, a), (_, b) in zip(s["train/loss"], ref_s["train/loss"]):
             assert a == pytest.approx(b, rel=1e-6)  # the same to 6 significant digits
         for tag in ("train/acc", "val/acc", "val/num_samples"):
             assert s[tag] == ref_s[tag], tag  # counts: exactly equal
-        assert ck["results"]["last_val"]["val/loss"] == pytest.approx(ref_ck["results"]["last_val"]["val/loss"], rel=1e-6)
+        assert ck["results"]["last_val"]["val/loss"] == pytest.approx(
+            ref_ck["results"]["last_val"]["val/loss"], rel=1e-6
+        )
 
     # Validation on 3 ranks equals single-process evaluation of the same weights.
     from ddplab import build
@@ -98,9 +125,17 @@ def test_unused_parameter_fails_at_first_step_naming_it(tmp_path):
 def test_unused_parameter_is_named_at_the_first_step_even_when_that_step_is_dropped(tmp_path):
     """fp16's scaler skips the first update (its gradient made inf here; unfused, the optimizer's step is not
     even called): the check runs after the first backward all the same, not DDP's riddle at step 2."""
-    args = ["model=mlp", "model._target_=toy.UnusedParamMLP", "num_epochs=1", "progress=log", "amp=true",
-            "amp_dtype=float16", "perf.fused_optimizer=false", "+callbacks.inf._target_=toy.InfGradAtStep",
-            "+callbacks.inf.step=1"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.UnusedParamMLP",
+        "num_epochs=1",
+        "progress=log",
+        "amp=true",
+        "amp_dtype=float16",
+        "perf.fused_optimizer=false",
+        "+callbacks.inf._target_=toy.InfGradAtStep",
+        "+callbacks.inf.step=1",
+    ]
     proc = torchrun(2, args, tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -111,8 +146,20 @@ def test_unused_parameter_is_named_at_the_first_step_even_when_that_step_is_drop
 # ----------------------------------------------------------- 2. uneven data
 def test_uneven_data_never_crashes_or_hangs(tmp_path):
     # 1,001 train samples over 3 ranks x 16; 2 val samples: one rank has none.
-    proc = torchrun(3, ["dataset=synthetic", "dataset.num_train=1001", "dataset.num_val=2", "model=mlp",
-                        "batch_size=48", "num_epochs=1", "progress=log"], tmp_path, timeout=180)
+    proc = torchrun(
+        3,
+        [
+            "dataset=synthetic",
+            "dataset.num_train=1001",
+            "dataset.num_val=2",
+            "model=mlp",
+            "batch_size=48",
+            "num_epochs=1",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     s = read_scalars(job_dirs(tmp_path)[0] / "tb")
     assert s["val/num_samples"] == [(1001 // 48, 2.0)]
@@ -120,8 +167,9 @@ def test_uneven_data_never_crashes_or_hangs(tmp_path):
 
 def test_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
     t0 = time.perf_counter()
-    proc = torchrun(3, ["dataset=synthetic", "dataset.num_train=5", "model=mlp", "batch_size=6"], tmp_path,
-                    timeout=120)
+    proc = torchrun(
+        3, ["dataset=synthetic", "dataset.num_train=5", "model=mlp", "batch_size=6"], tmp_path, timeout=120
+    )
     assert proc.returncode != 0 and time.perf_counter() - t0 < 60
     out = proc.stdout + proc.stderr
     assert "needs 6 samples per optimizer step, but the training set has 5" in out and "Fix:" in out
@@ -133,8 +181,16 @@ def test_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
 
 # ------------------------------------------------------ 3. legacy launcher
 def test_legacy_torch_distributed_launch(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", str(TRAIN),
-           "model=mlp", "num_epochs=1", "progress=log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node=2",
+        str(TRAIN),
+        "model=mlp",
+        "num_epochs=1",
+        "progress=log",
+    ]
     proc = run_cmd(cmd, tmp_path, timeout=120)
     assert_ok(proc)
     assert "ranks: 0@" in proc.stdout and "(local 1)" in proc.stdout
@@ -145,8 +201,12 @@ def test_legacy_torch_distributed_launch(tmp_path):
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_init_methods(tmp_path, scheme):
     url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
-    proc = torchrun(2, ["model=mlp", "num_epochs=1", f"distributed.init_method={url}", "progress=log"],
-                    tmp_path, timeout=120)
+    proc = torchrun(
+        2,
+        ["model=mlp", "num_epochs=1", f"distributed.init_method={url}", "progress=log"],
+        tmp_path,
+        timeout=120,
+    )
     assert_ok(proc)
     assert read_scalars(job_dirs(tmp_path)[0] / "tb")["val/num_samples"][-1][1] == 359
     # Two plain processes (no launcher, no MASTER_ADDR/PORT): env:// cannot join them, so their joining
@@ -155,17 +215,27 @@ def test_init_methods(tmp_path, scheme):
     plain.mkdir()
     url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous2"
     args = ["model=mlp", "num_epochs=1", "progress=log", "distributed.timeout_s=60"]
-    procs = [start([sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"], plain,
-                   stderr=subprocess.STDOUT, extra_env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
-             for r in (0, 1)]
+    procs = [
+        start(
+            [sys.executable, str(TRAIN), *args, f"distributed.init_method={url}"],
+            plain,
+            stderr=subprocess.STDOUT,
+            extra_env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "2 rank(s) on cpu (gloo)" in outs[0]
     assert read_scalars(job_dirs(plain)[0] / "tb")["val/num_samples"][-1][1] == 359
     if scheme == "file":
         return  # the control below is the same for both schemes: run once
-    control = run_cmd([sys.executable, str(TRAIN), *args, "distributed.init_method=env://"], plain, timeout=120,
-                      extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    control = run_cmd(
+        [sys.executable, str(TRAIN), *args, "distributed.init_method=env://"],
+        plain,
+        timeout=120,
+        extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    )
     assert control.returncode != 0 and "MASTER_ADDR" in control.stdout + control.stderr
 
 
@@ -175,11 +245,29 @@ def test_two_nodes_form_one_job(tmp_path, rdzv):
     port = free_port()
     # static: node ranks given, node 0 hosts the store; c10d: docs/launching.md's multi-node form, where the
     # agents agree on node ranks through the store at the endpoint (one of them hosts it).
-    how = {"static": lambda n: [f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}"],
-           "c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"]}[rdzv]
-    procs = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", *how(n), "--nproc_per_node=1",
-                    str(TRAIN), "model=mlp", "num_epochs=1", "progress=log"], tmp_path, stderr=subprocess.STDOUT)
-             for n in (0, 1)]
+    how = {
+        "static": lambda n: [f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}"],
+        "c10d": lambda n: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes"],
+    }[rdzv]
+    procs = [
+        start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                *how(n),
+                "--nproc_per_node=1",
+                str(TRAIN),
+                "model=mlp",
+                "num_epochs=1",
+                "progress=log",
+            ],
+            tmp_path,
+            stderr=subprocess.STDOUT,
+        )
+        for n in (0, 1)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     node0 = next(o for o in outs if "ranks: 0@" in o)  # under c10d either agent may become node 0
@@ -197,8 +285,19 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     t0 = time.perf_counter()
     # Rank 1 hangs in its forward; torchrun's SIGTERM ends it once rank 0 has failed (a deaf one would hold
     # torchrun for its 30 s grace, which is torchrun's and not what this test is about).
-    proc = torchrun(2, ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=hang_until_killed",
-                        "num_epochs=1", "distributed.timeout_s=8", "progress=log"], tmp_path, timeout=120)
+    proc = torchrun(
+        2,
+        [
+            "model=mlp",
+            "model._target_=toy.FaultyMLP",
+            "+model.fault=hang_until_killed",
+            "num_epochs=1",
+            "distributed.timeout_s=8",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -209,8 +308,11 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
     assert "Rank(s) [1] never reached it" in out
     # While it waits, rank 0 says so (after 5 s, before the 8 s timeout ends the job), naming rank 1 and where
     # it is: rank 1 published that (its own step ran long too) in the rendezvous store.
-    assert re.search(r"rank 0/2: step 3 has run [5-8]s \(its recent steps took [\d.e-]+s\), now in its backward; "
-                     r"not at that collective: rank 1 \(in its forward of step 3 for [\d]+s\)", out), out[-3000:]
+    assert re.search(
+        r"rank 0/2: step 3 has run [5-8]s \(its recent steps took [\d.e-]+s\), now in its backward; "
+        r"not at that collective: rank 1 \(in its forward of step 3 for [\d]+s\)",
+        out,
+    ), out[-3000:]
     # Rank 0 gave up distributed.timeout_s after step 3 began (its stall warning dates that start), not later.
     warned = re.search(r"(\d\d):(\d\d):(\d\d) WARNING: rank 0/2: step 3 has run (\d+)s", out)
     failed = re.search(r"(\d\d):(\d\d):(\d\d) ERROR: rank 0/2 failed in epoch 1, step 3", out)
@@ -220,8 +322,19 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_it(tmp_path):
 
 
 def test_crashed_rank_fails_the_job_naming_it(tmp_path):
-    proc = torchrun(2, ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=crash", "num_epochs=1",
-                        "distributed.timeout_s=30", "progress=log"], tmp_path, timeout=120)
+    proc = torchrun(
+        2,
+        [
+            "model=mlp",
+            "model._target_=toy.FaultyMLP",
+            "+model.fault=crash",
+            "num_epochs=1",
+            "distributed.timeout_s=30",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1/2 failed in epoch 1, step 3: RuntimeError: injected crash on rank 1" in out
@@ -230,9 +343,18 @@ def test_crashed_rank_fails_the_job_naming_it(tmp_path):
 def test_rank_that_never_arrives_times_out(tmp_path):
     port = free_port()
     t0 = time.perf_counter()
-    proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
-                    "distributed.timeout_s=5"], tmp_path, timeout=120,
-                   extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(TRAIN),
+            "model=mlp",
+            f"distributed.init_method=tcp://127.0.0.1:{port}",
+            "distributed.timeout_s=5",
+        ],
+        tmp_path,
+        timeout=120,
+        extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    )
     assert proc.returncode != 0 and time.perf_counter() - t0 < 60  # not forever (start-up on 2 loaded cores)
     err = proc.stdout + proc.stderr
     assert "rank 0/2: could not join the process group" in err and "1/2 clients joined" in err
@@ -248,12 +370,26 @@ def srun_tasks(worker: str, cwd) -> list:
     ``cwd/task<rank>.log``."""
     port, procs = free_port(), []
     for r in (0, 1):
-        env = {"SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_STEP_ID": "0",
-               "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+        env = {
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(r),
+            "SLURM_LOCALID": str(r),
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NODELIST": "localhost",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         with open(cwd / f"task{r}.log", "w") as log:
-            procs.append(start([sys.executable, str(REPO / "tests" / "workers" / worker)], cwd, log,
-                               subprocess.STDOUT, extra_env=env))
+            procs.append(
+                start(
+                    [sys.executable, str(REPO / "tests" / "workers" / worker)],
+                    cwd,
+                    log,
+                    subprocess.STDOUT,
+                    extra_env=env,
+                )
+            )
     return procs
 
 
@@ -300,9 +436,18 @@ def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = run_cmd([sys.executable, str(TRAIN), "model=mlp", f"distributed.init_method=tcp://127.0.0.1:{port}",
-                        "distributed.timeout_s=5"], tmp_path, timeout=120,
-                       extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+        proc = run_cmd(
+            [
+                sys.executable,
+                str(TRAIN),
+                "model=mlp",
+                f"distributed.init_method=tcp://127.0.0.1:{port}",
+                "distributed.timeout_s=5",
+            ],
+            tmp_path,
+            timeout=120,
+            extra_env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+        )
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
     assert "port is taken" in err and "--standalone" in err
@@ -311,9 +456,14 @@ def test_port_in_use_suggests_standalone_or_another_port(tmp_path):
 # ---------------------------------------- 7. accumulation, 8. set_epoch
 def test_accumulation_equals_the_big_batch_and_skips_allreduce_on_micro_steps(tmp_path):
     common = ["model=mlp", "model.dropout=0", "num_epochs=2", "progress=none"]
-    acc = printed_result(torchrun(2, [str(tmp_path / "acc"), *common, "batch_size=32", "grad_accum_steps=3"],
-                          tmp_path, script=PROBE))
-    big = printed_result(torchrun(2, [str(tmp_path / "big"), *common, "batch_size=96"], tmp_path, script=PROBE))
+    acc = printed_result(
+        torchrun(
+            2, [str(tmp_path / "acc"), *common, "batch_size=32", "grad_accum_steps=3"], tmp_path, script=PROBE
+        )
+    )
+    big = printed_result(
+        torchrun(2, [str(tmp_path / "big"), *common, "batch_size=96"], tmp_path, script=PROBE)
+    )
     assert acc["steps"] == big["steps"] == 2 * (1438 // 96)
     # One all-reduce per optimizer step (the mlp fits one bucket), none on the 2 no_sync micro-steps.
     assert acc["micro_batches"] == 3 * acc["steps"]
@@ -326,8 +476,14 @@ def test_accumulation_equals_the_big_batch_and_skips_allreduce_on_micro_steps(tm
 
 
 def test_set_epoch_every_epoch_disjoint_covering_reshuffled_reproducible(tmp_path):
-    res = printed_result(torchrun(2, [str(tmp_path / "run"), "model=mlp", "num_epochs=3", "batch_size=64",
-                              "progress=none", "seed=7"], tmp_path, script=PROBE))
+    res = printed_result(
+        torchrun(
+            2,
+            [str(tmp_path / "run"), "model=mlp", "num_epochs=3", "batch_size=64", "progress=none", "seed=7"],
+            tmp_path,
+            script=PROBE,
+        )
+    )
     per_rank = {r["rank"]: {int(e): sum(b, []) for e, b in r["seen"].items()} for r in res["ranks"]}
     n_used = (1438 // 64) * 64
     orders = []
@@ -353,17 +509,41 @@ def test_only_rank_zero_writes(tmp_path):
     assert len(tb) == 1
     # provenance.diff exists only when the code's git tree was dirty (provenance.json says so).
     dirty = json.loads((tmp_path / run / "provenance.json").read_text())["code"].get("dirty")
-    assert sorted(set(files) - set(tb)) == sorted(f"{run}/{x}" for x in [
-        ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log",
-        "checkpoints/last.pt", "checkpoints/best.pt", "checkpoints/step-00000022.pt",
-        "checkpoints/save_seconds.json", "result.json", "provenance.json", *(["provenance.diff"] if dirty else [])])
+    assert sorted(set(files) - set(tb)) == sorted(
+        f"{run}/{x}"
+        for x in [
+            ".hydra/config.yaml",
+            ".hydra/hydra.yaml",
+            ".hydra/overrides.yaml",
+            "train.log",
+            "checkpoints/last.pt",
+            "checkpoints/best.pt",
+            "checkpoints/step-00000022.pt",
+            "checkpoints/save_seconds.json",
+            "result.json",
+            "provenance.json",
+            *(["provenance.diff"] if dirty else []),
+        ]
+    )
 
 
 # ------------------------------------------------------------- 10. stragglers
 def test_a_slow_rank_shows_in_max_over_ranks(tmp_path):
-    proc = torchrun(2, ["dataset=synthetic", "dataset._target_=toy.slow_synthetic", "+dataset.delay_s=0.002",
-                        "dataset.num_train=512", "dataset.image_size=8", "model=mlp", "num_epochs=1",
-                        "log_every_n_steps=4", "progress=log"], tmp_path)
+    proc = torchrun(
+        2,
+        [
+            "dataset=synthetic",
+            "dataset._target_=toy.slow_synthetic",
+            "+dataset.delay_s=0.002",
+            "dataset.num_train=512",
+            "dataset.image_size=8",
+            "model=mlp",
+            "num_epochs=1",
+            "log_every_n_steps=4",
+            "progress=log",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     s = read_scalars(job_dirs(tmp_path)[0] / "tb")
     mx, mn = s["vitals/data_time_ms_max"][-1][1], s["vitals/data_time_ms_min"][-1][1]

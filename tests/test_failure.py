@@ -25,31 +25,85 @@ PREEMPTED = {"status", "signal", "step", "checkpoint", "resume"}
 # kind, the error, (exit code, the line's start or None, result.json's error or its status) at rank 0 of a job
 # that ends in this process
 CASES = [
-    ("preempted", Preempted("SIGTERM", 7, "/r/checkpoints/step_7.pt"), 143, "preempted: stopped by SIGTERM at step 7",
-     "preempted"),
-    ("preempted", Preempted("SIGUSR1", 3, None), 128 + 10, "preempted: stopped by SIGUSR1 at step 3 (no checkpoint)",
-     "preempted"),
-    ("config", ConfigError("optimizer.lr=-1.0: must be > 0. Fix: a positive value"), 2,
-     "config error: optimizer.lr=-1.0: must be > 0", "config error: optimizer.lr=-1.0: must be > 0"),
-    ("input", InputError("tokens.bin: 3 bytes, not a whole token. Fix: ..."), 2, "error: tokens.bin: 3 bytes",
-     "InputError: tokens.bin: 3 bytes"),
-    ("resource", ResourceError("no space left on /r (0 B free). Fix: free space"), 1, "error: no space left on /r",
-     "ResourceError: no space left on /r"),
-    ("resource", RecordWriteError("the job completed but /r/result.json is not"), 1, "error: the job completed",
-     None),
-    ("peer", PeerFailed("rank 1/3 stopped: lost its connection to rank 0", "rank 0/3 failed: ValueError: x"), 1,
-     "rank 1/3 stopped: lost its connection to rank 0", "rank 0/3 failed: ValueError: x"),
-    ("peer", PeerLost("rank 1/3 stopped: lost its connection to a rank that said nothing", "rank 1/3 stopped: lost"),
-     1, "rank 1/3 stopped: lost its connection", "rank 1/3 stopped: lost"),
-    ("rank", RankFailed("self-launched job failed: rank 2 (local 2) exited with code 1: ValueError: x"), 1,
-     "self-launched job failed: rank 2", "self-launched job failed: rank 2"),
-    ("verify", VerifyFailed("the resumed run differs at step 9: w"), 1, "verify_resume: the resumed run differs",
-     None),
+    (
+        "preempted",
+        Preempted("SIGTERM", 7, "/r/checkpoints/step_7.pt"),
+        143,
+        "preempted: stopped by SIGTERM at step 7",
+        "preempted",
+    ),
+    (
+        "preempted",
+        Preempted("SIGUSR1", 3, None),
+        128 + 10,
+        "preempted: stopped by SIGUSR1 at step 3 (no checkpoint)",
+        "preempted",
+    ),
+    (
+        "config",
+        ConfigError("optimizer.lr=-1.0: must be > 0. Fix: a positive value"),
+        2,
+        "config error: optimizer.lr=-1.0: must be > 0",
+        "config error: optimizer.lr=-1.0: must be > 0",
+    ),
+    (
+        "input",
+        InputError("tokens.bin: 3 bytes, not a whole token. Fix: ..."),
+        2,
+        "error: tokens.bin: 3 bytes",
+        "InputError: tokens.bin: 3 bytes",
+    ),
+    (
+        "resource",
+        ResourceError("no space left on /r (0 B free). Fix: free space"),
+        1,
+        "error: no space left on /r",
+        "ResourceError: no space left on /r",
+    ),
+    (
+        "resource",
+        RecordWriteError("the job completed but /r/result.json is not"),
+        1,
+        "error: the job completed",
+        None,
+    ),
+    (
+        "peer",
+        PeerFailed("rank 1/3 stopped: lost its connection to rank 0", "rank 0/3 failed: ValueError: x"),
+        1,
+        "rank 1/3 stopped: lost its connection to rank 0",
+        "rank 0/3 failed: ValueError: x",
+    ),
+    (
+        "peer",
+        PeerLost(
+            "rank 1/3 stopped: lost its connection to a rank that said nothing", "rank 1/3 stopped: lost"
+        ),
+        1,
+        "rank 1/3 stopped: lost its connection",
+        "rank 1/3 stopped: lost",
+    ),
+    (
+        "rank",
+        RankFailed("self-launched job failed: rank 2 (local 2) exited with code 1: ValueError: x"),
+        1,
+        "self-launched job failed: rank 2",
+        "self-launched job failed: rank 2",
+    ),
+    (
+        "verify",
+        VerifyFailed("the resumed run differs at step 9: w"),
+        1,
+        "verify_resume: the resumed run differs",
+        None,
+    ),
     ("crash", RuntimeError("boom"), 1, None, "RuntimeError: boom"),
 ]
 
 
-@pytest.mark.parametrize("kind,error,code,line,recorded", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "kind,error,code,line,recorded", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_each_failure_kind_gives_one_code_one_line_and_a_whole_record(kind, error, code, line, recorded):
     ended = failure.of(error)
     assert (ended.kind, ended.code) == (kind, code)
@@ -105,7 +159,9 @@ def test_leave_says_the_line_then_exits_with_the_code(caplog):
     with pytest.raises(SystemExit) as ended:
         failure.leave(failure.of(ConfigError("a=1: no. Fix: a=2")), ConfigError("a=1"))
     assert ended.value.code == 2
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("ERROR", "config error: a=1: no. Fix: a=2")]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "config error: a=1: no. Fix: a=2")
+    ]
     caplog.clear()
     with pytest.raises(SystemExit) as ended:
         failure.leave(failure.of(Preempted("SIGINT", 2, None)), Preempted("SIGINT", 2, None))
@@ -145,8 +201,14 @@ def _functions(tree: ast.AST) -> dict[str, ast.AST]:
 
 
 def _calls(node: ast.AST, module: str, name: str) -> bool:
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name
-               and isinstance(n.func.value, ast.Name) and n.func.value.id == module for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == name
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == module
+        for n in ast.walk(node)
+    )
 
 
 @pytest.mark.parametrize("path,functions", list(ENTRIES.items()))
@@ -161,10 +223,20 @@ def test_no_module_but_the_failure_path_picks_an_exit_code():
     exits = {}
     for path in SRC.rglob("*.py"):
         tree = ast.parse(path.read_text())
-        n = sum(1 for c in ast.walk(tree) if isinstance(c, ast.Call) and (
-            (isinstance(c.func, ast.Name) and c.func.id == "SystemExit")
-            or (isinstance(c.func, ast.Attribute) and c.func.attr == "exit" and isinstance(c.func.value, ast.Name)
-                and c.func.value.id in ("sys", "os"))))
+        n = sum(
+            1
+            for c in ast.walk(tree)
+            if isinstance(c, ast.Call)
+            and (
+                (isinstance(c.func, ast.Name) and c.func.id == "SystemExit")
+                or (
+                    isinstance(c.func, ast.Attribute)
+                    and c.func.attr == "exit"
+                    and isinstance(c.func.value, ast.Name)
+                    and c.func.value.id in ("sys", "os")
+                )
+            )
+        )
         if n and path.name != "failure.py" and path.name != "__main__.py":
             exits[str(path.relative_to(SRC))] = n
     assert exits == EXITS_ELSEWHERE
@@ -172,6 +244,9 @@ def test_no_module_but_the_failure_path_picks_an_exit_code():
 
 def test_the_entries_list_is_whole():
     """A new ``except`` that ends a process must be added to ENTRIES (and ask ddplab.failure)."""
-    asking = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
-              if p.name != "failure.py" and _calls(ast.parse(p.read_text()), "failure", "of")}
+    asking = {
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p.name != "failure.py" and _calls(ast.parse(p.read_text()), "failure", "of")
+    }
     assert asking == set(ENTRIES)

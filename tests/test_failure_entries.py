@@ -13,37 +13,62 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers.jobs import python_train
 from helpers.study import study_args
 
 TESTS = Path(__file__).resolve().parent
 
 MATRIX = {
-    ("python", "config error"): ["test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter",
-                                 "test_config_errors.py::test_in_one_process_nccl_is_refused_not_ignored"],
-    ("python", "a rank's exception"): ["test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter"],
+    ("python", "config error"): [
+        "test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter",
+        "test_config_errors.py::test_in_one_process_nccl_is_refused_not_ignored",
+    ],
+    ("python", "a rank's exception"): [
+        "test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter"
+    ],
     ("python", "a dead peer"): [],  # one process has no peer
-    ("python", "a signal"): ["test_preemption.py::test_sigint_stops_a_single_process_with_a_checkpoint_and_exit_code_130",
-                             "test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter"],
+    ("python", "a signal"): [
+        "test_preemption.py::test_sigint_stops_a_single_process_with_a_checkpoint_and_exit_code_130",
+        "test_zygote.py::test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter",
+    ],
     ("torchrun", "config error"): ["test_config_errors.py::test_under_torchrun"],
     ("torchrun", "a rank's exception"): [
-        "test_integrity.py::test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection"],
+        "test_integrity.py::test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection"
+    ],
     ("torchrun", "a dead peer"): ["test_soak.py::test_the_pairwise_soak_plan_holds_every_invariant"],
-    ("torchrun", "a signal"): ["test_preemption.py::test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bitwise"],
-    ("self-launch", "config error"): ["test_config_errors.py::test_self_launched_ranks_report_a_build_time_error_once"],
+    ("torchrun", "a signal"): [
+        "test_preemption.py::test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bitwise"
+    ],
+    ("self-launch", "config error"): [
+        "test_config_errors.py::test_self_launched_ranks_report_a_build_time_error_once"
+    ],
     ("self-launch", "a rank's exception"): [
-        "test_integrity.py::test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback"],
+        "test_integrity.py::test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback"
+    ],
     ("self-launch", "a dead peer"): ["test_soak.py::test_the_pairwise_soak_plan_holds_every_invariant"],
-    ("self-launch", "a signal"): ["test_preemption.py::test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm"],
+    ("self-launch", "a signal"): [
+        "test_preemption.py::test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm"
+    ],
     ("study trial", "config error"): ["test_study.py::test_bad_input_is_one_line_within_seconds"],
-    ("study trial", "a rank's exception"): ["test_failure_entries.py::test_a_trial_whose_job_fails_is_told_fail_with_its_record_and_one_line"],
-    ("study trial", "a dead peer"): ["test_study_ownership.py::test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial"],
-    ("study trial", "a signal"): ["test_study.py::test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it"],
-    ("verify", "config error"): ["test_verify_resume.py::test_a_stream_shuffled_per_rank_is_refused_in_one_line"],
-    ("verify", "a rank's exception"): ["test_failure_entries.py::test_a_verify_leg_that_fails_is_one_line_and_its_record"],
+    ("study trial", "a rank's exception"): [
+        "test_failure_entries.py::test_a_trial_whose_job_fails_is_told_fail_with_its_record_and_one_line"
+    ],
+    ("study trial", "a dead peer"): [
+        "test_study_ownership.py::test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial"
+    ],
+    ("study trial", "a signal"): [
+        "test_study.py::test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it"
+    ],
+    ("verify", "config error"): [
+        "test_verify_resume.py::test_a_stream_shuffled_per_rank_is_refused_in_one_line"
+    ],
+    ("verify", "a rank's exception"): [
+        "test_failure_entries.py::test_a_verify_leg_that_fails_is_one_line_and_its_record"
+    ],
     ("verify", "a dead peer"): ["test_soak.py::test_the_pairwise_soak_plan_holds_every_invariant"],
-    ("verify", "a signal"): ["test_verify_resume.py::test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict"],
+    ("verify", "a signal"): [
+        "test_verify_resume.py::test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict"
+    ],
 }
 ENTRIES = ("python", "torchrun", "self-launch", "study trial", "verify")
 KINDS = ("config error", "a rank's exception", "a dead peer", "a signal")
@@ -55,12 +80,23 @@ def test_every_entry_and_failure_kind_has_its_test():
     for cell, named in MATRIX.items():
         for name in named:
             file, test = name.split("::")
-            defined = {n.name for n in ast.walk(ast.parse((TESTS / file).read_text())) if isinstance(n, ast.FunctionDef)}
+            defined = {
+                n.name
+                for n in ast.walk(ast.parse((TESTS / file).read_text()))
+                if isinstance(n, ast.FunctionDef)
+            }
             assert test in defined, f"{cell}: {name} does not exist"
 
 
-FAILS = ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
-         "+callbacks.bug._target_=toy_callbacks.FailsOnRank", "+callbacks.bug.rank=0", "+callbacks.bug.step=2"]
+FAILS = [
+    "model=mlp",
+    "num_epochs=1",
+    "limit_train_steps=3",
+    "progress=none",
+    "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+    "+callbacks.bug.rank=0",
+    "+callbacks.bug.step=2",
+]
 BUG = "RuntimeError: FailsOnRank: a callback's own bug on rank 0 at step 2"
 
 
@@ -94,10 +130,14 @@ def test_a_verify_leg_that_fails_is_one_line_and_its_record(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     [said] = errors(out)
-    assert re.search(r"ERROR: verify_resume: the uninterrupted run failed \(exit 1, rank 0/1 failed .*"
-                     + re.escape(BUG), said), said
+    assert re.search(
+        r"ERROR: verify_resume: the uninterrupted run failed \(exit 1, rank 0/1 failed .*" + re.escape(BUG),
+        said,
+    ), said
     legs = sorted((run / "verify_resume").glob("*/result.json"))
     assert len(legs) == 1, legs  # the resumed leg never started
     result = json.loads(legs[0].read_text())
-    assert set(result) == {"status", "error"} and result["status"] == "failed" and BUG in result["error"], result
+    assert set(result) == {"status", "error"} and result["status"] == "failed" and BUG in result["error"], (
+        result
+    )
     assert "Traceback" not in out and "Traceback" in legs[0].parent.with_suffix(".log").read_text()

@@ -10,20 +10,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint, load_whole
+from helpers.extras import needs
+from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step
 
 import ddplab
 from ddplab import build
 from ddplab.config.errors import ConfigError
 from ddplab.data import write_tokens
 from ddplab.data.tabular import generated_corpus
-from helpers.compare import assert_same_checkpoint, load_whole
-from helpers.jobs import assert_ok, compose_cfg, ranks, run_cmd, run_killed_after_step
-from helpers.extras import needs
 
 needs("transformers", "hf")
 # A 2-layer GPT-2 of width 32, no dropout (dropout draws per rank: world sizes would differ by it alone).
-HF = ["model=hf", "model.config.n_embd=32", "model.config.n_layer=2", "model.config.n_head=2",
-      "+model.config.resid_pdrop=0.0", "+model.config.embd_pdrop=0.0", "+model.config.attn_pdrop=0.0"]
+HF = [
+    "model=hf",
+    "model.config.n_embd=32",
+    "model.config.n_layer=2",
+    "model.config.n_head=2",
+    "+model.config.resid_pdrop=0.0",
+    "+model.config.embd_pdrop=0.0",
+    "+model.config.attn_pdrop=0.0",
+]
 LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "batch_size=12", "progress=none"] + HF
 
 
@@ -46,15 +53,29 @@ def test_the_model_is_built_locally_and_fsdp_units_are_its_decoder_blocks(tmp_pa
     logits = model(torch.randint(256, (3, 16)))
     assert logits.shape == (3, 16, 256)
     model.hf.save_pretrained(tmp_path / "pretrained")  # safetensors + config.json, as a user's local copy is
-    again = build.model(compose_cfg(LM + token_file(tmp_path) + [f"model.pretrained={tmp_path / 'pretrained'}"]))
+    again = build.model(
+        compose_cfg(LM + token_file(tmp_path) + [f"model.pretrained={tmp_path / 'pretrained'}"])
+    )
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
-@pytest.mark.parametrize("override, said", [
-    ("model.config.model_type=not_a_model", r"model.config.model_type=not_a_model: transformers cannot build it"),
-    ("model.pretrained=/nowhere", r"model.pretrained=/nowhere: no config.json there. Fix: a local directory"),
-    ("model.kind=seq2seq", r"model.kind='seq2seq': not a kind of model ddplab trains. Fix: pass model.kind=causal_lm"),
-])
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "model.config.model_type=not_a_model",
+            r"model.config.model_type=not_a_model: transformers cannot build it",
+        ),
+        (
+            "model.pretrained=/nowhere",
+            r"model.pretrained=/nowhere: no config.json there. Fix: a local directory",
+        ),
+        (
+            "model.kind=seq2seq",
+            r"model.kind='seq2seq': not a kind of model ddplab trains. Fix: pass model.kind=causal_lm",
+        ),
+    ],
+)
 def test_what_cannot_be_built_is_one_config_error(tmp_path, override, said):
     with pytest.raises(ConfigError, match=said):
         ddplab.run(compose_cfg(LM + token_file(tmp_path) + [override], tmp_path / "run"))
@@ -62,12 +83,17 @@ def test_what_cannot_be_built_is_one_config_error(tmp_path, override, said):
 
 @pytest.mark.slow
 def test_a_causal_lm_killed_mid_epoch_resumes_bitwise(tmp_path):
-    args = LM + token_file(tmp_path) + ["num_epochs=2", "limit_train_steps=8", "checkpoint.every_n_steps=3",
-                                         "optimizer=adamw"]
+    args = (
+        LM
+        + token_file(tmp_path)
+        + ["num_epochs=2", "limit_train_steps=8", "checkpoint.every_n_steps=3", "optimizer=adamw"]
+    )
     ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), 11)  # last checkpoint: step 9, mid-epoch 2
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
-    assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", tmp_path / "run" / "checkpoints" / "last.pt")
+    assert_same_checkpoint(
+        tmp_path / "ref" / "checkpoints" / "last.pt", tmp_path / "run" / "checkpoints" / "last.pt"
+    )
     assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"] == 16
 
 
@@ -85,10 +111,19 @@ def labelled_sequences(n_train: int = 384, n_val: int = 128, seed: int = 0, **di
 
 @pytest.mark.slow
 def test_a_sequence_classifier_trains_with_exact_accuracy(tmp_path):
-    args = HF + ["task=classification", "dataset._target_=test_hf.labelled_sequences",
-                 "model.kind=sequence_classification", "model.num_labels=2", "model.config.vocab_size=64",
-                 "model.config.n_positions=12", "+model.config.pad_token_id=0", "batch_size=32", "num_epochs=1",
-                 "progress=none", "optimizer=adamw"]
+    args = HF + [
+        "task=classification",
+        "dataset._target_=test_hf.labelled_sequences",
+        "model.kind=sequence_classification",
+        "model.num_labels=2",
+        "model.config.vocab_size=64",
+        "model.config.n_positions=12",
+        "+model.config.pad_token_id=0",
+        "batch_size=32",
+        "num_epochs=1",
+        "progress=none",
+        "optimizer=adamw",
+    ]
     out = ddplab.run(compose_cfg(args, tmp_path / "run"))
     assert out["val/num_samples"] == 128 and out["step"] == 12
     assert out["val/acc"] * 128 == round(out["val/acc"] * 128)  # a count of right answers over 128, exactly
@@ -103,7 +138,9 @@ def test_world_sizes_1_and_3_train_the_same_hf_model_and_fsdp_over_its_blocks_to
     ddplab.run(compose_cfg(args, tmp_path / "1"))
     runs = {1: metrics(tmp_path / "1")}
     assert_ok(ranks(3, args + [f"hydra.run.dir={tmp_path / '3'}"], tmp_path, timeout=240))
-    assert_ok(ranks(2, args + ["distributed=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=240))
+    assert_ok(
+        ranks(2, args + ["distributed=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=240)
+    )
     runs.update({3: metrics(tmp_path / "3"), "fsdp": metrics(tmp_path / "fsdp")})
     for n in (3, "fsdp"):
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"] > 0 and runs[n]["step"] == 10
@@ -133,13 +170,18 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
 
     from transformers import AutoModelForCausalLM
 
-    from ddplab.checkpoint.export import build as rebuild, read
+    from ddplab.checkpoint.export import build as rebuild
+    from ddplab.checkpoint.export import read
 
     args = LM + token_file(tmp_path) + ["num_epochs=1", "limit_train_steps=4"]
     ddplab.run(compose_cfg(args, tmp_path / "run"))
     proc = run_cmd([sys.executable, "-m", "ddplab", "export", str(tmp_path / "run"), "--to", "hf"], tmp_path)
-    assert proc.returncode == 0 and proc.stdout.endswith("from_pretrained loads the folder\n"), proc.stderr[-2000:]
-    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "export"), local_files_only=True).eval()
+    assert proc.returncode == 0 and proc.stdout.endswith("from_pretrained loads the folder\n"), proc.stderr[
+        -2000:
+    ]
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "run" / "export"), local_files_only=True
+    ).eval()
     ours = rebuild(read(tmp_path / "run" / "checkpoints" / "best.pt"), "auto")[0].eval()
     batch = torch.randint(256, (4, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -158,6 +200,8 @@ def test_a_vocabulary_below_the_datas_ids_is_one_config_error_for_an_hf_model(tm
         extra = [f"model.pretrained={tmp_path / 'small'}"]
         said = rf"model.pretrained={tmp_path / 'small'}'s vocab_size=100, but the data's ids go up to 255"
     else:
-        said = r"model.config.vocab_size=100, but the data's ids go up to 255 \(dataset.vocab_size=256\).*Fix: "
+        said = (
+            r"model.config.vocab_size=100, but the data's ids go up to 255 \(dataset.vocab_size=256\).*Fix: "
+        )
     with pytest.raises(ConfigError, match=said):
         ddplab.run(compose_cfg(LM + token_file(tmp_path) + extra, tmp_path / "run"))

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.extras import lazy
+from helpers.jobs import compose_cfg, run_killed_after_step
 
 import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.data import tokenizer as tz
 from ddplab.data.hf import hf
 from ddplab.data.tabular import generated_corpus
-from helpers.compare import assert_same_checkpoint
-from helpers.jobs import compose_cfg, run_killed_after_step
-from helpers.extras import lazy
 
 datasets = lazy("datasets", "hf")
 GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
@@ -27,9 +27,11 @@ GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
 def corpus(tmp_path: Path, rows: int = 240) -> tuple[Path, Path, list[str]]:
     """A Parquet file of text rows (and a JSONL validation file), and the BPE tokenizer learnt on them."""
     sentences = generated_corpus(sentences=4 * rows, seed=2).strip().split(". ")
-    texts = [". ".join(sentences[i:i + 4]) + "." for i in range(0, len(sentences), 4)]
-    train, val = texts[: rows * 9 // 10], texts[rows * 9 // 10:]
-    datasets.Dataset.from_dict({"text": train, "id": list(range(len(train)))}).to_parquet(tmp_path / "train.parquet")
+    texts = [". ".join(sentences[i : i + 4]) + "." for i in range(0, len(sentences), 4)]
+    train, val = texts[: rows * 9 // 10], texts[rows * 9 // 10 :]
+    datasets.Dataset.from_dict({"text": train, "id": list(range(len(train)))}).to_parquet(
+        tmp_path / "train.parquet"
+    )
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in val))
     tz.train_bpe(train, 320).save(str(tmp_path / "tokenizer.json"))
     return tmp_path / "train.parquet", tmp_path / "val.jsonl", train
@@ -37,16 +39,31 @@ def corpus(tmp_path: Path, rows: int = 240) -> tuple[Path, Path, list[str]]:
 
 def lm_args(tmp_path: Path) -> list[str]:
     train, val, _ = corpus(tmp_path)
-    return ["task=lm", "dataset=hf", f"dataset.path={train}", f"dataset.val_path={val}",
-            f"dataset.tokenizer={tmp_path / 'tokenizer.json'}", "dataset.vocab_size=320", "dataset.block_size=16",
-            "batch_size=12", "progress=none", f"dataset.cache_dir={tmp_path / 'cache'}"] + GPT
+    return [
+        "task=lm",
+        "dataset=hf",
+        f"dataset.path={train}",
+        f"dataset.val_path={val}",
+        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
+        "dataset.vocab_size=320",
+        "dataset.block_size=16",
+        "batch_size=12",
+        "progress=none",
+        f"dataset.cache_dir={tmp_path / 'cache'}",
+    ] + GPT
 
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_text_rows_become_the_windows_of_their_ids_joined_in_row_order(tmp_path):
     train, val, texts = corpus(tmp_path)
-    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
-           cache_dir=str(tmp_path / "cache"))
+    s = hf(
+        str(train),
+        str(val),
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        block_size=16,
+        vocab_size=320,
+        cache_dir=str(tmp_path / "cache"),
+    )
     tok = tz.load(tmp_path / "tokenizer.json")
     ids = [t for text in texts for t in tok.encode(text).ids]
     n = (len(ids) - 1) // 16
@@ -57,13 +74,16 @@ def test_text_rows_become_the_windows_of_their_ids_joined_in_row_order(tmp_path)
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "arrow"])
 def test_every_file_format_gives_the_parquet_files_samples(tmp_path, fmt):
-    rows = datasets.Dataset.from_dict({"f": [[float(i), float(-i)] for i in range(50)], "label": [i % 3 for i in range(50)]})
+    rows = datasets.Dataset.from_dict(
+        {"f": [[float(i), float(-i)] for i in range(50)], "label": [i % 3 for i in range(50)]}
+    )
     rows.to_parquet(tmp_path / "d.parquet")
     if fmt == "jsonl":
         rows.to_json(tmp_path / "d.jsonl")
     elif fmt == "csv":  # CSV has no lists: one number a column, x the first
-        datasets.Dataset.from_dict({"f": [float(i) for i in range(50)], "label": [i % 3 for i in range(50)]}).to_csv(
-            tmp_path / "d.csv", index=False)
+        datasets.Dataset.from_dict(
+            {"f": [float(i) for i in range(50)], "label": [i % 3 for i in range(50)]}
+        ).to_csv(tmp_path / "d.csv", index=False)
     else:
         (tmp_path / "arrow").mkdir()
         rows.save_to_disk(tmp_path / "arrow")
@@ -82,7 +102,9 @@ def test_a_language_model_on_parquet_text_resumes_bitwise(tmp_path):
     steps = ref["step"] // 2
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), steps + 2)  # mid-epoch 2
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
-    assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", tmp_path / "run" / "checkpoints" / "last.pt")
+    assert_same_checkpoint(
+        tmp_path / "ref" / "checkpoints" / "last.pt", tmp_path / "run" / "checkpoints" / "last.pt"
+    )
     assert rest["val/loss"] == ref["val/loss"]
 
 
@@ -92,22 +114,51 @@ def test_labelled_text_rows_train_a_sequence_classifier_with_exact_accuracy(tmp_
     train, _, texts = corpus(tmp_path)
     labels = [int("dog" in t) for t in texts]
     datasets.Dataset.from_dict({"review": texts, "label": labels}).to_json(tmp_path / "labelled.jsonl")
-    args = ["dataset=hf", f"dataset.path={tmp_path / 'labelled.jsonl'}", "dataset.x=review", "dataset.y=label",
-            "dataset.num_classes=2", f"dataset.tokenizer={tmp_path / 'tokenizer.json'}", "dataset.vocab_size=320",
-            "dataset.block_size=24", "dataset.pad_id=0", "model=hf", "model.kind=sequence_classification",
-            "model.num_labels=2", "model.config.n_embd=32", "model.config.n_layer=1", "model.config.n_head=2",
-            "+model.config.pad_token_id=0", "batch_size=16", "num_epochs=1", "progress=none", "optimizer=adamw",
-            f"dataset.cache_dir={tmp_path / 'cache'}"]
+    args = [
+        "dataset=hf",
+        f"dataset.path={tmp_path / 'labelled.jsonl'}",
+        "dataset.x=review",
+        "dataset.y=label",
+        "dataset.num_classes=2",
+        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
+        "dataset.vocab_size=320",
+        "dataset.block_size=24",
+        "dataset.pad_id=0",
+        "model=hf",
+        "model.kind=sequence_classification",
+        "model.num_labels=2",
+        "model.config.n_embd=32",
+        "model.config.n_layer=1",
+        "model.config.n_head=2",
+        "+model.config.pad_token_id=0",
+        "batch_size=16",
+        "num_epochs=1",
+        "progress=none",
+        "optimizer=adamw",
+        f"dataset.cache_dir={tmp_path / 'cache'}",
+    ]
     out = ddplab.run(compose_cfg(args, tmp_path / "run"))
     n = int(out["val/num_samples"])
     assert n == 21 and out["val/acc"] * n == round(out["val/acc"] * n)
 
 
-@pytest.mark.parametrize("override, said", [
-    ("dataset.x=body", r"dataset.x=body: no such column; the data has \['text', 'id'\]. Fix: dataset.x=<one of them>"),
-    ("dataset.tokenizer=null", r"dataset.x is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>"),
-    ("dataset.vocab_size=256", r"dataset.path: token id 3\d\d >= dataset.vocab_size=256. Fix: dataset.vocab_size="),
-])
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "dataset.x=body",
+            r"dataset.x=body: no such column; the data has \['text', 'id'\]. Fix: dataset.x=<one of them>",
+        ),
+        (
+            "dataset.tokenizer=null",
+            r"dataset.x is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>",
+        ),
+        (
+            "dataset.vocab_size=256",
+            r"dataset.path: token id 3\d\d >= dataset.vocab_size=256. Fix: dataset.vocab_size=",
+        ),
+    ],
+)
 def test_what_the_files_do_not_fit_is_one_config_error(tmp_path, override, said):
     with pytest.raises(ConfigError, match=said):
         ddplab.run(compose_cfg(lm_args(tmp_path) + [override], tmp_path / "run"))
@@ -123,7 +174,14 @@ def node_split_stream(**_: object):
 
 
 def test_a_stream_already_split_by_node_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"its training stream is already split by node \(split_dataset_by_node: "
-                                          r"rank 0 of 2\).*Fix: return the dataset before split_dataset_by_node"):
-        ddplab.run(compose_cfg(["model=mlp", "dataset._target_=test_hf_data.node_split_stream", "progress=none"],
-                               tmp_path / "run"))
+    with pytest.raises(
+        ConfigError,
+        match=r"its training stream is already split by node \(split_dataset_by_node: "
+        r"rank 0 of 2\).*Fix: return the dataset before split_dataset_by_node",
+    ):
+        ddplab.run(
+            compose_cfg(
+                ["model=mlp", "dataset._target_=test_hf_data.node_split_stream", "progress=none"],
+                tmp_path / "run",
+            )
+        )

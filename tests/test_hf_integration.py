@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.extras import lazy, needs
+from helpers.jobs import assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
 
 from ddplab.events import read_scalars
-from helpers.compare import assert_same_checkpoint
-from helpers.jobs import assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
-from helpers.extras import lazy, needs
 
 needs("transformers", "hf")
 datasets = lazy("datasets", "hf")
@@ -28,28 +28,49 @@ def parquet_and_bpe(tmp_path: Path) -> list[str]:
     from ddplab.data.tabular import generated_corpus
 
     said = generated_corpus(sentences=1200, seed=4).strip().split(". ")
-    rows = [". ".join(said[i:i + 3]) + "." for i in range(0, len(said), 3)]
+    rows = [". ".join(said[i : i + 3]) + "." for i in range(0, len(said), 3)]
     datasets.Dataset.from_dict({"text": rows[:360]}).to_parquet(tmp_path / "train.parquet")
     datasets.Dataset.from_dict({"text": rows[360:]}).to_parquet(tmp_path / "val.parquet")
     tz.train_bpe(rows[:360], 320).save(str(tmp_path / "tokenizer.json"))
-    return ["dataset=hf", f"dataset.path={tmp_path / 'train.parquet'}", f"dataset.val_path={tmp_path / 'val.parquet'}",
-            f"dataset.tokenizer={tmp_path / 'tokenizer.json'}", "dataset.vocab_size=320", "dataset.block_size=16",
-            f"dataset.cache_dir={tmp_path / 'hf-cache'}"]
+    return [
+        "dataset=hf",
+        f"dataset.path={tmp_path / 'train.parquet'}",
+        f"dataset.val_path={tmp_path / 'val.parquet'}",
+        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
+        "dataset.vocab_size=320",
+        "dataset.block_size=16",
+        f"dataset.cache_dir={tmp_path / 'hf-cache'}",
+    ]
 
 
 @pytest.mark.dist
-def test_hf_lm_from_parquet_through_a_bpe_at_1_and_2_ranks_killed_resumed_tracked_and_exported(tmp_path,
-                                                                                               mlflow_server):
+def test_hf_lm_from_parquet_through_a_bpe_at_1_and_2_ranks_killed_resumed_tracked_and_exported(
+    tmp_path, mlflow_server
+):
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM
 
     from ddplab.checkpoint.export import build, read
 
-    args = ["task=lm", "model=hf", "model.config.n_embd=32", "model.config.n_layer=2", "model.config.n_head=2",
-            "+model.config.resid_pdrop=0.0", "+model.config.embd_pdrop=0.0", "+model.config.attn_pdrop=0.0",
-            "optimizer=adamw", "batch_size=12", "num_epochs=2", "checkpoint.every_n_steps=5", "log_every_n_steps=5",
-            "progress=none", "logger=[tensorboard,mlflow]", f"mlflow.tracking_uri={mlflow_server}",
-            "+callbacks.soak._target_=soak_toy.SoakCallback"] + parquet_and_bpe(tmp_path)
+    args = [
+        "task=lm",
+        "model=hf",
+        "model.config.n_embd=32",
+        "model.config.n_layer=2",
+        "model.config.n_head=2",
+        "+model.config.resid_pdrop=0.0",
+        "+model.config.embd_pdrop=0.0",
+        "+model.config.attn_pdrop=0.0",
+        "optimizer=adamw",
+        "batch_size=12",
+        "num_epochs=2",
+        "checkpoint.every_n_steps=5",
+        "log_every_n_steps=5",
+        "progress=none",
+        "logger=[tensorboard,mlflow]",
+        f"mlflow.tracking_uri={mlflow_server}",
+        "+callbacks.soak._target_=soak_toy.SoakCallback",
+    ] + parquet_and_bpe(tmp_path)
     for n in (1, 2):
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=300))
     one, two = (json.loads((tmp_path / n / "result.json").read_text())["metrics"] for n in ("1", "2"))
@@ -57,8 +78,13 @@ def test_hf_lm_from_parquet_through_a_bpe_at_1_and_2_ranks_killed_resumed_tracke
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
 
     killed = tmp_path / "killed"  # rank 1 SIGKILLed at its 13th step (last checkpoint: step 10), then resumed
-    crashed = torchrun(2, args + [f"hydra.run.dir={killed}"], tmp_path, timeout=300,
-                       extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = torchrun(
+        2,
+        args + [f"hydra.run.dir={killed}"],
+        tmp_path,
+        timeout=300,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
+    )
     assert crashed.returncode != 0 and json.loads((tmp_path / "fault" / "fired").read_text())["step"] == 12
     assert_ok(torchrun(2, args + [f"hydra.run.dir={killed}", "resume=auto"], tmp_path, timeout=300))
     assert_same_checkpoint(tmp_path / "2" / "checkpoints" / "last.pt", killed / "checkpoints" / "last.pt")

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.extras import lazy
+from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, torchrun
 
 import ddplab
 from ddplab.config.errors import ConfigError
@@ -18,9 +21,6 @@ from ddplab.data import hf_stream
 from ddplab.data import tokenizer as tz
 from ddplab.data.hf import hf
 from ddplab.data.tabular import generated_corpus
-from helpers.compare import assert_same_checkpoint
-from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, torchrun
-from helpers.extras import lazy
 
 datasets = lazy("datasets", "hf")
 GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
@@ -28,19 +28,21 @@ GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
 
 def texts(rows: int) -> list[str]:
     sentences = generated_corpus(sentences=3 * rows, seed=5).strip().split(". ")
-    return [". ".join(sentences[i:i + 3]) + "." for i in range(0, len(sentences), 3)][:rows]
+    return [". ".join(sentences[i : i + 3]) + "." for i in range(0, len(sentences), 3)][:rows]
 
 
 def files(tmp_path: Path, n: int = 3, rows: int = 60) -> tuple[Path, Path, list[list[str]]]:
     """``n`` Parquet files of ``rows`` text rows each (row groups of 8), a JSONL validation file, a BPE on
     them."""
-    parts = [texts(n * rows + 20)[i * rows:(i + 1) * rows] for i in range(n)]
+    parts = [texts(n * rows + 20)[i * rows : (i + 1) * rows] for i in range(n)]
     (tmp_path / "train").mkdir()
     for i, part in enumerate(parts):
         datasets.Dataset.from_dict({"text": part, "label": [int("dog" in t) for t in part]}).to_parquet(
-            tmp_path / "train" / f"part-{i}.parquet", batch_size=8)
-    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t, "label": int("dog" in t)}) + "\n"
-                                                for t in texts(n * rows + 20)[-20:]))
+            tmp_path / "train" / f"part-{i}.parquet", batch_size=8
+        )
+    (tmp_path / "val.jsonl").write_text(
+        "".join(json.dumps({"text": t, "label": int("dog" in t)}) + "\n" for t in texts(n * rows + 20)[-20:])
+    )
     tz.train_bpe([t for p in parts for t in p], 320).save(str(tmp_path / "tokenizer.json"))
     return tmp_path / "train", tmp_path / "val.jsonl", parts
 
@@ -57,9 +59,18 @@ def test_one_file_streams_exactly_the_in_memory_windows_and_rows(tmp_path):
     train, val, _ = files(tmp_path, n=1, rows=120)
     tok = str(tmp_path / "tokenizer.json")
     for extra in ({}, {"y": "label", "num_classes": 2}):
-        mem = hf(str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, cache_dir=str(tmp_path / "c"),
-                 **extra)
-        stream = hf(str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, streaming=True, **extra)
+        mem = hf(
+            str(train),
+            str(val),
+            tokenizer=tok,
+            block_size=16,
+            vocab_size=320,
+            cache_dir=str(tmp_path / "c"),
+            **extra,
+        )
+        stream = hf(
+            str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, streaming=True, **extra
+        )
         got = list(stream.train)
         assert len(stream.train) == len(got) == len(mem.train) > 100
         assert same(got, list(zip(mem.train.x, mem.train.y)))
@@ -73,11 +84,20 @@ def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatc
     monkeypatch.setattr(hf_stream, "ROWS_PER_READ", 5)
     train, val, parts = files(tmp_path)
     extra = {"y": "label", "num_classes": 2} if task == "labelled" else {}
-    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
-           streaming=True, **extra).train
+    s = hf(
+        str(train),
+        str(val),
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        block_size=16,
+        vocab_size=320,
+        streaming=True,
+        **extra,
+    ).train
     whole = list(s)
     tok = tz.load(tmp_path / "tokenizer.json")
-    per_file = [len(p) if task == "labelled" else (sum(len(tok.encode(t).ids) for t in p) - 1) // 16 for p in parts]
+    per_file = [
+        len(p) if task == "labelled" else (sum(len(tok.encode(t).ids) for t in p) - 1) // 16 for p in parts
+    ]
     assert len(s) == len(whole) == sum(per_file)
     # Every sample of the first reads (a read of 5 rows: 5 samples, or ~12 windows), and around the files'
     # ends.
@@ -86,8 +106,16 @@ def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatc
         it = iter(s)
         head = [next(it) for _ in range(k)]
         state = s.state_dict()
-        fresh = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
-                   streaming=True, num_samples=len(whole), **extra).train
+        fresh = hf(
+            str(train),
+            str(val),
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            block_size=16,
+            vocab_size=320,
+            streaming=True,
+            num_samples=len(whole),
+            **extra,
+        ).train
         fresh.load_state_dict(state)
         assert same(head + list(fresh), whole), k
 
@@ -108,50 +136,89 @@ def test_a_num_samples_kept_after_files_were_added_is_refused_naming_them(tmp_pa
     from ddplab.errors import InputError
 
     train, val, _ = files(tmp_path, n=2, rows=20)
-    kw = {"tokenizer": str(tmp_path / "tokenizer.json"), "block_size": 16, "vocab_size": 320, "streaming": True}
+    kw = {
+        "tokenizer": str(tmp_path / "tokenizer.json"),
+        "block_size": 16,
+        "vocab_size": 320,
+        "streaming": True,
+    }
     n = len(hf(str(train), str(val), **kw).train)  # counted, and recorded
     assert len(hf(str(train), str(val), num_samples=n, **kw).train) == n  # the same files: taken as given
-    with pytest.raises(InputError, match=rf"dataset.num_samples={n - 1}: dataset.path's files held {n} samples"):
+    with pytest.raises(
+        InputError, match=rf"dataset.num_samples={n - 1}: dataset.path's files held {n} samples"
+    ):
         hf(str(train), str(val), num_samples=n - 1, **kw)
     datasets.Dataset.from_dict({"text": texts(30)[-10:]}).to_parquet(train / "part-9.parquet")
-    with pytest.raises(InputError, match=rf"dataset.num_samples={n}: it was counted \({n} samples\) on other files "
-                                         r"than dataset.path holds now \(added: part-9.parquet\).*Fix: drop "
-                                         r"dataset.num_samples"):
+    with pytest.raises(
+        InputError,
+        match=rf"dataset.num_samples={n}: it was counted \({n} samples\) on other files "
+        r"than dataset.path holds now \(added: part-9.parquet\).*Fix: drop "
+        r"dataset.num_samples",
+    ):
         hf(str(train), str(val), num_samples=n, **kw)
 
 
 def lm_args(tmp_path: Path) -> list[str]:
     train, val, _ = files(tmp_path)
-    return ["task=lm", "dataset=hf", "dataset.streaming=true", f"dataset.path={train}", f"dataset.val_path={val}",
-            f"dataset.tokenizer={tmp_path / 'tokenizer.json'}", "dataset.vocab_size=320", "dataset.block_size=16",
-            "batch_size=12", "progress=none", "model.dropout=0"] + GPT
+    return [
+        "task=lm",
+        "dataset=hf",
+        "dataset.streaming=true",
+        f"dataset.path={train}",
+        f"dataset.val_path={val}",
+        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
+        "dataset.vocab_size=320",
+        "dataset.block_size=16",
+        "batch_size=12",
+        "progress=none",
+        "model.dropout=0",
+    ] + GPT
 
 
 def test_streaming_without_a_validation_file_is_one_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"dataset.val_path=None: a stream has no last fraction to hold out\. "
-                                          r"Fix: pass dataset.val_path=<validation files>"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset.val_path=None: a stream has no last fraction to hold out\. "
+        r"Fix: pass dataset.val_path=<validation files>",
+    ):
         ddplab.run(compose_cfg(lm_args(tmp_path) + ["dataset.val_path=null"], tmp_path / "run"))
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a_killed_rank_resumes_bitwise(tmp_path):
+def test_a_stream_of_files_under_2_ranks_and_2_workers_is_the_one_rank_run_and_a_killed_rank_resumes_bitwise(
+    tmp_path,
+):
     """3 files, 2 loader workers per rank: 2 ranks give the 1-rank run (fp32); rank 1 SIGKILLed at step 63
     (last checkpoint: step 60, 6 steps into epoch 2 of 54 steps) resumes at 2 ranks into the uninterrupted
     run's checkpoint, bitwise."""
-    args = lm_args(tmp_path) + ["num_epochs=2", "checkpoint.every_n_steps=10", "perf.num_workers=2",
-                                "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    args = lm_args(tmp_path) + [
+        "num_epochs=2",
+        "checkpoint.every_n_steps=10",
+        "perf.num_workers=2",
+        "+callbacks.soak._target_=soak_toy.SoakCallback",
+    ]
     one = ddplab.run(compose_cfg(args, tmp_path / "one"))
     assert_ok(ranks(2, args + [f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240))
     two = result_of(tmp_path / "two")
-    assert one["step"] == two["step"] == 2 * 54 and two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
-    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, timeout=240,
-                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=63))
+    assert one["step"] == two["step"] == 2 * 54 and two["val/loss"] == pytest.approx(
+        one["val/loss"], rel=1e-5
+    )
+    crashed = ranks(
+        2,
+        args + [f"hydra.run.dir={tmp_path / 'killed'}"],
+        tmp_path,
+        timeout=240,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=63),
+    )
     assert crashed.returncode != 0
     assert_ok(ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed'}", "resume=auto"], tmp_path, timeout=240))
     assert "1 epoch(s), 60 step(s) done" in (tmp_path / "killed" / "train.log").read_text()
-    assert_same_checkpoint(tmp_path / "two" / "checkpoints" / "last.pt", tmp_path / "killed" / "checkpoints" / "last.pt",
-                           entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert_same_checkpoint(
+        tmp_path / "two" / "checkpoints" / "last.pt",
+        tmp_path / "killed" / "checkpoints" / "last.pt",
+        entries=("model", "optimizer", "scheduler", "loop", "data"),
+    )
     assert result_of(tmp_path / "killed")["val/loss"] == two["val/loss"]
 
 
@@ -163,11 +230,22 @@ def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streamin
 
     train, val, _ = files(tmp_path, n=2, rows=20)
     dialled = []
-    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: dialled.append(a) or (_ for _ in ()).throw(OSError("no")))
-    monkeypatch.setattr(socket.socket, "connect", lambda self, addr: dialled.append(addr) or (_ for _ in ()).throw(
-        OSError("no")))
-    s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), vocab_size=320, streaming=streaming,
-           cache_dir=str(tmp_path / "c"))
+    monkeypatch.setattr(
+        socket, "getaddrinfo", lambda *a, **k: dialled.append(a) or (_ for _ in ()).throw(OSError("no"))
+    )
+    monkeypatch.setattr(
+        socket.socket,
+        "connect",
+        lambda self, addr: dialled.append(addr) or (_ for _ in ()).throw(OSError("no")),
+    )
+    s = hf(
+        str(train),
+        str(val),
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        vocab_size=320,
+        streaming=streaming,
+        cache_dir=str(tmp_path / "c"),
+    )
     assert len(list(s.train)) == len(s.train) > 0 and dialled == []
 
 
@@ -175,10 +253,15 @@ def test_reading_local_files_opens_no_connection(tmp_path, monkeypatch, streamin
 def test_a_num_samples_the_files_do_not_hold_is_one_line_naming_it(tmp_path):
     from ddplab.data.streams import StreamEnded
 
-    with pytest.raises(StreamEnded, match=r"HFStream ended after \d+ global batches of 12 in epoch 1, but its __len__ "
-                                          r"\(5000\) promises 416\. Fix: drop dataset.num_samples=5000 \(the samples "
-                                          r"are then counted at start-up\)"):
-        ddplab.run(compose_cfg(lm_args(tmp_path) + ["dataset.num_samples=5000", "num_epochs=1"], tmp_path / "run"))
+    with pytest.raises(
+        StreamEnded,
+        match=r"HFStream ended after \d+ global batches of 12 in epoch 1, but its __len__ "
+        r"\(5000\) promises 416\. Fix: drop dataset.num_samples=5000 \(the samples "
+        r"are then counted at start-up\)",
+    ):
+        ddplab.run(
+            compose_cfg(lm_args(tmp_path) + ["dataset.num_samples=5000", "num_epochs=1"], tmp_path / "run")
+        )
 
 
 @pytest.mark.dist
@@ -192,18 +275,34 @@ def test_a_bad_file_read_in_a_loader_worker_under_torchrun_is_one_line(tmp_path)
         rows = [[(j * 7 + k) % 100 for k in range(40)] for j in range(30)]
         rows[20][5] = 999 if bad else rows[20][5]
         datasets.Dataset.from_dict({"ids": rows}).to_parquet(tmp_path / "train" / f"part-{i}.parquet")
-    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"ids": list(range(40))}) + "\n" for _ in range(10)))
-    args = ["task=lm", "dataset=hf", "dataset.streaming=true", f"dataset.path={tmp_path / 'train'}",
-            f"dataset.val_path={tmp_path / 'val.jsonl'}", "dataset.x=ids", "dataset.vocab_size=100",
-            "dataset.block_size=16", "dataset.num_samples=140", "batch_size=12", "perf.num_workers=2",
-            "progress=none", "num_epochs=1", f"hydra.run.dir={tmp_path / 'run'}"] + GPT
+    (tmp_path / "val.jsonl").write_text(
+        "".join(json.dumps({"ids": list(range(40))}) + "\n" for _ in range(10))
+    )
+    args = [
+        "task=lm",
+        "dataset=hf",
+        "dataset.streaming=true",
+        f"dataset.path={tmp_path / 'train'}",
+        f"dataset.val_path={tmp_path / 'val.jsonl'}",
+        "dataset.x=ids",
+        "dataset.vocab_size=100",
+        "dataset.block_size=16",
+        "dataset.num_samples=140",
+        "batch_size=12",
+        "perf.num_workers=2",
+        "progress=none",
+        "num_epochs=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ] + GPT
     proc = torchrun(2, args, tmp_path, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, out[-3000:]
     lines = ddplab_lines(out)
     said = [line for line in lines if "token id 999" in line]
-    assert said and all(re.search(r"dataset.path: token id 999 >= dataset.vocab_size=100\. Fix: dataset.vocab_size=",
-                                  s) for s in said), out[-3000:]
+    assert said and all(
+        re.search(r"dataset.path: token id 999 >= dataset.vocab_size=100\. Fix: dataset.vocab_size=", s)
+        for s in said
+    ), out[-3000:]
     assert not any("Traceback" in line for line in lines), "\n".join(lines)[-3000:]
 
 
@@ -216,10 +315,20 @@ def test_a_null_in_the_text_column_is_one_line_naming_file_row_and_column(tmp_pa
     rows = parts[1][:]
     rows[13] = None
     datasets.Dataset.from_dict({"text": rows, "label": [0] * 20}).to_parquet(train / "part-1.parquet")
-    with pytest.raises(InputError, match=r"dataset.path: part-1.parquet row 13 has no value \(null\) in column "
-                                         r"'text' \(dataset.x\)\. Fix: drop or fill"):
-        hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
-           streaming=streaming, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(
+        InputError,
+        match=r"dataset.path: part-1.parquet row 13 has no value \(null\) in column "
+        r"'text' \(dataset.x\)\. Fix: drop or fill",
+    ):
+        hf(
+            str(train),
+            str(val),
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            block_size=16,
+            vocab_size=320,
+            streaming=streaming,
+            cache_dir=str(tmp_path / "c"),
+        )
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -230,8 +339,18 @@ def test_files_that_disagree_on_columns_are_named_and_the_fix_is_not_another_col
 
     train, val, parts = files(tmp_path, n=2, rows=20)
     datasets.Dataset.from_dict({"body": parts[1]}).to_parquet(train / "part-1.parquet")
-    with pytest.raises(InputError, match=r"part-1.parquet has (no column 'text'|columns \['body'\]).*Fix: give "
-                                         r"every file of one split the same columns"):
-        s = hf(str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320,
-               streaming=streaming, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(
+        InputError,
+        match=r"part-1.parquet has (no column 'text'|columns \['body'\]).*Fix: give "
+        r"every file of one split the same columns",
+    ):
+        s = hf(
+            str(train),
+            str(val),
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            block_size=16,
+            vocab_size=320,
+            streaming=streaming,
+            cache_dir=str(tmp_path / "c"),
+        )
         list(s.train)

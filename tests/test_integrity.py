@@ -17,13 +17,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.compare import load
+from helpers.jobs import (
+    TRAIN,
+    assert_ok,
+    compose_cfg,
+    free_port,
+    job_env,
+    python_train,
+    read_scalars,
+    tmpfs,
+    torchrun,
+)
 
 import ddplab
-from helpers.jobs import (TRAIN, assert_ok, compose_cfg, free_port, job_env, python_train, read_scalars, tmpfs, torchrun)
-from helpers.compare import load
 from ddplab.checkpoint import files
-from ddplab.runtime.watch import GRACE_S
 from ddplab.config import ConfigError
+from ddplab.runtime.watch import GRACE_S
 
 BASE = ["model=mlp", "num_epochs=2", "progress=none"]  # digits: 22 steps per epoch
 
@@ -33,16 +43,23 @@ BASE = ["model=mlp", "num_epochs=2", "progress=none"]  # digits: 22 steps per ep
 def test_resume_with_a_changed_config_is_refused_listing_every_difference(tmp_path):
     ddplab.run(compose_cfg(BASE + ["stop_after_epochs=1"], tmp_path / "a"))
     with pytest.raises(ConfigError) as e:
-        ddplab.run(compose_cfg(BASE + [f"resume={tmp_path / 'a'}", "optimizer.lr=0.5", "batch_size=32"],
-                               tmp_path / "b"))
+        ddplab.run(
+            compose_cfg(
+                BASE + [f"resume={tmp_path / 'a'}", "optimizer.lr=0.5", "batch_size=32"], tmp_path / "b"
+            )
+        )
     msg = str(e.value)
     assert "optimizer.lr: 0.1 in the checkpoint -> 0.5 now" in msg
     assert "batch_size: 64 in the checkpoint -> 32 now" in msg
     assert "resume_apply_changes=true" in msg and "Fix:" in msg
     assert not (tmp_path / "b" / "checkpoints").exists()  # refused before anything trained
     # Keys that do not change the trajectory never block a resume.
-    out = ddplab.run(compose_cfg(BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=3", "checkpoint.keep_last=4"],
-                                 tmp_path / "c"))
+    out = ddplab.run(
+        compose_cfg(
+            BASE + [f"resume={tmp_path / 'a'}", "log_every_n_steps=3", "checkpoint.keep_last=4"],
+            tmp_path / "c",
+        )
+    )
     assert out["step"] == 44
 
 
@@ -59,7 +76,10 @@ def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_re
         assert ln == pytest.approx(5 * lo, rel=1e-6, abs=1e-12), s
     assert new[0][1] > 0.1  # not the checkpoint's lr
     changes = yaml.safe_load((tmp_path / "new" / "config_changes.yaml").read_text())
-    assert changes[0]["step"] == 22 and changes[0]["changes"]["optimizer.lr"] == {"checkpoint": 0.1, "now": 0.5}
+    assert changes[0]["step"] == 22 and changes[0]["changes"]["optimizer.lr"] == {
+        "checkpoint": 0.1,
+        "now": 0.5,
+    }
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "new" / "tb"))
@@ -68,12 +88,21 @@ def test_resume_apply_changes_uses_the_new_lr_from_the_first_resumed_step_and_re
 
 
 def test_a_batch_change_mid_epoch_is_refused_even_with_the_opt_in(tmp_path):
-    ddplab.run(compose_cfg(BASE + ["num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10"],
-                           tmp_path / "a"))
+    ddplab.run(
+        compose_cfg(
+            BASE + ["num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10"], tmp_path / "a"
+        )
+    )
     mid = tmp_path / "a" / "checkpoints" / "step-00000005.pt"
-    with pytest.raises(ConfigError, match=r"batch_size changed, but .* was saved mid-epoch \(5 steps into it\)"):
-        ddplab.run(compose_cfg(BASE + ["num_epochs=1", f"resume={mid}", "batch_size=32", "resume_apply_changes=true"],
-                               tmp_path / "b"))
+    with pytest.raises(
+        ConfigError, match=r"batch_size changed, but .* was saved mid-epoch \(5 steps into it\)"
+    ):
+        ddplab.run(
+            compose_cfg(
+                BASE + ["num_epochs=1", f"resume={mid}", "batch_size=32", "resume_apply_changes=true"],
+                tmp_path / "b",
+            )
+        )
 
 
 # ------------------------------------------------------------------ the earlier-run search
@@ -105,7 +134,9 @@ def test_resume_auto_search_matches_the_config_digest_and_stays_in_its_own_root(
     assert files.find_resume_path("auto", mine, True, drift.trajectory_digest(cfg)) == match
     assert files.find_resume_path("auto", mine, True, drift.trajectory_digest("model:\n  name: b\n")) is None
     # Harmless keys (where it runs, how long this invocation lasts) do not change the digest.
-    assert drift.trajectory_digest(cfg) == drift.trajectory_digest(cfg.replace("resume: auto", "resume: null") + "stop_after_epochs: 1\n")
+    assert drift.trajectory_digest(cfg) == drift.trajectory_digest(
+        cfg.replace("resume: auto", "resume: null") + "stop_after_epochs: 1\n"
+    )
 
 
 # ------------------------------------------------------------------ a full disk
@@ -130,7 +161,12 @@ def test_full_disk_removes_the_partial_file_names_path_and_space_and_a_retry_con
     assert re.search(r"No space left on device \([\d.]+ MiB free on its file system\)", msg)
     assert "resume=auto" in msg
     # no tmp
-    assert sorted(p.name for p in ckdir.iterdir()) == ["last.pt", "save_seconds.json", "step-00000005.pt", "step-00000010.pt"]
+    assert sorted(p.name for p in ckdir.iterdir()) == [
+        "last.pt",
+        "save_seconds.json",
+        "step-00000005.pt",
+        "step-00000010.pt",
+    ]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["status"] == "failed" and "step-00000015.pt" in res["error"]
 
@@ -149,13 +185,26 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
     pos" with a traceback per rank, partial shards left and no result.json)."""
     with tmpfs(tmp_path / "disk", "size=600k") as disk:
         run = disk / "run"  # room for the logs and events, not for the first checkpoint's ~0.6 MB of shards
-        proc = torchrun(2, ["model=mlp", "num_epochs=1", "distributed=fsdp", "distributed.timeout_s=20",
-                            f"hydra.run.dir={run}"], tmp_path, timeout=180)
+        proc = torchrun(
+            2,
+            [
+                "model=mlp",
+                "num_epochs=1",
+                "distributed=fsdp",
+                "distributed.timeout_s=20",
+                f"hydra.run.dir={run}",
+            ],
+            tmp_path,
+            timeout=180,
+        )
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0
         for r in (0, 1):
-            assert re.search(rf"rank {r}/2 failed in epoch \d, step 23: CheckpointWriteError: could not write "
-                             rf"sharded checkpoint {re.escape(str(run / 'checkpoints'))}/step-00000022\.dcp", out), out[-4000:]
+            assert re.search(
+                rf"rank {r}/2 failed in epoch \d, step 23: CheckpointWriteError: could not write "
+                rf"sharded checkpoint {re.escape(str(run / 'checkpoints'))}/step-00000022\.dcp",
+                out,
+            ), out[-4000:]
         assert re.search(r"\([\d.]+ MiB free on its file system\)", out) and "resume=auto" in out
         assert re.search(r"rank\(s\) \[[01, ]+\] failed to write: ", out)  # DCP's failures, as one line
         # shards gone
@@ -168,11 +217,22 @@ def test_a_full_disk_during_a_sharded_save_fails_every_rank_clearly_and_leaves_n
 @pytest.mark.dist
 def test_a_lone_rank_says_what_it_waits_for_and_gives_up_soon_after_the_timeout(tmp_path):
     timeout = 8
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    proc = subprocess.Popen([sys.executable, str(TRAIN), "model=mlp", f"distributed.timeout_s={timeout}"],
-                            cwd=tmp_path, env={**job_env(), **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), "model=mlp", f"distributed.timeout_s={timeout}"],
+        cwd=tmp_path,
+        env={**job_env(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     hung = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))
     hung.start()
     lines, began = [], None
@@ -195,7 +255,9 @@ def test_a_lone_rank_says_what_it_waits_for_and_gives_up_soon_after_the_timeout(
 @pytest.mark.dist
 def test_file_init_in_a_missing_dir_is_refused_at_once_under_torchrun(tmp_path):
     t0 = time.monotonic()
-    proc = torchrun(2, ["model=mlp", f"distributed.init_method=file://{tmp_path}/missing/dir/x"], tmp_path, timeout=120)
+    proc = torchrun(
+        2, ["model=mlp", f"distributed.init_method=file://{tmp_path}/missing/dir/x"], tmp_path, timeout=120
+    )
     assert proc.returncode != 0 and time.monotonic() - t0 < 30
     out = proc.stdout + proc.stderr
     assert out.count(f"its directory {tmp_path}/missing/dir does not exist") == 1, out[-3000:]
@@ -206,9 +268,14 @@ def test_more_local_ranks_than_cores_is_refused_with_the_count(tmp_path):
     import os
 
     cores = len(os.sched_getaffinity(0))
-    proc = python_train([f"distributed.nproc_per_node={cores + 62}", "distributed.device=cpu"], tmp_path, timeout=60)
+    proc = python_train(
+        [f"distributed.nproc_per_node={cores + 62}", "distributed.device=cpu"], tmp_path, timeout=60
+    )
     assert proc.returncode == 2
-    assert f"distributed.nproc_per_node={cores + 62}: this machine has {cores} CPU cores" in proc.stderr + proc.stdout
+    assert (
+        f"distributed.nproc_per_node={cores + 62}: this machine has {cores} CPU cores"
+        in proc.stderr + proc.stdout
+    )
     assert "distributed.oversubscribe_cpu=true" in proc.stderr + proc.stdout  # the other fix it names
     assert "Traceback" not in proc.stderr
 
@@ -218,9 +285,19 @@ def test_cpu_ranks_share_the_cores_when_the_user_lets_them(tmp_path):
     import os
 
     more = len(os.sched_getaffinity(0)) + 1
-    proc = python_train(["model=mlp", "max_steps=2", f"batch_size={16 * more}", f"distributed.nproc_per_node={more}",
-                         "distributed.device=cpu",
-                         "distributed.oversubscribe_cpu=true", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = python_train(
+        [
+            "model=mlp",
+            "max_steps=2",
+            f"batch_size={16 * more}",
+            f"distributed.nproc_per_node={more}",
+            "distributed.device=cpu",
+            "distributed.oversubscribe_cpu=true",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{more} rank(s) on cpu (gloo)" in proc.stdout
 
@@ -248,16 +325,30 @@ def test_a_config_error_under_torchrun_is_said_once_by_rank_zero_without_a_trace
 def test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection(tmp_path):
     """A callback raises on rank 1 only; rank 0 then loses its connection in the next collective. result.json
     and rank 0's line name rank 1's error; the peer's lost connection prints no traceback of its own."""
-    proc = torchrun(2, ["model=mlp", "num_epochs=1", "progress=none", "+callbacks.fail._target_=toy.FailsOnRank",
-                        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = torchrun(
+        2,
+        [
+            "model=mlp",
+            "num_epochs=1",
+            "progress=none",
+            "+callbacks.fail._target_=toy.FailsOnRank",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
-    assert error.startswith("rank 1/2 failed in epoch 1, step 4: RuntimeError: FailsOnRank: a callback's own bug on "
-                            "rank 1 at step 3"), error
+    assert error.startswith(
+        "rank 1/2 failed in epoch 1, step 4: RuntimeError: FailsOnRank: a callback's own bug on "
+        "rank 1 at step 3"
+    ), error
     # Rank 1's traceback (its own bug), torchrun's and its summary's copy of rank 1's: none from rank 0.
     assert "Connection closed" not in out and out.count("Traceback") == 3, out
-    assert re.search(r"rank 0/2 stopped in epoch 1, step 4: lost its connection to rank 1, which failed first", out)
+    assert re.search(
+        r"rank 0/2 stopped in epoch 1, step 4: lost its connection to rank 1, which failed first", out
+    )
     assert len(out.splitlines()) <= 120, len(out.splitlines())  # 197 before: rank 0's traceback twice
 
 
@@ -265,8 +356,18 @@ def test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_
 def test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback(tmp_path):
     """The same bug, self-launched: the parent wrapped the rank's error, with its whole call stack as a repr'd
     dict, in a RuntimeError of its own that Hydra printed as a second traceback (135 lines, 6 tracebacks)."""
-    proc = python_train(["model=mlp", "num_epochs=1", "progress=none", "+callbacks.fail._target_=toy.FailsOnRank",
-                         "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = python_train(
+        [
+            "model=mlp",
+            "num_epochs=1",
+            "progress=none",
+            "+callbacks.fail._target_=toy.FailsOnRank",
+            "distributed.nproc_per_node=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
@@ -276,8 +377,10 @@ def test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_withou
     assert len(tracebacks) == 2 and all(t.startswith("E1") for t in tracebacks), tracebacks  # the rank's: its
     # exception, and the spawn error torch chains to it
     [said] = [ln for ln in out.splitlines() if "self-launched job failed" in ln]
-    assert said.endswith("self-launched job failed: rank 1 (local 1) exited with code 1: RuntimeError: FailsOnRank: "
-                         "a callback's own bug on rank 1 at step 3 (its error and traceback are above)"), said
+    assert said.endswith(
+        "self-launched job failed: rank 1 (local 1) exited with code 1: RuntimeError: FailsOnRank: "
+        "a callback's own bug on rank 1 at step 3 (its error and traceback are above)"
+    ), said
     assert "extraInfo" not in out and "py_callstack" not in out
 
 
@@ -317,7 +420,9 @@ def test_a_named_run_dir_in_use_is_refused_before_hydra_writes_into_it(tmp_path)
 
 @pytest.mark.slow  # real processes on a tmpfs
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_leaves_no_scratch(tmp_path, ranks):
+def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_leaves_no_scratch(
+    tmp_path, ranks
+):
     """A full disk is the machine's fault, said completely by the error's one line (where, how much is free,
     the fix): it was followed by a traceback (one process: Hydra's of the CheckpointWriteError, async or not),
     and a failed self-launch left its rank 0's restart memo in TMPDIR (``ddplab-<uid>/run-<id>-<pid>``) for
@@ -325,13 +430,25 @@ def test_a_full_disk_is_one_line_without_a_traceback_and_a_failed_self_launch_le
     (tmp_path / "tmp").mkdir()
     with tmpfs(tmp_path / "disk", "size=600k") as disk:  # room for logs and events, not the first checkpoint
         run = disk / "run"
-        proc = python_train(["model=mlp", "num_epochs=1", "progress=none", "checkpoint.async_save=true",
-                             f"distributed.nproc_per_node={ranks}", f"hydra.run.dir={run}"], tmp_path, timeout=180,
-                            extra_env={"TMPDIR": str(tmp_path / "tmp")})
+        proc = python_train(
+            [
+                "model=mlp",
+                "num_epochs=1",
+                "progress=none",
+                "checkpoint.async_save=true",
+                f"distributed.nproc_per_node={ranks}",
+                f"hydra.run.dir={run}",
+            ],
+            tmp_path,
+            timeout=180,
+            extra_env={"TMPDIR": str(tmp_path / "tmp")},
+        )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     said = [ln for ln in out.splitlines() if "CheckpointWriteError: could not write checkpoint" in ln]
-    assert said and all("No space left on device" in ln and "MiB free on its file system" in ln for ln in said), out
+    assert said and all(
+        "No space left on device" in ln and "MiB free on its file system" in ln for ln in said
+    ), out
     assert [ln for ln in out.splitlines() if "Traceback" in ln] == [], out[-4000:]
     assert list((tmp_path / "tmp").glob(f"ddplab-{os.getuid()}/run-*")) == []
 
@@ -352,11 +469,15 @@ def test_a_resume_with_no_readable_checkpoint_is_one_line_with_exit_2(tmp_path, 
     proc = go(args + ["resume=auto"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == (2 if launch == "python" else 1), out[-3000:]
-    assert launch == "python" or out.split("Root Cause")[-1].split("exitcode  :")[1].split()[0] == "2", out[-3000:]
+    assert launch == "python" or out.split("Root Cause")[-1].split("exitcode  :")[1].split()[0] == "2", out[
+        -3000:
+    ]
     assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-3000:]
     [said] = [ln for ln in out.splitlines() if "could be read" in ln]
-    assert said.endswith(f"resume=auto: none of {[str(run / 'checkpoints' / 'last.pt'), str(step)]} could be read. "
-                         "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."), said
+    assert said.endswith(
+        f"resume=auto: none of {[str(run / 'checkpoints' / 'last.pt'), str(step)]} could be read. "
+        "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."
+    ), said
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
@@ -365,8 +486,10 @@ def test_an_unreadable_checkpoint_for_mode_eval_is_one_line_with_exit_2(tmp_path
     nobody (exit 2, no output at all)."""
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint" * 8)
-    proc = python_train(["model=mlp", "mode=eval", f"resume={bad}", "progress=none", f"hydra.run.dir={tmp_path / 'run'}"],
-                        tmp_path)
+    proc = python_train(
+        ["model=mlp", "mode=eval", f"resume={bad}", "progress=none", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
     [said] = [ln for ln in out.splitlines() if "cannot read checkpoint" in ln]
@@ -395,5 +518,10 @@ def test_a_log_file_on_a_full_disk_is_given_up_in_one_line(capfd):
         full.close()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Logging error" not in err, err
-    assert err.count("ddplab: stopped writing /dev/full: [Errno 28] No space left on device (the console keeps "
-                     "the log)") == 1, err
+    assert (
+        err.count(
+            "ddplab: stopped writing /dev/full: [Errno 28] No space left on device (the console keeps "
+            "the log)"
+        )
+        == 1
+    ), err

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from helpers.jobs import REPO, assert_ok, torchrun
 
 pytestmark = pytest.mark.dist
@@ -12,8 +11,8 @@ pytestmark = pytest.mark.dist
 def test_unequal_counts_give_exact_global_mean(tmp_path):
     proc = torchrun(3, [], tmp_path, script=REPO / "tests" / "workers" / "reduce_worker.py", timeout=120)
     assert_ok(proc)
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    res = json.loads(line[len("RESULT "):])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    res = json.loads(line[len("RESULT ") :])
     counts = [3, 7, 11]  # rank r: 3 + 4r samples with loss r + 1
     exact_loss = sum(c * (r + 1) for r, c in enumerate(counts)) / sum(counts)  # 53/21
     mean_of_means = sum(r + 1 for r in range(3)) / 3  # 2.0: what a naive average reports
@@ -44,7 +43,9 @@ def test_cpu_sync_batchnorm_equals_batchnorm_on_the_global_batch(tmp_path):
     # match single-process BatchNorm on the concatenated (unequal) shards.
     proc = torchrun(3, [], tmp_path, script=REPO / "tests" / "workers" / "syncbn_worker.py", timeout=120)
     assert_ok(proc)
-    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    res = json.loads(
+        next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :]
+    )
     assert res.pop("type") == "GlobalBatchNorm"
     for what, diff in res.items():  # float64 throughout: equal to rounding
         assert diff < 1e-12, (what, diff)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.compare import load, same
+from helpers.extras import lazy
+from helpers.jobs import REPO, assert_ok, compose_cfg, run_cmd, run_killed_after_step
+from helpers.tracking import free_port
 
 import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.events import read_scalars
-from helpers.compare import load, same
-from helpers.jobs import REPO, assert_ok, compose_cfg, run_cmd, run_killed_after_step
-from helpers.tracking import free_port
-from helpers.extras import lazy
 
 tracking = lazy("mlflow.tracking", "mlflow")
 
@@ -30,8 +30,14 @@ def MlflowClient(uri: str):  # noqa: N802 (MLflow's class, imported at its first
     return tracking.MlflowClient(uri)
 
 
-BASE = ["model=mlp", "progress=none", "num_epochs=2", "limit_train_steps=6", "log_every_n_steps=2",
-        "logger=[tensorboard,mlflow]"]
+BASE = [
+    "model=mlp",
+    "progress=none",
+    "num_epochs=2",
+    "limit_train_steps=6",
+    "log_every_n_steps=2",
+    "logger=[tensorboard,mlflow]",
+]
 
 
 def run_of(run_dir: Path, uri: str):
@@ -56,7 +62,9 @@ def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path,
         got = history(client, run, key)
         assert [s for s, _ in got] == [s for s, _ in points], key
         assert [np.float32(v) for _, v in got] == [np.float32(v) for _, v in points], key
-    assert run.data.params["optimizer.lr"] == "0.1" and run.data.params["model._target_"] == "ddplab.models.MLP"
+    assert (
+        run.data.params["optimizer.lr"] == "0.1" and run.data.params["model._target_"] == "ddplab.models.MLP"
+    )
     assert run.data.tags["ddplab.run_dir"] == str(run_dir) and run.data.tags["hparam.model"] == "MLP"
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     # The model, as `python -m ddplab export` writes it, is the artifact model/.
@@ -65,7 +73,10 @@ def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path,
     from ddplab.checkpoint.export import export
 
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "model")) == [
-        "model/README.md", "model/config.yaml", "model/model.safetensors"]
+        "model/README.md",
+        "model/config.yaml",
+        "model/model.safetensors",
+    ]
     got = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
     want = load_file(export(run_dir, "safetensors", tmp_path / "want")[0] / "model.safetensors")
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
@@ -93,13 +104,18 @@ def test_a_resumed_run_continues_its_mlflow_run_with_each_step_once(tmp_path, ml
 
 
 @pytest.mark.slow
-def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_run(tmp_path, mlflow_server,
-                                                                                  monkeypatch, caplog):
+def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_run(
+    tmp_path, mlflow_server, monkeypatch, caplog
+):
     """The soak's seed 753188260: a full disk met `mlflow.json`'s write, which left it empty; the resume could
     not read it and MLflow logging stopped. Here the disk is full at exactly that write (the file truncated,
     as a write would leave it, then ENOSPC), the job crashes after step 11, and the resume meets the record as
     a ddplab that wrote in place left it (empty): the MLflow run still holds each step once and FINISHED."""
-    args = BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.every_n_steps=4", "mlflow.log_model=false"]
+    args = BASE + [
+        f"mlflow.tracking_uri={mlflow_server}",
+        "checkpoint.every_n_steps=4",
+        "mlflow.log_model=false",
+    ]
     ddplab.run(compose_cfg(args, tmp_path / "ref"))
     real = Path.write_text
 
@@ -114,8 +130,9 @@ def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_ru
     run_killed_after_step(compose_cfg(args, run), 11)
     monkeypatch.undo()
     client = MlflowClient(mlflow_server)
-    mine = client.search_runs([client.get_experiment_by_name("ddplab").experiment_id],
-                              f"tags.`ddplab.run_dir` = '{run}'")
+    mine = client.search_runs(
+        [client.get_experiment_by_name("ddplab").experiment_id], f"tags.`ddplab.run_dir` = '{run}'"
+    )
     assert len(mine) == 1 and history(client, mine[0], "train/loss")[-1][0] == 10  # logging went on
     (run / "mlflow.json").write_text("")
     ddplab.run(compose_cfg(args + ["resume=auto"], run))
@@ -129,9 +146,19 @@ def test_a_full_disk_at_the_run_id_write_loses_no_step_and_a_resume_finds_the_ru
 
 @pytest.mark.slow
 def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
-    proc = run_cmd([sys.executable, str(REPO / "train.py"), "-m", "optimizer.lr=0.1,0.05", *BASE,
-                    f"mlflow.tracking_uri={mlflow_server}", "mlflow.log_model=false",
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "optimizer.lr=0.1,0.05",
+            *BASE,
+            f"mlflow.tracking_uri={mlflow_server}",
+            "mlflow.log_model=false",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
@@ -156,14 +183,23 @@ def hanging_server() -> int:
 def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once(tmp_path, caplog, kind):
     port = free_port() if kind == "down" else hanging_server()
     # down: refused at once (MLflow's brief retries, then one line); hanging: the end waits 3 s, no more
-    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{port}", f"mlflow.close_timeout_s={30 if kind == 'down' else 3}"]
+    args = BASE + [
+        f"mlflow.tracking_uri=http://127.0.0.1:{port}",
+        f"mlflow.close_timeout_s={30 if kind == 'down' else 3}",
+    ]
     out = ddplab.run(compose_cfg(args, tmp_path / "run"))
     drawn = random.getstate()  # after the run: MLflow's thread has given up by then
-    assert out["step"] == 12 and json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
+    assert (
+        out["step"] == 12
+        and json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
+    )
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlflow: ")]
     assert len(said) == 1, said
-    assert (f"cannot log to http://127.0.0.1:{port}" in said[0] if kind == "down"
-            else "did not take the run's last" in said[0]), said
+    assert (
+        f"cannot log to http://127.0.0.1:{port}" in said[0]
+        if kind == "down"
+        else "did not take the run's last" in said[0]
+    ), said
     assert [s for s, _ in read_scalars(tmp_path / "run" / "tb")["train/loss"]] == [2, 4, 6, 8, 10, 12]
     if kind == "down":
         # The retries' jitter (urllib3's, MLflow's) drew from Python's global `random`, from MLflow's thread
@@ -176,8 +212,9 @@ def test_a_tracking_server_down_or_hanging_never_stops_training_and_is_said_once
 
 
 @pytest.mark.slow
-def test_after_a_stop_signal_a_hanging_server_holds_the_exit_only_within_the_launchers_grace(tmp_path, caplog,
-                                                                                             monkeypatch):
+def test_after_a_stop_signal_a_hanging_server_holds_the_exit_only_within_the_launchers_grace(
+    tmp_path, caplog, monkeypatch
+):
     """A preempted job has its launcher's grace to exit (8 s here) before the launcher SIGKILLs it; a tracking
     server that hangs held the exit for all of mlflow.close_timeout_s (30 s). Its checkpoint comes first."""
     import time
@@ -186,9 +223,13 @@ def test_after_a_stop_signal_a_hanging_server_holds_the_exit_only_within_the_lau
     from ddplab.runtime.signals import Preempted
 
     monkeypatch.setattr(env, "launcher_grace_s", lambda: 8.0)
-    args = BASE + [f"mlflow.tracking_uri=http://127.0.0.1:{hanging_server()}", "mlflow.close_timeout_s=30",
-                   "+callbacks.sig._target_=toy_callbacks.SignalAtStep", "+callbacks.sig.sig=SIGTERM",
-                   "+callbacks.sig.step=3"]
+    args = BASE + [
+        f"mlflow.tracking_uri=http://127.0.0.1:{hanging_server()}",
+        "mlflow.close_timeout_s=30",
+        "+callbacks.sig._target_=toy_callbacks.SignalAtStep",
+        "+callbacks.sig.sig=SIGTERM",
+        "+callbacks.sig.step=3",
+    ]
     t0 = time.monotonic()
     with pytest.raises(Preempted):
         ddplab.run(compose_cfg(args, tmp_path / "run"))
@@ -202,18 +243,28 @@ def test_after_a_stop_signal_a_hanging_server_holds_the_exit_only_within_the_lau
 def test_the_default_store_is_mlflows_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # MLflow's local stores keep artifacts under ./mlruns
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")
-    ddplab.run(compose_cfg(BASE[:-2] + ["num_epochs=1", "limit_train_steps=2", "logger=[tensorboard,mlflow]"],
-                           tmp_path / "run"))
+    ddplab.run(
+        compose_cfg(
+            BASE[:-2] + ["num_epochs=1", "limit_train_steps=2", "logger=[tensorboard,mlflow]"],
+            tmp_path / "run",
+        )
+    )
     client, run = run_of(tmp_path / "run", f"sqlite:///{tmp_path / 'local.db'}")
     assert run.info.status == "FINISHED" and "val/loss" in run.data.metrics
     # its artifacts: here
     assert [p.name for p in (tmp_path / "mlruns").iterdir()] == [run.info.experiment_id]
 
 
-@pytest.mark.parametrize("override, said", [
-    ("logger=[mlflow]", r"logger=\['mlflow'\]: one or more of tensorboard, mlflow, tensorboard among them"),
-    ("mlflow.close_timeout_s=0", r"mlflow.close_timeout_s=0.0: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "logger=[mlflow]",
+            r"logger=\['mlflow'\]: one or more of tensorboard, mlflow, tensorboard among them",
+        ),
+        ("mlflow.close_timeout_s=0", r"mlflow.close_timeout_s=0.0: must be > 0"),
+    ],
+)
 def test_logger_config_errors_are_one_line(tmp_path, override, said):
     with pytest.raises(ConfigError, match=said):
         ddplab.run(compose_cfg(["model=mlp", override], tmp_path / "run"))
@@ -222,9 +273,14 @@ def test_logger_config_errors_are_one_line(tmp_path, override, said):
 def test_without_the_extra_mlflow_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)
     # refused by the config's check, on every rank, before any process group (tests/test_config_errors.py)
-    with pytest.raises(ConfigError, match=r"^logger=\['tensorboard', 'mlflow'\]: needs MLflow, which is not installed. "
-                                          r"Fix: pip install 'ddplab\[mlflow\]', or logger=\[tensorboard\]$"):
-        ddplab.run(compose_cfg(["model=mlp", "logger=[tensorboard,mlflow]", "num_epochs=1"], tmp_path / "run"))
+    with pytest.raises(
+        ConfigError,
+        match=r"^logger=\['tensorboard', 'mlflow'\]: needs MLflow, which is not installed. "
+        r"Fix: pip install 'ddplab\[mlflow\]', or logger=\[tensorboard\]$",
+    ):
+        ddplab.run(
+            compose_cfg(["model=mlp", "logger=[tensorboard,mlflow]", "num_epochs=1"], tmp_path / "run")
+        )
 
 
 @pytest.mark.slow
@@ -232,8 +288,18 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
     from helpers.study import load, study_args
 
     d = tmp_path / "study"
-    assert_ok(run_cmd([sys.executable, str(REPO / "train.py"), *study_args(d, 2), "logger=[tensorboard,mlflow]",
-                       f"mlflow.tracking_uri={mlflow_server}"], tmp_path))
+    assert_ok(
+        run_cmd(
+            [
+                sys.executable,
+                str(REPO / "train.py"),
+                *study_args(d, 2),
+                "logger=[tensorboard,mlflow]",
+                f"mlflow.tracking_uri={mlflow_server}",
+            ],
+            tmp_path,
+        )
+    )
     client, study = MlflowClient(mlflow_server), load(d)
     runs = client.search_runs([client.get_experiment_by_name("study digits_lr_wd").experiment_id])
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
@@ -247,25 +313,41 @@ def test_a_study_is_one_experiment_with_a_run_per_trial_holding_its_params(tmp_p
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(tmp_path, mlflow_server, strategy):
+def test_two_ranks_with_async_saves_log_the_finished_checkpoints_model_once(
+    tmp_path, mlflow_server, strategy
+):
     """DDP or FSDP on 2 ranks, checkpoints written in the background: rank 0 alone logs, and the model
     artifact is the last checkpoint's (the background write is on disk before the artifact is made). FSDP's
     checkpoint is sharded, every rank writing its part: the artifact is the whole model its shards hold."""
+    from helpers.jobs import torchrun
     from safetensors.torch import load_file
 
     from ddplab.checkpoint.export import export
-    from helpers.jobs import torchrun
 
     run_dir = tmp_path / "run"
-    assert_ok(torchrun(2, BASE + [f"mlflow.tracking_uri={mlflow_server}", "checkpoint.async_save=true",
-                                  "checkpoint.every_n_steps=3", f"distributed={strategy}", f"hydra.run.dir={run_dir}"],
-                       tmp_path, timeout=240))
+    assert_ok(
+        torchrun(
+            2,
+            BASE
+            + [
+                f"mlflow.tracking_uri={mlflow_server}",
+                "checkpoint.async_save=true",
+                "checkpoint.every_n_steps=3",
+                f"distributed={strategy}",
+                f"hydra.run.dir={run_dir}",
+            ],
+            tmp_path,
+            timeout=240,
+        )
+    )
     client, run = run_of(run_dir, mlflow_server)
     assert len(client.search_runs([run.info.experiment_id], f"tags.`ddplab.run_dir` = '{run_dir}'")) == 1
     got = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
     want = load_file(export(run_dir, "safetensors", tmp_path / "want")[0] / "model.safetensors")
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
-    assert [s for s, _ in history(client, run, "train/loss")] == [s for s, _ in read_scalars(run_dir / "tb")["train/loss"]]
+    assert [s for s, _ in history(client, run, "train/loss")] == [
+        s for s, _ in read_scalars(run_dir / "tb")["train/loss"]
+    ]
 
 
 @pytest.mark.slow  # a fresh interpreter that imports MLflow: seconds
@@ -277,19 +359,37 @@ def test_mlflow_is_imported_with_its_usage_telemetry_off(tmp_path):
     not set it."""
     from mlflow.telemetry import utils  # the variables that count as CI for MLflow, read from its own code
 
-    ci_like = {"CI", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD",
-               "TRAVIS", "CIRCLECI", "TEAMCITY_VERSION", "CODEBUILD_BUILD_ARN", "BITBUCKET_BUILD_NUMBER",
-               "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID",
-               "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"}
+    ci_like = {
+        "CI",
+        "PYTEST_CURRENT_TEST",
+        "GITHUB_ACTIONS",
+        "GITLAB_CI",
+        "JENKINS_URL",
+        "BUILDKITE",
+        "TF_BUILD",
+        "TRAVIS",
+        "CIRCLECI",
+        "TEAMCITY_VERSION",
+        "CODEBUILD_BUILD_ARN",
+        "BITBUCKET_BUILD_NUMBER",
+        "CLOUD_RUN_EXECUTION",
+        "RUNBOT_HOST_URL",
+        "RUNBOT_BUILD_NAME",
+        "RUNBOT_WORKER_ID",
+        "MLFLOW_DISABLE_TELEMETRY",
+        "DO_NOT_TRACK",
+    }
     assert "PYTEST_CURRENT_TEST" in __import__("inspect").getsource(utils._is_ci_env_or_testing)
-    probe = ("import os, threading\n"
-             f"for k in {sorted(ci_like)!r}: os.environ.pop(k, None)\n"
-             "from ddplab.tracking import mlflow_environment\n"
-             "mlflow_environment()\n"
-             "import mlflow\n"
-             "from mlflow.telemetry.utils import is_telemetry_disabled\n"
-             "print(is_telemetry_disabled(), os.environ['MLFLOW_DISABLE_TELEMETRY'],\n"
-             "      sorted(t.name for t in threading.enumerate() if 'Telemetry' in t.name))\n")
+    probe = (
+        "import os, threading\n"
+        f"for k in {sorted(ci_like)!r}: os.environ.pop(k, None)\n"
+        "from ddplab.tracking import mlflow_environment\n"
+        "mlflow_environment()\n"
+        "import mlflow\n"
+        "from mlflow.telemetry.utils import is_telemetry_disabled\n"
+        "print(is_telemetry_disabled(), os.environ['MLFLOW_DISABLE_TELEMETRY'],\n"
+        "      sorted(t.name for t in threading.enumerate() if 'Telemetry' in t.name))\n"
+    )
     proc = run_cmd([sys.executable, "-c", probe], tmp_path, timeout=120)
     assert_ok(proc)
     assert proc.stdout.split("\n")[-2] == "True true []", proc.stdout

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers.jobs import CONF
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
 from ddplab.cli import mode_may_be_set
-from helpers.jobs import CONF
 
 OPTIONS = sorted(f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml"))
 
@@ -26,11 +26,21 @@ def test_every_option_is_looked_at():
     assert len(OPTIONS) >= 40 and "hparams_search=optuna" in OPTIONS and "model=gpt" in OPTIONS
 
 
-@pytest.mark.parametrize("overrides", [[], *([o] for o in OPTIONS), ["+hparams_search=optuna"],
-                                       ["hparams_search=study,optuna"], ["hydra.mode=MULTIRUN"],
-                                       ["model=mlp", "hydra.mode=RUN"], ["model=mlp,convnet"],
-                                       ["hydra.run.dir=x", "hydra.job.chdir=false", "hydra.output_subdir=null"],
-                                       ["hydra/sweeper=optuna"], ["hydra/hydra_logging=disabled"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        *([o] for o in OPTIONS),
+        ["+hparams_search=optuna"],
+        ["hparams_search=study,optuna"],
+        ["hydra.mode=MULTIRUN"],
+        ["model=mlp", "hydra.mode=RUN"],
+        ["model=mlp,convnet"],
+        ["hydra.run.dir=x", "hydra.job.chdir=false", "hydra.output_subdir=null"],
+        ["hydra/sweeper=optuna"],
+        ["hydra/hydra_logging=disabled"],
+    ],
+)
 def test_the_shortcut_skips_only_where_hydra_finds_the_mode_unset(overrides):
     found = hydras_answer(overrides)
     may = mode_may_be_set(CONF, overrides, ["train.py", *overrides])

@@ -6,21 +6,35 @@ import importlib.util
 
 import pytest
 import torch
+from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars
 
 import ddplab
-from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars
 from ddplab import build
 from ddplab.models import VisionTransformer, load_weights, resnet18, resnet50
 
 # A few of torchvision's own key names (torchvision.models.resnet18 / resnet50 state_dicts).
-TV_RESNET18 = ["conv1.weight", "bn1.running_var", "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
-               "layer2.0.downsample.1.num_batches_tracked", "layer4.1.bn2.bias", "fc.weight", "fc.bias"]
-TV_RESNET50 = ["layer1.0.conv3.weight", "layer1.0.bn3.running_mean", "layer1.0.downsample.0.weight",
-               "layer4.2.conv2.weight", "fc.weight"]
+TV_RESNET18 = [
+    "conv1.weight",
+    "bn1.running_var",
+    "layer1.0.conv1.weight",
+    "layer2.0.downsample.0.weight",
+    "layer2.0.downsample.1.num_batches_tracked",
+    "layer4.1.bn2.bias",
+    "fc.weight",
+    "fc.bias",
+]
+TV_RESNET50 = [
+    "layer1.0.conv3.weight",
+    "layer1.0.bn3.running_mean",
+    "layer1.0.downsample.0.weight",
+    "layer4.2.conv2.weight",
+    "fc.weight",
+]
 
 
-@pytest.mark.parametrize("name,factory,keys", [("resnet18", resnet18, TV_RESNET18),
-                                                ("resnet50", resnet50, TV_RESNET50)])
+@pytest.mark.parametrize(
+    "name,factory,keys", [("resnet18", resnet18, TV_RESNET18), ("resnet50", resnet50, TV_RESNET50)]
+)
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_torchvision_state_dict_loads_before_training(tmp_path, caplog, name, factory, keys):
     """An ImageNet-shaped torchvision state_dict (1000 classes, 7x7 stem) fine-tunes on 10 classes."""
@@ -32,7 +46,9 @@ def test_torchvision_state_dict_loads_before_training(tmp_path, caplog, name, fa
     assert all(k in sd for k in keys)
     path = tmp_path / f"{name}.pth"
     torch.save(sd, path)
-    cfg = compose_cfg([f"model={name}", "dataset=synthetic", "dataset.image_size=64", f"model.weights={path}"])
+    cfg = compose_cfg(
+        [f"model={name}", "dataset=synthetic", "dataset.image_size=64", f"model.weights={path}"]
+    )
     with caplog.at_level("WARNING", logger="ddplab"):
         model = build.model(cfg)
     got = model.state_dict()
@@ -60,18 +76,32 @@ def test_weights_prefixes_checkpoints_and_wrong_architecture(tmp_path):
 @pytest.mark.slow
 def test_vit_has_torchvision_keys_and_trains(tmp_path):
     with torch.device("meta"):  # names and shapes only: 86M parameters never allocated
-        b16 = VisionTransformer(image_size=224, patch_size=16, num_layers=12, num_heads=12, hidden_dim=768,
-                                mlp_dim=3072, num_classes=1000)
+        b16 = VisionTransformer(
+            image_size=224,
+            patch_size=16,
+            num_layers=12,
+            num_heads=12,
+            hidden_dim=768,
+            mlp_dim=3072,
+            num_classes=1000,
+        )
     keys = list(b16.state_dict())
     # torchvision.models.vit_b_16: 152 entries with these names.
     assert len(keys) == 152
-    for k in ["class_token", "conv_proj.weight", "encoder.pos_embedding",
-              "encoder.layers.encoder_layer_0.self_attention.in_proj_weight",
-              "encoder.layers.encoder_layer_11.mlp.3.bias", "encoder.ln.weight", "heads.head.weight"]:
+    for k in [
+        "class_token",
+        "conv_proj.weight",
+        "encoder.pos_embedding",
+        "encoder.layers.encoder_layer_0.self_attention.in_proj_weight",
+        "encoder.layers.encoder_layer_11.mlp.3.bias",
+        "encoder.ln.weight",
+        "heads.head.weight",
+    ]:
         assert k in keys
     assert b16.encoder.pos_embedding.shape == (1, 197, 768)
-    out = ddplab.run(compose_cfg(["model=vit", "num_epochs=5", "progress=none",
-                                  "optimizer=adamw"], run_dir=tmp_path))
+    out = ddplab.run(
+        compose_cfg(["model=vit", "num_epochs=5", "progress=none", "optimizer=adamw"], run_dir=tmp_path)
+    )
     assert out["val/acc"] > 0.9  # digits (4 patches of 4x4), 5 epochs from scratch: 0.967 measured
     # via Hydra
     with pytest.raises(Exception, match="model.patch_size=3 does not divide dataset.image_size=8"):
@@ -80,13 +110,25 @@ def test_vit_has_torchvision_keys_and_trains(tmp_path):
 
 def test_any_installed_factory_via_target(tmp_path):
     """A user's own factory (here tests/toy.py; torchvision's or timm's work the same way)."""
-    out = ddplab.run(compose_cfg(["model=mlp", "model._target_=toy.UnusedParamMLP", "num_epochs=1",
-                                  "progress=none", "distributed.find_unused_parameters=true"], run_dir=tmp_path))
+    out = ddplab.run(
+        compose_cfg(
+            [
+                "model=mlp",
+                "model._target_=toy.UnusedParamMLP",
+                "num_epochs=1",
+                "progress=none",
+                "distributed.find_unused_parameters=true",
+            ],
+            run_dir=tmp_path,
+        )
+    )
     assert out["val/num_samples"] == 359
 
 
 @pytest.mark.dist
-@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras not installed (pip install keras)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("keras") is None, reason="keras not installed (pip install keras)"
+)
 def test_keras3_convnet_trains_under_ddp_and_resumes(tmp_path):
     """The Keras multi-GPU guide's convnet (Keras 3, torch backend) under ddplab's DDP, 2 ranks."""
     args = ["model=keras_convnet", "num_epochs=3", "progress=none", "run_dir=run"]
@@ -122,6 +164,9 @@ def test_weights_file_that_is_no_state_dict_is_a_clear_error(tmp_path):
 
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint\n")
-    with pytest.raises(ValueError, match=r"model.weights=.*notes.txt: not a readable torch state_dict file .*"
-                                         r"Fix: the path of a saved state_dict"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.weights=.*notes.txt: not a readable torch state_dict file .*"
+        r"Fix: the path of a saved state_dict",
+    ):
         load_weights(resnet18(num_classes=10), text)

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.compare import assert_same_checkpoint
 from helpers.jobs import REPO, TRAIN, assert_ok, job_env, read_scalars, torchrun
 
@@ -42,27 +41,43 @@ def _cluster() -> tuple[str | None, dict[str, str]]:
 _why, SLURM_ENV = _cluster()
 if _why and os.environ.get("DDPLAB_REQUIRE_NETNS") == "1":  # .ci/run started the cluster: no silent skip
     raise RuntimeError(f"DDPLAB_REQUIRE_NETNS=1 but {_why}")
-pytestmark = [pytest.mark.netns, pytest.mark.slow] + \
-    ([pytest.mark.skip(reason=f"{_why}: start it with scripts/netns_cluster.sh up")] if _why else [])
+pytestmark = [pytest.mark.netns, pytest.mark.slow] + (
+    [pytest.mark.skip(reason=f"{_why}: start it with scripts/netns_cluster.sh up")] if _why else []
+)
 
 
 def on_host(host: str, cmd: list[str], log: Path) -> subprocess.Popen:
     """``cmd`` on node-a / node-b, gloo bound to that host's interface (it has only lo and eth0)."""
     with open(log, "w") as out:
-        return subprocess.Popen([str(NETNS), "exec", host, *cmd], env={**job_env(), "GLOO_SOCKET_IFNAME": "eth0"},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [str(NETNS), "exec", host, *cmd],
+            env={**job_env(), "GLOO_SOCKET_IFNAME": "eth0"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def rdzv(port: int, run_id: str, *conf: str) -> list[str]:
     """docs/multinode.md's torchrun line: c10d rendezvous at node-a's address."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={HOSTS['a'][1]}:{port}", f"--rdzv-id={run_id}",
-            *(f"--rdzv-conf={c}" for c in conf)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={HOSTS['a'][1]}:{port}",
+        f"--rdzv-id={run_id}",
+        *(f"--rdzv-conf={c}" for c in conf),
+    ]
 
 
 def ranks_on(host: str) -> list[int]:
     """The training ranks (torchrun's workers: RANK in their environment) running on node-a / node-b."""
-    pids = subprocess.run(["ip", "netns", "pids", f"ddplab-{host}"], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(
+        ["ip", "netns", "pids", f"ddplab-{host}"], capture_output=True, text=True
+    ).stdout.split()
     found = []
     for pid in pids:
         try:
@@ -101,13 +116,17 @@ def assert_same_training(run: Path, ref: Path) -> None:
 def test_torchrun_c10d_across_two_hosts_trains_what_one_host_trains(tmp_path, one_host):
     run = tmp_path / "run"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    procs = [on_host(h, rdzv(29400, "two-hosts") + [str(TRAIN), *ARGS, f"hydra.run.dir={run}"], log)
-             for h, log in zip("ab", logs)]
+    procs = [
+        on_host(h, rdzv(29400, "two-hosts") + [str(TRAIN), *ARGS, f"hydra.run.dir={run}"], log)
+        for h, log in zip("ab", logs)
+    ]
     outs = wait_all(procs, logs)
     assert [p.returncode for p in procs] == [0, 0], outs
     log = (run / "train.log").read_text()
     # Each rank on its own host (hostname and address), one rank per node.
-    assert re.search(r"ranks: 0@node-a:cpu\(local 0\) cfg=(\w+), 1@node-b:cpu\(local 0\) cfg=\1", log), log[:2000]
+    assert re.search(r"ranks: 0@node-a:cpu\(local 0\) cfg=(\w+), 1@node-b:cpu\(local 0\) cfg=\1", log), log[
+        :2000
+    ]
     assert_same_training(run, one_host)
 
 
@@ -127,24 +146,33 @@ def slurm_env(monkeypatch):
 
 def test_sbatch_two_nodes_with_srun_tasks_as_ranks(tmp_path, one_host, slurm_env):
     run = tmp_path / "run"
-    state, out = _sbatch_two_nodes(tmp_path, f"srun {sys.executable} {TRAIN} {' '.join(ARGS)} hydra.run.dir={run}")
+    state, out = _sbatch_two_nodes(
+        tmp_path, f"srun {sys.executable} {TRAIN} {' '.join(ARGS)} hydra.run.dir={run}"
+    )
     assert state == "COMPLETED", out[-3000:]
     log = (run / "train.log").read_text()
     # SLURM's node list gives rank 0's host (node-a) as the rendezvous address; each node's task is local rank
     # 0.
-    assert re.search(r"ranks: 0@node-a:cpu\(local 0\) cfg=(\w+), 1@node-b:cpu\(local 0\) cfg=\1", log), log[:2000]
+    assert re.search(r"ranks: 0@node-a:cpu\(local 0\) cfg=(\w+), 1@node-b:cpu\(local 0\) cfg=\1", log), log[
+        :2000
+    ]
     assert_same_training(run, one_host)
 
 
 def test_srun_one_torchrun_per_node_of_two(tmp_path, one_host, slurm_env):
     run = tmp_path / "run"
-    body = ('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
-            f'srun {sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d '
-            f'--rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" {TRAIN} {" ".join(ARGS)} hydra.run.dir={run}')
+    body = (
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
+        f"srun {sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d "
+        f'--rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" {TRAIN} {" ".join(ARGS)} '
+        f"hydra.run.dir={run}"
+    )
     state, out = _sbatch_two_nodes(tmp_path, body)
     assert state == "COMPLETED", out[-3000:]
     log = (run / "train.log").read_text()
-    assert re.search(r"ranks: 0@node-\w:cpu\(local 0\) cfg=(\w+), 1@node-\w:cpu\(local 0\) cfg=\1", log), log[:2000]
+    assert re.search(r"ranks: 0@node-\w:cpu\(local 0\) cfg=(\w+), 1@node-\w:cpu\(local 0\) cfg=\1", log), log[
+        :2000
+    ]
     assert {"node-a", "node-b"} <= set(re.findall(r"@(node-\w):", log.splitlines()[0] if log else ""))
     assert_same_training(run, one_host)
 
@@ -153,16 +181,28 @@ def test_a_host_whose_link_goes_down_mid_step_fails_the_job_within_the_timeout_n
     timeout_s = 8
     run = tmp_path / "run"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    slow = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.2", "num_epochs=5", "progress=log",
-            "log_every_n_steps=1", f"distributed.timeout_s={timeout_s}", f"hydra.run.dir={run}"]
+    slow = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        "+model.delay_s=0.2",
+        "num_epochs=5",
+        "progress=log",
+        "log_every_n_steps=1",
+        f"distributed.timeout_s={timeout_s}",
+        f"hydra.run.dir={run}",
+    ]
     # read_timeout: the agents' store reads give up after timeout_s, not torchrun's 60 s (the cut-off agent's
     # shutdown still blocks on the store afterwards: the finally below kills it).
-    procs = [on_host(h, rdzv(29401, "link-down", f"read_timeout={timeout_s}") + [str(TRAIN), *slow], log)
-             for h, log in zip("ab", logs)]
+    procs = [
+        on_host(h, rdzv(29401, "link-down", f"read_timeout={timeout_s}") + [str(TRAIN), *slow], log)
+        for h, log in zip("ab", logs)
+    ]
     try:
         t0 = time.monotonic()
         while "step 5/" not in logs[0].read_text():
-            assert time.monotonic() - t0 < 120 and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+            assert time.monotonic() - t0 < 120 and all(p.poll() is None for p in procs), logs[0].read_text()[
+                -3000:
+            ]
             time.sleep(0.1)
         subprocess.run(["ip", "link", "set", "ddpveth-b", "down"], check=True)  # node-b's cable, pulled
         down = time.monotonic()
@@ -184,5 +224,8 @@ def test_a_host_whose_link_goes_down_mid_step_fails_the_job_within_the_timeout_n
     # torchrun agent stays, blocked on that store until the link is back or it is killed: docs/multinode.md.)
     assert took_b <= timeout_s + 15, (took_b, logs[1].read_text()[-3000:])
     assert "did not answer: is this host cut off from it?" in logs[1].read_text()
-    assert f"A collective timed out after distributed.timeout_s={float(timeout_s)}s. Rank(s) [1] never reached it " \
-           "(rank 1 on node-b)" in out, out[-3000:]
+    assert (
+        f"A collective timed out after distributed.timeout_s={float(timeout_s)}s. Rank(s) [1] never reached "
+        "it "
+        "(rank 1 on node-b)" in out
+    ), out[-3000:]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.jobs import assert_ok, job_dirs, python_train, torchrun
 
 import ddplab.precision as precision
-from helpers.jobs import assert_ok, job_dirs, python_train, torchrun
 from ddplab.precision import Precision
 
 CPU = torch.device("cpu")
@@ -22,13 +22,19 @@ EMULATED = "bf16 autocast on this CPU is emulated (no avx512_bf16/amx_bf16)"
 @pytest.fixture
 def features(monkeypatch):
     """Pretend the CPU has the given feature flags (the probe, not /proc/cpuinfo)."""
+
     def set_(flags):
         monkeypatch.setattr(precision, "cpu_features", lambda: frozenset(flags))
+
     return set_
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "ddplab.precision" and r.levelno == logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "ddplab.precision" and r.levelno == logging.WARNING
+    ]
 
 
 def test_auto_without_native_bf16_trains_fp32_and_says_so_once(features, caplog):
@@ -48,7 +54,9 @@ def test_avx2_only_cpu_names_the_bigger_slowdown(features, caplog):
     with caplog.at_level("INFO", logger="ddplab"):
         assert Precision(True, "auto", CPU).dtype == torch.float32
     [msg] = warnings_of(caplog)
-    assert msg.endswith("(no avx512_bf16/amx_bf16), ~40x slower than fp32: training in fp32 (amp_dtype=bf16 forces bf16)")
+    assert msg.endswith(
+        "(no avx512_bf16/amx_bf16), ~40x slower than fp32: training in fp32 (amp_dtype=bf16 forces bf16)"
+    )
 
 
 @pytest.mark.parametrize("asked", ["bf16", "bfloat16"])
@@ -60,8 +68,9 @@ def test_explicit_bf16_is_honoured_with_the_same_warning(features, caplog, asked
     assert p.describe() == "amp bfloat16"
     with p.autocast():
         assert torch.nn.Linear(4, 4)(torch.ones(2, 4)).dtype == torch.bfloat16  # it does train in bf16
-    assert warnings_of(caplog) == [f"amp_dtype={asked}: {EMULATED}, ~2x slower than fp32: "
-                                   "training in bf16 as asked (auto: fp32)"]
+    assert warnings_of(caplog) == [
+        f"amp_dtype={asked}: {EMULATED}, ~2x slower than fp32: training in bf16 as asked (auto: fp32)"
+    ]
 
 
 def test_explicit_fp16_on_cpu_is_honoured_with_its_warning(features, caplog):
@@ -69,8 +78,10 @@ def test_explicit_fp16_on_cpu_is_honoured_with_its_warning(features, caplog):
     with caplog.at_level("INFO", logger="ddplab"):
         p = Precision(True, "fp16", CPU)
     assert p.dtype == torch.float16 and p.scaler is not None and p.describe() == "amp float16 + GradScaler"
-    assert warnings_of(caplog) == ["amp_dtype=fp16: fp16 autocast on this CPU is emulated (no avx512_fp16/amx_fp16), "
-                                   "~70x slower than fp32: training in fp16 as asked (auto: fp32)"]
+    assert warnings_of(caplog) == [
+        "amp_dtype=fp16: fp16 autocast on this CPU is emulated (no avx512_fp16/amx_fp16), "
+        "~70x slower than fp32: training in fp16 as asked (auto: fp32)"
+    ]
 
 
 @pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16", "bf16"])  # bf16: aarch64's Features name
@@ -99,12 +110,19 @@ def test_the_real_probe_reads_this_cpu():
 NATIVE_HW = frozenset({"avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16"})
 
 
-@pytest.mark.parametrize("cap,kept", [
-    ("AVX2", {"avx2", "avx512f"}),  # avx512f: no rule needs it; oneDNN's bf16 and wide paths are all gone
-    ("avx512_core", {"avx2", "avx512f", "avx512bw"}),
-    ("AVX512_CORE_BF16", {"avx2", "avx512f", "avx512bw", "avx512_bf16"}),
-    ("AVX512_CORE_FP16", {"avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16"}),
-    ("AVX10_1_512_AMX", NATIVE_HW), ("ALL", NATIVE_HW), ("DEFAULT", NATIVE_HW), (None, NATIVE_HW)])
+@pytest.mark.parametrize(
+    "cap,kept",
+    [
+        ("AVX2", {"avx2", "avx512f"}),  # avx512f: no rule needs it; oneDNN's bf16 and wide paths are all gone
+        ("avx512_core", {"avx2", "avx512f", "avx512bw"}),
+        ("AVX512_CORE_BF16", {"avx2", "avx512f", "avx512bw", "avx512_bf16"}),
+        ("AVX512_CORE_FP16", {"avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16"}),
+        ("AVX10_1_512_AMX", NATIVE_HW),
+        ("ALL", NATIVE_HW),
+        ("DEFAULT", NATIVE_HW),
+        (None, NATIVE_HW),
+    ],
+)
 def test_onednns_isa_cap_takes_away_what_it_will_not_use(monkeypatch, cap, kept):
     """ONEDNN_MAX_CPU_ISA=AVX2 on an avx512_bf16 CPU: bf16 autocast of a conv + linear went from 4.6x faster
     than fp32 to 6x slower (issue 32's measurement), so the flag must not count as native any more."""
@@ -123,8 +141,9 @@ def test_an_avx2_cap_on_a_native_cpu_falls_back_to_fp32_with_the_avx2_figure(mon
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     with caplog.at_level("INFO", logger="ddplab"):
         assert Precision(True, "auto", CPU).dtype == torch.float32
-    assert warnings_of(caplog) == [f"amp=true: {EMULATED}, ~40x slower than fp32: training in fp32 "
-                                   "(amp_dtype=bf16 forces bf16)"]
+    assert warnings_of(caplog) == [
+        f"amp=true: {EMULATED}, ~40x slower than fp32: training in fp32 (amp_dtype=bf16 forces bf16)"
+    ]
 
 
 # oneDNN emulates bf16 on any x86 CPU when capped at AVX2, so the fallback runs for real on every machine.
@@ -133,13 +152,16 @@ AVX2_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 @pytest.mark.slow  # runs train.py
 def test_train_py_amp_true_without_native_bf16_logs_fp32_and_one_warning(tmp_path):
-    proc = python_train(["model=mlp", "num_epochs=1", "amp=true", "progress=log"], tmp_path, extra_env=AVX2_CAP)
+    proc = python_train(
+        ["model=mlp", "num_epochs=1", "amp=true", "progress=log"], tmp_path, extra_env=AVX2_CAP
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert out.count(EMULATED) == 1, out
     [line] = [ln for ln in out.splitlines() if EMULATED in ln]
-    assert "WARNING: amp=true: " in line and line.endswith("~40x slower than fp32: training in fp32 "
-                                                           "(amp_dtype=bf16 forces bf16)")
+    assert "WARNING: amp=true: " in line and line.endswith(
+        "~40x slower than fp32: training in fp32 (amp_dtype=bf16 forces bf16)"
+    )
     assert "| fp32 (amp=true: no native bf16 here) |" in out and "amp bfloat16" not in out
     [run] = job_dirs(tmp_path)
     assert (run / "train.log").read_text().count(EMULATED) == 1  # and once in the job's log
@@ -148,11 +170,18 @@ def test_train_py_amp_true_without_native_bf16_logs_fp32_and_one_warning(tmp_pat
 @pytest.mark.dist
 def test_two_ranks_say_it_once(tmp_path):
     """A property of the host: rank 0 warns for the job, rank 1 (which logs only warnings) stays quiet."""
-    proc = torchrun(2, ["model=mlp", "num_epochs=1", "limit_train_steps=2", "amp=true", "amp_dtype=bf16",
-                        "progress=log"], tmp_path, timeout=180, extra_env=AVX2_CAP)
+    proc = torchrun(
+        2,
+        ["model=mlp", "num_epochs=1", "limit_train_steps=2", "amp=true", "amp_dtype=bf16", "progress=log"],
+        tmp_path,
+        timeout=180,
+        extra_env=AVX2_CAP,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
-    assert out.count(EMULATED) == 1 and "[rank 1]" not in next(ln for ln in out.splitlines() if EMULATED in ln)
+    assert out.count(EMULATED) == 1 and "[rank 1]" not in next(
+        ln for ln in out.splitlines() if EMULATED in ln
+    )
     assert "| amp bfloat16 |" in out
 
 
@@ -161,8 +190,11 @@ def test_train_py_amp_true_on_a_native_bf16_cpu_trains_bf16_quietly(tmp_path):
     """The other path, for real: without a cap, a CPU with avx512_bf16/amx_bf16 trains in bf16, no warning."""
     if not precision.hardware_features() & {"avx512_bf16", "amx_bf16"}:
         pytest.skip("needs a CPU that computes bf16 natively (avx512_bf16/amx_bf16)")
-    proc = python_train(["model=mlp", "num_epochs=1", "limit_train_steps=3", "amp=true", "progress=log"], tmp_path,
-                        extra_env={"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": ""})
+    proc = python_train(
+        ["model=mlp", "num_epochs=1", "limit_train_steps=3", "amp=true", "progress=log"],
+        tmp_path,
+        extra_env={"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": ""},
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "| amp bfloat16 |" in out and "emulated" not in out
@@ -178,10 +210,15 @@ def test_cuda_auto_counts_only_native_bf16(monkeypatch, native, auto):
     assert precision._resolve_dtype("fp16", gpu) == (torch.float16, None)
     dtype, note = precision._resolve_dtype("bf16", gpu)
     assert dtype == torch.bfloat16
-    assert note == (None if native else "amp_dtype=bf16: bf16 autocast on this GPU is emulated (compute capability "
-                                        "< 8.0): training in bf16 as asked (auto: fp16)")
+    assert note == (
+        None
+        if native
+        else "amp_dtype=bf16: bf16 autocast on this GPU is emulated (compute capability "
+        "< 8.0): training in bf16 as asked (auto: fp16)"
+    )
 
 
 def test_the_cuda_probe_asks_without_emulation():
-    assert precision._cuda_native_bf16() is (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
-                                              or bool(torch.version.hip))
+    assert precision._cuda_native_bf16() is (
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 or bool(torch.version.hip)
+    )

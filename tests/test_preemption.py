@@ -17,16 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import jobs
-from helpers.jobs import TRAIN, assert_ok, job_env, read_scalars, run_cmd
 from helpers.compare import result
+from helpers.jobs import TRAIN, assert_ok, job_env, read_scalars, run_cmd
 
 pytestmark = pytest.mark.dist
 
 # 22 steps/epoch on digits; each training forward sleeps 10 ms, so a run lasts long enough to be signalled.
-SLOW = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.01", "num_epochs=6", "log_every_n_steps=5",
-        "progress=log"]
+SLOW = [
+    "model=mlp",
+    "model._target_=toy.SlowMLP",
+    "+model.delay_s=0.01",
+    "num_epochs=6",
+    "log_every_n_steps=5",
+    "progress=log",
+]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
 
 
@@ -59,8 +64,10 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 60) -> float:
 
 def weights_and_momentum(run: Path) -> dict:
     ck = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-    return {**{f"model.{k}": v for k, v in ck["model"].items()},
-            **{f"momentum.{i}": s["momentum_buffer"] for i, s in ck["optimizer"]["state"].items()}}
+    return {
+        **{f"model.{k}": v for k, v in ck["model"].items()},
+        **{f"momentum.{i}": s["momentum_buffer"] for i, s in ck["optimizer"]["state"].items()},
+    }
 
 
 def children(pid: int) -> list[int]:
@@ -114,7 +121,9 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bi
     assert Path(res["checkpoint"]).is_file()
     # Both ranks stopped at that step; the signal was acted on within one log interval (5 steps).
     assert re.findall(r"preempted: stopped by .* at step (\d+)", out) == [str(stop)] * 2, out[-3000:]
-    logged_before = [int(s) for s in re.findall(r"step (\d+)/\d+  loss", out[: out.index("SIGTERM received")])]
+    logged_before = [
+        int(s) for s in re.findall(r"step (\d+)/\d+  loss", out[: out.index("SIGTERM received")])
+    ]
     assert stop - max(logged_before) <= 5, (stop, logged_before)
 
     assert_ok(run_cmd(TORCHRUN + SLOW + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=180))
@@ -139,8 +148,10 @@ def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     assert took < 10 and proc.returncode != 0
     res = result(run)
     assert res["status"] == "preempted" and Path(res["checkpoint"]).is_file()
-    assert sorted(re.findall(r"preempted: stopped by (.*) at step (\d+)", out)) == \
-        [("SIGUSR1", str(res["step"])), ("a signal to another rank", str(res["step"]))], out[-3000:]
+    assert sorted(re.findall(r"preempted: stopped by (.*) at step (\d+)", out)) == [
+        ("SIGUSR1", str(res["step"])),
+        ("a signal to another rank", str(res["step"])),
+    ], out[-3000:]
 
 
 def test_sigint_stops_a_single_process_with_a_checkpoint_and_exit_code_130(tmp_path):
@@ -176,8 +187,14 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
     assert "exiting now, without a checkpoint" in log.read_text()
     # At once: before the 3 s step the first signal waits for could end (2.5 s after it), by train.log's clock
     # (the test's own wall clock would count the interpreter's exit and a loaded machine's scheduling).
-    stamps = [datetime.datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in re.findall(
-        r"^\[([\d-]+ [\d:]+,\d+)\].*(?:SIGTERM received|second signal)", (run / "train.log").read_text(), re.M)]
+    stamps = [
+        datetime.datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f")
+        for m in re.findall(
+            r"^\[([\d-]+ [\d:]+,\d+)\].*(?:SIGTERM received|second signal)",
+            (run / "train.log").read_text(),
+            re.M,
+        )
+    ]
     assert len(stamps) == 2 and (stamps[1] - stamps[0]).total_seconds() < 2.5, stamps
     assert not list((run / "checkpoints").glob("step-*.pt")) if (run / "checkpoints").exists() else True
 
@@ -185,8 +202,11 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
 def test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm(tmp_path):
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start([sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}"],
-                 tmp_path, log)
+    proc = start(
+        [sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}"],
+        tmp_path,
+        log,
+    )
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
     addrs = listeners([proc.pid, *children(proc.pid)])
     # The rendezvous store, the ranks' store (both in the parent) and gloo's sockets (in the ranks).
@@ -201,14 +221,22 @@ def test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm(tmp_pat
 def test_self_launch_parent_forwards_sigusr1_to_its_ranks(tmp_path):
     """SLURM's time-limit warning (--signal=USR1@N) reaches the process srun started: here, the parent."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start([sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}"],
-                 tmp_path, log)
+    proc = start(
+        [sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}"],
+        tmp_path,
+        log,
+    )
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
     proc.send_signal(signal.SIGUSR1)
     finish(proc, log)
     out, res = log.read_text(), result(run)
-    assert proc.returncode == 138 and res["status"] == "preempted" and res["signal"] == "SIGUSR1", (res, out[-3000:])
-    assert re.findall(r"preempted: stopped by (\S+) at step (\d+)", out) == [("SIGUSR1", str(res["step"]))] * 2
+    assert proc.returncode == 138 and res["status"] == "preempted" and res["signal"] == "SIGUSR1", (
+        res,
+        out[-3000:],
+    )
+    assert (
+        re.findall(r"preempted: stopped by (\S+) at step (\d+)", out) == [("SIGUSR1", str(res["step"]))] * 2
+    )
 
 
 def test_a_signal_to_the_whole_job_after_its_last_checkpoint_lets_it_complete_and_exit_at_once(tmp_path):
@@ -216,9 +244,22 @@ def test_a_signal_to_the_whole_job_after_its_last_checkpoint_lets_it_complete_an
     The job completed, but torch's agent, shutting down on the signal, never read the ranks' results: they
     waited out its 30 s grace, were SIGKILLed, and the job exited 130 with result.json 'completed'."""
     run, log, stamp = tmp_path / "run", tmp_path / "run.log", tmp_path / "signalled"
-    proc = start([sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=log", "distributed.nproc_per_node=2",
-                  "+callbacks.sig._target_=toy.SignalJobAtLastSave", "+callbacks.sig.last=22",
-                  f"+callbacks.sig.stamp={stamp}", f"hydra.run.dir={run}"], tmp_path, log)
+    proc = start(
+        [
+            sys.executable,
+            str(TRAIN),
+            "model=mlp",
+            "num_epochs=1",
+            "progress=log",
+            "distributed.nproc_per_node=2",
+            "+callbacks.sig._target_=toy.SignalJobAtLastSave",
+            "+callbacks.sig.last=22",
+            f"+callbacks.sig.stamp={stamp}",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        log,
+    )
     finish(proc, log, timeout=90)
     gone = time.time()
     out = log.read_text()
@@ -233,8 +274,19 @@ def test_a_rank_dying_at_exit_after_a_preemption_leaves_the_job_preempted(tmp_pa
     exits (seen once in the soak). The job was preempted, its checkpoint whole: that is what the self-launch
     parent says, records and exits with, naming the rank that died afterwards."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start([sys.executable, str(TRAIN), *SLOW, "model._target_=toy.AbortAtExitMLP",
-                  f"+model.pid_dir={tmp_path}", "distributed.nproc_per_node=2", f"hydra.run.dir={run}"], tmp_path, log)
+    proc = start(
+        [
+            sys.executable,
+            str(TRAIN),
+            *SLOW,
+            "model._target_=toy.AbortAtExitMLP",
+            f"+model.pid_dir={tmp_path}",
+            "distributed.nproc_per_node=2",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        log,
+    )
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
     # To a rank (as SLURM's warning comes), not to the parent: the parent learns the outcome from exit codes.
     os.kill(int((tmp_path / "rank0.pid").read_text()), signal.SIGUSR1)
@@ -245,8 +297,21 @@ def test_a_rank_dying_at_exit_after_a_preemption_leaves_the_job_preempted(tmp_pa
     assert Path(res["checkpoint"]).is_file() and res["step"] > 22, res
     assert re.search(r"rank 1 (\(local 1\) exited )?with (code )?-6", out), out[-3000:]
     # Resumed without the dying model (the same numbers, another class): a change the guard must be told of.
-    assert_ok(run_cmd([sys.executable, str(TRAIN), *SLOW, "distributed.nproc_per_node=2", f"hydra.run.dir={run}",
-                       "resume=auto", "resume_apply_changes=true"], tmp_path, timeout=180))
+    assert_ok(
+        run_cmd(
+            [
+                sys.executable,
+                str(TRAIN),
+                *SLOW,
+                "distributed.nproc_per_node=2",
+                f"hydra.run.dir={run}",
+                "resume=auto",
+                "resume_apply_changes=true",
+            ],
+            tmp_path,
+            timeout=180,
+        )
+    )
     assert result(run)["status"] == "completed"
 
 
@@ -269,7 +334,9 @@ def test_plain_torchrun_standalone_store_listens_on_every_interface(tmp_path):
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
     try:
-        mask = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:"))
+        mask = next(
+            ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:")
+        )
     except (OSError, StopIteration):
         return False
     return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
@@ -282,9 +349,14 @@ def test_a_signal_during_start_up_is_not_fatal_and_the_job_checkpoints_at_its_fi
     requeued). Now it is remembered; the job stops at its first agreed step with a checkpoint, as
     preempted."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=none",
-                             f"hydra.run.dir={run}"], cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), "model=mlp", "num_epochs=1", "progress=none", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0 and not _catches(proc.pid, signal.SIGUSR1):
         time.sleep(0.002)
@@ -293,9 +365,13 @@ def test_a_signal_during_start_up_is_not_fatal_and_the_job_checkpoints_at_its_fi
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGUSR1, (proc.returncode, err[-3000:])
     result = json.loads((run / "result.json").read_text())
-    assert result["status"] == "preempted" and result["step"] >= 1 and Path(result["checkpoint"]).is_file(), result
-    said = re.search(r"SIGUSR1 received during start-up, ([\d.]+) s ago: stopping at the first step boundary",
-                     (run / "train.log").read_text())
+    assert result["status"] == "preempted" and result["step"] >= 1 and Path(result["checkpoint"]).is_file(), (
+        result
+    )
+    said = re.search(
+        r"SIGUSR1 received during start-up, ([\d.]+) s ago: stopping at the first step boundary",
+        (run / "train.log").read_text(),
+    )
     assert said and float(said.group(1)) > 0.1, said  # it came before the handler of the job existed
 
 
@@ -325,10 +401,11 @@ def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
     default (CI at c386c65, test order changed). A signal the worker stopped on is spent; one it never acted
     on (it failed first) stays held, for the next job to stop at its first step, as after any start-up
     signal."""
+    from helpers.jobs import compose_cfg
+
     import ddplab.study as study
     from ddplab.runtime import signals
     from ddplab.runtime.signals import Preempted
-    from helpers.jobs import compose_cfg
 
     def stopped_while_opening(worker):
         os.kill(os.getpid(), signal.SIGTERM)  # held, not fatal: the worker's hold is in place
@@ -341,13 +418,15 @@ def test_an_in_process_study_worker_leaves_no_hold_behind(monkeypatch, ends):
         with pytest.raises(Preempted if ends == "stopped" else RuntimeError):
             study.run_study(compose_cfg(["hparams_search=study", "model=mlp"]))
         assert (signals.held(), signals._FOR_LIFE) == (None if ends == "stopped" else "SIGTERM", [])
-        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)] == [signal.SIG_DFL] * 3
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)] == [
+            signal.SIG_DFL
+        ] * 3
     finally:
         signals._EARLY.clear()
         signal.signal(signal.SIGTERM, before)
 
 
-SELF_LAUNCH_HANDLERS = '''
+SELF_LAUNCH_HANDLERS = """
 import signal, sys
 from pathlib import Path
 
@@ -363,7 +442,7 @@ if __name__ == "__main__":
     Path(sys.argv[1]).mkdir()
     print("result", launch(entry, {}, 2, 0, Path(sys.argv[1])))
     print("changed", sorted(s.name for s in sigs if signal.getsignal(s) is not before[s]))
-'''
+"""
 
 
 def test_a_self_launch_gives_the_processes_signal_handlers_back(tmp_path):

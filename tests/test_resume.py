@@ -1,10 +1,10 @@
 """Stop after epoch 1, resume=auto continues at epoch 2 with the same optimizer/scheduler state."""
 
 import pytest
-
-import ddplab
 from helpers.compare import assert_same_checkpoint, load
 from helpers.jobs import assert_ok, compose_cfg, job_dirs, python_train, read_scalars, torchrun
+
+import ddplab
 
 pytestmark = pytest.mark.slow  # whole runs, stopped and resumed
 
@@ -26,8 +26,10 @@ def test_in_process_resume_matches_uninterrupted_run(tmp_path):
     rest = ddplab.run(compose_cfg(ARGS + ["resume=auto"], run_dir=tmp_path / "part"))
     assert (rest["epoch"], rest["step"]) == (2, 44)
     assert rest["val/acc"] == full["val/acc"] and rest["train/loss"] == full["train/loss"]
-    assert_same_state(load(tmp_path / "full" / "checkpoints" / "last.pt"),
-                      load(tmp_path / "part" / "checkpoints" / "last.pt"))
+    assert_same_state(
+        load(tmp_path / "full" / "checkpoints" / "last.pt"),
+        load(tmp_path / "part" / "checkpoints" / "last.pt"),
+    )
     # One TensorBoard history, each step once, across the two invocations.
     s = read_scalars(tmp_path / "part" / "tb")
     assert [st for st, _ in s["train/loss"]] == [10, 20, 22, 30, 40, 44]
@@ -46,8 +48,9 @@ def test_torchrun_resume_auto_finds_the_earlier_run_of_the_same_command(tmp_path
     assert "resume=auto: continuing" in out and "1 epoch(s), 22 step(s) done" in out
     first, second = job_dirs(part_dir)
     assert f"continuing {first}" in out
-    assert_same_state(load(job_dirs(full_dir)[0] / "checkpoints" / "last.pt"),
-                      load(second / "checkpoints" / "last.pt"))
+    assert_same_state(
+        load(job_dirs(full_dir)[0] / "checkpoints" / "last.pt"), load(second / "checkpoints" / "last.pt")
+    )
 
 
 def test_resume_from_missing_path_is_a_clear_error(tmp_path):
@@ -76,16 +79,33 @@ def test_torchrun_restart_continues_its_own_run_never_an_older_one(tmp_path):
     import sys
 
     from helpers.jobs import REPO, run_cmd
+
     from ddplab.rundir import read_result
 
-    args = ARGS + ["model._target_=toy.FaultyMLP", "+model.fault=kill", "+model.fault_rank=1", "+model.fault_call=10"]
+    args = ARGS + [
+        "model._target_=toy.FaultyMLP",
+        "+model.fault=kill",
+        "+model.fault_rank=1",
+        "+model.fault_call=10",
+    ]
     assert_ok(python_train(args + [f"hydra.run.dir={tmp_path}/X/new"], tmp_path))  # one rank: never faults
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path}/X/new2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        str(REPO / "train.py"),
+        *args,
+        f"hydra.run.dir={tmp_path}/X/new2",
+    ]
     proc = run_cmd(cmd, tmp_path, timeout=300)
     assert_ok(proc)
     out = proc.stdout + proc.stderr
-    assert "torchrun restart 1" in out and "already finished" not in out and "resume=auto: continuing" not in out
+    assert (
+        "torchrun restart 1" in out and "already finished" not in out and "resume=auto: continuing" not in out
+    )
     new2 = tmp_path / "X" / "new2"
     assert load(new2 / "checkpoints" / "last.pt")["loop"]["step"] == 44
     assert read_result(new2)["status"] == "completed" and read_result(new2)["metrics"]["step"] == 44

@@ -7,17 +7,29 @@ import json
 
 import pytest
 import torch
-
-import ddplab
 import toy
 from helpers.compare import assert_same_checkpoint, load
 from helpers.jobs import assert_ok, compose_cfg, python_train
 
+import ddplab
+
 # Single process, batch 32 x 3 micro-batches: 44 micro-batches → 14 optimizer steps per epoch of digits.
 # The 3rd training forward (step 1's last micro-batch) returns NaN: nonfinite_loss=skip drops step 1.
-SKIP = ["model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=nonfinite", "+model.fault_rank=0",
-        "+model.fault_call=3", "nonfinite_loss=skip", "grad_accum_steps=3", "batch_size=32", "num_epochs=2",
-        "checkpoint.every_n_steps=4", "checkpoint.keep_last=50", "log_every_n_steps=5", "progress=none"]
+SKIP = [
+    "model=mlp",
+    "model._target_=toy.FaultyMLP",
+    "+model.fault=nonfinite",
+    "+model.fault_rank=0",
+    "+model.fault_call=3",
+    "nonfinite_loss=skip",
+    "grad_accum_steps=3",
+    "batch_size=32",
+    "num_epochs=2",
+    "checkpoint.every_n_steps=4",
+    "checkpoint.keep_last=50",
+    "log_every_n_steps=5",
+    "progress=none",
+]
 
 
 @pytest.mark.slow

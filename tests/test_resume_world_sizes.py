@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.compare import assert_same_checkpoint, load, load_whole
 from helpers.jobs import REPO, assert_ok, ranks, read_scalars, run_cmd, torchrun
 
@@ -26,17 +25,43 @@ pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("resume_world_sizes")]
 
 # 36 global samples of 16 tokens a step: 3 ranks x 3 micro-batches of 4, or 4 ranks x 3 of 3. A checkpoint
 # every 10 steps, an evaluation every 20 (one batch a rank: 327 windows).
-LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=2", "model.n_head=2",
-      "model.dropout=0.1", "batch_size=36", "grad_accum_steps=3", "num_epochs=null", "max_steps=50",
-      "eval_every_n_steps=20", "checkpoint.every_n_steps=10", "log_every_n_steps=5", "progress=none",
-      "model._target_=soak_toy.SoakGPT", "+callbacks.soak._target_=soak_toy.SoakCallback"]
+LM = [
+    "task=lm",
+    "dataset=tokens",
+    "dataset.block_size=16",
+    "model.n_embd=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.dropout=0.1",
+    "batch_size=36",
+    "grad_accum_steps=3",
+    "num_epochs=null",
+    "max_steps=50",
+    "eval_every_n_steps=20",
+    "checkpoint.every_n_steps=10",
+    "log_every_n_steps=5",
+    "progress=none",
+    "model._target_=soak_toy.SoakGPT",
+    "+callbacks.soak._target_=soak_toy.SoakCallback",
+]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
     out = tmp_path_factory.mktemp("corpus")
-    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", "0.05",
-                       "--out", str(out)], out))
+    assert_ok(
+        run_cmd(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tokens.py"),
+                "--generated-mb",
+                "0.05",
+                "--out",
+                str(out),
+            ],
+            out,
+        )
+    )
     return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
 
 
@@ -68,8 +93,18 @@ def test_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(tmp
     """Rank 1 dies in the forward of step 25's first micro-batch; torchrun restarts all three from step 20's
     checkpoint."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--max-restarts=1",
-           str(REPO / "train.py"), *LM, *corpus, f"hydra.run.dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "--max-restarts=1",
+        str(REPO / "train.py"),
+        *LM,
+        *corpus,
+        f"hydra.run.dir={run}",
+    ]
     env = fault_env(tmp_path, phase="forward", k=24 * 3 + 1, rank=1, target="self", signal="SIGKILL")
     assert_ok(run_cmd(cmd, tmp_path, extra_env=env))
     log = (run / "train.log").read_text()
@@ -80,13 +115,17 @@ def test_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(tmp
     assert read_scalars(run)["train/loss"] == read_scalars(reference[3])["train/loss"]
 
 
-def test_three_ranks_sigterm_inside_a_step_evaluation_then_resume_auto_ends_bitwise(tmp_path, corpus, reference):
+def test_three_ranks_sigterm_inside_a_step_evaluation_then_resume_auto_ends_bitwise(
+    tmp_path, corpus, reference
+):
     """SIGTERM to rank 0 halfway through step 40's evaluation, mid-epoch (each evaluation's one batch takes 3
     s here, so the ranks' ~1 s stop check falls inside): every rank stops there with the evaluation pending;
     resume=auto evaluates step 40 first and trains on."""
     run = tmp_path / "run"
-    env = {**fault_env(tmp_path, phase="evaluation", k=2, rank=0, target="self", signal="SIGTERM"),
-           "SOAK_EVAL_DELAY_S": "3"}
+    env = {
+        **fault_env(tmp_path, phase="evaluation", k=2, rank=0, target="self", signal="SIGTERM"),
+        "SOAK_EVAL_DELAY_S": "3",
+    }
     proc = torchrun(3, LM + corpus + [f"hydra.run.dir={run}"], tmp_path, extra_env=env)
     result = json.loads((run / "result.json").read_text())
     assert proc.returncode != 0 and (result["status"], result["step"]) == ("preempted", 40), result
@@ -112,14 +151,28 @@ def test_four_ranks_sigterm_between_steps_then_resume_auto_ends_bitwise(tmp_path
     assert_same_checkpoint(reference[4] / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
 
 
-def test_fsdp_at_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(tmp_path, corpus, reference):
+def test_fsdp_at_three_ranks_a_rank_sigkilled_and_restarted_by_torchrun_ends_bitwise(
+    tmp_path, corpus, reference
+):
     """FSDP reduce-scatters into fixed shards (no re-bucketing): bitwise before the DDP fix too, kept so at 3
     ranks; its checkpoints are compared whole (read back from the shards)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--max-restarts=1",
-           str(REPO / "train.py"), *LM, "distributed=fsdp", *corpus, f"hydra.run.dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "--max-restarts=1",
+        str(REPO / "train.py"),
+        *LM,
+        "distributed=fsdp",
+        *corpus,
+        f"hydra.run.dir={run}",
+    ]
     env = fault_env(tmp_path, phase="backward", k=31 * 3 + 3, rank=2, target="self", signal="SIGKILL")
     assert_ok(run_cmd(cmd, tmp_path, extra_env=env))
     assert fired(tmp_path)["step"] == 31 and "torchrun restart 1" in (run / "train.log").read_text()
-    assert_same_checkpoint(load_whole(reference["fsdp"] / "checkpoints" / "last.pt"),
-                           load_whole(run / "checkpoints" / "last.pt"))
+    assert_same_checkpoint(
+        load_whole(reference["fsdp"] / "checkpoints" / "last.pt"), load_whole(run / "checkpoints" / "last.pt")
+    )

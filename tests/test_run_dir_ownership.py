@@ -7,16 +7,15 @@ check that the second is refused before writing, naming the holder, or gets its 
 
 from __future__ import annotations
 
-import pytest
 import json
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
-from omegaconf import OmegaConf
-
 from helpers.jobs import TRAIN, assert_ok, python_train
+from omegaconf import OmegaConf
 from test_preemption import finish, start, wait_for
 
 pytestmark = pytest.mark.slow  # simultaneous launches of real processes
@@ -59,8 +58,10 @@ def test_hydras_dated_dir_that_exists_is_never_reused(tmp_path):
 
 
 def test_two_runs_started_together_get_a_dir_each(tmp_path):
-    procs = [start([sys.executable, str(TRAIN), *SMALL, f"optimizer.lr={lr}"], tmp_path, tmp_path / f"{lr}.log")
-             for lr in (0.1, 0.01)]
+    procs = [
+        start([sys.executable, str(TRAIN), *SMALL, f"optimizer.lr={lr}"], tmp_path, tmp_path / f"{lr}.log")
+        for lr in (0.1, 0.01)
+    ]
     for p, lr in zip(procs, (0.1, 0.01)):
         finish(p, tmp_path / f"{lr}.log", timeout=240)
         assert p.returncode == 0, (tmp_path / f"{lr}.log").read_text()[-3000:]
@@ -79,7 +80,9 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_before_writing(tmp_
     first = start([*cmd, "optimizer.lr=0.1,0.05"], tmp_path, tmp_path / "first.log")
     wait_for(sw / "0" / ".hydra" / "overrides.yaml", first, tmp_path / "first.log")
     t0 = time.monotonic()
-    second = python_train(["-m", *SLOW, f"hydra.sweep.dir={sw}", "optimizer.lr=0.01,0.02"], tmp_path, timeout=120)
+    second = python_train(
+        ["-m", *SLOW, f"hydra.sweep.dir={sw}", "optimizer.lr=0.01,0.02"], tmp_path, timeout=120
+    )
     # and a single run named into the first sweep's job dir
     third = python_train([*SMALL, f"hydra.run.dir={sw / '1'}"], tmp_path, timeout=120)
     assert time.monotonic() - t0 < 60
@@ -89,7 +92,9 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_before_writing(tmp_
     for proc, where in ((second, sw), (third, sw)):
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert lines == [lines[0]] and lines[0].startswith(f"error: run dir {where} is in use by pid {first.pid} on ")
+        assert lines == [lines[0]] and lines[0].startswith(
+            f"error: run dir {where} is in use by pid {first.pid} on "
+        )
     assert "Fix: give this job another hydra.sweep.dir" in second.stderr
     for job, lr in (("0", 0.1), ("1", 0.05)):
         assert overrides(sw / job)[-1] == f"optimizer.lr={lr}" and trained_lr(sw / job) == lr

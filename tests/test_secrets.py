@@ -10,22 +10,34 @@ import socket
 from pathlib import Path
 
 import pytest
-
-from helpers.jobs import assert_ok, python_train
-from ddplab import redact
 from helpers.extras import needs
+from helpers.jobs import assert_ok, python_train
+
+from ddplab import redact
 
 needs("mlflow", "mlflow")
 
 PASSWORD, TOKEN = "S3cretPw9", "T0kenXyz7"
-ARGS = ["model=mlp", "num_epochs=1", "limit_train_steps=4", "log_every_n_steps=2", "progress=log",
-        "logger=[tensorboard,mlflow]", "+callbacks.up._target_=toy_callbacks.Uploader", f"+callbacks.up.token={TOKEN}",
-        "redact_keys=[callbacks.up.token]"]
+ARGS = [
+    "model=mlp",
+    "num_epochs=1",
+    "limit_train_steps=4",
+    "log_every_n_steps=2",
+    "progress=log",
+    "logger=[tensorboard,mlflow]",
+    "+callbacks.up._target_=toy_callbacks.Uploader",
+    f"+callbacks.up.token={TOKEN}",
+    "redact_keys=[callbacks.up.token]",
+]
 
 
 def holding(folder: Path, *secrets: str) -> list[str]:
     """Every file under ``folder`` whose bytes hold one of ``secrets``."""
-    return [str(p) for p in folder.rglob("*") if p.is_file() and any(s.encode() in p.read_bytes() for s in secrets)]
+    return [
+        str(p)
+        for p in folder.rglob("*")
+        if p.is_file() and any(s.encode() in p.read_bytes() for s in secrets)
+    ]
 
 
 def with_password(uri: str) -> str:
@@ -33,12 +45,17 @@ def with_password(uri: str) -> str:
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
-def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_nowhere(tmp_path, mlflow_server):
+def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_nowhere(
+    tmp_path, mlflow_server
+):
     from mlflow.tracking import MlflowClient
 
     run = tmp_path / "run"
-    proc = python_train(ARGS + [f"mlflow.tracking_uri={with_password(mlflow_server)}", f"hydra.run.dir={run}"],
-                        tmp_path, timeout=180)
+    proc = python_train(
+        ARGS + [f"mlflow.tracking_uri={with_password(mlflow_server)}", f"hydra.run.dir={run}"],
+        tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     assert (run / ".hydra" / "overrides.yaml").is_file() and (run / "checkpoints" / "last.pt").is_file()
     assert holding(run, PASSWORD, TOKEN) == []
@@ -48,7 +65,9 @@ def test_a_password_in_the_tracking_uri_and_a_redacted_key_are_written_and_said_
     # ... and yet the job used them: its MLflow run holds the masked values and the model artifact.
     run_id = __import__("json").loads((run / "mlflow.json").read_text())["run_id"]
     got = MlflowClient(mlflow_server).get_run(run_id).data
-    assert got.params["mlflow.tracking_uri"] == with_password(mlflow_server).replace(f"alice:{PASSWORD}", "***")
+    assert got.params["mlflow.tracking_uri"] == with_password(mlflow_server).replace(
+        f"alice:{PASSWORD}", "***"
+    )
     assert got.params["callbacks.up.token"] == "***" and "ddplab.model" in got.tags
     assert "***@" in (run / ".hydra" / "overrides.yaml").read_text()
 
@@ -59,8 +78,16 @@ def test_a_server_that_is_down_is_said_without_the_password(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = tmp_path / "run"
-    proc = python_train(ARGS + [f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:{port}", "mlflow.log_model=false",
-                                f"hydra.run.dir={run}"], tmp_path, timeout=180)
+    proc = python_train(
+        ARGS
+        + [
+            f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:{port}",
+            "mlflow.log_model=false",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     said = [ln for ln in out.splitlines() if "mlflow: cannot log to" in ln]
@@ -76,35 +103,59 @@ def test_a_sweep_writes_and_says_the_secrets_nowhere(tmp_path):
     did not read as a URI: the password sat in each job's .hydra/ copies, train.log, TensorBoard dir name (the
     override counted as swept), the sweep's summary and Hydra's console line of each job it launched."""
     sweep = tmp_path / "sweep"
-    proc = python_train(["-m", *ARGS, "seed=1,2", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
-                         "mlflow.log_model=false", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=240)
+    proc = python_train(
+        [
+            "-m",
+            *ARGS,
+            "seed=1,2",
+            f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
+            "mlflow.log_model=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert PASSWORD not in out and TOKEN not in out and holding(tmp_path, PASSWORD, TOKEN) == []
-    assert sorted(p.name for p in (sweep / "0").iterdir() if p.is_dir()) == [".hydra", "checkpoints", "seed=1"]
+    assert sorted(p.name for p in (sweep / "0").iterdir() if p.is_dir()) == [
+        ".hydra",
+        "checkpoints",
+        "seed=1",
+    ]
     assert "mlflow.tracking_uri=http\\://***@127.0.0.1\\:9" in (sweep / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("raw, masked", [
-    ("mlflow.tracking_uri=http://u:p@h:5000", "mlflow.tracking_uri=http://***@h:5000"),
-    ("study.storage=postgresql://ddp:pw@127.0.0.1:5432/studies", "study.storage=postgresql://***@127.0.0.1:5432/studies"),
-    ("https://hf_abc@huggingface.co/x", "https://***@huggingface.co/x"),
-    ("['+x.api_key=k1', 'seed=3']", "['+x.api_key=***', 'seed=3']"),
-    ("a=1,x.up.token=t,b=2", "a=1,x.up.token=***,b=2"),  # named in redact_keys
-    ("mailto-like user@host and tokenizer=bpe", "mailto-like user@host and tokenizer=bpe"),  # no URI, no key
-    # a sweep job's
-    ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),
-    ("'mlflow.tracking_uri=http\\\\://u\\\\:p@h'", "'mlflow.tracking_uri=http\\\\://***@h'"),  # its repr
-    # Hydra escapes = too
-    ("mlflow.tracking_uri=http\\://u\\:dG9rZW4\\=@h", "mlflow.tracking_uri=http\\://***@h"),
-    ("- db.password='my pw, 2',seed=1", "- db.password=***,seed=1"),  # quoted: a space or comma inside
-    # JSON's \n ends a host, no user info
-    ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),
-])
+@pytest.mark.parametrize(
+    "raw, masked",
+    [
+        ("mlflow.tracking_uri=http://u:p@h:5000", "mlflow.tracking_uri=http://***@h:5000"),
+        (
+            "study.storage=postgresql://ddp:pw@127.0.0.1:5432/studies",
+            "study.storage=postgresql://***@127.0.0.1:5432/studies",
+        ),
+        ("https://hf_abc@huggingface.co/x", "https://***@huggingface.co/x"),
+        ("['+x.api_key=k1', 'seed=3']", "['+x.api_key=***', 'seed=3']"),
+        ("a=1,x.up.token=t,b=2", "a=1,x.up.token=***,b=2"),  # named in redact_keys
+        (
+            "mailto-like user@host and tokenizer=bpe",
+            "mailto-like user@host and tokenizer=bpe",
+        ),  # no URI, no key
+        # a sweep job's
+        ("mlflow.tracking_uri=http\\://u\\:p@h\\:5000", "mlflow.tracking_uri=http\\://***@h\\:5000"),
+        ("'mlflow.tracking_uri=http\\\\://u\\\\:p@h'", "'mlflow.tracking_uri=http\\\\://***@h'"),  # its repr
+        # Hydra escapes = too
+        ("mlflow.tracking_uri=http\\://u\\:dG9rZW4\\=@h", "mlflow.tracking_uri=http\\://***@h"),
+        ("- db.password='my pw, 2',seed=1", "- db.password=***,seed=1"),  # quoted: a space or comma inside
+        # JSON's \n ends a host, no user info
+        ('{"e": "http://h:5000\\nuser@x"}', '{"e": "http://h:5000\\nuser@x"}'),
+    ],
+)
 def test_what_is_masked(raw, masked):
     assert redact.text(raw, ["x.up.token"]) == masked
     assert redact.node({"x": {"password": "p", "n": None, "uri": "tcp://a:b@h"}}) == {
-        "x": {"password": "***", "n": None, "uri": "tcp://***@h"}}
+        "x": {"password": "***", "n": None, "uri": "tcp://***@h"}
+    }
 
 
 @pytest.mark.slow  # mode=verify_resume: three runs, each a process
@@ -113,25 +164,49 @@ def test_verify_resume_hands_its_runs_their_config_without_writing_the_secrets(t
     the redacted key stayed there, unmasked, after the job (the runs need the real values: they get them on a
     pipe)."""
     run = tmp_path / "run"
-    proc = python_train(ARGS + ["mode=verify_resume", f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
-                                "mlflow.log_model=false", f"hydra.run.dir={run}"], tmp_path, timeout=240)
+    proc = python_train(
+        ARGS
+        + [
+            "mode=verify_resume",
+            f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
+            "mlflow.log_model=false",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "verify_resume: PASS" in out, out[-3000:]
-    assert sorted(p.name for p in (run / "verify_resume").iterdir() if p.is_dir()) == ["resumed", "uninterrupted"]
+    assert sorted(p.name for p in (run / "verify_resume").iterdir() if p.is_dir()) == [
+        "resumed",
+        "uninterrupted",
+    ]
     assert PASSWORD not in out and TOKEN not in out and holding(run, PASSWORD, TOKEN) == []
 
 
 def test_what_a_pickling_launcher_is_refused():
     """A secret written out is found wherever it sits; one that an interpolation fetches where the job runs is
     not."""
-    cfg = {"mlflow": {"tracking_uri": "http://${oc.env:U}:${oc.env:P}@h", "experiment": None},
-           "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3, "secret": "", "password": None},
-           "study": {"storage": "postgresql://ddp:pw@127.0.0.1/s", "other": "postgresql://u:pw@${oc.env:HOST}/db"},
-           "upload": {"auth": {"user": "u"}},  # a whole node named in redact_keys
-           "hydra": {"overrides": {"task": ["seed=1", "+x.password=p", "mlflow.tracking_uri=http://${oc.env:U}@h"]}}}
+    cfg = {
+        "mlflow": {"tracking_uri": "http://${oc.env:U}:${oc.env:P}@h", "experiment": None},
+        "cb": {"token": "t", "api_key": "${oc.env:K}", "n": 3, "secret": "", "password": None},
+        "study": {
+            "storage": "postgresql://ddp:pw@127.0.0.1/s",
+            "other": "postgresql://u:pw@${oc.env:HOST}/db",
+        },
+        "upload": {"auth": {"user": "u"}},  # a whole node named in redact_keys
+        "hydra": {
+            "overrides": {"task": ["seed=1", "+x.password=p", "mlflow.tracking_uri=http://${oc.env:U}@h"]}
+        },
+    }
     assert redact.written_out(cfg, ["cb.token", "upload"]) == [
-        "cb.token", "study.storage", "study.other", "upload", "hydra.overrides.task[1]"]
+        "cb.token",
+        "study.storage",
+        "study.other",
+        "upload",
+        "hydra.overrides.task[1]",
+    ]
 
 
 @pytest.mark.slow  # a process
@@ -140,13 +215,26 @@ def test_a_submitit_sweep_refuses_a_secret_it_would_pickle_unmasked(tmp_path):
     load: the password sat there unmasked (the .hydra copies were masked). Refused in one line before a file
     is written."""
     sweep = tmp_path / "sweep"
-    proc = python_train(["-m", "hydra/launcher=submitit_local", *ARGS[:5], "seed=1,2", f"hydra.sweep.dir={sweep}",
-                         f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9"], tmp_path, timeout=120)
+    proc = python_train(
+        [
+            "-m",
+            "hydra/launcher=submitit_local",
+            *ARGS[:5],
+            "seed=1,2",
+            f"hydra.sweep.dir={sweep}",
+            f"mlflow.tracking_uri=http://alice:{PASSWORD}@127.0.0.1:9",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert [ln for ln in out.splitlines() if ln.strip()] == [
-        f"config error: mlflow.tracking_uri holds a secret, and submitit (LocalLauncher) would write it unmasked into "
+        "config error: mlflow.tracking_uri holds a secret, and submitit (LocalLauncher) would write it "
+        "unmasked into "
         f"{sweep}/.submitit/. Fix: keep it in the environment: a tracking URI's user and password as "
-        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL storage's as PGPASSWORD, any other value as "
-        "${oc.env:YOUR_VARIABLE}"]
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL storage's as PGPASSWORD, any other "
+        "value as "
+        "${oc.env:YOUR_VARIABLE}"
+    ]
     assert PASSWORD not in out and holding(tmp_path, PASSWORD) == [] and not sweep.exists()

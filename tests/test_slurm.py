@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers.jobs import TRAIN, job_env, read_scalars, run_cmd
 from helpers.compare import last_weights, result
+from helpers.jobs import TRAIN, job_env, read_scalars, run_cmd
 from soak_toy import check_intervals
 
 # One xdist worker takes them in turn (--dist loadgroup): the one-node cluster runs one 2-task job at a time,
@@ -26,8 +25,17 @@ pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 SMALL = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=log"]
 # Each training forward sleeps: a run long enough to meet its time limit (88 steps x 0.6 s, 2 ranks).
 SLOW = ["model=mlp", "model._target_=toy.SlowMLP", "num_epochs=4", "log_every_n_steps=5", "progress=log"]
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-        "DEADLINE"}
+DONE = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _cluster_up() -> str | None:
@@ -54,8 +62,13 @@ def _a_cluster() -> None:
 def sbatch(tmp_path: Path, body: str, options: list[str]) -> str:
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n" + body + "\n")
-    out = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm-%j.out", *options,
-                          str(script)], capture_output=True, text=True, env=job_env(), timeout=60)
+    out = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=slurm-%j.out", *options, str(script)],
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -70,7 +83,11 @@ def release(job: str, info: dict[str, str]) -> None:
     requeue); an operator may release it early, as these tests do to stay short. Not at once: slurmd
     refuses to start a job whose credential it revoked within the same second ("Job credential
     revoked"; the job then fails), so the release waits 3 s after the requeue (the new SubmitTime)."""
-    if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts") != "0":
+    if (
+        info.get("JobState") == "PENDING"
+        and info.get("Reason") == "BeginTime"
+        and info.get("Restarts") != "0"
+    ):
         requeued = time.mktime(time.strptime(info["SubmitTime"], "%Y-%m-%dT%H:%M:%S"))
         if time.time() - requeued >= 3:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
@@ -113,8 +130,10 @@ def test_sbatch_with_srun_tasks_as_ranks(tmp_path):
 
 def test_srun_one_task_running_torchrun(tmp_path):
     t0 = time.monotonic()
-    cmd = (f"srun {sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2 {TRAIN} "
-           + " ".join(SMALL))
+    cmd = (
+        f"srun {sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2 {TRAIN} "
+        + " ".join(SMALL)
+    )
     job = sbatch(tmp_path, cmd, ["--ntasks=1", "--cpus-per-task=2"])
     info = wait_job(job, tmp_path)
     secs = time.monotonic() - t0
@@ -132,10 +151,23 @@ def test_srun_one_task_running_torchrun(tmp_path):
 def test_submitit_slurm_sweep_of_two_jobs_with_two_tasks_each(tmp_path):
     t0 = time.monotonic()
     sweep = tmp_path / "sweep"
-    proc = run_cmd([sys.executable, str(TRAIN), "-m", "hydra/launcher=submitit_slurm",
-                    "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2",
-                    "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", "optimizer.lr=0.1,0.05", *SMALL],
-                   tmp_path, timeout=300)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(TRAIN),
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.mem_gb=2",
+            "hydra.launcher.timeout_min=10",
+            f"hydra.sweep.dir={sweep}",
+            "optimizer.lr=0.1,0.05",
+            *SMALL,
+        ],
+        tmp_path,
+        timeout=300,
+    )
     secs = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     accs = {}
@@ -171,8 +203,21 @@ def reference(tmp_path_factory) -> Path:
     numbers are the same with none)."""
     tmp_path = tmp_path_factory.mktemp("reference")
     ref = tmp_path / "ref"
-    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
-                    *SLOW, "+model.delay_s=0", f"hydra.run.dir={ref}"], tmp_path, timeout=240)
+    proc = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(TRAIN),
+            *SLOW,
+            "+model.delay_s=0",
+            f"hydra.run.dir={ref}",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ref
 
@@ -183,7 +228,10 @@ def _assert_same_as_uninterrupted(run: Path, ref: Path) -> None:
     s, t = read_scalars(run)["train/loss"], read_scalars(ref)["train/loss"]
     # A stop between log steps logs the interval so far before its checkpoint: the run's log steps are the
     # reference's plus its stop steps, each once, and each reference interval's mean is kept.
-    stops = {int(n) for n in re.findall(r"preempted: stopped by \S+ at step (\d+)", (run / "train.log").read_text())}
+    stops = {
+        int(n)
+        for n in re.findall(r"preempted: stopped by \S+ at step (\d+)", (run / "train.log").read_text())
+    }
     assert [st for st, _ in s] == sorted({st for st, _ in t} | stops)  # each step logged once, none missing
     assert check_intervals("train/loss", dict(s), dict(t)) == []
     assert result(run)["status"] == "completed"
@@ -200,8 +248,11 @@ def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
     lead = 90
     t0 = time.monotonic()
     # An array job (of one task): ddplab names it <array job>_<task>, for its run dir and for the requeue.
-    array = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=1.5"]),
-                   ["--ntasks=2", "--cpus-per-task=1", "--time=3", f"--signal=USR1@{lead}", "--requeue", "--array=1"])
+    array = sbatch(
+        tmp_path,
+        srun_train([*SLOW, "+model.delay_s=1.5"]),
+        ["--ntasks=2", "--cpus-per-task=1", "--time=3", f"--signal=USR1@{lead}", "--requeue", "--array=1"],
+    )
     job = f"{array}_1"
     info = wait_job(job, tmp_path, timeout=800)
     secs = time.monotonic() - t0
@@ -220,12 +271,16 @@ def test_time_limit_requeues_and_resumes_bitwise(tmp_path, reference):
     resumed = re.findall(r"resumed from \S+: \d+ epoch\(s\), (\d+) step\(s\) done", log)
     assert resumed == stops, (resumed, stops)
     _assert_same_as_uninterrupted(run, reference)
-    print(f"time limit: {requeues} requeue(s) at steps {stops}, signal -> checkpoint {lag} s, bitwise equal, "
-          f"{secs:.0f} s submit to end")
+    print(
+        f"time limit: {requeues} requeue(s) at steps {stops}, signal -> checkpoint {lag} s, bitwise equal, "
+        f"{secs:.0f} s submit to end"
+    )
 
 
 def test_operator_requeue_resumes_bitwise(tmp_path, reference):
-    job = sbatch(tmp_path, srun_train([*SLOW, "+model.delay_s=0.1"]), ["--ntasks=2", "--cpus-per-task=1", "--requeue"])
+    job = sbatch(
+        tmp_path, srun_train([*SLOW, "+model.delay_s=0.1"]), ["--ntasks=2", "--cpus-per-task=1", "--requeue"]
+    )
     run = tmp_path / "outputs" / f"slurm-{job}"
     t0 = time.monotonic()
     while "epoch 1 step 10/" not in (run / "train.log").read_text() if (run / "train.log").exists() else True:
@@ -249,18 +304,30 @@ def test_submitit_preemption_checkpoints_then_submitit_requeues(tmp_path, refere
     """submitit's protocol: its signal (USR2) reaches ddplab first, which checkpoints at the next agreed
     step, then hands the signal to submitit's handler, which resubmits the job and requeues it."""
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(TRAIN), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
-           "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2", f"hydra.sweep.dir={sweep}",
-           # submitit counts a signal in the last 20 % (or 10 min) of the time limit as a time-out, and
-           # requeues those only max_num_timeout times (0 by default); 60 min: this one is a preemption.
-           "hydra.launcher.timeout_min=60", *SLOW, "+model.delay_s=0.15"]
+    cmd = [
+        sys.executable,
+        str(TRAIN),
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=2",
+        f"hydra.sweep.dir={sweep}",
+        # submitit counts a signal in the last 20 % (or 10 min) of the time limit as a time-out, and
+        # requeues those only max_num_timeout times (0 by default); 60 min: this one is a preemption.
+        "hydra.launcher.timeout_min=60",
+        *SLOW,
+        "+model.delay_s=0.15",
+    ]
     with open(tmp_path / "sweep.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
         log = sweep / "0" / "train.log"
         t0 = time.monotonic()
         while not (log.exists() and "epoch 1 step 10/" in log.read_text()):
-            assert time.monotonic() - t0 < 120 and proc.poll() is None, (tmp_path / "sweep.log").read_text()[-3000:]
+            assert time.monotonic() - t0 < 120 and proc.poll() is None, (tmp_path / "sweep.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.2)
         job = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()[0]
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
@@ -289,18 +356,33 @@ def test_a_study_run_by_a_slurm_array_of_two_workers(tmp_path):
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     study, journal = tmp_path / "study", tmp_path / "journal.log"
-    args = ["hparams_search=study", f"study.dir={study}", f"study.storage=journal:{journal}", "study.n_trials=4",
-            "study.pruner=null", "model=mlp", "num_epochs=2", "limit_train_steps=4", "progress=log"]
+    args = [
+        "hparams_search=study",
+        f"study.dir={study}",
+        f"study.storage=journal:{journal}",
+        "study.n_trials=4",
+        "study.pruner=null",
+        "model=mlp",
+        "num_epochs=2",
+        "limit_train_steps=4",
+        "progress=log",
+    ]
     job = sbatch(tmp_path, srun_train(args), ["--array=0-1", "--ntasks=1", "--cpus-per-task=1"])
     infos = [wait_job(f"{job}_{i}", tmp_path) for i in (0, 1)]
     logs = "\n".join(p.read_text()[-2000:] for p in tmp_path.glob("slurm-*.out"))
     assert [i["JobState"] for i in infos] == ["COMPLETED", "COMPLETED"], logs
-    told = optuna.load_study(study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal))))
+    told = optuna.load_study(
+        study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal)))
+    )
     assert [t.state.name for t in told.get_trials()] == ["COMPLETE"] * 4
     for t in told.get_trials():
         assert result(study / str(t.number))["trial"]["value"] == t.value
-    ran = [int(n) for n in re.findall(r"trial (\d+) \(", "\n".join(
-        p.read_text() for p in tmp_path.glob("outputs/slurm-*/train.log")))]
+    ran = [
+        int(n)
+        for n in re.findall(
+            r"trial (\d+) \(", "\n".join(p.read_text() for p in tmp_path.glob("outputs/slurm-*/train.log"))
+        )
+    ]
     assert sorted(ran) == [0, 1, 2, 3], ran  # each trial once, over the two array tasks
 
 
@@ -308,10 +390,23 @@ def test_a_soak_trial_under_srun_resumes_bitwise(tmp_path):
     """scripts/soak.py --slurm: srun launches the 2 ranks; SIGUSR1 to srun itself, which forwards it to them:
     the job is preempted with its checkpoint, resumed under srun and bitwise its uninterrupted (torchrun)
     twin."""
-    proc = run_cmd([sys.executable, "scripts/soak.py", "--slurm", "--only", "106647342", "--workdir", str(tmp_path / "s")],
-                   Path(TRAIN).parent, timeout=300)
+    proc = run_cmd(
+        [
+            sys.executable,
+            "scripts/soak.py",
+            "--slurm",
+            "--only",
+            "106647342",
+            "--workdir",
+            str(tmp_path / "s"),
+        ],
+        Path(TRAIN).parent,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     # the trial that seed draws (its feature in play, drawn since, is EMA): the label's words, any spacing
-    assert re.search(r"slurm\s+x2 ddp\s+stream\s+train\s+ema\s+SIGUSR1->launcher@backward", proc.stdout), proc.stdout
+    assert re.search(r"slurm\s+x2 ddp\s+stream\s+train\s+ema\s+SIGUSR1->launcher@backward", proc.stdout), (
+        proc.stdout
+    )
     assert re.search(r"preempted at step \d+ \(SIGUSR1\), exit 138", proc.stdout), proc.stdout[-2000:]
     assert "1/1 trials held" in proc.stdout

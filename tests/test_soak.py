@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.jobs import REPO, run_cmd
 from soak_plan import DIMENSIONS, SLURM, draw, pairwise_plan, plan_parts, plan_trials, trial_seeds, valid
 
@@ -34,8 +33,9 @@ def extends(partial: dict[str, object]) -> bool:
     rest = [n for n in DIMENSIONS if n not in partial]
 
     def search(trial: dict[str, object], i: int) -> bool:
-        return i == len(rest) or any(valid(t) and search(t, i + 1)
-                                     for t in ({**trial, rest[i]: v} for v in DIMENSIONS[rest[i]]))
+        return i == len(rest) or any(
+            valid(t) and search(t, i + 1) for t in ({**trial, rest[i]: v} for v in DIMENSIONS[rest[i]])
+        )
 
     return valid(partial) and search(partial, 0)
 
@@ -43,8 +43,13 @@ def extends(partial: dict[str, object]) -> bool:
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
     # Valid pairs, found the slow way: those some trial satisfying every constraint contains.
-    every = {((a, va), (b, vb)) for a, b in itertools.combinations(DIMENSIONS, 2) for va in DIMENSIONS[a]
-             for vb in DIMENSIONS[b] if extends({a: va, b: vb})}
+    every = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(DIMENSIONS, 2)
+        for va in DIMENSIONS[a]
+        for vb in DIMENSIONS[b]
+        if extends({a: va, b: vb})
+    }
     plan = pairwise_plan()
     assert all(valid(trial) for trial in plan)
     missing = every - set().union(*map(pairs_of, plan))
@@ -54,14 +59,19 @@ def test_the_pairwise_plan_covers_every_valid_pair_and_is_deterministic(capsys):
 
     assert soak.main(["--pairwise", "--plan"]) == 0
     out = capsys.readouterr().out
-    assert f"covers {len(every)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(plan)} trials" in out
+    assert (
+        f"covers {len(every)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(plan)} trials"
+        in out
+    )
     assert len([line for line in out.splitlines() if " fsdp " in line]) >= 3  # printed like any drawn trial
     # A failure's rerun command names the plan's seed and the trial's; a seed the plan does not hold: one
     # line, exit 2.
     assert soak.main(["--pairwise", "--seed", "0", "--only", "5", "--plan"]) == 2
-    assert capsys.readouterr().err == ("soak.py: --only 5: no trial of the pairwise plan of --seed 0 has that seed. Fix: "
-                                       "the --seed the failure printed (python scripts/soak.py --pairwise --seed 0 --plan "
-                                       "lists its trials), or drop --pairwise for a trial drawn at random\n")
+    assert capsys.readouterr().err == (
+        "soak.py: --only 5: no trial of the pairwise plan of --seed 0 has that seed. Fix: "
+        "the --seed the failure printed (python scripts/soak.py --pairwise --seed 0 --plan "
+        "lists its trials), or drop --pairwise for a trial drawn at random\n"
+    )
     first = plan_trials(0)[0]
     assert first.rerun() == f"python scripts/soak.py --pairwise --seed 0 --only {first.seed} --keep"
     assert soak.main(["--pairwise", "--only", str(first.seed), "--plan"]) == 0
@@ -90,13 +100,17 @@ def test_an_fsdp_checkpoint_compares_by_the_weights_its_shards_hold(tmp_path):
     file has none (``sharded`` names the shards' dir), so comparing the step files alone compared nothing."""
     import torch
     import torch.distributed.checkpoint as dcp
-
     from helpers.compare import load_whole, same
 
     for name, w in (("a", 1.0), ("b", 1.0 + 2**-20)):
-        dcp.save({"model": {"w": torch.full((3,), w)}, "optimizer": {"state": {"w": {"exp_avg": torch.zeros(3)}}}},
-                 checkpoint_id=str(tmp_path / name / "step-00000004.dcp"), no_dist=True)
-        torch.save({"loop": {"step": 4}, "sharded": {"sidecar": "step-00000004.dcp"}}, tmp_path / name / "last.pt")
+        dcp.save(
+            {"model": {"w": torch.full((3,), w)}, "optimizer": {"state": {"w": {"exp_avg": torch.zeros(3)}}}},
+            checkpoint_id=str(tmp_path / name / "step-00000004.dcp"),
+            no_dist=True,
+        )
+        torch.save(
+            {"loop": {"step": 4}, "sharded": {"sidecar": "step-00000004.dcp"}}, tmp_path / name / "last.pt"
+        )
     a, b = load_whole(tmp_path / "a" / "last.pt"), load_whole(tmp_path / "b" / "last.pt")
     assert sorted(a) == ["loop", "model", "optimizer"] and a["model"]["w"].tolist() == [1.0, 1.0, 1.0]
     assert same(a["model"], b["model"], "model") == "model.w"  # one ulp-scale change in the shards is seen
@@ -111,8 +125,10 @@ def this_commits_part() -> tuple[int, int]:
     commits run consecutive parts (a shallow clone counts 1: there, the commit hash picks)."""
     if os.environ.get("DDPLAB_SOAK_PART"):
         return soak.part(os.environ["DDPLAB_SOAK_PART"])
-    # noqa: E731
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
     shallow = git("rev-parse", "--is-shallow-repository") != "false"
     n = int(git("rev-parse", "HEAD")[:8] or "0", 16) if shallow else int(git("rev-list", "--count", "HEAD"))
     return n % CI_PARTS + 1, CI_PARTS
@@ -128,7 +144,7 @@ def test_the_plans_parts_each_hold_every_value_and_together_the_plan(capsys):
         assert sorted(i for p in parts for i in p) == list(range(len(plan)))  # each trial in exactly one part
         held = [{item for i in p for item in plan[i].items()} for p in parts]
         if n > 4:  # n/4 consecutive parts: one of the 4-way deal's
-            held = [set().union(*held[j:j + n // 4]) for j in range(0, n, n // 4)]
+            held = [set().union(*held[j : j + n // 4]) for j in range(0, n, n // 4)]
         assert held == [values] * len(held), n
         loads = sorted(sum(load[i] for i in p) for p in parts)
         assert loads[-1] - loads[0] <= max(load), loads  # balanced to within one trial
@@ -139,8 +155,10 @@ def test_the_plans_parts_each_hold_every_value_and_together_the_plan(capsys):
     every = plan_trials(0)
     assert out[:-1] == [f"{every[i].seed:10d} {every[i].label()}" for i in plan_parts(4)[1]]
     assert out[-1].endswith(f"in {len(plan_parts(4)[1])} trials, {len(values)}/{len(values)} of their values")
-    for argv, said in ((["--part", "1/4"], "--part deals the --pairwise plan into parts: add --pairwise"),
-                       (["--pairwise", "--part", "5/4"], "argument --part: '5/4': K/N with 1 <= K <= N, as 2/4")):
+    for argv, said in (
+        (["--part", "1/4"], "--part deals the --pairwise plan into parts: add --pairwise"),
+        (["--pairwise", "--part", "5/4"], "argument --part: '5/4': K/N with 1 <= K <= N, as 2/4"),
+    ):
         with pytest.raises(SystemExit) as e:
             soak.main(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err
@@ -152,8 +170,21 @@ def test_the_pairwise_soak_plan_holds_every_invariant(tmp_path):
     # of every dimension, every pair over CI_PARTS commits (the whole plan: python scripts/soak.py
     # --pairwise).
     k, n = this_commits_part()
-    proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--pairwise", "--part", f"{k}/{n}", "--jobs",
-                    "2", "--workdir", str(tmp_path / "soak")], tmp_path, timeout=1500)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--pairwise",
+            "--part",
+            f"{k}/{n}",
+            "--jobs",
+            "2",
+            "--workdir",
+            str(tmp_path / "soak"),
+        ],
+        tmp_path,
+        timeout=1500,
+    )
     trials = len(plan_parts(n)[k - 1])
     assert proc.returncode == 0, f"part {k}/{n}: " + proc.stdout[-6000:] + proc.stderr[-3000:]
     assert f"{trials}/{trials} trials held" in proc.stdout, f"part {k}/{n}: {proc.stdout[-3000:]}"
@@ -173,14 +204,27 @@ def test_a_stopped_soak_ends_its_trials_and_its_mlflow_server(tmp_path):
 
     seed = 1930549411  # torchrun x2, MLflow up, six steps of 1.3 s: still training when stopped
     assert draw(seed).tracking == "mlflow" and draw(seed).server == "up" and draw(seed).launcher == "torchrun"
-    driver = subprocess.Popen([sys.executable, str(REPO / "scripts" / "soak.py"), "--only", str(seed), "--workdir",
-                               str(tmp_path / "soak")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--only",
+            str(seed),
+            "--workdir",
+            str(tmp_path / "soak"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ours, deadline = f"-{driver.pid}-", time.time() + 120
     kinds: set[str] = set()
     while kinds != {"servers", "job"} and time.time() < deadline and driver.poll() is None:
         time.sleep(0.2)
-        kinds = {"servers" if b"SOAK_TRIAL_ID=soak-%d-servers" % driver.pid in environ(p) else "job"
-                 for p in trial_pids(ours, containing=True)}
+        kinds = {
+            "servers" if b"SOAK_TRIAL_ID=soak-%d-servers" % driver.pid in environ(p) else "job"
+            for p in trial_pids(ours, containing=True)
+        }
     assert kinds == {"servers", "job"}, f"never saw the trial's job and the server: {kinds}"
     os.kill(driver.pid, signal.SIGTERM)
     assert driver.wait(10) == 128 + signal.SIGTERM
@@ -200,15 +244,32 @@ def test_a_stopped_soak_of_two_trials_at_a_time_leaves_nothing_and_reports_no_tr
 
     from soak_toy import trial_pids
 
-    driver = subprocess.Popen([sys.executable, str(REPO / "scripts" / "soak.py"), "--trials", "12", "--seed", "7",
-                               "--jobs", "2", "--workdir", str(tmp_path / "soak")], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--trials",
+            "12",
+            "--seed",
+            "7",
+            "--jobs",
+            "2",
+            "--workdir",
+            str(tmp_path / "soak"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ours, deadline, trials = f"-{driver.pid}-", time.time() + 120, set()
     try:
         # two trials' jobs running
         while len(trials) < 2 and time.time() < deadline and driver.poll() is None:
             time.sleep(0.2)
-            ids = {environ(p).split(b"SOAK_TRIAL_ID=")[-1].split(b"\0")[0] for p in trial_pids(ours, containing=True)}
+            ids = {
+                environ(p).split(b"SOAK_TRIAL_ID=")[-1].split(b"\0")[0]
+                for p in trial_pids(ours, containing=True)
+            }
             trials = {i for i in ids if not i.startswith(b"soak-ref-") and not i.endswith(b"-servers")}
         assert len(trials) == 2, f"never saw two trials running: {trials}"
     finally:
@@ -247,7 +308,9 @@ print(said, subprocess.run(["true"]).returncode)  # the stop's own processes (sq
 def test_once_stopped_the_soaks_trial_threads_start_no_process():
     """The race a stop loses otherwise: a trial's thread starting a process after the stop's last scan."""
     out = subprocess.run([sys.executable, "-c", GATE, str(REPO)], capture_output=True, text=True, timeout=60)
-    assert out.stdout == "['started', 'the soak was stopped: its trials start no more processes'] 0\n", out.stderr
+    assert out.stdout == "['started', 'the soak was stopped: its trials start no more processes'] 0\n", (
+        out.stderr
+    )
 
 
 def environ(pid: int) -> bytes:
@@ -262,14 +325,35 @@ def test_minutes_bound_only_a_run_drawn_at_random(capsys):
     for plan in (["--pairwise"], ["--only", "5"]):
         with pytest.raises(SystemExit) as e:
             soak.main([*plan, "--minutes", "10"])
-        assert e.value.code == 2 and "the pairwise plan and --only run whole: drop --minutes" in capsys.readouterr().err
+        assert (
+            e.value.code == 2
+            and "the pairwise plan and --only run whole: drop --minutes" in capsys.readouterr().err
+        )
 
 
 @pytest.mark.slow
 def test_a_soak_bounded_in_time_starts_no_trial_after_it_and_says_where_to_go_on(tmp_path):
-    proc = run_cmd([sys.executable, str(REPO / "scripts" / "soak.py"), "--trials", "3", "--seed", "1", "--first",
-                    "2", "--minutes", "0", "--workdir", str(tmp_path / "soak")], tmp_path, timeout=120)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--trials",
+            "3",
+            "--seed",
+            "1",
+            "--first",
+            "2",
+            "--minutes",
+            "0",
+            "--workdir",
+            str(tmp_path / "soak"),
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--minutes: stopped starting trials after 0 of 2; --first 2 continues with the same --trials and --seed" \
-        in proc.stdout
+    assert (
+        "--minutes: stopped starting trials after 0 of 2; --first 2 continues with the same --trials and "
+        "--seed" in proc.stdout
+    )
     assert "0/0 trials held" in proc.stdout and not list((tmp_path / "soak").glob("trial-*"))

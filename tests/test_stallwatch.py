@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers.jobs import assert_ok, torchrun
+
 from ddplab.runtime.watch import StallWatch
 
 
@@ -78,8 +78,10 @@ def test_a_silent_rank_is_named_and_without_a_store_it_only_asks():
     bare._done.set()
     steps(bare, [0.0, 0.01, 0.02])
     bare.phase = "backward"
-    assert bare.verdict(8.0).endswith("waiting for another rank in a collective? (the job fails after "
-                                      "distributed.timeout_s=30.0, naming the rank(s) that never arrived)")
+    assert bare.verdict(8.0).endswith(
+        "waiting for another rank in a collective? (the job fails after "
+        "distributed.timeout_s=30.0, naming the rank(s) that never arrived)"
+    )
 
 
 def test_evaluation_and_checkpoints_are_not_steps():
@@ -95,7 +97,18 @@ def test_evaluation_and_checkpoints_are_not_steps():
 def test_two_ranks_equally_slow_say_nothing(tmp_path):
     """Every step takes 6 s on both ranks (a big model, emulated bf16): no rank waits for another, so no rank
     says it does — the old watch blamed a peer at step 1 ("has run 5s ... waiting for another rank")."""
-    proc = torchrun(2, ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=6", "num_epochs=1",
-                        "limit_train_steps=3", "progress=log"], tmp_path, timeout=180)
+    proc = torchrun(
+        2,
+        [
+            "model=mlp",
+            "model._target_=toy.SlowMLP",
+            "+model.delay_s=6",
+            "num_epochs=1",
+            "limit_train_steps=3",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=180,
+    )
     assert_ok(proc)
     assert "has run" not in proc.stdout + proc.stderr

@@ -11,28 +11,47 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import ddplab
 from helpers.compare import assert_same_checkpoint
 from helpers.jobs import REPO, assert_ok, compose_cfg, ranks, read_scalars, run_cmd
+
+import ddplab
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import tokens
-from ddplab.train.length import RunLength
 from ddplab.optim import cosine
+from ddplab.train.length import RunLength
 
 # A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so
 # 150 steps cross two epoch ends, which a step cadence does not evaluate, and every evaluation falls
 # mid-epoch).
-LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
-      "batch_size=48", "progress=log"]
+LM = [
+    "task=lm",
+    "dataset=tokens",
+    "dataset.block_size=16",
+    "model.n_embd=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "batch_size=48",
+    "progress=log",
+]
 STEPS = ["num_epochs=null", "max_steps=150", "eval_every_n_steps=25", "log_every_n_steps=25"]
 
 
 def _corpus(tmp_path_factory, mb: float) -> list[str]:
     out = tmp_path_factory.mktemp("corpus")
-    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", str(mb), "--out",
-                       str(out)], out))
+    assert_ok(
+        run_cmd(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tokens.py"),
+                "--generated-mb",
+                str(mb),
+                "--out",
+                str(out),
+            ],
+            out,
+        )
+    )
     return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
 
 
@@ -85,7 +104,9 @@ def test_how_often_a_run_evaluates_changes_no_weight_and_best_pt_follows_step_ev
     """Evaluations keep training's random streams where they were (dropout here): weights are bitwise the same
     whatever eval_every_n_steps; best.pt is the best step evaluation's."""
     args = LM + corpus + ["model.dropout=0.2", "num_epochs=null", "max_steps=60", "log_every_n_steps=7"]
-    out = {n: ddplab.run(compose_cfg(args + [f"eval_every_n_steps={n}"], tmp_path / str(n))) for n in (0, 7, 20)}
+    out = {
+        n: ddplab.run(compose_cfg(args + [f"eval_every_n_steps={n}"], tmp_path / str(n))) for n in (0, 7, 20)
+    }
     for n in (7, 20):
         assert_same_checkpoint(last(tmp_path / "0"), last(tmp_path / str(n)))
     assert [s for s, _ in val_points(tmp_path / "0")] == [60]  # no cadence: the run's last step only
@@ -99,14 +120,23 @@ def test_how_often_a_run_evaluates_changes_no_weight_and_best_pt_follows_step_ev
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus, caplog):
     caplog.set_level("INFO", logger="ddplab")
-    both = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=1", "max_steps=1000", "log_every_n_steps=50"],
-                                  tmp_path / "epochs_first"))
+    both = ddplab.run(
+        compose_cfg(
+            LM + corpus + ["num_epochs=1", "max_steps=1000", "log_every_n_steps=50"],
+            tmp_path / "epochs_first",
+        )
+    )
     assert both["step"] == 245 and both["epoch"] == 1
     log, _ = caplog.text, caplog.clear()
-    assert ("245 steps/epoch x 1 epochs = 245 steps (num_epochs ends before max_steps=1,000; num_epochs=null "
-            "trains by steps alone)") in log
-    first = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=3", "max_steps=250", "log_every_n_steps=50"],
-                                   tmp_path / "steps_first"))
+    assert (
+        "245 steps/epoch x 1 epochs = 245 steps (num_epochs ends before max_steps=1,000; num_epochs=null "
+        "trains by steps alone)"
+    ) in log
+    first = ddplab.run(
+        compose_cfg(
+            LM + corpus + ["num_epochs=3", "max_steps=250", "log_every_n_steps=50"], tmp_path / "steps_first"
+        )
+    )
     assert first["step"] == 250 and first["epoch"] == 1  # one whole epoch, then 5 steps of the second
     log = caplog.text
     assert "250 steps (max_steps ends first; num_epochs=3 would be 735; 245 steps/epoch)" in log
@@ -114,9 +144,12 @@ def test_num_epochs_and_max_steps_whichever_ends_first_and_said(tmp_path, corpus
     assert [s for s, _ in val_points(tmp_path / "steps_first")] == [245, 250]
     # The progress line: the task's own metrics only (no acc for a language model), tokens/s, an ETA.
     line = next(x for x in log.splitlines() if " step 50/250 " in x)
-    assert re.search(r"epoch 1 step 50/250  loss=\S+ perplexity=\S+  lr=\S+  [\d,]+ tokens/s  step [\d.]+ ms "
-                     # minutes on a loaded machine
-                     r"\(max [\d.]+\)  ETA (\d+h\d\dm|\d+m\d\ds|\d+s)$", line), line
+    assert re.search(
+        r"epoch 1 step 50/250  loss=\S+ perplexity=\S+  lr=\S+  [\d,]+ tokens/s  step [\d.]+ ms "
+        # minutes on a loaded machine
+        r"\(max [\d.]+\)  ETA (\d+h\d\dm|\d+m\d\ds|\d+s)$",
+        line,
+    ), line
     assert "acc=" not in log
 
 
@@ -126,8 +159,10 @@ def test_the_eta_is_the_training_left_at_the_slowest_ranks_pace():
     from ddplab.train.reporting import Progress
 
     p = Progress("none", length=RunLength(1, None, 250))
-    assert [p._eta(step, {"vitals/step_time_ms_max": ms}) for step, ms in
-            ((50, 60.0), (50, 925.0), (10, 15525.0), (250, 60.0))] == ["  ETA 12s", "  ETA 3m05s", "  ETA 1h02m", ""]
+    assert [
+        p._eta(step, {"vitals/step_time_ms_max": ms})
+        for step, ms in ((50, 60.0), (50, 925.0), (10, 15525.0), (250, 60.0))
+    ] == ["  ETA 12s", "  ETA 3m05s", "  ETA 1h02m", ""]
 
 
 def test_a_schedule_spans_the_runs_steps_and_a_warmup_fraction_is_the_same_steps_at_any_world_size():
@@ -147,14 +182,20 @@ def test_a_schedule_spans_the_runs_steps_and_a_warmup_fraction_is_the_same_steps
     assert cfg.scheduler.warmup_fraction == 0.05
 
 
-@pytest.mark.parametrize("override,match", [
-    (["num_epochs=null"], r"num_epochs=None: with max_steps=null too, the run would never end\. Fix: pass "
-                          r"num_epochs=10 or max_steps=1000"),
-    (["max_steps=0"], r"max_steps=0: must be > 0 or null\. Fix: pass max_steps=1000"),
-    (["num_epochs=0"], r"num_epochs=0: must be > 0 or null\. Fix: pass num_epochs=10"),
-    (["eval_every_n_steps=-5"], r"eval_every_n_steps=-5: must be >= 0 \(0: at epoch ends\)"),
-    (["scheduler.warmup_fraction=1.5"], r"scheduler.warmup_fraction=1.5: must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (
+            ["num_epochs=null"],
+            r"num_epochs=None: with max_steps=null too, the run would never end\. Fix: pass "
+            r"num_epochs=10 or max_steps=1000",
+        ),
+        (["max_steps=0"], r"max_steps=0: must be > 0 or null\. Fix: pass max_steps=1000"),
+        (["num_epochs=0"], r"num_epochs=0: must be > 0 or null\. Fix: pass num_epochs=10"),
+        (["eval_every_n_steps=-5"], r"eval_every_n_steps=-5: must be >= 0 \(0: at epoch ends\)"),
+        (["scheduler.warmup_fraction=1.5"], r"scheduler.warmup_fraction=1.5: must be in \[0, 1\)"),
+    ],
+)
 def test_length_config_errors_name_the_key_the_value_and_the_fix(override, match):
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg(override))
@@ -173,9 +214,24 @@ def test_a_run_by_steps_resumed_after_its_end_trains_nothing_and_says_so(tmp_pat
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_early_stopping_follows_step_evaluations(tmp_path, corpus, caplog):
     caplog.set_level("INFO", logger="ddplab")
-    out = ddplab.run(compose_cfg(LM + corpus + ["num_epochs=null", "max_steps=600", "eval_every_n_steps=20",
-                                                "callbacks=[early_stopping]", "callbacks.early_stopping.patience=1",
-                                                "callbacks.early_stopping.min_delta=100"], tmp_path / "r"))
+    out = ddplab.run(
+        compose_cfg(
+            LM
+            + corpus
+            + [
+                "num_epochs=null",
+                "max_steps=600",
+                "eval_every_n_steps=20",
+                "callbacks=[early_stopping]",
+                "callbacks.early_stopping.patience=1",
+                "callbacks.early_stopping.min_delta=100",
+            ],
+            tmp_path / "r",
+        )
+    )
     assert out["step"] == 40  # the second evaluation did not improve by 100: stopped there, mid-epoch
     assert "stopped early at step 40: val/loss did not improve by more than 100.0 for 1 checks" in caplog.text
-    assert last(tmp_path / "r")["loop"]["step"] == 40 and [s for s, _ in val_points(tmp_path / "r")] == [20, 40]
+    assert last(tmp_path / "r")["loop"]["step"] == 40 and [s for s, _ in val_points(tmp_path / "r")] == [
+        20,
+        40,
+    ]

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
+from test_preemption import children, finish, result, start
+
 from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
 from ddplab.runtime.stopping import StopAgreement
-from test_preemption import children, finish, result, start
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
 
@@ -64,11 +64,20 @@ def test_cadence_spaces_checks_by_time_not_steps():
 
 @pytest.mark.dist
 def test_slow_steps_with_rare_logs_preempt_within_seconds(tmp_path):
-    """1.5 s steps, a log every 100 steps: SIGTERM to torchrun's agent after step 2 is acted on at the next step
-    (the old agreement waited for step 100, torchrun SIGKILLed the ranks after 30 s and nothing was saved)."""
+    """1.5 s steps, a log every 100 steps: SIGTERM to torchrun's agent after step 2 is acted on at the next
+    step (the old agreement waited for step 100, torchrun SIGKILLed the ranks after 30 s and nothing was
+    saved)."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
-    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=1.5", f"+model.trace={trace}",
-            "num_epochs=1", "log_every_n_steps=100", "progress=log", f"hydra.run.dir={run}"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        "+model.delay_s=1.5",
+        f"+model.trace={trace}",
+        "num_epochs=1",
+        "log_every_n_steps=100",
+        "progress=log",
+        f"hydra.run.dir={run}",
+    ]
     proc = start(TORCHRUN + args, tmp_path, log)
     wait_until(lambda: len(traced(trace)) >= 3, proc, log)  # step 3's forward began: steps 1-2 are done
     done_at_signal = len(traced(trace)) - 1
@@ -90,8 +99,16 @@ def test_a_signal_is_acted_on_within_the_promised_bound(tmp_path, step_s):
     when SIGTERM reaches torchrun's agent is p; the bound plus one step of margin ends at the last step done
     by signal + max(step, 1 s) + step: p + 2 at 0.5 s steps (1 s is two of them), p + 1 at 4 s steps."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
-    args = ["model=mlp", "model._target_=toy.SlowMLP", f"+model.delay_s={step_s}", f"+model.trace={trace}",
-            "num_epochs=1", "log_every_n_steps=100", "progress=log", f"hydra.run.dir={run}"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        f"+model.delay_s={step_s}",
+        f"+model.trace={trace}",
+        "num_epochs=1",
+        "log_every_n_steps=100",
+        "progress=log",
+        f"hydra.run.dir={run}",
+    ]
     proc = start(TORCHRUN + args, tmp_path, log)
     wait_until(lambda: len(traced(trace)) >= (4 if step_s < 1 else 3), proc, log)
     t_signal = time.time()
@@ -109,9 +126,21 @@ def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns
     """An evaluation of 4 batches x 2 s per rank: SIGTERM in its first batch stops it after that batch; on
     resume the evaluation runs again, once, and result.json keeps the training metrics of the run before."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
-    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0", "+model.eval_delay_s=2",
-            f"+model.trace={trace}", "dataset=synthetic", "dataset.image_size=8", "dataset.num_train=256",
-            "dataset.num_val=2048", "num_epochs=1", "log_every_n_steps=2", "progress=log", f"hydra.run.dir={run}"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        "+model.delay_s=0",
+        "+model.eval_delay_s=2",
+        f"+model.trace={trace}",
+        "dataset=synthetic",
+        "dataset.image_size=8",
+        "dataset.num_train=256",
+        "dataset.num_val=2048",
+        "num_epochs=1",
+        "log_every_n_steps=2",
+        "progress=log",
+        f"hydra.run.dir={run}",
+    ]
     proc = start(TORCHRUN + args, tmp_path, log)
     # The FLOP count's one eval forward comes first (at the first log step); the evaluation's begins after
     # step 4.
@@ -126,8 +155,11 @@ def test_a_signal_during_a_long_evaluation_is_honoured_and_the_evaluation_reruns
     assert ck["loop"]["eval_pending"] and ck["loop"]["epoch"] == 1 and ck["loop"]["step"] == 4
 
     # The toy's delay is a model key: a change on resume the drift guard must be told of.
-    resumed = [a for a in args if not a.startswith("+model.eval_delay_s")] + ["+model.eval_delay_s=0", "resume=auto",
-                                                                              "resume_apply_changes=true"]
+    resumed = [a for a in args if not a.startswith("+model.eval_delay_s")] + [
+        "+model.eval_delay_s=0",
+        "resume=auto",
+        "resume_apply_changes=true",
+    ]
     assert_ok(run_cmd(TORCHRUN + resumed, tmp_path, timeout=180))
     res = result(run)
     assert res["status"] == "completed", res
@@ -153,20 +185,38 @@ def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
     """kill -9 of torchrun's agent (or the self-launching parent): the ranks, re-parented, notice within a few
     seconds, checkpoint, write result.json naming the dead launcher and exit — none trains on."""
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
-    args = ["model=mlp", "model._target_=toy.SlowMLP", "+model.delay_s=0.2", f"+model.trace={trace}",
-            "num_epochs=3", "log_every_n_steps=50", "progress=log", f"hydra.run.dir={run}"]
-    cmd = TORCHRUN + args if launcher == "torchrun" else [sys.executable, str(TRAIN), *args,
-                                                           "distributed.nproc_per_node=2"]
+    args = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        "+model.delay_s=0.2",
+        f"+model.trace={trace}",
+        "num_epochs=3",
+        "log_every_n_steps=50",
+        "progress=log",
+        f"hydra.run.dir={run}",
+    ]
+    cmd = (
+        TORCHRUN + args
+        if launcher == "torchrun"
+        else [sys.executable, str(TRAIN), *args, "distributed.nproc_per_node=2"]
+    )
     proc = start(cmd, tmp_path, log, fresh=True)  # its ranks are found by their command lines
     wait_until(lambda: len(traced(trace)) >= 3, proc, log)
-    ranks = [p for p in children(proc.pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_text()
-             or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()]
+    ranks = [
+        p
+        for p in children(proc.pid)
+        if "train.py" in Path(f"/proc/{p}/cmdline").read_text()
+        or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()
+    ]
     assert ranks, "no rank processes found"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()
     killed_at = time.time()
-    while any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in ranks) and time.monotonic() - t0 < 30:
+    while (
+        any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in ranks)
+        and time.monotonic() - t0 < 30
+    ):
         time.sleep(0.1)
     left = [p for p in ranks if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
     for p in left:
@@ -178,7 +228,9 @@ def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
     # Noticed within 5 s (docs/guarantees.md: about a second; the watch polls once a second, then the stop
     # agreement's next check and a 0.2 s step): the forwards stop and the checkpoint is on disk by then.
     assert max(traced(trace)) - killed_at < 5, max(traced(trace)) - killed_at
-    assert Path(res["checkpoint"]).stat().st_mtime - killed_at < 5, Path(res["checkpoint"]).stat().st_mtime - killed_at
+    assert Path(res["checkpoint"]).stat().st_mtime - killed_at < 5, (
+        Path(res["checkpoint"]).stat().st_mtime - killed_at
+    )
 
 
 @pytest.mark.dist
@@ -189,8 +241,17 @@ def test_a_job_that_completes_after_its_launcher_died_leaves_no_restart_memo(tmp
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(TORCHRUN + ["model=mlp", "num_epochs=1", "+callbacks.kill._target_=toy.KillLauncherAtFitEnd",
-                             f"hydra.run.dir={run}"], tmp_path, log)
+    proc = start(
+        TORCHRUN
+        + [
+            "model=mlp",
+            "num_epochs=1",
+            "+callbacks.kill._target_=toy.KillLauncherAtFitEnd",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        log,
+    )
     proc.wait(timeout=120)
     t0 = time.monotonic()
     while not (run / "result.json").exists() and time.monotonic() - t0 < 30:  # the orphaned ranks finish
@@ -208,23 +269,31 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_slower_than_the_launchers_grace_is_said_after_the_save_and_at_start_up(tmp_path, monkeypatch,
-                                                                                             caplog):
+def test_a_checkpoint_slower_than_the_launchers_grace_is_said_after_the_save_and_at_start_up(
+    tmp_path, monkeypatch, caplog
+):
     """A save that outlasts the launcher's grace (torchrun's 30 s; here the grace is made tiny instead of the
     save slow) would be killed half-written on preemption: said after each save, and again at the start of a
     run resumed from such a checkpoint, with the figures."""
-    import ddplab
     from helpers.jobs import compose_cfg
+
+    import ddplab
     from ddplab.runtime import env
 
     monkeypatch.setattr(env, "launcher_grace_s", lambda: 1e-6)
     args = ["model=mlp", "num_epochs=1", "progress=none"]
     ddplab.run(compose_cfg(args, run_dir=tmp_path / "run"))
-    saves = [r.getMessage() for r in caplog.records if "longer than the 0s a launcher waits" in r.getMessage()]
+    saves = [
+        r.getMessage() for r in caplog.records if "longer than the 0s a launcher waits" in r.getMessage()
+    ]
     assert len(saves) == 1 and saves[0].startswith("checkpoint step-00000022.pt took "), saves
     caplog.clear()
-    ddplab.run(compose_cfg(["model=mlp", "num_epochs=2", "progress=none", "resume=auto", "resume_apply_changes=true"],
-                           run_dir=tmp_path / "run"))
+    ddplab.run(
+        compose_cfg(
+            ["model=mlp", "num_epochs=2", "progress=none", "resume=auto", "resume_apply_changes=true"],
+            run_dir=tmp_path / "run",
+        )
+    )
     said = [r.getMessage() for r in caplog.records if "longer than the 0s a launcher waits" in r.getMessage()]
     assert said[0].startswith("the last checkpoint of the resumed run took "), said
     assert len(said) == 2  # start-up, then epoch 2's save
@@ -237,7 +306,9 @@ def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_p
 
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
-    scontrol.write_text("#!/bin/sh\necho 'JobCompType             = jobcomp/none'\necho 'KillWait                = 12 sec'\n")
+    scontrol.write_text(
+        "#!/bin/sh\necho 'JobCompType             = jobcomp/none'\necho 'KillWait                = 12 sec'\n"
+    )
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
     for key in ("TORCHELASTIC_RUN_ID", "KUBERNETES_SERVICE_HOST", env.SELF_LAUNCHED):
@@ -274,11 +345,23 @@ def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bi
     from helpers.compare import assert_same_checkpoint
 
     run, log, trace = tmp_path / "run", tmp_path / "run.log", tmp_path / "trace"
-    base = ["model=mlp", "model._target_=toy.SlowMLP", "dataset._target_=toy.digit_stream", "batch_size=48",
-            "perf.num_workers=2", "num_epochs=1", "limit_train_steps=8", "log_every_n_steps=100", "progress=log"]
+    base = [
+        "model=mlp",
+        "model._target_=toy.SlowMLP",
+        "dataset._target_=toy.digit_stream",
+        "batch_size=48",
+        "perf.num_workers=2",
+        "num_epochs=1",
+        "limit_train_steps=8",
+        "log_every_n_steps=100",
+        "progress=log",
+    ]
     assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", f"hydra.run.dir={tmp_path / 'ref'}"], tmp_path))
-    proc = start(TORCHRUN + base + ["+model.delay_s=1.0", f"+model.trace={trace}", f"hydra.run.dir={run}"],
-                 tmp_path, log)
+    proc = start(
+        TORCHRUN + base + ["+model.delay_s=1.0", f"+model.trace={trace}", f"hydra.run.dir={run}"],
+        tmp_path,
+        log,
+    )
     wait_until(lambda: len(traced(trace)) >= 3, proc, log)  # step 3's forward began: steps 1-2 are done
     job = [proc.pid] + children(proc.pid)
     assert len(job) == 1 + 2 + 2 * 2, job  # the agent, 2 ranks, 2 loader workers each
@@ -290,8 +373,17 @@ def test_a_stream_preempted_between_slow_steps_saves_its_position_and_resumes_bi
     saved = torch.load(res["checkpoint"], map_location="cpu", weights_only=False)
     assert (saved["data"]["epoch"], saved["data"]["micro_batches"]) == (0, res["step"]), saved["data"]
     # a model key
-    assert_ok(run_cmd(TORCHRUN + base + ["+model.delay_s=0", "resume=auto", "resume_apply_changes=true",
-                                         f"hydra.run.dir={run}"], tmp_path))
+    assert_ok(
+        run_cmd(
+            TORCHRUN
+            + base
+            + ["+model.delay_s=0", "resume=auto", "resume_apply_changes=true", f"hydra.run.dir={run}"],
+            tmp_path,
+        )
+    )
     assert f"0 epoch(s), {res['step']} step(s) done" in (run / "train.log").read_text()
-    assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",
-                           entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert_same_checkpoint(
+        tmp_path / "ref" / "checkpoints" / "last.pt",
+        run / "checkpoints" / "last.pt",
+        entries=("model", "optimizer", "scheduler", "loop", "data"),
+    )

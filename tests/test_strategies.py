@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars, torchrun
 
 import ddplab
-from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars, torchrun
 
 ARGS = ["model=mlp", "num_epochs=2", "log_every_n_steps=5", "progress=none"]
 
@@ -55,7 +55,10 @@ def test_fsdp2_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
 def test_none_and_dp_run_one_process(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="ddplab"):
         dp = ddplab.run(compose_cfg(ARGS + ["distributed=dp"], run_dir=tmp_path / "dp"))
-    assert "distributed=dp: torch.nn.DataParallel" in caplog.text and "DistributedDataParallel is faster" in caplog.text
+    assert (
+        "distributed=dp: torch.nn.DataParallel" in caplog.text
+        and "DistributedDataParallel is faster" in caplog.text
+    )
     none = ddplab.run(compose_cfg(ARGS + ["distributed=none"], run_dir=tmp_path / "none"))
     # On CPU DataParallel simply calls the module: the same training.
     assert dp["val/loss"] == none["val/loss"] and none["val/num_samples"] == 359
@@ -69,15 +72,28 @@ def test_single_process_strategies_refuse_torchrun(tmp_path):
     assert "distributed.strategy=none: runs ONE process" in out and "distributed=ddp (or fsdp)" in out
 
 
-@pytest.mark.parametrize("args, says", [
-    (["distributed=dp", "distributed.nproc_per_node=2"],
-     "distributed.nproc_per_node=2: distributed=dp runs one process. Fix: distributed=ddp (or fsdp)"),
-    (["distributed=fsdp", "distributed.sync_batchnorm=true"],
-     "distributed.sync_batchnorm=True: not supported with distributed=fsdp. Fix: distributed.sync_batchnorm=false"),
-    (["distributed=fsdp", "perf.compile=true"], "perf.compile=True: not wired for distributed=fsdp yet. Fix:"),
-    (["distributed=fsdp", "model=convnet", "perf.channels_last=true"],
-     "perf.channels_last=True: FSDP shards only contiguous parameters. Fix: perf.channels_last=false"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["distributed=dp", "distributed.nproc_per_node=2"],
+            "distributed.nproc_per_node=2: distributed=dp runs one process. Fix: distributed=ddp (or fsdp)",
+        ),
+        (
+            ["distributed=fsdp", "distributed.sync_batchnorm=true"],
+            "distributed.sync_batchnorm=True: not supported with distributed=fsdp. Fix: "
+            "distributed.sync_batchnorm=false",
+        ),
+        (
+            ["distributed=fsdp", "perf.compile=true"],
+            "perf.compile=True: not wired for distributed=fsdp yet. Fix:",
+        ),
+        (
+            ["distributed=fsdp", "model=convnet", "perf.channels_last=true"],
+            "perf.channels_last=True: FSDP shards only contiguous parameters. Fix: perf.channels_last=false",
+        ),
+    ],
+)
 def test_strategy_refusals_name_the_key_and_the_fix_before_any_process_starts(tmp_path, args, says):
     from ddplab.config import ConfigError
 
@@ -96,14 +112,25 @@ def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has 2 GPUs: the benchmark would run for real")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "needs at least 2 GPUs" in proc.stdout
 
 
-@pytest.mark.parametrize("args,n", [(["distributed=none"], 1), (["distributed=dp"], 1), (["distributed=ddp"], 1),
-                                    (["distributed=ddp", "distributed.nproc_per_node=2"], 2),
-                                    (["distributed=fsdp", "distributed.nproc_per_node=3"], 3)])
+@pytest.mark.parametrize(
+    "args,n",
+    [
+        (["distributed=none"], 1),
+        (["distributed=dp"], 1),
+        (["distributed=ddp"], 1),
+        (["distributed=ddp", "distributed.nproc_per_node=2"], 2),
+        (["distributed=fsdp", "distributed.nproc_per_node=3"], 3),
+    ],
+)
 def test_a_strategy_says_how_many_ranks_a_job_starts_by_itself(args, n):
     from ddplab.strategy import ranks_started
 

@@ -6,21 +6,28 @@ doubles nothing."""
 from __future__ import annotations
 
 import json
-from collections import namedtuple
 import pickle
 import re
 import shutil
+from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-import ddplab
 import toy
 from helpers.compare import assert_same_checkpoint, result
-from helpers.jobs import (assert_ok, compose_cfg, python_train, rank_kills_itself, ranks, run_killed_after_step,
-                          torchrun)
+from helpers.jobs import (
+    assert_ok,
+    compose_cfg,
+    python_train,
+    rank_kills_itself,
+    ranks,
+    run_killed_after_step,
+    torchrun,
+)
+
+import ddplab
 from ddplab import build
 from ddplab.config.errors import ConfigError
 from ddplab.data.sampling import ShardedGlobalSampler
@@ -40,8 +47,12 @@ def ids(batches) -> list[list[int]]:
 
 
 def loader(data, world: int, rank: int, workers: int = 0, global_batch: int = 12) -> StreamLoader:
-    return StreamLoader(data, ShardedGlobalSampler(len(data), global_batch, world, rank, 0), torch.device("cpu"),
-                        num_workers=workers)
+    return StreamLoader(
+        data,
+        ShardedGlobalSampler(len(data), global_batch, world, rank, 0),
+        torch.device("cpu"),
+        num_workers=workers,
+    )
 
 
 # --------------------------------------------------------------------------- in-process
@@ -88,10 +99,13 @@ def test_a_position_saves_the_same_state_whether_or_not_the_loader_was_resumed_o
     stream ended wastes): the state at a position is the same for a loader that ran there and one resumed on
     the way (after 1 to 4 batches), with one worker's stream ending long before the other's, so a resumed
     run's checkpoints are bitwise those of the run it replaces; and it yields the same batches."""
+
     def run(batches: int, resumed_at: int | None) -> tuple[list, dict]:
         x = torch.arange(200, dtype=torch.float32)[:, None]
-        # noqa: E731
-        make = lambda: loader(toy.UnevenDigitStream(x, torch.arange(200), short=10), 2, 1, workers)
+
+        def make():
+            return loader(toy.UnevenDigitStream(x, torch.arange(200), short=10), 2, 1, workers)
+
         first, got = make(), []
         first.set_epoch(1)
         it = iter(first)
@@ -119,11 +133,15 @@ def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
 
     from ddplab.data.streams import _by_value, _unwrapped
 
-    sample = {"x": torch.randn(3, 2)[:, 1], "ids": [torch.arange(4), np.arange(3, dtype=np.int16)],
-              "half": (torch.ones(2, dtype=torch.bfloat16), torch.tensor([True, False])),
-              "p": Pair(torch.tensor(7, dtype=torch.uint8), "text"), "n": 5,
-              # a lazy view numpy() refuses: sent as torch sends it
-              "conj": torch.conj(torch.tensor([1 + 2j]))}
+    sample = {
+        "x": torch.randn(3, 2)[:, 1],
+        "ids": [torch.arange(4), np.arange(3, dtype=np.int16)],
+        "half": (torch.ones(2, dtype=torch.bfloat16), torch.tensor([True, False])),
+        "p": Pair(torch.tensor(7, dtype=torch.uint8), "text"),
+        "n": 5,
+        # a lazy view numpy() refuses: sent as torch sends it
+        "conj": torch.conj(torch.tensor([1 + 2j])),
+    }
     sent = pickle.loads(pickle.dumps(_by_value(sample)))  # as the loader's queue carries it
     assert "_ByValue" in repr(type(sent["x"])) and not isinstance(sent["half"][0], np.ndarray)
     got, want = _unwrapped(sent), default_convert(sample)
@@ -142,10 +160,14 @@ def test_a_workers_samples_reach_the_rank_as_torch_would_hand_them_over():
     workers = [ids(loader(stream(), 2, 1, w)) for w in (0, 2)]  # whole batches, either way alike
     assert workers[0] == workers[1] and len(workers[0]) == 100 // 12
 
+
 def test_a_short_stream_says_so_and_a_resume_without_its_position_is_refused():
     short = toy.DigitStream(torch.zeros(50, 1), torch.arange(50), short_on_rank=0, short=20)
-    with pytest.raises(StreamEnded, match=r"DigitStream ended after 2 global batches of 12 in epoch 1, but its "
-                                          r"__len__ \(50\) promises 4. Fix: make __len__"):
+    with pytest.raises(
+        StreamEnded,
+        match=r"DigitStream ended after 2 global batches of 12 in epoch 1, but its "
+        r"__len__ \(50\) promises 4. Fix: make __len__",
+    ):
         ids(loader(short, 1, 0))
     lost = loader(stream(), 1, 0)
     lost.set_epoch(0, skip=2)
@@ -156,18 +178,23 @@ def test_a_short_stream_says_so_and_a_resume_without_its_position_is_refused():
 def test_validation_streams_split_contiguously_each_sample_on_one_rank():
     val = toy.ValStream(torch.zeros(10, 1), torch.arange(10))
     for world in (1, 2, 3):
-        got = [[y.tolist() for _, y in stream_eval_batches(val, world, r, 2, torch.device("cpu"))] for r in range(world)]
+        got = [
+            [y.tolist() for _, y in stream_eval_batches(val, world, r, 2, torch.device("cpu"))]
+            for r in range(world)
+        ]
         assert sum((sum(g, []) for g in got), []) == list(range(10)), world
 
 
 def test_a_reordered_first_batch_is_named_a_shuffle_that_differs_between_ranks():
     first, other = torch.tensor([3, 11, 12, 13]), torch.tensor([3, 13, 11, 12])  # (count, sample ids...)
     line = stream_differs("dataset._target_='x.y'", first, other, rank=1)
-    assert line == ("dataset._target_='x.y': the training stream is not the same on every rank, so samples would be "
-                    "lost or used twice: its first global batch read has, on rank 1, the same samples in another "
-                    "order: it shuffles with a generator that differs between ranks (Python's random or numpy's global "
-                    "generator, which ddplab seeds per rank, or an unseeded one). Fix: shuffle with a generator of "
-                    "your own seeded from the seed and set_epoch's epoch alone")
+    assert line == (
+        "dataset._target_='x.y': the training stream is not the same on every rank, so samples would be "
+        "lost or used twice: its first global batch read has, on rank 1, the same samples in another "
+        "order: it shuffles with a generator that differs between ranks (Python's random or numpy's global "
+        "generator, which ddplab seeds per rank, or an unseeded one). Fix: shuffle with a generator of "
+        "your own seeded from the seed and set_epoch's epoch alone"
+    )
     assert sample_id((torch.ones(2), 1)) == sample_id((torch.ones(2), 1)) != sample_id((torch.ones(2), 2))
 
 
@@ -187,7 +214,11 @@ def test_a_sample_id_is_the_same_for_the_same_data_in_another_object():
     assert sample_id((img(1), 3)) == sample_id((img(1), 3)) != sample_id((img(2), 3))
     one, two = Record(), Record()  # both alive: two addresses
     assert sample_id(one) == sample_id(two) and sample_id("ab") != sample_id(b"ab ")
-    assert sample_id({"text": "hello", "n": 2}) == sample_id({"text": "hello", "n": 2}) != sample_id({"text": "hellp", "n": 2})
+    assert (
+        sample_id({"text": "hello", "n": 2})
+        == sample_id({"text": "hello", "n": 2})
+        != sample_id({"text": "hellp", "n": 2})
+    )
 
 
 ONE_RANK = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
@@ -195,8 +226,11 @@ ONE_RANK = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
 
 def test_overfit_batches_on_a_stream_is_refused_in_one_line(tmp_path):
     cfg = compose_cfg(STREAM + ["overfit_batches=1"], tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"overfit_batches: not for an IterableDataset \(dataset._target_="
-                                          r"'toy.digit_stream'\). Fix: drop overfit_batches"):
+    with pytest.raises(
+        ConfigError,
+        match=r"overfit_batches: not for an IterableDataset \(dataset._target_="
+        r"'toy.digit_stream'\). Fix: drop overfit_batches",
+    ):
         build.train_data(cfg, ONE_RANK, 48, 1)
 
 
@@ -207,7 +241,9 @@ def test_a_stream_without_len_is_refused_in_one_line(tmp_path):
                 yield torch.zeros(1), 0
 
     data = SimpleNamespace(train=Endless(), val=Endless(), collate_fn=None)
-    with pytest.raises(ConfigError, match=r"its training IterableDataset has no __len__. Fix: give it __len__"):
+    with pytest.raises(
+        ConfigError, match=r"its training IterableDataset has no __len__. Fix: give it __len__"
+    ):
         build._stream_data(compose_cfg(STREAM, tmp_path / "run"), ONE_RANK, data, None, 48, 1)
 
 
@@ -220,8 +256,10 @@ def test_kill_and_resume_mid_epoch_on_a_stream_is_bitwise(tmp_path, stateful):
     # last checkpoint: step 10 of 29, mid-epoch
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), 13)
     rest = ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
-    last = [torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=False) for d in
-            (tmp_path / "ref", tmp_path / "run")]
+    last = [
+        torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+        for d in (tmp_path / "ref", tmp_path / "run")
+    ]
     assert_same_checkpoint(*last, entries=("model", "optimizer", "scheduler", "loop", "data"))
     assert rest["val/loss"] == ref["val/loss"] and rest["step"] == ref["step"] == 2 * (1438 // 48)
 
@@ -231,8 +269,13 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
     """World sizes 1/2/3 give the same run (2 loader workers). Rank 1 SIGKILLed at step 13 of a 2-rank job
     (last checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; at 3 ranks it ends where the
     uninterrupted run does (to float32 reduction order): no sample lost or seen twice."""
-    args = STREAM + ["num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2", "model.dropout=0",
-                     "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    args = STREAM + [
+        "num_epochs=2",
+        "checkpoint.every_n_steps=5",
+        "perf.num_workers=2",
+        "model.dropout=0",
+        "+callbacks.soak._target_=soak_toy.SoakCallback",
+    ]
     runs = {}
     for n in (1, 2, 3):
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
@@ -241,8 +284,13 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
     for n in (2, 3):
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash, its run dir copied: each copy resumes at another world size.
-    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
-                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(
+        2,
+        args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"],
+        tmp_path,
+        timeout=240,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
+    )
     assert crashed.returncode != 0
     shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
     for resumed_at in (2, 3):
@@ -250,8 +298,11 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
         assert_ok(ranks(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
         assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
         if resumed_at == 2:
-            assert_same_checkpoint(tmp_path / "2" / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt",
-                                   entries=("model", "optimizer", "scheduler", "loop", "data"))
+            assert_same_checkpoint(
+                tmp_path / "2" / "checkpoints" / "last.pt",
+                run / "checkpoints" / "last.pt",
+                entries=("model", "optimizer", "scheduler", "loop", "data"),
+            )
         assert result(run)["metrics"]["step"] == runs[1]["step"]
         assert result(run)["metrics"]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
 
@@ -260,13 +311,21 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
 def test_a_stream_shorter_on_one_rank_stops_every_rank_naming_it(tmp_path):
     """A user's rank-dependent stream runs dry on rank 1 only: the job fails within seconds, naming the stream
     and the shortfall (no rank left waiting in a collective)."""
-    args = STREAM + ["num_epochs=1", "+dataset.short_on_rank=1", "+dataset.short=500", "distributed.timeout_s=60",
-                     f"hydra.run.dir={tmp_path / 'run'}"]
+    args = STREAM + [
+        "num_epochs=1",
+        "+dataset.short_on_rank=1",
+        "+dataset.short=500",
+        "distributed.timeout_s=60",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     proc = torchrun(2, args, tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert re.search(r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "
-                     r"batches of 48 in epoch 1, but its __len__ \(1438\) promises 29", out), out[-3000:]
+    assert re.search(
+        r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "
+        r"batches of 48 in epoch 1, but its __len__ \(1438\) promises 29",
+        out,
+    ), out[-3000:]
     assert result(tmp_path / "run")["status"] == "failed"
 
 
@@ -278,8 +337,10 @@ def test_a_stream_the_same_on_every_rank_trains_and_the_start_up_line_says_ddpla
     proc = python_train(STREAM + ON_2_RANKS + [f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=180)
     assert_ok(proc)
     out = re.sub(r"^\S+ ", "", proc.stdout + proc.stderr, flags=re.M)  # without the time stamps
-    assert ("data:\n  a stream (StatefulDigitStream, 0 worker(s)), sharded by ddplab: every rank reads the whole "
-            "stream and keeps its slice of each global batch (checked: the same stream on every rank)\n") in out
+    assert (
+        "data:\n  a stream (StatefulDigitStream, 0 worker(s)), sharded by ddplab: every rank reads the whole "
+        "stream and keeps its slice of each global batch (checked: the same stream on every rank)\n"
+    ) in out
     assert result(tmp_path / "run")["metrics"]["step"] == 3
 
 
@@ -288,20 +349,29 @@ def test_a_stream_the_same_on_every_rank_trains_and_the_start_up_line_says_ddpla
 def test_a_stream_that_differs_between_ranks_is_refused_in_one_line(tmp_path, how):
     """A stream that shards itself (each rank would get a quarter of the samples, half never used) or shuffles
     per rank (some samples twice, others never) is refused at its first global batch, exit 2, no traceback."""
-    args = ["model=mlp", "dataset._target_=toy.rank_dependent_stream", f"+dataset.how={how}", "progress=none",
-            "batch_size=48", *ON_2_RANKS, f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        "model=mlp",
+        "dataset._target_=toy.rank_dependent_stream",
+        f"+dataset.how={how}",
+        "progress=none",
+        "batch_size=48",
+        *ON_2_RANKS,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     proc = python_train(args, tmp_path, timeout=180)
     out = proc.stdout + proc.stderr
     said = [ln for ln in out.splitlines() if "is not the same on every rank" in ln]
     assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in out, out[-3000:]
-    assert re.search(r"config error: dataset._target_='toy.rank_dependent_stream': the training stream is not the same "
-                     r"on every rank, so samples would be lost or used twice: its first global batch read has, on "
-                     r"rank 1, other samples \(\w+( of 48)? in common\): it shards itself by rank \(torch.distributed"
-                     r".get_rank\(\), datasets' split_dataset_by_node\), which ddplab then shards again, or shuffles "
-                     r"with a generator that differs between ranks \(Python's random or numpy's global generator, which "
-                     r"ddplab seeds per rank, or an unseeded one\). Fix: yield the whole stream on every rank, in an "
-                     r"order seeded from the seed and set_epoch's epoch alone, and let ddplab give each rank its slice$",
-                     said[0]), said[0]
+    assert re.search(
+        r"config error: dataset._target_='toy.rank_dependent_stream': the training stream is not the same "
+        r"on every rank, so samples would be lost or used twice: its first global batch read has, on "
+        r"rank 1, other samples \(\w+( of 48)? in common\): it shards itself by rank \(torch.distributed"
+        r".get_rank\(\), datasets' split_dataset_by_node\), which ddplab then shards again, or shuffles "
+        r"with a generator that differs between ranks \(Python's random or numpy's global generator, which "
+        r"ddplab seeds per rank, or an unseeded one\). Fix: yield the whole stream on every rank, in an "
+        r"order seeded from the seed and set_epoch's epoch alone, and let ddplab give each rank its slice$",
+        said[0],
+    ), said[0]
     assert result(tmp_path / "run")["status"] == "failed"
 
 
@@ -315,9 +385,12 @@ def test_a_position_saved_with_other_loader_workers_is_refused_in_one_line():
     again = loader(stream(), 1, 0, workers=2)
     again.load_state_dict(json.loads(json.dumps(first.state_dict())))
     again.set_epoch(1, skip=2)
-    with pytest.raises(ConfigError, match=r"^perf.num_workers=2: the checkpoint stopped mid-epoch \(epoch 2, micro-batch "
-                                          r"2\) in a stream read with perf.num_workers=0.* Fix: resume with "
-                                          r"perf.num_workers=0 \(change it at an epoch's end\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^perf.num_workers=2: the checkpoint stopped mid-epoch \(epoch 2, micro-batch "
+        r"2\) in a stream read with perf.num_workers=0.* Fix: resume with "
+        r"perf.num_workers=0 \(change it at an epoch's end\)$",
+    ):
         ids(again)
 
 
@@ -325,8 +398,13 @@ def test_a_position_saved_with_other_loader_workers_is_refused_in_one_line():
 def test_a_stream_resumed_mid_epoch_with_other_num_workers_exits_2_naming_both(tmp_path):
     args = STREAM + ["num_epochs=1", "checkpoint.every_n_steps=5"]
     run_killed_after_step(compose_cfg(args, tmp_path / "run"), 7)  # last checkpoint: step 5 of 29, mid-epoch
-    proc = python_train(args + ["resume=auto", "perf.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = python_train(
+        args + ["resume=auto", "perf.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+    )
     out = proc.stdout + proc.stderr
     said = [ln for ln in out.splitlines() if "config error: " in ln]
     assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in out, out[-3000:]
-    assert "config error: perf.num_workers=2: the checkpoint stopped mid-epoch (epoch 1, micro-batch 5)" in said[0]
+    assert (
+        "config error: perf.num_workers=2: the checkpoint stopped mid-epoch (epoch 1, micro-batch 5)"
+        in said[0]
+    )

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from helpers.jobs import assert_ok, compose_cfg, python_train, read_scalars, torchrun
 from helpers.study import assert_told_as_recorded, finish, load, start, study_args, trials_run
+
 from ddplab.events import read_hparams
 from ddplab.rundir import read_result
 from ddplab.study.storage import default_url
@@ -51,8 +51,14 @@ def test_two_workers_one_rank_each_complete_a_study(tmp_path):
 def test_one_worker_two_ranks_completes_a_study_and_pruning_stops_every_rank_at_once(tmp_path, launch):
     d, ends = tmp_path / "s", tmp_path / "ends"
     # Trial 0 runs 3 epochs; trial 1 is pruned after its epoch 1 (the pruner's decision, known in advance).
-    args = study_args(d, 2, "num_epochs=3", "++study.pruner={_target_:study_toy.PruneFrom,trial:1,epoch:1}",
-                      "+callbacks.ends._target_=study_toy.RecordFitEnd", f"+callbacks.ends.dir={ends}")
+    args = study_args(
+        d,
+        2,
+        "num_epochs=3",
+        "++study.pruner={_target_:study_toy.PruneFrom,trial:1,epoch:1}",
+        "+callbacks.ends._target_=study_toy.RecordFitEnd",
+        f"+callbacks.ends.dir={ends}",
+    )
     if launch == "torchrun":  # both ranks run the worker: rank 0 asks and tells, rank 1 trains what it picked
         proc = torchrun(2, args, tmp_path)
     else:  # one worker process, each trial self-launched on 2 ranks
@@ -68,7 +74,9 @@ def test_one_worker_two_ranks_completes_a_study_and_pruning_stops_every_rank_at_
         assert [(s["step"], s["epoch"]) for s in seen] == [(step, epoch)] * 2, seen
         assert seen[0]["pid"] != seen[1]["pid"]
     res = read_result(d / "1")
-    assert res["trial"]["state"] == "PRUNED" and res["note"].startswith("pruned by the study's pruner at epoch 1")
+    assert res["trial"]["state"] == "PRUNED" and res["note"].startswith(
+        "pruned by the study's pruner at epoch 1"
+    )
     assert res["metrics"]["step"] == 4
     assert_told_as_recorded(d, study)
     assert read_hparams(d / "1")["trial_state"] == "PRUNED" and read_hparams(d / "0")["world_size"] == 2
@@ -79,8 +87,13 @@ def test_a_preempted_worker_resumes_the_same_trial_and_tells_it_once(tmp_path):
     d, ref, marker = tmp_path / "s", tmp_path / "ref", tmp_path / "fired"
 
     def preempting(marker: Path) -> list[str]:  # SIGTERM to the worker after step 5 (of 12), once
-        return ["+callbacks.stop._target_=study_toy.SignalOnce", "+callbacks.stop.step=5",
-                "+callbacks.stop.sig=SIGTERM", f"+callbacks.stop.marker={marker}", "num_epochs=3"]
+        return [
+            "+callbacks.stop._target_=study_toy.SignalOnce",
+            "+callbacks.stop.step=5",
+            "+callbacks.stop.sig=SIGTERM",
+            f"+callbacks.stop.marker={marker}",
+            "num_epochs=3",
+        ]
 
     preempt = preempting(marker)
     first = python_train(study_args(d, 2, *preempt), tmp_path)
@@ -112,11 +125,18 @@ def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path
     soak, seed 1305676954: torch's launch agent took the worker's SIGTERM, the trial completed, and the worker
     claimed and trained the next trial, exiting a minute after the signal)."""
     d, marker = tmp_path / "s", tmp_path / "fired"
-    args = study_args(d, 3, "+callbacks.late._target_=study_toy.SignalAtFitEnd", "+callbacks.late.sig=SIGTERM",
-                      f"+callbacks.late.marker={marker}",
-                      *(["+callbacks.late.to=job", f"distributed.nproc_per_node={ranks}"] if ranks > 1 else []))
+    args = study_args(
+        d,
+        3,
+        "+callbacks.late._target_=study_toy.SignalAtFitEnd",
+        "+callbacks.late.sig=SIGTERM",
+        f"+callbacks.late.marker={marker}",
+        *(["+callbacks.late.to=job", f"distributed.nproc_per_node={ranks}"] if ranks > 1 else []),
+    )
     first = python_train(args, tmp_path)
-    assert first.returncode == 128 + signal.SIGTERM and marker.exists(), first.stdout[-3000:] + first.stderr[-2000:]
+    assert first.returncode == 128 + signal.SIGTERM and marker.exists(), (
+        first.stdout[-3000:] + first.stderr[-2000:]
+    )
     assert "SIGTERM arrived between trials: this worker takes no further trial" in first.stdout + first.stderr
     assert [t.state.name for t in load(d).get_trials()] == ["COMPLETE"]
     # started again, it goes on as at 1 rank (seconds of self-launched trials that show nothing new)
@@ -130,12 +150,21 @@ def test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it(tmp_path
 
 
 def test_sigterm_to_a_worker_with_slow_steps_on_two_ranks_stops_within_a_step_and_resumes(tmp_path):
-    """1.5 s steps, a 2-rank trial self-launched by the worker, log steps rarer than the run: SIGTERM from outside
-    to the worker, at whatever point of a step it lands, checkpoints within about a step; the trial stays
-    RUNNING (a preemption, not a death) and the worker started again completes it, told once."""
+    """1.5 s steps, a 2-rank trial self-launched by the worker, log steps rarer than the run: SIGTERM from
+    outside to the worker, at whatever point of a step it lands, checkpoints within about a step; the trial
+    stays RUNNING (a preemption, not a death) and the worker started again completes it, told once."""
     d, trace = tmp_path / "s", tmp_path / "trace"
-    args = study_args(d, 1, "model._target_=toy.SlowMLP", "+model.delay_s=1.5", f"+model.trace={trace}",
-                      "num_epochs=1", "limit_train_steps=6", "log_every_n_steps=50", "distributed.nproc_per_node=2")
+    args = study_args(
+        d,
+        1,
+        "model._target_=toy.SlowMLP",
+        "+model.delay_s=1.5",
+        f"+model.trace={trace}",
+        "num_epochs=1",
+        "limit_train_steps=6",
+        "log_every_n_steps=50",
+        "distributed.nproc_per_node=2",
+    )
     worker = start(args, tmp_path)
     t0 = time.monotonic()
     while not (trace.exists() and len(trace.read_text().split()) >= 4) and time.monotonic() - t0 < 120:
@@ -162,9 +191,15 @@ def test_sigterm_to_a_worker_with_slow_steps_on_two_ranks_stops_within_a_step_an
 @pytest.mark.parametrize("max_retries,state", [(2, "COMPLETE"), (0, "FAIL")])
 def test_a_sigkilled_worker_leaves_no_trial_running(tmp_path, max_retries, state):
     d, marker = tmp_path / "s", tmp_path / "fired"
-    kill = ["+callbacks.kill._target_=study_toy.SignalOnce", "+callbacks.kill.step=5",
-            "+callbacks.kill.sig=SIGKILL", f"+callbacks.kill.marker={marker}", "num_epochs=3",
-            "checkpoint.every_n_steps=2", f"study.max_retries={max_retries}"]
+    kill = [
+        "+callbacks.kill._target_=study_toy.SignalOnce",
+        "+callbacks.kill.step=5",
+        "+callbacks.kill.sig=SIGKILL",
+        f"+callbacks.kill.marker={marker}",
+        "num_epochs=3",
+        "checkpoint.every_n_steps=2",
+        f"study.max_retries={max_retries}",
+    ]
     first = python_train(study_args(d, 1, *kill), tmp_path)
     assert first.returncode == -signal.SIGKILL and marker.exists()
     assert [t.state.name for t in load(d).get_trials()] == ["RUNNING"]
@@ -173,7 +208,10 @@ def test_a_sigkilled_worker_leaves_no_trial_running(tmp_path, max_retries, state
     (t,) = load(d).get_trials()
     assert t.state.name == state and t.user_attrs["ddplab:deaths"] == 1
     if state == "COMPLETE":  # resumed from its step-4 checkpoint, not from scratch
-        assert "died after step 4, its last checkpoint; death 1 of study.max_retries=2)" in again.stdout + again.stderr
+        assert (
+            "died after step 4, its last checkpoint; death 1 of study.max_retries=2)"
+            in again.stdout + again.stderr
+        )
         assert read_result(d / "0")["metrics"]["step"] == 12
         assert "resumed from" in (d / "0" / "train.log").read_text()
     else:
@@ -202,7 +240,9 @@ def test_journal_storage_with_two_worker_processes(tmp_path):
         assert_ok(p)
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    study = optuna.load_study(study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal))))
+    study = optuna.load_study(
+        study_name="digits_lr_wd", storage=JournalStorage(JournalFileBackend(str(journal)))
+    )
     assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * 2
     assert sorted(trials_run(done[0]) + trials_run(done[1])) == [0, 1]
 
@@ -218,7 +258,9 @@ def postgres():
 
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
     if not bins or os.geteuid() != 0 or shutil.which("runuser") is None:
-        pytest.skip("no PostgreSQL server here (apt-get install postgresql; the server runs as user postgres)")
+        pytest.skip(
+            "no PostgreSQL server here (apt-get install postgresql; the server runs as user postgres)"
+        )
     pg = bins[-1].parent
     root = Path(tempfile.mkdtemp(prefix="ddplab-pg-"))
     shutil.chown(root, "postgres")
@@ -230,8 +272,17 @@ def postgres():
         subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True, capture_output=True, timeout=60)
 
     as_postgres(str(pg / "initdb"), "-D", str(root / "data"), "-A", "trust", "-U", "postgres")
-    as_postgres(str(pg / "pg_ctl"), "-D", str(root / "data"), "-l", str(root / "log"), "-w", "-o",
-                f"-h 127.0.0.1 -p {port} -k {root}", "start")
+    as_postgres(
+        str(pg / "pg_ctl"),
+        "-D",
+        str(root / "data"),
+        "-l",
+        str(root / "log"),
+        "-w",
+        "-o",
+        f"-h 127.0.0.1 -p {port} -k {root}",
+        "start",
+    )
     try:
         as_postgres(str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
         yield f"postgresql://postgres@127.0.0.1:{port}/optuna"
@@ -252,24 +303,56 @@ def test_postgresql_storage_with_two_worker_processes(tmp_path, postgres):
     assert_told_as_recorded(d, study)
 
 
-@pytest.mark.parametrize("override,says", [
-    ("study.params={optimizer.lr:'between(1,2)'}", "study.params.optimizer.lr='between(1,2)': not a search expression"),
-    ("study.params={optimizer.lr:'tag(sqrt,interval(0.1,1))'}", "unknown tag 'sqrt'"),
-    ("study.params={optimizer.lr:0.1}", "a fixed value, not a search expression. Fix: set it as a plain override"),
-    ("++study.params={optimiser.lr:'interval(0.1,1)'}", "'optimiser.lr' is not a config key"),
-    ("objective=val/f1", "objective='val/f1': ClassificationTask logs no such metric"),
-    ("study.storage=sqlite:////nonexistent/dir/study.db", "study.storage=sqlite:////nonexistent/dir/study.db: cannot open it"),
-    ("study.storage=journal:/nonexistent/dir/s.log", "cannot open it (FileNotFoundError: no directory /nonexistent/dir)"),
-    # a URI's user info is masked in what ddplab says (a token is often the user part): docs/security.md
-    ("study.storage=postgresql://ddplab@127.0.0.1:9/none", "study.storage=postgresql://***@127.0.0.1:9/none"),
-    ("study.params={optimizer.lr:'interval(0.9,0.1)'}",
-     "study.params.optimizer.lr='interval(0.9,0.1)': its low 0.9 is above its high 0.1. Fix: interval(0.1, 0.9)"),
-    ("study.params={optimizer.lr:'tag(log,interval(0.5,0.1))'}", "its low 0.5 is above its high 0.1. Fix: tag(log, "),
-    ("++study.params={num_epochs:'tag(int,interval(0.5,0.9))'}",
-     "study.params.num_epochs='tag(int,interval(0.5,0.9))': no integer lies in [0.5, 0.9]. Fix: "),
-    ("++study.params={num_epochs:'range(5,1)'}", "study.params.num_epochs='range(5,1)': it yields no value. Fix: "),
-    ("++study.params={num_epochs:'range(1,5,0)'}", "study.params.num_epochs='range(1,5,0)': not a usable search "),
-])
+@pytest.mark.parametrize(
+    "override,says",
+    [
+        (
+            "study.params={optimizer.lr:'between(1,2)'}",
+            "study.params.optimizer.lr='between(1,2)': not a search expression",
+        ),
+        ("study.params={optimizer.lr:'tag(sqrt,interval(0.1,1))'}", "unknown tag 'sqrt'"),
+        (
+            "study.params={optimizer.lr:0.1}",
+            "a fixed value, not a search expression. Fix: set it as a plain override",
+        ),
+        ("++study.params={optimiser.lr:'interval(0.1,1)'}", "'optimiser.lr' is not a config key"),
+        ("objective=val/f1", "objective='val/f1': ClassificationTask logs no such metric"),
+        (
+            "study.storage=sqlite:////nonexistent/dir/study.db",
+            "study.storage=sqlite:////nonexistent/dir/study.db: cannot open it",
+        ),
+        (
+            "study.storage=journal:/nonexistent/dir/s.log",
+            "cannot open it (FileNotFoundError: no directory /nonexistent/dir)",
+        ),
+        # a URI's user info is masked in what ddplab says (a token is often the user part): docs/security.md
+        (
+            "study.storage=postgresql://ddplab@127.0.0.1:9/none",
+            "study.storage=postgresql://***@127.0.0.1:9/none",
+        ),
+        (
+            "study.params={optimizer.lr:'interval(0.9,0.1)'}",
+            "study.params.optimizer.lr='interval(0.9,0.1)': its low 0.9 is above its high 0.1. Fix: "
+            "interval(0.1, 0.9)",
+        ),
+        (
+            "study.params={optimizer.lr:'tag(log,interval(0.5,0.1))'}",
+            "its low 0.5 is above its high 0.1. Fix: tag(log, ",
+        ),
+        (
+            "++study.params={num_epochs:'tag(int,interval(0.5,0.9))'}",
+            "study.params.num_epochs='tag(int,interval(0.5,0.9))': no integer lies in [0.5, 0.9]. Fix: ",
+        ),
+        (
+            "++study.params={num_epochs:'range(5,1)'}",
+            "study.params.num_epochs='range(5,1)': it yields no value. Fix: ",
+        ),
+        (
+            "++study.params={num_epochs:'range(1,5,0)'}",
+            "study.params.num_epochs='range(1,5,0)': not a usable search ",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_within_seconds(tmp_path, override, says):
     t0 = time.monotonic()
     proc = python_train(study_args(tmp_path / "s", 2, override), tmp_path, timeout=120)
@@ -283,12 +366,17 @@ def test_bad_input_is_one_line_within_seconds(tmp_path, override, says):
 def test_a_study_name_reused_with_another_space_is_refused(tmp_path):
     d = tmp_path / "s"
     assert_ok(python_train(study_args(d, 1, "num_epochs=1"), tmp_path))
-    other = python_train(study_args(d, 2, "num_epochs=1", "study.params={optimizer.lr:'interval(0.1,0.2)'}"), tmp_path)
+    other = python_train(
+        study_args(d, 2, "num_epochs=1", "study.params={optimizer.lr:'interval(0.1,0.2)'}"), tmp_path
+    )
     assert other.returncode == 2
     said = other.stdout + other.stderr
-    assert ("study.name=digits_lr_wd exists in sqlite:///" in said
-            and "with another search space: optimizer.lr (FloatDistribution log 0.003..0.5 vs FloatDistribution "
-                "0.1..0.2)" in said), said[-2000:]
+    assert (
+        "study.name=digits_lr_wd exists in sqlite:///" in said
+        and "with another search space: optimizer.lr (FloatDistribution log 0.003..0.5 vs FloatDistribution "
+        "0.1..0.2)"
+        in said
+    ), said[-2000:]
     assert len(load(d).get_trials()) == 1
 
 
@@ -298,20 +386,33 @@ def test_the_space_grammar_is_the_hydra_optuna_sweepers():
     from ddplab.study.space import parse
 
     cfg = compose_cfg()
-    space = parse({"optimizer.lr": "tag(log, interval(1e-4, 1e-1))", "optimizer.weight_decay": "interval(0, 0.1)",
-                   "batch_size": "range(32, 129, 32)", "model": "choice(mlp, convnet)",
-                   "num_epochs": "tag(int, interval(2, 8))", "seed": "tag(int, log, interval(1, 1000))"}, cfg)
-    assert space == {"optimizer.lr": FloatDistribution(1e-4, 1e-1, log=True),
-                     "optimizer.weight_decay": FloatDistribution(0.0, 0.1),
-                     "batch_size": CategoricalDistribution([32, 64, 96, 128]),
-                     "model": CategoricalDistribution(["mlp", "convnet"]),
-                     "num_epochs": IntDistribution(2, 8), "seed": IntDistribution(1, 1000, log=True)}
+    space = parse(
+        {
+            "optimizer.lr": "tag(log, interval(1e-4, 1e-1))",
+            "optimizer.weight_decay": "interval(0, 0.1)",
+            "batch_size": "range(32, 129, 32)",
+            "model": "choice(mlp, convnet)",
+            "num_epochs": "tag(int, interval(2, 8))",
+            "seed": "tag(int, log, interval(1, 1000))",
+        },
+        cfg,
+    )
+    assert space == {
+        "optimizer.lr": FloatDistribution(1e-4, 1e-1, log=True),
+        "optimizer.weight_decay": FloatDistribution(0.0, 0.1),
+        "batch_size": CategoricalDistribution([32, 64, 96, 128]),
+        "model": CategoricalDistribution(["mlp", "convnet"]),
+        "num_epochs": IntDistribution(2, 8),
+        "seed": IntDistribution(1, 1000, log=True),
+    }
 
 
 def test_a_study_dir_with_a_space_a_hash_and_a_question_mark_works(tmp_path):
     """Any legal path: Hydra's override grammar and SQLite's URL each give these characters a meaning."""
     d = tmp_path / "my study #1?x=y"
-    args = [a if not a.startswith("study.dir=") else f"study.dir='{d}'" for a in study_args(d, 1, "num_epochs=1")]
+    args = [
+        a if not a.startswith("study.dir=") else f"study.dir='{d}'" for a in study_args(d, 1, "num_epochs=1")
+    ]
     proc = python_train(args, tmp_path)
     assert_ok(proc)
     assert (d / "study.db").is_file() and not list(tmp_path.glob("my study #1")), list(tmp_path.iterdir())
@@ -320,12 +421,17 @@ def test_a_study_dir_with_a_space_a_hash_and_a_question_mark_works(tmp_path):
     assert read_result(d / "0")["trial"]["state"] == "COMPLETE"
     shown = (proc.stdout + proc.stderr).split("dashboard: optuna-dashboard ", 1)[1].splitlines()[0]
     assert shown == shlex.quote(default_url(d)), shown  # pasted into a shell, it opens this study
-    assert optuna.load_study(study_name="digits_lr_wd", storage=shlex.split(shown)[0]).trials[0].state.name == "COMPLETE"
+    assert (
+        optuna.load_study(study_name="digits_lr_wd", storage=shlex.split(shown)[0]).trials[0].state.name
+        == "COMPLETE"
+    )
 
 
 def test_a_trial_that_cannot_be_composed_is_told_fail_not_left_running(tmp_path):
     d = tmp_path / "s"
-    proc = python_train(study_args(d, 1, "num_epochs=1", "++study.params={model:'choice(nosuch,nosuch2)'}"), tmp_path)
+    proc = python_train(
+        study_args(d, 1, "num_epochs=1", "++study.params={model:'choice(nosuch,nosuch2)'}"), tmp_path
+    )
     assert_ok(proc)  # a failed trial does not stop the study
     (t,) = load(d).get_trials()
     assert t.state.name == "FAIL" and "Could not find 'model/nosuch" in t.user_attrs["error"], t.user_attrs

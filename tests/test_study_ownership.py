@@ -14,9 +14,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from helpers.jobs import assert_ok, compose_cfg, python_train, tmpfs
 from helpers.study import finish, start, study_args, trials_run
+
 from ddplab.config import ConfigError
 from ddplab.rundir import read_result
 from ddplab.study.storage import STORAGE_EXIT
@@ -36,23 +36,39 @@ def storage_dir(tmp_path: Path, how: str):
     try:
         yield tmp_path / "db"
     finally:
-        subprocess.run(["chattr", "-i", *map(str, [tmp_path / "db", *(tmp_path / "db").iterdir()])], capture_output=True)
+        subprocess.run(
+            ["chattr", "-i", *map(str, [tmp_path / "db", *(tmp_path / "db").iterdir()])], capture_output=True
+        )
 
 
-@pytest.mark.parametrize("how,cause,ranks", [("full", "database or disk is full", 1),
-                                             ("readonly", "unable to open database file", 1),
-                                             ("deleted", "attempt to write a readonly database", 1),
-                                             ("deleted", "attempt to write a readonly database", 2)])
-def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(tmp_path, how, cause, ranks):
+@pytest.mark.parametrize(
+    "how,cause,ranks",
+    [
+        ("full", "database or disk is full", 1),
+        ("readonly", "unable to open database file", 1),
+        ("deleted", "attempt to write a readonly database", 1),
+        ("deleted", "attempt to write a readonly database", 2),
+    ],
+)
+def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently_running(
+    tmp_path, how, cause, ranks
+):
     """``ranks=2``: a self-launched trial whose rank meets the lost storage (the soak's seed 1126, trial
     1455560038): torch's agent logged the rank's StorageLost traceback; the rank says it in one line now."""
     d = tmp_path / "s"
     with storage_dir(tmp_path, how) as where:
         db = where / "study.db"
         url = f"sqlite:///{db}"
-        args = study_args(d, 2, f"study.storage={url}", "+callbacks.brk._target_=study_toy.BreakStorage",
-                          "+callbacks.brk.step=2", f"+callbacks.brk.how={how}", f"+callbacks.brk.db={db}",
-                          f"distributed.nproc_per_node={ranks}")
+        args = study_args(
+            d,
+            2,
+            f"study.storage={url}",
+            "+callbacks.brk._target_=study_toy.BreakStorage",
+            "+callbacks.brk.step=2",
+            f"+callbacks.brk.how={how}",
+            f"+callbacks.brk.db={db}",
+            f"distributed.nproc_per_node={ranks}",
+        )
         proc = python_train(args, tmp_path)
         said = proc.stdout + proc.stderr
         assert proc.returncode == STORAGE_EXIT, said[-3000:]
@@ -60,7 +76,10 @@ def test_a_storage_lost_under_a_running_worker_is_one_line_and_no_trial_silently
         errors = [line for line in said.splitlines() if "ERROR: study.storage=" in line]  # the worker's line
         assert len(errors) == 1, said[-3000:]
         assert f"study.storage={url}: it failed under this worker (OperationalError: " in errors[0], errors
-        assert cause in errors[0] and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0]
+        assert (
+            cause in errors[0]
+            and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0]
+        )
         assert trials_run(proc) == [0]  # no trial asked after the storage failed
         if how == "full":  # space again: the study is as the line says, and a worker finishes it
             (where / "filler").unlink()
@@ -79,13 +98,24 @@ def test_a_storage_lost_under_a_torchrun_worker_is_said_once_by_rank_zero(tmp_pa
 
     d = tmp_path / "s"
     db = d / "study.db"
-    proc = torchrun(2, study_args(d, 2, "+callbacks.brk._target_=study_toy.BreakStorage", "+callbacks.brk.step=-1",
-                                  "+callbacks.brk.how=deleted", f"+callbacks.brk.db={db}"), tmp_path)
+    proc = torchrun(
+        2,
+        study_args(
+            d,
+            2,
+            "+callbacks.brk._target_=study_toy.BreakStorage",
+            "+callbacks.brk.step=-1",
+            "+callbacks.brk.how=deleted",
+            f"+callbacks.brk.db={db}",
+        ),
+        tmp_path,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"exitcode  : {STORAGE_EXIT}" in out, out[-3000:]
     errors = [line for line in out.splitlines() if "ERROR: study.storage=" in line]
-    assert len(errors) == 1 and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0], \
-        out[-3000:]
+    assert (
+        len(errors) == 1 and "trial 0 stays RUNNING in the study: the storage cannot be written" in errors[0]
+    ), out[-3000:]
     assert "[rank 1]" not in out and "Connection closed" not in out, out[-3000:]  # the peer said nothing
     # no traceback but torchrun's own report of the failed job
     assert all("torch/distributed/run.py" in block[:800] for block in out.split("Traceback")[1:]), out[-3000:]
@@ -96,7 +126,9 @@ def states(url: str) -> list[str]:
     """The trials' states, the database closed after (a tmpfs holding it can then be unmounted)."""
     store = optuna.storages.RDBStorage(url)
     try:
-        return [t.state.name for t in optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()]
+        return [
+            t.state.name for t in optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
+        ]
     finally:
         store.engine.dispose()
 
@@ -127,9 +159,23 @@ def test_workers_with_different_dirs_on_one_storage_train_each_trial_once(tmp_pa
     a new one instead of taking it over; each trial is trained once and told once."""
     url = f"journal:{tmp_path / 'study.log'}" if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
     held, go, tally = tmp_path / "held", tmp_path / "go", tmp_path / "tally"
-    common = [f"study.storage={url}", "+callbacks.tally._target_=study_toy.TallySteps", f"+callbacks.tally.file={tally}"]
-    a = start(study_args(tmp_path / "a", 2, *common, "+callbacks.hold._target_=study_toy.HoldAt",
-                         "+callbacks.hold.step=2", f"+callbacks.hold.held={held}", f"+callbacks.hold.go={go}"), tmp_path)
+    common = [
+        f"study.storage={url}",
+        "+callbacks.tally._target_=study_toy.TallySteps",
+        f"+callbacks.tally.file={tally}",
+    ]
+    a = start(
+        study_args(
+            tmp_path / "a",
+            2,
+            *common,
+            "+callbacks.hold._target_=study_toy.HoldAt",
+            "+callbacks.hold.step=2",
+            f"+callbacks.hold.held={held}",
+            f"+callbacks.hold.go={go}",
+        ),
+        tmp_path,
+    )
     wait_for(held, a)  # A is inside trial 0, alive
     b = python_train(study_args(tmp_path / "b", 2, *common), tmp_path)
     go.write_text("")
@@ -139,8 +185,14 @@ def test_workers_with_different_dirs_on_one_storage_train_each_trial_once(tmp_pa
     assert_ok(a)
     assert_ok(b)
     assert [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
-    assert read_result(tmp_path / "a" / "0")["trial"]["state"] == "COMPLETE" and not (tmp_path / "b" / "0").exists()
-    assert read_result(tmp_path / "b" / "1")["trial"]["state"] == "COMPLETE" and not (tmp_path / "a" / "1").exists()
+    assert (
+        read_result(tmp_path / "a" / "0")["trial"]["state"] == "COMPLETE"
+        and not (tmp_path / "b" / "0").exists()
+    )
+    assert (
+        read_result(tmp_path / "b" / "1")["trial"]["state"] == "COMPLETE"
+        and not (tmp_path / "a" / "1").exists()
+    )
 
 
 @pytest.mark.parametrize("resumer", ["a", "b"])
@@ -151,8 +203,12 @@ def test_a_death_after_a_preemption_is_counted_and_the_trial_resumes_in_its_own_
     url, a, b = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "a", tmp_path / resumer
     faults = ["num_epochs=3", "checkpoint.every_n_steps=1", "study.max_retries=1", f"study.storage={url}"]
     for name, step, sig in (("term", 5, "SIGTERM"), ("k1", 7, "SIGKILL"), ("k2", 9, "SIGKILL")):
-        faults += [f"+callbacks.{name}._target_=study_toy.SignalOnce", f"+callbacks.{name}.step={step}",
-                   f"+callbacks.{name}.sig={sig}", f"+callbacks.{name}.marker={tmp_path / name}"]
+        faults += [
+            f"+callbacks.{name}._target_=study_toy.SignalOnce",
+            f"+callbacks.{name}.step={step}",
+            f"+callbacks.{name}.sig={sig}",
+            f"+callbacks.{name}.marker={tmp_path / name}",
+        ]
     first = python_train(study_args(a, 1, *faults), tmp_path)
     assert first.returncode == 128 + signal.SIGTERM, first.stderr[-2000:]
     stopped = read_result(a / "0")["step"]
@@ -164,7 +220,9 @@ def test_a_death_after_a_preemption_is_counted_and_the_trial_resumes_in_its_own_
     assert t.state.name == "FAIL" and t.user_attrs["ddplab:deaths"] == 2, (t.state, t.user_attrs)
     assert f"trial 0: resuming it in {a / '0'} (preempted at step {stopped}" in said[0], said[0][-3000:]
     assert f"trial 0: resuming it in {a / '0'} (its worker (pid {killed}" in said[1], said[1][-3000:]
-    assert "died after step 6, its last checkpoint; death 1 of study.max_retries=1)" in said[1], said[1][-3000:]
+    assert "died after step 6, its last checkpoint; death 1 of study.max_retries=1)" in said[1], said[1][
+        -3000:
+    ]
     assert "preempted" not in said[1] and "resuming it" not in said[2], said[2][-3000:]
     assert "died 2 times" in t.user_attrs["error"] and "died after step 8" in t.user_attrs["error"]
     assert read_result(a / "0")["trial"]["state"] == "FAIL" and (b == a or not (b / "0").exists())
@@ -175,16 +233,20 @@ def test_a_worker_that_would_train_trials_differently_is_refused(tmp_path):
     whose trials would train differently is refused before it asks; harmless keys may differ."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
     assert_ok(python_train(study_args(tmp_path / "a", 1, f"study.storage={url}", "num_epochs=1"), tmp_path))
-    other = python_train(study_args(tmp_path / "b", 2, f"study.storage={url}", "num_epochs=4", "model.hidden=[32]"),
-                         tmp_path)
+    other = python_train(
+        study_args(tmp_path / "b", 2, f"study.storage={url}", "num_epochs=4", "model.hidden=[32]"), tmp_path
+    )
     said = other.stdout + other.stderr
     errors = [line for line in said.splitlines() if "error" in line.lower()]
     assert other.returncode == 2 and len(errors) == 1 and "Traceback" not in said, said[-3000:]
     assert f"study.name=digits_lr_wd in {url} trains its trials with another config:" in errors[0], errors
-    assert "model.hidden: [256, 256] in the study, [32] here; num_epochs: 1 in the study, 4 here" in errors[0], errors
+    assert (
+        "model.hidden: [256, 256] in the study, [32] here; num_epochs: 1 in the study, 4 here" in errors[0]
+    ), errors
     assert len(open_url(url).get_trials()) == 1 and not (tmp_path / "b" / "0").exists()
-    same = python_train(study_args(tmp_path / "c", 2, f"study.storage={url}", "num_epochs=1", "log_every_n_steps=3"),
-                        tmp_path)
+    same = python_train(
+        study_args(tmp_path / "c", 2, f"study.storage={url}", "num_epochs=1", "log_every_n_steps=3"), tmp_path
+    )
     assert_ok(same)
     assert trials_run(same) == [1] and [t.state.name for t in open_url(url).get_trials()] == ["COMPLETE"] * 2
 
@@ -198,7 +260,11 @@ def test_the_training_record_keeps_keys_that_only_start_like_a_harmless_one():
     cfg = compose_cfg(["hparams_search=study", "model=mlp", "model.hidden=[32]"])
     assert trajectory(cfg)["model.hidden"] == [32] and "mode" not in trajectory(cfg)
     trains = training(cfg, {"optimizer.lr": None, "model": None})
-    assert "optimizer.lr" not in trains and not any(k.startswith("model") for k in trains) and "num_epochs" in trains
+    assert (
+        "optimizer.lr" not in trains
+        and not any(k.startswith("model") for k in trains)
+        and "num_epochs" in trains
+    )
 
 
 def test_a_trial_is_taken_over_only_from_a_worker_provably_gone():
@@ -207,16 +273,28 @@ def test_a_trial_is_taken_over_only_from_a_worker_provably_gone():
     from ddplab.study.owner import LEASE_S, me, verdict
 
     now = time.time()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     here, dead = me(), {**me(), "pid": int(gone.stdout), "started": "1"}
     away = {**me(), "machine": "node9 boot x pidns 1", "host": "node9", "pid": 4121}
-    seen = {name: (v.free, v.death) for name, v in [
-        ("alive here", verdict(here, now)), ("dead here", verdict(dead, now)),
-        ("away, beating", verdict({**away, "beat": now - LEASE_S / 2}, now)),
-        ("away, silent", verdict({**away, "beat": now - LEASE_S - 5}, now)),
-        ("preempted", verdict({**here, "left": "preempted", "step": 24, "signal": "SIGTERM"}, now))]}
-    assert seen == {"alive here": (False, False), "dead here": (True, True), "away, beating": (False, False),
-                    "away, silent": (True, True), "preempted": (True, False)}, seen
+    seen = {
+        name: (v.free, v.death)
+        for name, v in [
+            ("alive here", verdict(here, now)),
+            ("dead here", verdict(dead, now)),
+            ("away, beating", verdict({**away, "beat": now - LEASE_S / 2}, now)),
+            ("away, silent", verdict({**away, "beat": now - LEASE_S - 5}, now)),
+            ("preempted", verdict({**here, "left": "preempted", "step": 24, "signal": "SIGTERM"}, now)),
+        ]
+    }
+    assert seen == {
+        "alive here": (False, False),
+        "dead here": (True, True),
+        "away, beating": (False, False),
+        "away, silent": (True, True),
+        "preempted": (True, False),
+    }, seen
     assert "silent for 65s > lease 60s) died" in verdict({**away, "beat": now - LEASE_S - 5}, now).why
 
 
@@ -251,7 +329,9 @@ def test_a_full_disk_under_a_trial_leaves_it_running_and_a_later_worker_resumes_
         store = optuna.storages.RDBStorage(url)
         [t0] = optuna.load_study(study_name="digits_lr_wd", storage=store).get_trials()
         store.engine.dispose()
-        assert t0.state.name == "RUNNING" and t0.user_attrs["ddplab:owner"]["left"] == "preempted", t0.user_attrs
+        assert t0.state.name == "RUNNING" and t0.user_attrs["ddplab:owner"]["left"] == "preempted", (
+            t0.user_attrs
+        )
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # room again
         again = python_train(study_args(d, 2, f"study.storage={url}"), tmp_path)
         assert_ok(again)
@@ -270,8 +350,13 @@ def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp
     from helpers.jobs import torchrun
 
     d, url = tmp_path / "s", f"sqlite:///{tmp_path / 's' / 'study.db'}"
-    kill = ["+callbacks.kill._target_=study_toy.KillRankOnce", "+callbacks.kill.rank=1", "+callbacks.kill.step=6",
-            f"+callbacks.kill.marker={tmp_path / 'killed'}", "checkpoint.every_n_steps=2"]
+    kill = [
+        "+callbacks.kill._target_=study_toy.KillRankOnce",
+        "+callbacks.kill.rank=1",
+        "+callbacks.kill.step=6",
+        f"+callbacks.kill.marker={tmp_path / 'killed'}",
+        "checkpoint.every_n_steps=2",
+    ]
     proc = torchrun(2, study_args(d, 2, *kill), tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and (tmp_path / "killed").exists(), out[-3000:]
@@ -295,12 +380,18 @@ def test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial(tmp
     assert "trial 0: resuming it in" in again.stdout + again.stderr
 
 
-@pytest.mark.parametrize("override, said", [
-    ("eval_every_n_steps=5", "eval_every_n_steps: 0 in the study, 5 here"),
-    ("limit_val_batches=2", "limit_val_batches: None in the study, 2 here"),
-    ("callbacks=[ema]", "callbacks.ema.decay: '<absent>' in the study, 0.999 here"),
-    ("distributed.nproc_per_node=2", "(per-rank batch): 64 in the study, 32 here"),  # batch 64 split in two
-])
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("eval_every_n_steps=5", "eval_every_n_steps: 0 in the study, 5 here"),
+        ("limit_val_batches=2", "limit_val_batches: None in the study, 2 here"),
+        ("callbacks=[ema]", "callbacks.ema.decay: '<absent>' in the study, 0.999 here"),
+        (
+            "distributed.nproc_per_node=2",
+            "(per-rank batch): 64 in the study, 32 here",
+        ),  # batch 64 split in two
+    ],
+)
 def test_a_worker_whose_trials_would_report_differently_is_refused_before_it_asks(tmp_path, override, said):
     """Issue 45: eval_every_n_steps was harmless to the study's record, so such a worker reported at optimizer
     steps 1, 2 to a pruner comparing them with the other trials' epochs 1, 2. Whatever changes what a trial
@@ -336,7 +427,8 @@ def test_a_hold_that_cannot_be_renewed_names_the_databases_error_not_optunas_wra
         except sqlalchemy.exc.SQLAlchemyError as e:
             raise optuna.exceptions.StorageInternalError(
                 "An exception is raised during the commit. This typically happens due to invalid data in the "
-                "commit, e.g. exceeding max length.") from e
+                "commit, e.g. exceeding max length."
+            ) from e
 
     class Trial:
         number, calls = 0, 0
@@ -355,5 +447,7 @@ def test_a_hold_that_cannot_be_renewed_names_the_databases_error_not_optunas_wra
         time.sleep(0.01)
     hold.release()
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["trial 0: could not renew this worker's hold in the storage (OperationalError: attempt to "
-                    "write a readonly database); retrying"], said  # once, however many renewals fail
+    assert said == [
+        "trial 0: could not renew this worker's hold in the storage (OperationalError: attempt to "
+        "write a readonly database); retrying"
+    ], said  # once, however many renewals fail

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.jobs import REPO, assert_ok, own_tmpdir, python_train, read_scalars, run_cmd, torchrun
+
 from ddplab.events import events_in, read_hparams
 from ddplab.rundir import read_result
 from ddplab.sweep import summarize
@@ -20,14 +20,21 @@ pytestmark = pytest.mark.dist
 
 def sweep_jobs(cwd: Path) -> list[Path]:
     sweeps = sorted((cwd / "multirun").glob("*/*"))
-    return sorted((p for s in sweeps for p in s.iterdir() if p.is_dir() and p.name.isdigit()),
-                  key=lambda p: (p.parent.name, int(p.name)))
+    return sorted(
+        (p for s in sweeps for p in s.iterdir() if p.is_dir() and p.name.isdigit()),
+        key=lambda p: (p.parent.name, int(p.name)),
+    )
 
 
 def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
     tmp_env, scratch_left = own_tmpdir(tmp_path)
-    proc = torchrun(2, ["-m", "optimizer.lr=0.1,0.01", "model=mlp,convnet", "num_epochs=1", "progress=none"],
-                    tmp_path, timeout=300, extra_env=tmp_env)
+    proc = torchrun(
+        2,
+        ["-m", "optimizer.lr=0.1,0.01", "model=mlp,convnet", "num_epochs=1", "progress=none"],
+        tmp_path,
+        timeout=300,
+        extra_env=tmp_env,
+    )
     assert_ok(proc)
     jobs = sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1", "2", "3"]  # exactly 4 job dirs, none per rank
@@ -53,7 +60,9 @@ def test_multirun_inside_torchrun_two_ranks_four_jobs(tmp_path):
     assert accs == sorted(accs, reverse=True) and len(rows) == 4
     for r in rows:
         assert r["objective"] == read_result(jobs[0].parent / str(r["job"]))["metrics"]["val/acc"]
-    table = run_cmd([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(jobs[0].parent)], tmp_path)
+    table = run_cmd(
+        [sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(jobs[0].parent)], tmp_path
+    )
     assert_ok(table)
     best = rows[0]
     assert table.stdout.splitlines()[2].startswith(f"| {best['job']} | completed | ")
@@ -71,9 +80,20 @@ def _log_window(job: Path) -> tuple[datetime, datetime]:
 
 
 def test_joblib_runs_two_self_launched_ddp_jobs_in_parallel(tmp_path):
-    proc = python_train(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.1,0.01",
-                         "model=mlp", "num_epochs=3", "distributed.nproc_per_node=2", "progress=log"],
-                        tmp_path, timeout=300)
+    proc = python_train(
+        [
+            "-m",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            "optimizer.lr=0.1,0.01",
+            "model=mlp",
+            "num_epochs=3",
+            "distributed.nproc_per_node=2",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "address already in use" not in out.lower()
@@ -88,9 +108,20 @@ def test_joblib_runs_two_self_launched_ddp_jobs_in_parallel(tmp_path):
 
 
 def test_submitit_local_runs_a_two_job_sweep(tmp_path):
-    proc = python_train(["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
-                         "optimizer.lr=0.1,0.01", "model=mlp", "num_epochs=1", "distributed.nproc_per_node=2",
-                         "progress=log"], tmp_path, timeout=300)
+    proc = python_train(
+        [
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.timeout_min=5",
+            "optimizer.lr=0.1,0.01",
+            "model=mlp",
+            "num_epochs=1",
+            "distributed.nproc_per_node=2",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert_ok(proc)
     jobs = sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1"]
@@ -101,9 +132,20 @@ def test_submitit_local_runs_a_two_job_sweep(tmp_path):
 
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     # Job 0 crashes in rank 1 at its 3rd step; job 1 never reaches the fault.
-    proc = python_train(["-m", "model=mlp", "model._target_=toy.FaultyMLP", "+model.fault_call=3,100000",
-                         "num_epochs=1", "distributed.nproc_per_node=2", "distributed.timeout_s=30",
-                         "progress=none"], tmp_path, timeout=300)
+    proc = python_train(
+        [
+            "-m",
+            "model=mlp",
+            "model._target_=toy.FaultyMLP",
+            "+model.fault_call=3,100000",
+            "num_epochs=1",
+            "distributed.nproc_per_node=2",
+            "distributed.timeout_s=30",
+            "progress=none",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert_ok(proc)  # the sweep itself completes
     jobs = sweep_jobs(tmp_path)
     failed, ok = read_result(jobs[0]), read_result(jobs[1])
@@ -118,8 +160,20 @@ def test_failing_job_inside_torchrun_sweep_stops_it_promptly(tmp_path):
     # Inside torchrun the ranks cannot be re-paired after one failed mid-collective:
     # the sweep stops with the failure recorded and named, instead of desynchronising.
     t0 = time.perf_counter()
-    proc = torchrun(2, ["-m", "model=mlp", "model._target_=toy.FaultyMLP", "+model.fault_call=3,100000",
-                        "num_epochs=1", "distributed.timeout_s=60", "progress=none"], tmp_path, timeout=300)
+    proc = torchrun(
+        2,
+        [
+            "-m",
+            "model=mlp",
+            "model._target_=toy.FaultyMLP",
+            "+model.fault_call=3,100000",
+            "num_epochs=1",
+            "distributed.timeout_s=60",
+            "progress=none",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert proc.returncode != 0 and time.perf_counter() - t0 < 60  # well before the 60 s timeout
     out = proc.stdout + proc.stderr
     assert "rank 1/2 failed in epoch 1, step 3: RuntimeError: injected crash on rank 1" in out
@@ -130,8 +184,19 @@ def test_failing_job_inside_torchrun_sweep_stops_it_promptly(tmp_path):
 
 def test_optuna_under_torchrun_trains_rank_zero_sample_on_every_rank(tmp_path):
     # An unseeded sampler draws different values in each rank's sweeper.
-    proc = torchrun(2, ["hparams_search=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.seed=null",
-                        "model=mlp", "num_epochs=1", "progress=none"], tmp_path, timeout=300)
+    proc = torchrun(
+        2,
+        [
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.sampler.seed=null",
+            "model=mlp",
+            "num_epochs=1",
+            "progress=none",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     tables = re.findall(r"ranks: 0@.*? cfg=(\w+), 1@.*? cfg=(\w+)", out)
@@ -149,8 +214,11 @@ def test_optuna_under_torchrun_trains_rank_zero_sample_on_every_rank(tmp_path):
 
 
 def test_optuna_four_trials_on_digits(tmp_path):
-    proc = python_train(["hparams_search=optuna", "hydra.sweeper.n_trials=4", "num_epochs=2", "progress=none"],
-                        tmp_path, timeout=300)
+    proc = python_train(
+        ["hparams_search=optuna", "hydra.sweeper.n_trials=4", "num_epochs=2", "progress=none"],
+        tmp_path,
+        timeout=300,
+    )
     assert_ok(proc)
     jobs = sweep_jobs(tmp_path)
     assert len(jobs) == 4 and all(read_result(j)["status"] == "completed" for j in jobs)
@@ -197,13 +265,19 @@ def test_slurm_and_submitit_task_variables_become_ranks(monkeypatch):
     assert env.is_launched() and env.rank() == 5
     import os
 
-    assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("8", "1", "gpu03")
+    assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == (
+        "8",
+        "1",
+        "gpu03",
+    )
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 20000)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node-a[7-8],gpu1")
     assert env._first_host() == "node-a7"
 
 
-def test_an_srun_task_bound_to_its_own_gpu_trains_on_it_and_a_launcher_that_overbooks_one_is_refused(monkeypatch):
+def test_an_srun_task_bound_to_its_own_gpu_trains_on_it_and_a_launcher_that_overbooks_one_is_refused(
+    monkeypatch,
+):
     """srun --gpus-per-task=1 gives each task one visible GPU, cuda:0, whatever its SLURM_LOCALID; torchrun
     with more processes than GPUs is still refused, naming the count."""
     from ddplab.runtime import group
@@ -227,8 +301,15 @@ def test_a_slurm_batch_job_is_named_for_its_run_dir_and_requeue(monkeypatch):
     from ddplab import cli
     from ddplab.runtime import env
 
-    for k in ("RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR",
-              "TORCHELASTIC_RESTART_COUNT"):
+    for k in (
+        "RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SUBMITIT_EXECUTOR",
+        "TORCHELASTIC_RESTART_COUNT",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")

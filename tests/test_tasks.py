@@ -13,11 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import last_weights
+from helpers.counting import assert_quiet_between_log_steps, count_steps
+from helpers.jobs import (
+    REPO,
+    TRAIN,
+    assert_ok,
+    compose_cfg,
+    ranks,
+    read_scalars,
+    run_cmd,
+    run_killed_after_step,
+    torchrun_cmd,
+)
 
 import ddplab
-from helpers.counting import assert_quiet_between_log_steps, count_steps
-from helpers.jobs import REPO, TRAIN, assert_ok, torchrun_cmd, compose_cfg, ranks, read_scalars, run_cmd, run_killed_after_step
-from helpers.compare import last_weights
 from ddplab.task import TaskError
 
 
@@ -44,8 +54,18 @@ def test_vae_logs_both_losses_and_a_reconstruction_grid_at_one_and_two_ranks(tmp
     grids = acc.Images("val/reconstructions")
     assert [g.step for g in grids] == [22, 44, 66] and (grids[0].height, grids[0].width) == (16, 64)
 
-    proc = run_cmd([sys.executable, str(TRAIN), "task=vae", "num_epochs=2", "distributed.nproc_per_node=2",
-                    f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=240)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(TRAIN),
+            "task=vae",
+            "num_epochs=2",
+            "distributed.nproc_per_node=2",
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert_ok(proc)
     two = json.loads((tmp_path / "two" / "result.json").read_text())["metrics"]
     assert two["val/num_samples"] == 359 and two["val/recon"] > 0 and two["val/kl"] > 0
@@ -69,8 +89,15 @@ def test_regression_is_exact_over_world_sizes_1_2_3_and_minimises_its_objective(
     assert runs[1]["val/mae_best"] == pytest.approx(min(maes), rel=1e-6)
 
 
-LM = ["task=lm", "dataset.block_size=32", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
-      "batch_size=16", "progress=none"]
+LM = [
+    "task=lm",
+    "dataset.block_size=32",
+    "model.n_embd=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "batch_size=16",
+    "progress=none",
+]
 
 
 def _text(tmp_path: Path) -> Path:
@@ -83,7 +110,12 @@ def _text(tmp_path: Path) -> Path:
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_lm_kill_and_resume_is_bitwise(tmp_path):
-    args = LM + [f"dataset.path={_text(tmp_path)}", "num_epochs=2", "model.dropout=0.1", "checkpoint.every_n_steps=5"]
+    args = LM + [
+        f"dataset.path={_text(tmp_path)}",
+        "num_epochs=2",
+        "model.dropout=0.1",
+        "checkpoint.every_n_steps=5",
+    ]
     ref = ddplab.run(compose_cfg(args, tmp_path / "ref"))
     assert ref["val/perplexity"] == pytest.approx(math.exp(ref["val/loss"]), rel=1e-12)
 
@@ -97,8 +129,12 @@ def test_lm_kill_and_resume_is_bitwise(tmp_path):
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lm_trains_on_two_ranks(tmp_path, strategy):
-    args = LM + [f"dataset.path={_text(tmp_path)}", "num_epochs=3", f"distributed={strategy}",
-                 f"hydra.run.dir={tmp_path / 'run'}"]
+    args = LM + [
+        f"dataset.path={_text(tmp_path)}",
+        "num_epochs=3",
+        f"distributed={strategy}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert_ok(run_cmd(torchrun_cmd(2, args), tmp_path, timeout=240))
     s = read_scalars(tmp_path / "run" / "tb")
     ppl = [v for _, v in s["val/perplexity"]]
@@ -154,8 +190,9 @@ class Fit(Task):
     def __call__(self, model, batch):
         err = model(batch["features"]) - batch["target"]
         n = err.shape[0]
-        return TaskOutput(err.pow(2).mean(), n, {"sq_err": (err.pow(2).sum(), n), "abs_err": (err.abs().sum(), n),
-                                                  "within_half": ((err.abs() < 0.5).sum(), n)})
+        sums = {"sq_err": (err.pow(2).sum(), n), "abs_err": (err.abs().sum(), n),
+                "within_half": ((err.abs() < 0.5).sum(), n)}
+        return TaskOutput(err.pow(2).mean(), n, sums)
 '''
 
 USER_CONF = {
@@ -185,7 +222,11 @@ def user_pkg(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     for rel, text in USER_CONF.items():
         (pkg / "conf" / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / "conf" / rel).write_text(textwrap.dedent(text).lstrip())
-    return pkg, {"PYTHONPATH": os.pathsep.join(filter(None, [str(pkg), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+    return pkg, {
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(pkg), str(REPO / "tests"), os.environ.get("PYTHONPATH")])
+        )
+    }
 
 
 @pytest.mark.dist
@@ -194,8 +235,12 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
     args = ["--config-dir", str(pkg / "conf"), "task=fit", "num_epochs=3", "progress=none"]
     runs = {}
     for n in (1, 2, 3):
-        proc = run_cmd(torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]), tmp_path, timeout=240,
-                       extra_env=env)
+        proc = run_cmd(
+            torchrun_cmd(n, args + [f"hydra.run.dir={tmp_path / str(n)}"]),
+            tmp_path,
+            timeout=240,
+            extra_env=env,
+        )
         assert_ok(proc)
         runs[n] = json.loads((tmp_path / str(n) / "result.json").read_text())["metrics"]
     # a user's Dataset class goes through their collate_fn
@@ -213,17 +258,36 @@ def test_a_user_task_from_their_own_package_is_exact_over_world_sizes_1_2_3(tmp_
 @pytest.mark.dist
 def test_a_user_task_with_three_metrics_adds_no_collective_or_sync_between_log_steps(tmp_path, user_pkg):
     pkg, env = user_pkg
-    args = ["--config-dir", str(pkg / "conf"), "task=fit", "num_epochs=2", "log_every_n_steps=3", "progress=log",
-            "run_dir=run"]
+    args = [
+        "--config-dir",
+        str(pkg / "conf"),
+        "task=fit",
+        "num_epochs=2",
+        "log_every_n_steps=3",
+        "progress=log",
+        "run_dir=run",
+    ]
     # 240 samples / global batch 24 = 10 steps per epoch
     assert_quiet_between_log_steps(count_steps(tmp_path, 2, args, extra_env=env), 10, 2, 3)
 
 
 @pytest.mark.slow
 def test_a_sweep_over_a_task_metric_objective(tmp_path):
-    proc = run_cmd([sys.executable, str(TRAIN), "-m", "task=regression", "objective=val/mae", "num_epochs=2",
-                    "optimizer.lr=0.01,0.02", "progress=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path,
-                   timeout=240)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(TRAIN),
+            "-m",
+            "task=regression",
+            "objective=val/mae",
+            "num_epochs=2",
+            "optimizer.lr=0.01,0.02",
+            "progress=none",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert_ok(proc)
     for job in ("0", "1"):
         res = json.loads((tmp_path / "sweep" / job / "result.json").read_text())
@@ -231,19 +295,34 @@ def test_a_sweep_over_a_task_metric_objective(tmp_path):
 
 
 # --------------------------------------------------------------------------- bad task output
-@pytest.mark.parametrize("overrides,match", [
-    (["task._target_=toy.BadTask", "+task.fault=vector_loss"],
-     r"BadTask returned a loss of shape \(3,\); it must be a scalar tensor .* Fix: return loss.mean\(\)"),
-    (["task._target_=toy.BadTask", "+task.fault=zero_count"],
-     r"metric 'acc' has count 0 over \d+ samples \(training, .*task BadTask\)"),
-    (["dataset._target_=toy.ragged_digits"],
-     r"ClassificationTask was given a batch whose tensors disagree on the batch size .*batch\[0\] \(64, 1, 8, 8\), "
-     r"batch\[1\] \(63,\)"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            ["task._target_=toy.BadTask", "+task.fault=vector_loss"],
+            r"BadTask returned a loss of shape \(3,\); it must be a scalar tensor .* Fix: return "
+            r"loss.mean\(\)",
+        ),
+        (
+            ["task._target_=toy.BadTask", "+task.fault=zero_count"],
+            r"metric 'acc' has count 0 over \d+ samples \(training, .*task BadTask\)",
+        ),
+        (
+            ["dataset._target_=toy.ragged_digits"],
+            r"ClassificationTask was given a batch whose tensors disagree on the batch size .*batch\[0\] "
+            r"\(64, 1, 8, 8\), "
+            r"batch\[1\] \(63,\)",
+        ),
+    ],
+)
 def test_bad_task_output_or_batch_is_a_clear_error_naming_the_task(tmp_path, overrides, match):
     with pytest.raises(TaskError, match=match):
-        ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "perf.data_on_device=false",
-                                *overrides], tmp_path / "r"))
+        ddplab.run(
+            compose_cfg(
+                ["model=mlp", "num_epochs=1", "progress=none", "perf.data_on_device=false", *overrides],
+                tmp_path / "r",
+            )
+        )
 
 
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
@@ -251,5 +330,15 @@ def test_a_nan_from_a_task_names_the_task_and_the_step(tmp_path):
     from ddplab.train.metrics import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"NaN/Inf at step 1 .*task BadTask"):
-        ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "progress=none", "task._target_=toy.BadTask",
-                                "+task.fault=nonfinite"], tmp_path / "r"))
+        ddplab.run(
+            compose_cfg(
+                [
+                    "model=mlp",
+                    "num_epochs=1",
+                    "progress=none",
+                    "task._target_=toy.BadTask",
+                    "+task.fault=nonfinite",
+                ],
+                tmp_path / "r",
+            )
+        )

@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers.jobs import TRAIN, assert_ok, run_cmd
 
 # Registered before train.py's own handler, so it runs after it: what the teardown then finds.
@@ -25,8 +24,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_a_finished_job_leaves_its_heap_frozen_for_the_teardown(tmp_path):
     """Before: the teardown's cyclic collections walked torch's whole heap (0.7-0.9 s of every exit here)."""
     said = tmp_path / "last.json"
-    proc = run_cmd([sys.executable, "-c", _LAST_WORD, str(TRAIN), str(said), "num_epochs=1", "limit_train_steps=1",
-                    "progress=none", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = run_cmd(
+        [
+            sys.executable,
+            "-c",
+            _LAST_WORD,
+            str(TRAIN),
+            str(said),
+            "num_epochs=1",
+            "limit_train_steps=1",
+            "progress=none",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert_ok(proc)
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
     # torch, its dynamo and Hydra hold far more than this many objects: the heap as a whole was frozen
@@ -64,27 +76,54 @@ def test_every_rank_freezes_its_heap_at_exit_self_launched_or_under_torchrun(tmp
     launching process did; each rank's exit then took 0.7 s more)."""
     from helpers.jobs import python_train, torchrun
 
-    args = ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=none",
-            "+callbacks.freeze._target_=toy.NotesTheFreeze", f"+callbacks.freeze.dir={tmp_path}",
-            f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = (python_train(args + ["distributed.nproc_per_node=2"], tmp_path, timeout=180) if launcher == "self"
-            else torchrun(2, args, tmp_path, timeout=180))
+    args = [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=2",
+        "progress=none",
+        "+callbacks.freeze._target_=toy.NotesTheFreeze",
+        f"+callbacks.freeze.dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = (
+        python_train(args + ["distributed.nproc_per_node=2"], tmp_path, timeout=180)
+        if launcher == "self"
+        else torchrun(2, args, tmp_path, timeout=180)
+    )
     assert_ok(proc)
     for rank in (0, 1):
         assert int((tmp_path / f"frozen-rank{rank}").read_text()) > 100_000, rank
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features", [[], ["optimizer=adamw", "amp=true", "grad_accum_steps=2", "callbacks=ema"],
-                                      ["distributed.nproc_per_node=2", "distributed.comm_hook=fp16"]],
-                         ids=["sgd", "adamw-amp-accum-ema", "ddp-x2"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        [],
+        ["optimizer=adamw", "amp=true", "grad_accum_steps=2", "callbacks=ema"],
+        ["distributed.nproc_per_node=2", "distributed.comm_hook=fp16"],
+    ],
+    ids=["sgd", "adamw-amp-accum-ema", "ddp-x2"],
+)
 def test_a_job_that_compiles_nothing_never_imports_torchs_compiler(tmp_path, features):
     """torch's optimizers, manual_seed, FLOP counter and DDP's constructor import torch._dynamo at their first
     call: 2 s of CPU in every process (a 3-step job took 7.0 CPU-s, 4.6 without it and with bytecode; a
     self-launched 2-rank one's rank server imported it too). ``-X importtime`` lists every module each process
     imports, a rank server's too. (FSDP2's ranks import it anyway, for their fake tensors.)"""
-    proc = run_cmd([sys.executable, "-X", "importtime", str(TRAIN), "model=mlp", "max_steps=2", *features,
-                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = run_cmd(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            str(TRAIN),
+            "model=mlp",
+            "max_steps=2",
+            *features,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert_ok(proc)
     imported = re.findall(r"\|\s+(\S+)\s*$", proc.stderr, re.M)
     assert "torch.optim" in imported and "torch._dynamo" not in imported

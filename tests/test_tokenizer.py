@@ -12,17 +12,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.extras import needs
+from helpers.jobs import REPO, compose_cfg, python_train
 
 import ddplab
-from helpers.jobs import REPO, compose_cfg, python_train
 from ddplab.config.errors import ConfigError
 from ddplab.data import tokenizer as tz
 from ddplab.data.tabular import generated_corpus
-from helpers.extras import needs
 
 needs("tokenizers", "hf")
-LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
-      "batch_size=12", "progress=none", "num_epochs=1"]
+LM = [
+    "task=lm",
+    "dataset=tokens",
+    "dataset.block_size=16",
+    "model.n_embd=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "batch_size=12",
+    "progress=none",
+    "num_epochs=1",
+]
 
 
 def make_tokens() -> object:
@@ -38,7 +47,9 @@ def text_file(tmp_path: Path, sentences: int = 3000) -> Path:
     lines, i = [], 0
     while i < len(said):
         n = 1 + i % 6
-        lines.append(("  " if i % 7 == 0 else "") + ". ".join(said[i:i + n]) + ("." if i + n < len(said) else ""))
+        lines.append(
+            ("  " if i % 7 == 0 else "") + ". ".join(said[i : i + n]) + ("." if i + n < len(said) else "")
+        )
         lines += [""] if i % 11 == 0 else []
         i += n
     path = tmp_path / "book.txt"
@@ -53,12 +64,15 @@ def ids(path: Path) -> np.ndarray:
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)
 def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_workers_is_the_whole_texts(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """Chunks of 4 KB (some 40 cuts; 2 workers) give the ids of the text encoded whole, train then val."""
     book, script = text_file(tmp_path), make_tokens()
     monkeypatch.setattr(script, "TEXT_CHUNK", 4096)
     for out, workers in (("a", 1), ("b", 2)):
-        script.main([str(book), "--out", str(tmp_path / out), "--train-bpe", "380", "--workers", str(workers)])
+        script.main(
+            [str(book), "--out", str(tmp_path / out), "--train-bpe", "380", "--workers", str(workers)]
+        )
     a, b = tmp_path / "a", tmp_path / "b"
     # the same text, the same BPE
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
@@ -75,8 +89,12 @@ def test_a_bpe_trained_on_the_text_is_deterministic_and_chunked_encoding_in_work
     assert abs(val_bytes - 0.1 * book.stat().st_size) < 200 and n_val > 0
     meta = json.loads((a / "train.bin.json").read_text())
     assert meta["vocab_size"] == 380 and meta["dtype"] == "uint16"
-    assert meta["tokenizer"] == {"file": "tokenizer.json", "model": "BPE", "vocab_size": 380,
-                                 "sha256": hashlib.sha256((a / "tokenizer.json").read_bytes()).hexdigest()}
+    assert meta["tokenizer"] == {
+        "file": "tokenizer.json",
+        "model": "BPE",
+        "vocab_size": 380,
+        "sha256": hashlib.sha256((a / "tokenizer.json").read_bytes()).hexdigest(),
+    }
 
 
 @pytest.mark.slow  # a whole in-process training run: seconds (the inner loop keeps tests under ~1.5 CPU-s)
@@ -85,18 +103,24 @@ def test_a_local_tokenizer_json_is_used_as_it_is_and_a_run_trains_on_its_ids(tmp
     its ids cannot change (4 KB chunks: some 20 cuts), and equals the text encoded whole."""
     book, script = text_file(tmp_path, 1500), make_tokens()
     text = book.read_text(encoding="utf-8")
-    mine = tz.train_bpe([text[i:i + 3000] for i in range(0, len(text), 3000)], 400)
+    mine = tz.train_bpe([text[i : i + 3000] for i in range(0, len(text), 3000)], 400)
     assert [t for t in mine.get_vocab() if len(t) > 1 and t.startswith("Ċ")]  # merges across a line break
     mine.save(str(tmp_path / "mine.json"))
     monkeypatch.setattr(script, "TEXT_CHUNK", 4096)
-    script.main([str(book), "--out", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "mine.json"), "--shards", "2"])
+    script.main(
+        [str(book), "--out", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "mine.json"), "--shards", "2"]
+    )
     shards = sorted((tmp_path / "d" / "train").glob("*.bin"))
     got = np.concatenate([ids(s) for s in shards] + [ids(tmp_path / "d" / "val.bin")])
     assert len(shards) == 2 and got.tolist() == mine.encode(book.read_text(encoding="utf-8")).ids
     assert json.loads(Path(f"{shards[1]}.json").read_text())["tokenizer"]["vocab_size"] == 400
     d = tmp_path / "d"
-    train = LM + ["dataset=token_shards", f"dataset.path={d / 'train'}", f"dataset.val_path={d / 'val.bin'}",
-                  "dataset.vocab_size=400"]
+    train = LM + [
+        "dataset=token_shards",
+        f"dataset.path={d / 'train'}",
+        f"dataset.val_path={d / 'val.bin'}",
+        "dataset.vocab_size=400",
+    ]
     result = ddplab.run(compose_cfg(train, tmp_path / "run"))
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
     assert result["step"] > 0 and np.isfinite(result["val/loss"])
@@ -107,16 +131,31 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_one_line_naming_it_exit_2(t
     book, script = text_file(tmp_path, 1500), make_tokens()
     script.main([str(book), "--out", str(tmp_path / "d"), "--train-bpe", "330"])
     d = tmp_path / "d"
-    proc = python_train(LM + [f"dataset.path={d / 'train.bin'}", f"dataset.val_path={d / 'val.bin'}"], tmp_path)
+    proc = python_train(
+        LM + [f"dataset.path={d / 'train.bin'}", f"dataset.val_path={d / 'val.bin'}"], tmp_path
+    )
     out = proc.stdout + proc.stderr
     lines = [line for line in out.splitlines() if "dataset.vocab_size=256" in line]
     assert proc.returncode == 2 and "Traceback" not in out, out[-2000:]
     assert len(lines) == 1 and "written with tokenizer.json: a BPE of 330 ids" in lines[0]
     assert "Fix: dataset.vocab_size=330" in lines[0]
-    with pytest.raises(ConfigError, match=r"model.vocab_size=256, but the data's ids go up to 329 "
-                                          r"\(dataset.vocab_size=330\).*Fix: model.vocab_size=\$\{dataset.vocab_size\}"):
-        ddplab.run(compose_cfg(LM + [f"dataset.path={d / 'train.bin'}", f"dataset.val_path={d / 'val.bin'}",
-                                     "dataset.vocab_size=330", "model.vocab_size=256"], tmp_path / "run"))
+    with pytest.raises(
+        ConfigError,
+        match=r"model.vocab_size=256, but the data's ids go up to 329 "
+        r"\(dataset.vocab_size=330\).*Fix: model.vocab_size=\$\{dataset.vocab_size\}",
+    ):
+        ddplab.run(
+            compose_cfg(
+                LM
+                + [
+                    f"dataset.path={d / 'train.bin'}",
+                    f"dataset.val_path={d / 'val.bin'}",
+                    "dataset.vocab_size=330",
+                    "model.vocab_size=256",
+                ],
+                tmp_path / "run",
+            )
+        )
 
 
 def test_a_tokenizer_whose_ids_cross_a_line_break_is_refused_not_encoded_differently(tmp_path, monkeypatch):
@@ -130,15 +169,26 @@ def test_a_tokenizer_whose_ids_cross_a_line_break_is_refused_not_encoded_differe
     monkeypatch.setattr(script, "TEXT_CHUNK", 4096)
     with pytest.raises(SystemExit) as e:
         script.main([str(book), "--out", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "prefixed.json")])
-    assert str(e.value).startswith("make_tokens.py: the tokenizer encodes ") and "\n" not in str(e.value).strip()
+    assert (
+        str(e.value).startswith("make_tokens.py: the tokenizer encodes ") and "\n" not in str(e.value).strip()
+    )
     assert "add_prefix_space=false" in str(e.value) and not (tmp_path / "d" / "train.bin").exists()
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--tokenizer", "nowhere.json"], "make_tokens.py: --tokenizer nowhere.json: no such file. Fix: "),
-    (["--tokenizer", "book.txt"], "make_tokens.py: --tokenizer book.txt: not a Hugging Face tokenizer.json ("),
-    (["--train-bpe", "200"], "make_tokens.py: --train-bpe 200: a byte-level BPE has the 256 bytes as its first ids"),
-])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--tokenizer", "nowhere.json"], "make_tokens.py: --tokenizer nowhere.json: no such file. Fix: "),
+        (
+            ["--tokenizer", "book.txt"],
+            "make_tokens.py: --tokenizer book.txt: not a Hugging Face tokenizer.json (",
+        ),
+        (
+            ["--train-bpe", "200"],
+            "make_tokens.py: --train-bpe 200: a byte-level BPE has the 256 bytes as its first ids",
+        ),
+    ],
+)
 def test_bad_tokenizer_arguments_are_one_line(tmp_path, monkeypatch, args, said):
     book, script = text_file(tmp_path, 200), make_tokens()
     monkeypatch.chdir(tmp_path)
@@ -152,8 +202,10 @@ def test_without_the_hf_extra_the_tokenizer_path_names_it(tmp_path, monkeypatch)
     book, script = text_file(tmp_path, 200), make_tokens()
     with pytest.raises(SystemExit) as e:
         script.main([str(book), "--out", str(tmp_path / "d"), "--train-bpe", "300"])
-    assert str(e.value) == ("make_tokens.py: a subword tokenizer needs Hugging Face tokenizers, which is not "
-                            "installed. Fix: pip install 'ddplab[hf]'")
+    assert str(e.value) == (
+        "make_tokens.py: a subword tokenizer needs Hugging Face tokenizers, which is not "
+        "installed. Fix: pip install 'ddplab[hf]'"
+    )
 
 
 def test_text_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path):
@@ -161,5 +213,7 @@ def test_text_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path):
     book.write_bytes("Le café est fermé.\nIl pleut.\n".encode("latin-1"))
     with pytest.raises(SystemExit) as e:
         make_tokens().main([str(book), "--out", str(tmp_path / "d"), "--train-bpe", "300"])
-    assert str(e.value) == ("make_tokens.py: byte 6 of the text is not UTF-8 (invalid continuation byte). Fix: "
-                            "convert the file to UTF-8 (iconv -t utf-8), or write its bytes as tokens without --tokenizer")
+    assert str(e.value) == (
+        "make_tokens.py: byte 6 of the text is not UTF-8 (invalid continuation byte). Fix: "
+        "convert the file to UTF-8 (iconv -t utf-8), or write its bytes as tokens without --tokenizer"
+    )

@@ -15,17 +15,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.jobs import (
+    REPO,
+    assert_ok,
+    compose_cfg,
+    python_train,
+    rank_kills_itself,
+    ranks,
+    run_cmd,
+    run_killed_after_step,
+    torchrun,
+)
 
 import ddplab
-from helpers.compare import assert_same_checkpoint
-from helpers.jobs import (REPO, assert_ok, compose_cfg, python_train, rank_kills_itself, ranks, run_cmd,
-                          run_killed_after_step, torchrun)
 from ddplab.config.errors import ConfigError
 from ddplab.config.validate import validate
 from ddplab.data.tokens import TokenFileError, tokens, write_tokens
 
-LM = ["task=lm", "dataset=tokens", "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2",
-      "batch_size=12", "progress=none"]
+LM = [
+    "task=lm",
+    "dataset=tokens",
+    "dataset.block_size=16",
+    "model.n_embd=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "batch_size=12",
+    "progress=none",
+]
 
 
 def corpus(tmp_path: Path, mb: float = 0.01) -> tuple[Path, Path]:
@@ -33,15 +50,23 @@ def corpus(tmp_path: Path, mb: float = 0.01) -> tuple[Path, Path]:
     checkpoint mid-epoch before the step 13 a kill stops at, as the tests need; each step more costs six
     runs)."""
     out = tmp_path / "data"
-    proc = run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", str(mb), "--out",
-                    str(out)], tmp_path)
+    proc = run_cmd(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_tokens.py"),
+            "--generated-mb",
+            str(mb),
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     return out / "train.bin", out / "val.bin"
 
 
 def files(train: Path, val: Path) -> list[str]:
     return [f"dataset.path={train}", f"dataset.val_path={val}"]
-
 
 
 def last(run: Path) -> dict:
@@ -65,10 +90,17 @@ def test_windows_are_the_files_tokens_and_the_dataset_pickles_for_workers(tmp_pa
     again = pickle.loads(pickle.dumps(s.train))  # a DataLoader worker gets its own file handle
     assert torch.equal(again[88][1], s.train[88][1])
     big = write_tokens(np.array([70000, 1, 2] * 10), tmp_path / "u.bin", "uint32")
-    assert tokens(str(big), dtype="uint32", block_size=4, vocab_size=70001).train[0][0].tolist() == [70000, 1, 2, 70000]
+    assert tokens(str(big), dtype="uint32", block_size=4, vocab_size=70001).train[0][0].tolist() == [
+        70000,
+        1,
+        2,
+        70000,
+    ]
 
 
-def test_a_batch_is_read_whole_and_equals_its_windows_stacked_and_a_bad_token_in_it_names_its_offset(tmp_path):
+def test_a_batch_is_read_whole_and_equals_its_windows_stacked_and_a_bad_token_in_it_names_its_offset(
+    tmp_path,
+):
     """The DataLoader's batched fetch (``__getitems__``): the same tensors as its windows one by one, stacked
     (contiguous; through a Subset too, as validation shards are), and an id past the vocabulary in its third
     window is named at the offset the per-window read names."""
@@ -97,9 +129,13 @@ def test_a_batch_is_read_whole_and_equals_its_windows_stacked_and_a_bad_token_in
 
 def test_token_files_that_do_not_match_are_one_line_errors_naming_file_and_offset(tmp_path):
     f = write_tokens(np.arange(200) % 256, tmp_path / "t.bin", "uint16", vocab_size=256)
-    with pytest.raises(TokenFileError, match=r"t.bin was written as uint16 \(t.bin.json\), but dataset.dtype=uint32"):
+    with pytest.raises(
+        TokenFileError, match=r"t.bin was written as uint16 \(t.bin.json\), but dataset.dtype=uint32"
+    ):
         tokens(str(f), dtype="uint32", block_size=8)
-    with pytest.raises(TokenFileError, match=r"ids up to 255 .* dataset.vocab_size=100. Fix: dataset.vocab_size=256"):
+    with pytest.raises(
+        TokenFileError, match=r"ids up to 255 .* dataset.vocab_size=100. Fix: dataset.vocab_size=256"
+    ):
         tokens(str(f), block_size=8, vocab_size=100)
     with open(f, "ab") as out:  # appended after it was written: the sidecar no longer describes it
         out.write(b"\0\0")
@@ -114,17 +150,25 @@ def test_token_files_that_do_not_match_are_one_line_errors_naming_file_and_offse
     with pytest.raises(TokenFileError, match=r"raw.bin: token 999 at offset 80 is >= dataset.vocab_size=256"):
         s.train[5]  # window 5 = tokens 40..48: the 999 is token 40, byte 80
     os.truncate(raw, 60)  # cut under a running job
-    with pytest.raises(TokenFileError, match=r"raw.bin: truncated: 0 of 18 bytes at offset 160; the file is 60 bytes"):
+    with pytest.raises(
+        TokenFileError, match=r"raw.bin: truncated: 0 of 18 bytes at offset 160; the file is 60 bytes"
+    ):
         s.train[10]
 
 
-@pytest.mark.parametrize("override,match", [
-    ([], r"dataset.path=None: is not set. Fix: pass dataset.path=train.bin"),
-    (["dataset.path=/nonexistent/train.bin"], r"dataset.path='/nonexistent/train.bin': no such file"),
-    (["dataset.path=X", "dataset.dtype=int8"], r"dataset.dtype='int8': must be uint16 or uint32"),
-    (["dataset.path=X", "dataset.vocab_size=70000"], r"dataset.vocab_size=70000: must be in \[2, 65536\] for "
-                                                     r"uint16. Fix: pass dataset.dtype=uint32"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ([], r"dataset.path=None: is not set. Fix: pass dataset.path=train.bin"),
+        (["dataset.path=/nonexistent/train.bin"], r"dataset.path='/nonexistent/train.bin': no such file"),
+        (["dataset.path=X", "dataset.dtype=int8"], r"dataset.dtype='int8': must be uint16 or uint32"),
+        (
+            ["dataset.path=X", "dataset.vocab_size=70000"],
+            r"dataset.vocab_size=70000: must be in \[2, 65536\] for "
+            r"uint16. Fix: pass dataset.dtype=uint32",
+        ),
+    ],
+)
 def test_token_config_errors_name_the_key_the_value_and_the_fix(tmp_path, override, match):
     f = write_tokens(np.arange(100) % 256, tmp_path / "t.bin")
     with pytest.raises(ConfigError, match=match):
@@ -143,13 +187,18 @@ def test_kill_and_resume_mid_epoch_on_a_token_file_is_bitwise(tmp_path):
 
 
 @pytest.mark.dist
-def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or_at_another_world_size(tmp_path):
+def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or_at_another_world_size(
+    tmp_path,
+):
     """World sizes 1/2/3 give the same run (global batch 12). Rank 1 SIGKILLed at step 13 of a 2-rank job (its
     last checkpoint: step 10, mid-epoch) resumes bitwise at 2 ranks; resumed at 3 ranks instead, it ends where
     the uninterrupted run does (to float32 reduction order): no window lost or seen twice."""
     train, val = corpus(tmp_path)
-    args = LM + files(train, val) + ["num_epochs=2", "checkpoint.every_n_steps=5",
-                                     "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    args = (
+        LM
+        + files(train, val)
+        + ["num_epochs=2", "checkpoint.every_n_steps=5", "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    )
     runs = {}
     for n in (1, 2, 3):
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
@@ -160,8 +209,13 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash (rank 1 SIGKILLed), its run dir copied: each copy resumes at another world size.
-    crashed = ranks(2, args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"], tmp_path, timeout=240,
-                    extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(
+        2,
+        args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"],
+        tmp_path,
+        timeout=240,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
+    )
     fired = json.loads((tmp_path / "fault" / "fired").read_text())
     assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
     shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
@@ -187,13 +241,19 @@ def test_a_corrupt_token_read_by_a_dataloader_worker_is_one_line_naming_file_and
     """torch re-raises a worker's error with its traceback inside the message: the user gets the original
     error's one line (and which worker), exit 2 like any input error, and no traceback."""
     f = corrupt_token_file(tmp_path)
-    proc = python_train(LM + [f"dataset.path={f}", "num_epochs=1", "perf.num_workers=2",
-                              f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    proc = python_train(
+        LM + [f"dataset.path={f}", "num_epochs=1", "perf.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     said = [ln for ln in out.splitlines() if "ERROR" in ln or "Error" in ln]
     assert proc.returncode == 2 and "Traceback" not in out and len(said) == 1, out[-3000:]
-    assert re.search(r"ERROR: rank 0/1 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset "
-                     r"24690 is >= dataset.vocab_size=256. Fix: [^\n]* \(in DataLoader worker [01]\)$", said[0]), said
+    assert re.search(
+        r"ERROR: rank 0/1 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset "
+        r"24690 is >= dataset.vocab_size=256. Fix: [^\n]* \(in DataLoader worker [01]\)$",
+        said[0],
+    ), said
     error = json.loads((tmp_path / "run" / "result.json").read_text())["error"]
     assert error == said[0].split("ERROR: ", 1)[1]
 
@@ -204,20 +264,41 @@ def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tm
     the file and byte offset; the other rank is stopped with it (the job ends in seconds, not at
     timeout_s)."""
     f = corrupt_token_file(tmp_path)
-    args = LM + [f"dataset.path={f}", "num_epochs=1", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = LM + [
+        f"dataset.path={f}",
+        "num_epochs=1",
+        "distributed.timeout_s=120",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     proc = torchrun(2, args, tmp_path, timeout=100)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert re.search(r"rank \d/2 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset 24690 "
-                     r"is >= dataset.vocab_size=256", out), out[-3000:]
+    assert re.search(
+        r"rank \d/2 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset 24690 "
+        r"is >= dataset.vocab_size=256",
+        out,
+    ), out[-3000:]
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "failed"
 
 
 # --------------------------------------------------------------------------- a folder of shards, streamed
 def shards(tmp_path: Path, n: int = 4) -> tuple[Path, Path]:
     out = tmp_path / "data"
-    assert_ok(run_cmd([sys.executable, str(REPO / "scripts" / "make_tokens.py"), "--generated-mb", "0.02", "--out",
-                       str(out), "--shards", str(n)], tmp_path))
+    assert_ok(
+        run_cmd(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tokens.py"),
+                "--generated-mb",
+                "0.02",
+                "--out",
+                str(out),
+                "--shards",
+                str(n),
+            ],
+            tmp_path,
+        )
+    )
     return out / "train", out / "val.bin"
 
 
@@ -229,12 +310,20 @@ def test_token_shards_stream_every_window_once_an_epoch_and_resume_from_their_st
 
     train, val = shards(tmp_path)
     s = token_shards(str(train), str(val), block_size=16)
-    expected = sorted(tuple(s.train.shards[k][i][0].tolist()) for k in range(4) for i in range(len(s.train.shards[k])))
-    assert len(s.train) == len(expected) == sum((os.path.getsize(f) // 2 - 1) // 16 for f in train.glob("*.bin"))
+    expected = sorted(
+        tuple(s.train.shards[k][i][0].tolist()) for k in range(4) for i in range(len(s.train.shards[k]))
+    )
+    assert (
+        len(s.train) == len(expected) == sum((os.path.getsize(f) // 2 - 1) // 16 for f in train.glob("*.bin"))
+    )
 
     def epoch(workers: int, e: int, stop: int | None = None, state=None):
-        ld = StreamLoader(token_shards(str(train), str(val), block_size=16).train,
-                          ShardedGlobalSampler(len(expected), 1, 1, 0, 0), torch.device("cpu"), workers)
+        ld = StreamLoader(
+            token_shards(str(train), str(val), block_size=16).train,
+            ShardedGlobalSampler(len(expected), 1, 1, 0, 0),
+            torch.device("cpu"),
+            workers,
+        )
         if state is not None:
             ld.load_state_dict(state)
         ld.set_epoch(e, skip=0 if state is None else state["micro_batches"])
@@ -256,18 +345,37 @@ def test_token_shards_stream_every_window_once_an_epoch_and_resume_from_their_st
 @pytest.mark.dist
 def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwise(tmp_path):
     train, val = shards(tmp_path)
-    args = ["task=lm", "dataset=token_shards", f"dataset.path={train}", f"dataset.val_path={val}",
-            "dataset.block_size=16", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "batch_size=12",
-            "progress=none", "num_epochs=2", "checkpoint.every_n_steps=5", "perf.num_workers=2",
-            "+callbacks.soak._target_=soak_toy.SoakCallback"]
+    args = [
+        "task=lm",
+        "dataset=token_shards",
+        f"dataset.path={train}",
+        f"dataset.val_path={val}",
+        "dataset.block_size=16",
+        "model.n_embd=32",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "batch_size=12",
+        "progress=none",
+        "num_epochs=2",
+        "checkpoint.every_n_steps=5",
+        "perf.num_workers=2",
+        "+callbacks.soak._target_=soak_toy.SoakCallback",
+    ]
     for n in (1, 2):
         assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
     assert metrics(tmp_path / "2")["val/loss"] == pytest.approx(metrics(tmp_path / "1")["val/loss"], rel=1e-5)
     run = tmp_path / "killed"
-    crashed = ranks(2, args + [f"hydra.run.dir={run}"], tmp_path, timeout=240,
-                   extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13))
+    crashed = ranks(
+        2,
+        args + [f"hydra.run.dir={run}"],
+        tmp_path,
+        timeout=240,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
+    )
     assert crashed.returncode != 0
     assert_ok(ranks(2, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
     assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
-    assert_same_checkpoint(last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data"))
+    assert_same_checkpoint(
+        last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data")
+    )
     assert metrics(run)["step"] == metrics(tmp_path / "2")["step"]

@@ -1,15 +1,14 @@
 """End-to-end jobs launched as users launch them: torchrun (2 ranks, gloo) and plain python."""
 
 import math
-import sys
 import re
+import sys
 import time
 
 import pytest
 import torch
 import yaml
-
-from helpers.jobs import REPO, assert_ok, own_tmpdir, job_dirs, python_train, read_scalars, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, job_dirs, own_tmpdir, python_train, read_scalars, run_cmd, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -22,10 +21,27 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     # lacks avx512_bf16, oneDNN emulates bf16 (~50 s a step of 64 samples a rank on an AVX2 EPYC; 3 steps of
     # 32 and the 359 digits were 74 CPU-s there).
     tmp_env, scratch_left = own_tmpdir(tmp_path)
-    proc = torchrun(2, ["model=resnet18", "amp=true", "amp_dtype=bf16", "num_epochs=1", "batch_size=8",
-                        "dataset=synthetic", "dataset.in_channels=1", "dataset.image_size=8", "dataset.num_train=48",
-                        f"dataset.num_val={VAL}", "limit_train_steps=3", "log_every_n_steps=2", "progress=log"],
-                    tmp_path, timeout=240, extra_env=tmp_env)
+    proc = torchrun(
+        2,
+        [
+            "model=resnet18",
+            "amp=true",
+            "amp_dtype=bf16",
+            "num_epochs=1",
+            "batch_size=8",
+            "dataset=synthetic",
+            "dataset.in_channels=1",
+            "dataset.image_size=8",
+            "dataset.num_train=48",
+            f"dataset.num_val={VAL}",
+            "limit_train_steps=3",
+            "log_every_n_steps=2",
+            "progress=log",
+        ],
+        tmp_path,
+        timeout=240,
+        extra_env=tmp_env,
+    )
     assert_ok(proc)
     dirs = job_dirs(tmp_path)
     assert len(dirs) == 1, dirs  # one dir for the job, none per rank
@@ -40,20 +56,32 @@ def test_torchrun_resnet18_amp_two_ranks(tmp_path):
     steps = 3  # limit_train_steps
     assert [st for st, _ in s["train/loss"]] == [2, 3]  # every 2 steps + the epoch's tail
     assert [st for st, _ in s["val/acc"]] == [steps]
-    for tag in ["train/loss", "train/acc", "vitals/lr", "val/loss", "val/acc", "vitals/samples_per_s",
-                "vitals/step_time_ms", "vitals/step_time_ms_max", "vitals/data_time_ms"]:
+    for tag in [
+        "train/loss",
+        "train/acc",
+        "vitals/lr",
+        "val/loss",
+        "val/acc",
+        "vitals/samples_per_s",
+        "vitals/step_time_ms",
+        "vitals/step_time_ms_max",
+        "vitals/data_time_ms",
+    ]:
         assert all(math.isfinite(v) for _, v in s[tag]), tag
     assert s["val/num_samples"] == [(steps, float(VAL))]  # each val sample exactly once
     assert all(0 <= v <= 1 for _, v in s["train/acc"] + s["val/acc"])
     assert all(v > 0 for _, v in s["vitals/samples_per_s"])
-    assert all(mx >= mean for (_, mx), (_, mean) in zip(s["vitals/step_time_ms_max"], s["vitals/step_time_ms"]))
+    assert all(
+        mx >= mean for (_, mx), (_, mean) in zip(s["vitals/step_time_ms_max"], s["vitals/step_time_ms"])
+    )
     assert "amp bfloat16" in proc.stderr + proc.stdout  # bf16 on CPU as asked, no GradScaler
     # ddplab's lines
     first = next(line for line in proc.stdout.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line))
     assert "ranks: 0@" in first and ", 1@" in first  # the rank table is the job's first log line
 
-    table = run_cmd([sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"],
-                    tmp_path)
+    table = run_cmd(
+        [sys.executable, str(REPO / "scripts" / "show_metrics.py"), str(run), "--prefix", "val/"], tmp_path
+    )
     assert_ok(table)
     assert f"| val/num_samples              |     {steps:>2} |          {VAL:>3} |" in table.stdout
 
@@ -91,7 +119,9 @@ def test_single_process_has_the_same_config_semantics(tmp_path):
     assert c1 == c2  # the same command composes the same config with or without torchrun
     # ... and every rank trained exactly it: the digests of the resolved config each rank used, and the
     # config rank 0 stored in its checkpoint (what Hydra wrote above is only what was composed).
-    digests = re.findall(r"cfg=(\w+)", p1.stdout + p1.stderr) + re.findall(r"cfg=(\w+)", p2.stdout + p2.stderr)
+    digests = re.findall(r"cfg=(\w+)", p1.stdout + p1.stderr) + re.findall(
+        r"cfg=(\w+)", p2.stdout + p2.stderr
+    )
     assert len(digests) == 3 and len(set(digests)) == 1, digests
     m1, m2 = (torch.load(d / "checkpoints" / "last.pt", weights_only=True)["meta"] for d in (d1, d2))
     assert m1["config"] == m2["config"] and (m1["world_size"], m2["world_size"]) == (1, 2)
@@ -105,8 +135,20 @@ def test_single_process_has_the_same_config_semantics(tmp_path):
 
 
 def test_accumulation_clipping_syncbn_and_fp16_scaler_together(tmp_path):
-    proc = torchrun(2, ["num_epochs=1", "grad_accum_steps=2", "grad_clip=1.0", "distributed.sync_batchnorm=true",
-                        "amp=true", "amp_dtype=float16", "log_every_n_steps=5", "progress=log"], tmp_path)
+    proc = torchrun(
+        2,
+        [
+            "num_epochs=1",
+            "grad_accum_steps=2",
+            "grad_clip=1.0",
+            "distributed.sync_batchnorm=true",
+            "amp=true",
+            "amp_dtype=float16",
+            "log_every_n_steps=5",
+            "progress=log",
+        ],
+        tmp_path,
+    )
     assert_ok(proc)
     out = proc.stdout + proc.stderr
     assert "amp float16 + GradScaler" in out
@@ -122,8 +164,19 @@ def test_accumulation_clipping_syncbn_and_fp16_scaler_together(tmp_path):
 def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
     # torchrun writes each rank's stdout/stderr to its own file: what rank 1 printed, by any means, is there.
     logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--redirects=3",
-           f"--log-dir={logs}", str(REPO / "train.py"), "num_epochs=1", "model=mlp", "progress=bar"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--redirects=3",
+        f"--log-dir={logs}",
+        str(REPO / "train.py"),
+        "num_epochs=1",
+        "model=mlp",
+        "progress=bar",
+    ]
     assert_ok(run_cmd(cmd, tmp_path))
     streams = {(p.parent.name, p.stem): p.read_text() for p in logs.glob("*/attempt_0/*/std*.log")}
     assert sorted(streams) == [("0", "stderr"), ("0", "stdout"), ("1", "stderr"), ("1", "stdout")]
@@ -138,8 +191,9 @@ def test_progress_bar_on_a_terminal_and_quiet_other_ranks(tmp_path):
 def test_a_run_ends_with_a_summary_and_a_hint_when_it_is_not_converging(tmp_path, caplog):
     import logging
 
-    import ddplab
     from helpers.jobs import compose_cfg
+
+    import ddplab
 
     run = tmp_path / "ok"
     with caplog.at_level(logging.INFO, logger="ddplab"):
@@ -153,6 +207,10 @@ def test_a_run_ends_with_a_summary_and_a_hint_when_it_is_not_converging(tmp_path
     assert "hint:" not in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ddplab"):  # lr 50: the loss explodes after step 1 (logged)
-        out = ddplab.run(compose_cfg(["model=mlp", "num_epochs=1", "optimizer.lr=50", "log_every_n_steps=1",
-                                      "progress=none"], tmp_path / "bad"))
+        out = ddplab.run(
+            compose_cfg(
+                ["model=mlp", "num_epochs=1", "optimizer.lr=50", "log_every_n_steps=1", "progress=none"],
+                tmp_path / "bad",
+            )
+        )
     assert "hint: val/loss ended at" in caplog.text and "not converging" in caplog.text, caplog.text[-2000:]

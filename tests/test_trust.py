@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.jobs import compose_cfg, python_train
 from omegaconf import OmegaConf
 
 import ddplab
-from helpers.jobs import compose_cfg, python_train
 from ddplab.checkpoint import export
 from ddplab.config import ConfigError, trust
 
@@ -45,18 +45,39 @@ def payloads(tmp: Path) -> dict[str, tuple[dict, Path, str]]:
     victim = tmp / "victim.txt"
     victim.write_text("precious\n")
     return {
-        "savetxt": ({"_target_": "numpy.savetxt", "fname": str(tmp / "written.txt"), "X": [[1.0]]},
-                    tmp / "written.txt", "exists"),
-        "pickle": ({"_target_": "numpy.load", "file": str(shipped), "allow_pickle": True}, tmp / "pickle-ran",
-                   "exists"),
+        "savetxt": (
+            {"_target_": "numpy.savetxt", "fname": str(tmp / "written.txt"), "X": [[1.0]]},
+            tmp / "written.txt",
+            "exists",
+        ),
+        "pickle": (
+            {"_target_": "numpy.load", "file": str(shipped), "allow_pickle": True},
+            tmp / "pickle-ran",
+            "exists",
+        ),
         "open": ({"_target_": "builtins.open", "file": str(victim), "mode": "w"}, victim, "truncated"),
         # ddplab's own function that writes a file, nested inside a shipped model's arguments
-        "nested": ({"_target_": "ddplab.models.MLP", "num_classes": 10, "act": {
-            "_target_": "ddplab.data.write_tokens", "tokens": [1], "path": str(tmp / "tokens.bin"), "dtype": "uint16",
-            "vocab_size": 2}}, tmp / "tokens.bin", "exists"),
+        "nested": (
+            {
+                "_target_": "ddplab.models.MLP",
+                "num_classes": 10,
+                "act": {
+                    "_target_": "ddplab.data.write_tokens",
+                    "tokens": [1],
+                    "path": str(tmp / "tokens.bin"),
+                    "dtype": "uint16",
+                    "vocab_size": 2,
+                },
+            },
+            tmp / "tokens.bin",
+            "exists",
+        ),
         # another spelling of torch.load, through a shipped module's own imports
-        "alias": ({"_target_": "ddplab.models.torch.load", "f": str(shipped), "weights_only": False},
-                  tmp / "pickle-ran", "exists"),
+        "alias": (
+            {"_target_": "ddplab.models.torch.load", "f": str(shipped), "weights_only": False},
+            tmp / "pickle-ran",
+            "exists",
+        ),
     }
 
 
@@ -81,7 +102,9 @@ def test_export_of_a_crafted_checkpoint_runs_nothing_and_says_so_in_one_line(tmp
     path = crafted(trained, tmp_path, model)
     assert export.main([str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "_target_=" in err and "Fix: " in err and "--trust-config" in err, err
+    assert len(err.splitlines()) == 1 and "_target_=" in err and "Fix: " in err and "--trust-config" in err, (
+        err
+    )
     assert model["_target_"] in err or "write_tokens" in err
     assert not ran(marker, how) and not (path.parent.parent / "export").exists()
 
@@ -90,8 +113,11 @@ def test_export_of_a_crafted_checkpoint_runs_nothing_and_says_so_in_one_line(tmp
 def test_mode_eval_of_a_crafted_checkpoint_runs_nothing(tmp_path, trained, name):
     model, marker, how = payloads(tmp_path)[name]
     path = crafted(trained, tmp_path, model)
-    with pytest.raises(ConfigError, match=r"mode=eval resume=.*stored config names model.*Fix: .*"
-                                          r"trust_stored_config=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mode=eval resume=.*stored config names model.*Fix: .*"
+        r"trust_stored_config=true",
+    ):
         ddplab.run(compose_cfg(["mode=eval", f"resume={path}", "progress=none"], tmp_path / "eval"))
     assert not ran(marker, how)
 
@@ -100,7 +126,9 @@ def test_mode_eval_of_a_crafted_checkpoint_runs_nothing(tmp_path, trained, name)
 def test_mode_eval_refusal_under_train_py_is_one_line_exit_2(tmp_path, trained):
     model, marker, how = payloads(tmp_path)["savetxt"]
     path = crafted(trained, tmp_path, model)
-    proc = python_train(["mode=eval", f"resume={path}", f"hydra.run.dir={tmp_path / 'eval'}"], tmp_path, timeout=120)
+    proc = python_train(
+        ["mode=eval", f"resume={path}", f"hydra.run.dir={tmp_path / 'eval'}"], tmp_path, timeout=120
+    )
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "numpy.savetxt" in ln]
     assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not ran(marker, how)
@@ -116,15 +144,22 @@ def test_the_trust_switch_builds_what_it_names_so_the_payloads_are_live(tmp_path
 
 
 def test_shipped_targets_torch_optim_and_the_commands_own_pass():
-    stored = {"model": {"_target_": "ddplab.models.resnet.resnet18"},  # conf/'s resnet18, another spelling
-              "optimizer": {"_target_": "torch.optim.AdamW"}, "scheduler": {"_target_": "ddplab.optim.cosine"},
-              "callbacks": {"ema": {"_target_": "ddplab.callbacks.ema.EMA"},
-                            "study": {"_target_": "ddplab.study.report.ReportToStudy"}}}
+    stored = {
+        "model": {"_target_": "ddplab.models.resnet.resnet18"},  # conf/'s resnet18, another spelling
+        "optimizer": {"_target_": "torch.optim.AdamW"},
+        "scheduler": {"_target_": "ddplab.optim.cosine"},
+        "callbacks": {
+            "ema": {"_target_": "ddplab.callbacks.ema.EMA"},
+            "study": {"_target_": "ddplab.study.report.ReportToStudy"},
+        },
+    }
     assert trust.untrusted(stored) == []
     mine = {"model": {"_target_": "toy.FaultyMLP"}}
     assert trust.untrusted(mine) == [("model", "toy.FaultyMLP")]
     assert trust.untrusted(mine, own=compose_cfg(["model._target_=toy.FaultyMLP"])) == []
-    assert trust.untrusted({"m": {"_target_": "torch.optim.sgd.torch.load"}}) == [("m", "torch.optim.sgd.torch.load")]
+    assert trust.untrusted({"m": {"_target_": "torch.optim.sgd.torch.load"}}) == [
+        ("m", "torch.optim.sgd.torch.load")
+    ]
 
 
 def test_an_own_run_with_its_own_model_exports_with_the_switch(tmp_path):

@@ -24,7 +24,8 @@ class Big(Dataset):  # 1 MB of bytes a sample: pickled through the worker's pipe
     def __len__(self): return 10_000
     def __getitem__(self, i): return b"x" * (1 << 20)
 
-loader = iter(DataLoader(Big(), batch_size=None, num_workers=2, prefetch_factor=8, worker_init_fn=shield_worker))
+loader = iter(DataLoader(Big(), batch_size=None, num_workers=2, prefetch_factor=8,
+                         worker_init_fn=shield_worker))
 next(loader)
 print(" ".join(str(w.pid) for w in loader._workers), flush=True)
 time.sleep(600)
@@ -74,7 +75,8 @@ sys.stdin.readline()  # the test has sent SIGTERM to both workers
 print(sum(int(next(loader)[0]) for _ in range(50)), flush=True)  # both still serve batches
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's watch would raise on the death this test causes
 w = loader._workers[0]
-w.terminate()  # the rank's own SIGTERM (torch's shutdown after a timeout; Python's exit): status 0, as torch's
+# the rank's own SIGTERM (torch's shutdown after a timeout; Python's exit): status 0, as torch's
+w.terminate()
 w.join(5)
 print(w.exitcode, flush=True)
 """
@@ -84,8 +86,13 @@ print(w.exitcode, flush=True)
 def test_loader_workers_take_sigterm_from_their_rank_alone():
     """SLURM signals every process of a job (and ``kill -TERM`` of a process tree does the same): a worker
     ended by that fails its rank ("DataLoader worker exited unexpectedly") before the rank can checkpoint."""
-    rank = subprocess.Popen([sys.executable, "-c", SERVING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", SERVING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         workers = [int(p) for p in rank.stdout.readline().split()]
         assert len(workers) == 2, rank.stderr.read()
@@ -122,7 +129,8 @@ class Forks(Dataset):  # a sample made by a process the worker forks: is SIGTERM
 
 shield = WorkerShield()
 with shield.starting():
-    print([int(b) for b in DataLoader(Forks(), batch_size=None, num_workers=1, worker_init_fn=shield)], flush=True)
+    loader = DataLoader(Forks(), batch_size=None, num_workers=1, worker_init_fn=shield)
+    print([int(b) for b in loader], flush=True)
 """
 
 
@@ -147,9 +155,11 @@ class StopsAtTwo(Dataset):  # its worker stops itself fetching sample 2: a SIGTE
 
 shield = signals.WorkerShield()
 with shield.starting():
-    it = iter(DataLoader(StopsAtTwo(), batch_size=None, num_workers=1, worker_init_fn=shield, prefetch_factor=2))
+    it = iter(DataLoader(StopsAtTwo(), batch_size=None, num_workers=1, worker_init_fn=shield,
+                         prefetch_factor=2))
 first, worker = next(it), it._workers[0].pid
-while open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # it prefetches sample 2: stopped
+# it prefetches sample 2: stopped
+while open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
     time.sleep(0.01)
 print(first, worker, flush=True)
 if sys.argv[1] == "without":  # multiprocessing's own exit: terminate, then a join without a bound
@@ -167,8 +177,13 @@ def test_a_ranks_exit_kills_a_loader_worker_that_cannot_take_its_sigterm_within_
 
     ends = {}
     for how in ("with", "without"):
-        rank = subprocess.Popen([sys.executable, "-c", STOPPED, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        rank = subprocess.Popen(
+            [sys.executable, "-c", STOPPED, how],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         worker = None
         try:
             first, worker = rank.stdout.readline().split()

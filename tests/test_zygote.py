@@ -10,43 +10,89 @@ import re
 import sys
 
 import pytest
-
 from helpers import jobs
 
 CASES = {
     "completes": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=none"],
     "config error": ["model=mlp", "num_epochs=0"],
-    "a callback's exception": ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
-                               "+callbacks.bug._target_=toy_callbacks.FailsOnRank", "+callbacks.bug.rank=0",
-                               "+callbacks.bug.step=2"],
-    "a process left holding stdout": ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none",
-                                      "+callbacks.late._target_=toy_callbacks.LeavesAWriterBehind"],
-    "SIGTERM after step 1": ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
-                             "+callbacks.stop._target_=toy_callbacks.SignalAtStep", "+callbacks.stop.sig=SIGTERM",
-                             "+callbacks.stop.step=1"],
+    "a callback's exception": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=0",
+        "+callbacks.bug.step=2",
+    ],
+    "a process left holding stdout": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=1",
+        "progress=none",
+        "+callbacks.late._target_=toy_callbacks.LeavesAWriterBehind",
+    ],
+    "SIGTERM after step 1": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.stop._target_=toy_callbacks.SignalAtStep",
+        "+callbacks.stop.sig=SIGTERM",
+        "+callbacks.stop.step=1",
+    ],
     # a self-launch: its rank server a spare of the job (helpers/spares.py)
-    "self-launched, 3 ranks": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log", "batch_size=48",
-                               "distributed.nproc_per_node=3", "distributed.oversubscribe_cpu=true"],
+    "self-launched, 3 ranks": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=2",
+        "progress=log",
+        "batch_size=48",
+        "distributed.nproc_per_node=3",
+        "distributed.oversubscribe_cpu=true",
+    ],
     "self-launched, rank 1's callback fails": [
-        "model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none", "distributed.nproc_per_node=2",
-        "+callbacks.bug._target_=toy_callbacks.FailsOnRank", "+callbacks.bug.rank=1", "+callbacks.bug.step=2"],
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "distributed.nproc_per_node=2",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=1",
+        "+callbacks.bug.step=2",
+    ],
     # torchrun: its launcher forked, its workers spares of it
     "torchrun, 2 ranks": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
-    "torchrun, rank 1's callback fails": ["model=mlp", "num_epochs=1", "limit_train_steps=3", "progress=none",
-                                          "+callbacks.bug._target_=toy_callbacks.FailsOnRank", "+callbacks.bug.rank=1",
-                                          "+callbacks.bug.step=2"],
+    "torchrun, rank 1's callback fails": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=1",
+        "+callbacks.bug.step=2",
+    ],
     # (a SIGTERM under torchrun is not here: which rank torchrun's agent finds exited first, and whether the
     # other then dies of its SIGTERM or exits 143 itself, varies from run to run in fresh interpreters too)
     "torchrun, config error": ["model=mlp", "num_epochs=0"],
     # verify_resume: its three legs spares of the job, a 2-rank leg's rank server a spare of the leg
-    "verify_resume, 2 ranks": ["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
-                               "distributed.nproc_per_node=2"],
+    "verify_resume, 2 ranks": [
+        "model=mlp",
+        "mode=verify_resume",
+        "num_epochs=1",
+        "limit_train_steps=4",
+        "distributed.nproc_per_node=2",
+    ],
     # a rank started by hand (the launcher's variables, absent from the server's environment, read at run
     # time)
     "a rank started by hand": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
     # a user's package before the server's PYTHONPATH: the fork puts it on sys.path where an interpreter would
-    "a user's package on PYTHONPATH": ["model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none",
-                                       "+callbacks.mine._target_=users_callbacks.SaysWhere"],
+    "a user's package on PYTHONPATH": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=1",
+        "progress=none",
+        "+callbacks.mine._target_=users_callbacks.SaysWhere",
+    ],
     # `python -m ddplab`: the package's __main__ run as a fresh `python -m` runs it (see export_argv)
     "python -m ddplab export": [],
     # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for
@@ -54,20 +100,41 @@ CASES = {
     "scripts/make_tokens.py": ["--generated-mb", "0.01"],
 }
 # How the failing cases end in result.json (ddplab.failure): the status and the error's start.
-RECORDS = {"config error": ("failed", "config error: num_epochs=0"),
-           "a callback's exception": ("failed", "rank 0/1 failed in epoch 1, step 3: RuntimeError: FailsOnRank"),
-           "SIGTERM after step 1": ("preempted", None),
-           "self-launched, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
-           "torchrun, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
-           "torchrun, config error": ("failed", "config error: num_epochs=0")}
-ENVS = {"a rank started by hand": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                                   # (one rank forms no group: provenance records them)
-                                   "MASTER_PORT": "29431"}}
-EXITS = {"completes": 0, "config error": 2, "a callback's exception": 1, "a process left holding stdout": 0,
-         "SIGTERM after step 1": 143, "self-launched, 3 ranks": 0, "self-launched, rank 1's callback fails": 1,
-         "torchrun, 2 ranks": 0, "torchrun, rank 1's callback fails": 1, "torchrun, config error": 1,
-         "verify_resume, 2 ranks": 0, "a rank started by hand": 0, "a user's package on PYTHONPATH": 0,
-         "python -m ddplab export": 0, "scripts/make_tokens.py": 0}
+RECORDS = {
+    "config error": ("failed", "config error: num_epochs=0"),
+    "a callback's exception": ("failed", "rank 0/1 failed in epoch 1, step 3: RuntimeError: FailsOnRank"),
+    "SIGTERM after step 1": ("preempted", None),
+    "self-launched, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+    "torchrun, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+    "torchrun, config error": ("failed", "config error: num_epochs=0"),
+}
+ENVS = {
+    "a rank started by hand": {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        # (one rank forms no group: provenance records them)
+        "MASTER_PORT": "29431",
+    }
+}
+EXITS = {
+    "completes": 0,
+    "config error": 2,
+    "a callback's exception": 1,
+    "a process left holding stdout": 0,
+    "SIGTERM after step 1": 143,
+    "self-launched, 3 ranks": 0,
+    "self-launched, rank 1's callback fails": 1,
+    "torchrun, 2 ranks": 0,
+    "torchrun, rank 1's callback fails": 1,
+    "torchrun, config error": 1,
+    "verify_resume, 2 ranks": 0,
+    "a rank started by hand": 0,
+    "a user's package on PYTHONPATH": 0,
+    "python -m ddplab export": 0,
+    "scripts/make_tokens.py": 0,
+}
 
 
 def words(text: str, run: str) -> list[str]:
@@ -92,7 +159,8 @@ def users_package(tmp_path) -> dict[str, str]:
     pkg.mkdir()
     (pkg / "users_callbacks.py").write_text(
         "import sys\n\n\nclass SaysWhere:\n    def on_fit_start(self, state):\n"
-        "        print('users_callbacks:', __file__, 'first on sys.path:', sys.path[:3], flush=True)\n")
+        "        print('users_callbacks:', __file__, 'first on sys.path:', sys.path[:3], flush=True)\n"
+    )
     return {"PYTHONPATH": os.pathsep.join([str(pkg), jobs.job_env()["PYTHONPATH"]])}
 
 
@@ -110,10 +178,18 @@ def written(case: str, folder) -> dict:
     and which of two written at once comes first varies), an export's files (its weights as read, the rest as
     words), make_tokens.py's files byte for byte, and for a rank started by hand its launcher as provenance
     records it."""
-    out = {f"legs/{p.name}": sorted(words(p.read_text(), str(folder))) for p in folder.glob("verify_resume/*.log")}
+    out = {
+        f"legs/{p.name}": sorted(words(p.read_text(), str(folder)))
+        for p in folder.glob("verify_resume/*.log")
+    }
     if case == "python -m ddplab export":
-        out |= {p.name: weights_and_metadata(p) if p.suffix == ".safetensors" else words(p.read_text(), str(folder))
-                for p in folder.iterdir() if p.is_file()}
+        out |= {
+            p.name: weights_and_metadata(p)
+            if p.suffix == ".safetensors"
+            else words(p.read_text(), str(folder))
+            for p in folder.iterdir()
+            if p.is_file()
+        }
     if case == "scripts/make_tokens.py":
         out |= {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     if case in ENVS:
@@ -137,7 +213,9 @@ def job_argv(case: str, tmp_path, how: str) -> list[str]:
 def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path, monkeypatch):
     ends, extra = {}, users_package(tmp_path) if "PYTHONPATH" in case else ENVS.get(case, {})
     if case == "python -m ddplab export":
-        jobs.assert_ok(jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'trained'}"], tmp_path))
+        jobs.assert_ok(
+            jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'trained'}"], tmp_path)
+        )
     for how in ("forked", "fresh"):
         argv = job_argv(case, tmp_path, how)
         if how == "forked":
@@ -147,15 +225,29 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
             from helpers.zygote import MAY_DIFFER
 
             now = jobs.job_env()
-            changed = sorted(k for k in set(now) | set(server.env) if k not in MAY_DIFFER and now.get(k) != server.env.get(k))
-            assert proc is not None and server.served == served + 1, f"not taken; environment entries changed: {changed}"
+            changed = sorted(
+                k
+                for k in set(now) | set(server.env)
+                if k not in MAY_DIFFER and now.get(k) != server.env.get(k)
+            )
+            assert proc is not None and server.served == served + 1, (
+                f"not taken; environment entries changed: {changed}"
+            )
         else:
             monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # every process a fresh interpreter
             proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120, extra)
-        result = json.loads((tmp_path / how / "result.json").read_text()) if (tmp_path / how / "result.json").exists() else {}
-        ends[how] = (proc.returncode, words(proc.stdout, str(tmp_path / how)), words(proc.stderr, str(tmp_path / how)),
-                     {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")},
-                     written(case, tmp_path / how))
+        result = (
+            json.loads((tmp_path / how / "result.json").read_text())
+            if (tmp_path / how / "result.json").exists()
+            else {}
+        )
+        ends[how] = (
+            proc.returncode,
+            words(proc.stdout, str(tmp_path / how)),
+            words(proc.stderr, str(tmp_path / how)),
+            {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")},
+            written(case, tmp_path / how),
+        )
     assert ends["forked"] == ends["fresh"]
     assert ends["forked"][0] == EXITS[case]
     if case in RECORDS:
@@ -167,13 +259,22 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
     assert len([k for k in files if k.startswith("legs/")]) == (2 if case.startswith("verify_resume") else 0)
     assert ("model.safetensors" in files) == (case == "python -m ddplab export")
     assert ({"train.bin", "val.bin"} <= set(files)) == (case == "scripts/make_tokens.py")
-    assert files.get("launcher") == ({"kind": "python", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29431",
-                                      "WORLD_SIZE": "1"} if case in ENVS else None)
+    assert files.get("launcher") == (
+        {"kind": "python", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29431", "WORLD_SIZE": "1"}
+        if case in ENVS
+        else None
+    )
     said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
     # the script's dir, then PYTHONPATH
     where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]
-    assert said == (words(f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
-                          str(tmp_path / "forked")) if "PYTHONPATH" in case else []), ends["forked"][1]
+    assert said == (
+        words(
+            f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
+            str(tmp_path / "forked"),
+        )
+        if "PYTHONPATH" in case
+        else []
+    ), ends["forked"][1]
 
 
 def processes(out) -> list[list[tuple[str, str]]]:
@@ -182,16 +283,31 @@ def processes(out) -> list[list[tuple[str, str]]]:
 
 
 @pytest.mark.slow
-def test_a_self_launch_forks_its_ranks_from_a_spare_of_the_job_and_a_second_launch_from_a_fresh_server(tmp_path):
+def test_a_self_launch_forks_its_ranks_from_a_spare_of_the_job_and_a_second_launch_from_a_fresh_server(
+    tmp_path,
+):
     """A forked job's first self-launch takes the spare (no interpreter start); its second (a multirun's next
     job, in the same process) gets Python's own fresh server. The ranks of each come from one server; the
     two ways train alike (the self-launched cases above: the same lines, exit codes and results)."""
     out = tmp_path / "out"
     out.mkdir()
-    jobs.assert_ok(jobs.python_train([
-        "-m", "model=mlp", "num_epochs=1", "limit_train_steps=1", "progress=none", "distributed.nproc_per_node=2",
-        "optimizer.lr=0.1,0.2", "+callbacks.note._target_=toy_callbacks.NotesItsProcess", f"+callbacks.note.out={out}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path))
+    jobs.assert_ok(
+        jobs.python_train(
+            [
+                "-m",
+                "model=mlp",
+                "num_epochs=1",
+                "limit_train_steps=1",
+                "progress=none",
+                "distributed.nproc_per_node=2",
+                "optimizer.lr=0.1,0.2",
+                "+callbacks.note._target_=toy_callbacks.NotesItsProcess",
+                f"+callbacks.note.out={out}",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            ],
+            tmp_path,
+        )
+    )
     servers = [[parent for _, parent in rank] for rank in processes(out)]
     assert servers[0] == servers[1] and len(servers[0]) == 2, servers  # per job, both ranks from one server
     spare, fresh = servers[0]
@@ -205,15 +321,28 @@ def test_verify_resumes_legs_are_spares_of_the_job_and_their_rank_servers_spares
     verify_resume case above: the same lines, legs' logs, exit code and result)."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = jobs.python_train(["model=mlp", "mode=verify_resume", "num_epochs=1", "limit_train_steps=4",
-                              "progress=none", "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}",
-                              "+callbacks.note._target_=toy_callbacks.NotesItsProcess", f"+callbacks.note.out={out}"],
-                             tmp_path)
+    proc = jobs.python_train(
+        [
+            "model=mlp",
+            "mode=verify_resume",
+            "num_epochs=1",
+            "limit_train_steps=4",
+            "progress=none",
+            "distributed.nproc_per_node=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "+callbacks.note._target_=toy_callbacks.NotesItsProcess",
+            f"+callbacks.note.out={out}",
+        ],
+        tmp_path,
+    )
     jobs.assert_ok(proc)
     assert "verify_resume: PASS" in proc.stdout + proc.stderr
     ranks = processes(out)
     assert [len(r) for r in ranks] == [3, 3], ranks  # the uninterrupted leg, the one stopped, the resumed one
-    assert all("helpers.zygote" in own and "helpers.zygote" in server for rank in ranks for own, server in rank), ranks
+    assert all(
+        "helpers.zygote" in own and "helpers.zygote" in server for rank in ranks for own, server in rank
+    ), ranks
+
 
 @pytest.mark.slow
 def test_torchruns_workers_are_spares_of_the_forked_launcher_restarts_included(tmp_path):
@@ -222,15 +351,37 @@ def test_torchruns_workers_are_spares_of_the_forked_launcher_restarts_included(t
     out.mkdir()
     server = jobs._zygote()
     served = server.served
-    jobs.assert_ok(jobs.run_cmd([  # rank 1 SIGKILLed in its 2nd training forward, in the first attempt only
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-        str(jobs.TRAIN), "model=mlp", "model._target_=toy.FaultyMLP", "+model.fault=kill", "+model.fault_call=2",
-        "num_epochs=1", "limit_train_steps=3", "progress=none", f"hydra.run.dir={tmp_path / 'run'}",
-        "+callbacks.note._target_=toy_callbacks.NotesItsProcess", f"+callbacks.note.out={out}"], tmp_path, 180))
+    jobs.assert_ok(
+        jobs.run_cmd(
+            [  # rank 1 SIGKILLed in its 2nd training forward, in the first attempt only
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "--max-restarts=1",
+                str(jobs.TRAIN),
+                "model=mlp",
+                "model._target_=toy.FaultyMLP",
+                "+model.fault=kill",
+                "+model.fault_call=2",
+                "num_epochs=1",
+                "limit_train_steps=3",
+                "progress=none",
+                f"hydra.run.dir={tmp_path / 'run'}",
+                "+callbacks.note._target_=toy_callbacks.NotesItsProcess",
+                f"+callbacks.note.out={out}",
+            ],
+            tmp_path,
+            180,
+        )
+    )
     assert server.served == served + 1
     ranks = processes(out)
     assert [len(r) for r in ranks] == [2, 2], ranks  # the first attempt and the restart
-    assert all("helpers.zygote" in own and "-u" not in own.split() for rank in ranks for own, _ in rank), ranks
+    assert all("helpers.zygote" in own and "-u" not in own.split() for rank in ranks for own, _ in rank), (
+        ranks
+    )
 
 
 @pytest.mark.slow
@@ -244,20 +395,30 @@ def test_the_server_ends_when_its_pytest_process_dies_without_closing_it(tmp_pat
     import time
     from pathlib import Path
 
-    code = ("import sys, time; from helpers.jobs import _zygote; z = _zygote(); "
-            "print(z.proc.pid, z.ready, z.dir, flush=True); time.sleep(600)")
-    owner = subprocess.Popen([sys.executable, "-c", code], env=jobs.job_env(), cwd=jobs.REPO / "tests",
-                             stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time; from helpers.jobs import _zygote; z = _zygote(); "
+        "print(z.proc.pid, z.ready, z.dir, flush=True); time.sleep(600)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=jobs.job_env(),
+        cwd=jobs.REPO / "tests",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pid, ready, folder = owner.stdout.readline().split()
     assert ready == "True"
     os.kill(owner.pid, signal.SIGKILL)  # no atexit: the server is left to notice by itself
     owner.wait()
     deadline = time.time() + 15
-    while time.time() < deadline and os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+    while (
+        time.time() < deadline
+        and os.path.exists(f"/proc/{pid}")
+        and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+    ):
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
     assert not Path(folder).exists()
-
 
 
 @pytest.mark.slow

@@ -10,9 +10,11 @@ are the very lists the toys append to:
 
 * ``toy_models``    — models and a task: UnusedParamMLP, FaultyMLP, SlowMLP, AbortAtExitMLP, BadTask;
 * ``toy_data``      — datasets and streams: slow_synthetic, ragged_digits, noisy_digits, torch_noisy_digits,
-  DigitStream, StatefulDigitStream, UnevenDigitStream, digit_stream, ValStream, RankDependentStream, rank_dependent_stream;
+  DigitStream, StatefulDigitStream, UnevenDigitStream, digit_stream, ValStream, RankDependentStream,
+  rank_dependent_stream;
 * ``toy_callbacks`` — a user's callbacks: Recorder, TrainingOnlyRecorder, SignalJobAtLastSave,
-  KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, DiskHeldForTwoSteps, LoadsEachSave (and saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
+  KillLauncherAtFitEnd, FillsDiskAtFitEnd, StallRecorder, SlowDisk, DiskHeldForTwoSteps, LoadsEachSave (and
+  saves_seen), FailsOnRank, DiesMidWrite, InfGradAtStep, OptimizerStateOnLoad,
   NotesTheFreeze, CountsPageFaults;
 * and here: NotesConfigTypes.
 """
@@ -20,26 +22,26 @@ are the very lists the toys append to:
 import json
 
 from toy_callbacks import (  # noqa: F401
+    HELD,
+    LOADED,
     RECORDED,
     STALLS,
+    UNSET_AT_SETUP,
+    CountsPageFaults,
     DiesMidWrite,
     DiskHeldForTwoSteps,
-    HELD,
     FailsOnRank,
     FillsDiskAtFitEnd,
-    CountsPageFaults,
-    NotesTheFreeze,
     InfGradAtStep,
     KillLauncherAtFitEnd,
-    LOADED,
     LoadsEachSave,
+    NotesTheFreeze,
     OptimizerStateOnLoad,
     Recorder,
     SignalJobAtLastSave,
     SlowDisk,
     StallRecorder,
     TrainingOnlyRecorder,
-    UNSET_AT_SETUP,
     _DyingFile,
     saves_seen,
 )
@@ -54,20 +56,12 @@ from toy_data import (  # noqa: F401
     _TorchNoisy,
     digit_stream,
     noisy_digits,
-    rank_dependent_stream,
     ragged_digits,
+    rank_dependent_stream,
     slow_synthetic,
     torch_noisy_digits,
 )
-from toy_models import (  # noqa: F401
-    _FAULTED,
-    AbortAtExitMLP,
-    BadTask,
-    FaultyMLP,
-    SlowMLP,
-    UnusedParamMLP,
-    _rank,
-)
+from toy_models import _FAULTED, AbortAtExitMLP, BadTask, FaultyMLP, SlowMLP, UnusedParamMLP, _rank  # noqa: F401
 
 
 class NotesConfigTypes:
@@ -76,6 +70,8 @@ class NotesConfigTypes:
     def setup(self, state):
         from omegaconf import OmegaConf
 
-        kinds = {k: OmegaConf.get_type(state.cfg[k]).__name__ for k in ("perf", "checkpoint", "model", "optimizer")}
+        kinds = {
+            k: OmegaConf.get_type(state.cfg[k]).__name__ for k in ("perf", "checkpoint", "model", "optimizer")
+        }
         kinds["(root)"] = OmegaConf.get_type(state.cfg).__name__
         (state.run_dir / f"types-{state.dist.rank}.json").write_text(json.dumps(kinds))

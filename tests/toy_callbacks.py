@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-
 from toy_models import _rank
-
 
 RECORDED: list[tuple[str, int]] = []  # (hook, loop step) per Recorder call, in order (in-process runs)
 UNSET_AT_SETUP: list[list[str]] = []  # per Recorder setup: the State's fields that were None then
@@ -34,14 +32,29 @@ class Recorder:
         UNSET_AT_SETUP.append([f.name for f in fields(state) if getattr(state, f.name) is None])
         self._note("setup", state)
 
-    def on_fit_start(self, state): self._note("on_fit_start", state)
-    def on_step_end(self, state, step): self._note("on_step_end", state)
-    def on_log(self, state, values, step): self._note("on_log", state)
-    def on_eval_end(self, state, metrics): self._note("on_eval_end", state)
-    def on_save(self, state, path): self._note("on_save", state)
-    def on_load(self, state, path): self._note("on_load", state)
-    def on_exception(self, state, exc): self._note("on_exception", state)
-    def on_fit_end(self, state, metrics): self._note("on_fit_end", state)
+    def on_fit_start(self, state):
+        self._note("on_fit_start", state)
+
+    def on_step_end(self, state, step):
+        self._note("on_step_end", state)
+
+    def on_log(self, state, values, step):
+        self._note("on_log", state)
+
+    def on_eval_end(self, state, metrics):
+        self._note("on_eval_end", state)
+
+    def on_save(self, state, path):
+        self._note("on_save", state)
+
+    def on_load(self, state, path):
+        self._note("on_load", state)
+
+    def on_exception(self, state, exc):
+        self._note("on_exception", state)
+
+    def on_fit_end(self, state, metrics):
+        self._note("on_fit_end", state)
 
 
 class TrainingOnlyRecorder(Recorder):
@@ -111,8 +124,14 @@ class SlowDisk:
     SLURM does) or to its launcher only (``to="launcher"``: torchrun's agent, its parent). ``note``: a file
     the signal's wall time is written to (a test measures from the signal, not from the process's start)."""
 
-    def __init__(self, delay_s: float = 0.0, signal_at: int = 0, signal: str = "SIGTERM", to: str = "group",
-                 note: str = ""):
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        signal_at: int = 0,
+        signal: str = "SIGTERM",
+        to: str = "group",
+        note: str = "",
+    ):
         self.delay_s, self.signal_at, self.signal, self.to, self.note = delay_s, signal_at, signal, to, note
         self._real = None
 
@@ -334,7 +353,9 @@ class OptimizerStateOnLoad:
 
     def on_load(self, state, path):
         opt = [v for v in state.optimizer.state.values() if "step" in v]
-        LOADED.append({"step": {str(v["step"].device) for v in opt}, "exp_avg": {str(v["exp_avg"].device) for v in opt}})
+        LOADED.append(
+            {"step": {str(v["step"].device) for v in opt}, "exp_avg": {str(v["exp_avg"].device) for v in opt}}
+        )
 
 
 class NotesTheFreeze:
@@ -399,7 +420,9 @@ class NotesItsProcess:
         self.out = out
 
     def setup(self, state):
-        own, parent = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().replace("\n", " ")
-                       for pid in (os.getpid(), os.getppid()))
+        own, parent = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().replace("\n", " ")
+            for pid in (os.getpid(), os.getppid())
+        )
         with open(Path(self.out, f"rank{state.dist.rank}"), "a") as f:
             f.write(f"{own}\t{parent}\n")

@@ -5,9 +5,9 @@ differ between ranks. Named by `_target_=toy.X` (toy.py re-exports them)."""
 import time
 
 import torch
+from toy_models import _rank
 
 from ddplab.data import Splits, synthetic
-from toy_models import _rank
 
 
 class _Slow(torch.utils.data.Dataset):
@@ -107,7 +107,9 @@ class DigitStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w, nw = (info.id, info.num_workers) if info else (0, 1)
-        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        order = torch.randperm(
+            len(self.y), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        )
         if self.short_on_rank is not None and _rank() == self.short_on_rank:
             order = order[: len(order) - self.short]
         mine = order[w::nw]
@@ -128,7 +130,6 @@ class StatefulDigitStream(DigitStream):
         self.epoch, self.pos = sd["epoch"], sd["pos"]
 
 
-
 class UnevenDigitStream(StatefulDigitStream):
     """Worker 1's share is the first ``short`` samples, worker 0's the rest: one worker's stream ends long
     before the other's (a folder whose files differ in size, split by file over the workers)."""
@@ -145,14 +146,17 @@ class UnevenDigitStream(StatefulDigitStream):
             self.pos += 1
             yield self.x[i], self.y[i]
 
+
 def digit_stream(stateful=True, short_on_rank=None, short=0, **kw):
     """digits' training set as a (Stateful)DigitStream; validation a stream too, in stored order."""
     from ddplab.data import digits
 
     s = digits(**kw)
     cls = StatefulDigitStream if stateful else DigitStream
-    return {"train": cls(s.train.x, s.train.y, kw.get("split_seed", 0), short_on_rank, short),
-            "val": ValStream(s.val.x, s.val.y)}
+    return {
+        "train": cls(s.train.x, s.train.y, kw.get("split_seed", 0), short_on_rank, short),
+        "val": ValStream(s.val.x, s.val.y),
+    }
 
 
 class ValStream(torch.utils.data.IterableDataset):

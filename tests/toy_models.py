@@ -35,7 +35,9 @@ class FaultyMLP(MLP):
     NaN (fault="nonfinite") or the gradients Inf with a finite loss (fault="infgrad") on `fault_rank` at its
     `fault_call`-th training forward — once per process, and only before any torchrun restart."""
 
-    def __init__(self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, fault_marker: str = "", **kw):
+    def __init__(
+        self, fault: str = "crash", fault_rank: int = 1, fault_call: int = 3, fault_marker: str = "", **kw
+    ):
         super().__init__(**kw)
         self.fault, self.fault_rank, self.fault_call, self.calls = fault, fault_rank, fault_call, 0
         self.fault_marker = fault_marker  # a file noting the fault, written just before it happens

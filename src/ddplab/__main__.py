@@ -1,6 +1,8 @@
 """``python -m ddplab <command>``: what ddplab does besides training (train.py trains).
 
-    python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict   # the model out (ddplab.checkpoint.export)
+    python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict   # the model out
+
+(the export: ``ddplab.checkpoint.export``)
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         got = repr(argv[0]) if argv else "nothing"
-        print(f"python -m ddplab: {got} is not a command. Fix: python -m ddplab "
-              f"{'|'.join(COMMANDS)} ... (train with python train.py)", file=sys.stderr)
+        print(
+            f"python -m ddplab: {got} is not a command. Fix: python -m ddplab "
+            f"{'|'.join(COMMANDS)} ... (train with python train.py)",
+            file=sys.stderr,
+        )
         return 2
     import importlib
 

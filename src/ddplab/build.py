@@ -14,10 +14,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddplab.config import ConfigError, InputError
+from ddplab.data import (
+    BatchAugment,
+    ShardedGlobalSampler,
+    Splits,
+    TensorData,
+    TrainLoader,
+    on_device,
+    to_device,
+)
 from ddplab.data.streams import StreamLoader, is_stream
 from ddplab.runtime import collectives, signals
-from ddplab.data import (BatchAugment, ShardedGlobalSampler, Splits, TensorData, TrainLoader, on_device,
-                         to_device)
 
 
 def dataset(cfg: DictConfig) -> tuple[Splits, BatchAugment | None]:
@@ -39,9 +46,11 @@ def splits_of(made: Any, target: Any) -> Splits:
         return Splits(made["train"], made["val"], made.get("num_classes"), made.get("collate_fn"))
     if isinstance(made, (tuple, list)) and len(made) == 2:
         return Splits(made[0], made[1])
-    raise TypeError(f"dataset._target_={target} returned {type(made).__name__}; a dataset factory returns "
-                    "(train, val) map-style datasets, a dict with 'train', 'val' (and 'collate_fn'), or "
-                    "ddplab.data.Splits. Fix: return (train_dataset, val_dataset)")
+    raise TypeError(
+        f"dataset._target_={target} returned {type(made).__name__}; a dataset factory returns "
+        "(train, val) map-style datasets, a dict with 'train', 'val' (and 'collate_fn'), or "
+        "ddplab.data.Splits. Fix: return (train_dataset, val_dataset)"
+    )
 
 
 def task(cfg: DictConfig) -> Any:
@@ -49,8 +58,10 @@ def task(cfg: DictConfig) -> Any:
     spec = _spec(cfg, "task")
     made = _make(spec, "task")
     if not callable(made):
-        raise TypeError(f"task._target_={spec.get('_target_')} made a {type(made).__name__}, which cannot be "
-                        "called on (model, batch). Fix: point it at a Task class (see ddplab.task)")
+        raise TypeError(
+            f"task._target_={spec.get('_target_')} made a {type(made).__name__}, which cannot be "
+            "called on (model, batch). Fix: point it at a Task class (see ddplab.task)"
+        )
     return made
 
 
@@ -60,13 +71,17 @@ def model(cfg: DictConfig, num_classes: int | None = None) -> nn.Module:
     spec = _spec(cfg, "model")
     if "num_classes" in spec and spec["num_classes"] is None:
         if num_classes is None:
-            raise ConfigError(f"model.num_classes=None: dataset._target_={cfg.dataset.get('_target_')!r} does not "
-                              "say how many classes it has. Fix: set dataset.num_classes (or model.num_classes)")
+            raise ConfigError(
+                f"model.num_classes=None: dataset._target_={cfg.dataset.get('_target_')!r} does not "
+                "say how many classes it has. Fix: set dataset.num_classes (or model.num_classes)"
+            )
         spec["num_classes"] = num_classes
     if isinstance(spec.get("vocab_size"), int) and num_classes and spec["vocab_size"] < num_classes:
-        raise ConfigError(f"model.vocab_size={spec['vocab_size']}, but the data's ids go up to {num_classes - 1} "
-                          f"(dataset.vocab_size={cfg.dataset.get('vocab_size', num_classes)}): those ids would have "
-                          "no embedding. Fix: model.vocab_size=${dataset.vocab_size} (model=gpt's default)")
+        raise ConfigError(
+            f"model.vocab_size={spec['vocab_size']}, but the data's ids go up to {num_classes - 1} "
+            f"(dataset.vocab_size={cfg.dataset.get('vocab_size', num_classes)}): those ids would have "
+            "no embedding. Fix: model.vocab_size=${dataset.vocab_size} (model=gpt's default)"
+        )
     weights = spec.pop("weights", None)
     module = _make(spec, "model")
     if num_classes and str(cfg.task.get("_target_", "")).endswith("LanguageModelTask"):
@@ -82,17 +97,27 @@ def _check_vocabulary(module: nn.Module, ids: int, cfg: DictConfig) -> None:
     """Every model kind, not only those with a ``model.vocab_size`` key: an LM whose input embedding has fewer
     rows than the data has ids fails at step 1 with an IndexError (a device-side assert on GPU)."""
     hf = getattr(module, "hf", None)
-    emb = hf.get_input_embeddings() if hf is not None else next(
-        (m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    emb = (
+        hf.get_input_embeddings()
+        if hf is not None
+        else next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    )
     if emb is None or emb.num_embeddings >= ids:
         return
     configured = hf is not None and not cfg.model.get("pretrained")
-    where = ("model.config.vocab_size" if configured else f"model.pretrained={cfg.model.get('pretrained')}'s "
-             "vocab_size" if hf is not None else "the model's embedding")
+    where = (
+        "model.config.vocab_size"
+        if configured
+        else f"model.pretrained={cfg.model.get('pretrained')}'s vocab_size"
+        if hf is not None
+        else "the model's embedding"
+    )
     fix = "model.config.vocab_size=${dataset.vocab_size}" if configured else "or a tokenizer whose ids fit it"
-    raise ConfigError(f"{where}={emb.num_embeddings}, but the data's ids go up to {ids - 1} (dataset.vocab_size="
-                      f"{cfg.dataset.get('vocab_size', ids)}): those ids would have no embedding. Fix: a model with "
-                      f"a vocabulary of at least {ids} ({fix})")
+    raise ConfigError(
+        f"{where}={emb.num_embeddings}, but the data's ids go up to {ids - 1} (dataset.vocab_size="
+        f"{cfg.dataset.get('vocab_size', ids)}): those ids would have no embedding. Fix: a model with "
+        f"a vocabulary of at least {ids} ({fix})"
+    )
 
 
 def callbacks(cfg: DictConfig, evaluating: bool = False) -> dict[str, Any]:
@@ -104,8 +129,10 @@ def callbacks(cfg: DictConfig, evaluating: bool = False) -> dict[str, Any]:
         if node is None:
             continue
         if not isinstance(node, dict) or "_target_" not in node:
-            raise TypeError(f"callbacks.{name}={node!r}: a callback entry needs a _target_ (a class) and its "
-                            f"arguments. Fix: callbacks.{name}._target_=mypkg.MyCallback, or drop it")
+            raise TypeError(
+                f"callbacks.{name}={node!r}: a callback entry needs a _target_ (a class) and its "
+                f"arguments. Fix: callbacks.{name}._target_=mypkg.MyCallback, or drop it"
+            )
         made[name] = _make(node, f"callbacks.{name}")
     return {name: cb for name, cb in made.items() if not (evaluating and getattr(cb, "training_only", False))}
 
@@ -128,14 +155,18 @@ def _make(spec: dict[str, Any], key: str) -> Any:
         return instantiate(spec, _convert_="all")
     except InstantiationException as e:
         cause = e.__cause__
-        if isinstance(cause, (ConfigError, InputError)) or (isinstance(cause, (ValueError, KeyError, TypeError))
-                                              and _NAMES_A_KEY.match(str(cause.args[0]) if cause.args else "")):
+        if isinstance(cause, (ConfigError, InputError)) or (
+            isinstance(cause, (ValueError, KeyError, TypeError))
+            and _NAMES_A_KEY.match(str(cause.args[0]) if cause.args else "")
+        ):
             raise ConfigError(str(cause.args[0])) from None
         if str(e).startswith("Error locating target"):
             # Hydra's: "Error loading 'x.Y':\nModuleNotFoundError(...)"
             why = " ".join(str(cause).split("\n")[:2])
-            raise ConfigError(f"{key}._target_={spec.get('_target_')!r}: cannot be imported ({why}). Fix: a dotted "
-                              "path to a class or function importable here (is its package on PYTHONPATH?)") from None
+            raise ConfigError(
+                f"{key}._target_={spec.get('_target_')!r}: cannot be imported ({why}). Fix: a dotted "
+                "path to a class or function importable here (is its package on PYTHONPATH?)"
+            ) from None
         raise
 
 
@@ -162,21 +193,42 @@ def train_data(cfg: DictConfig, dist: Any, global_batch: int, accum: int) -> Tra
         data.train = to_device(data.train, dist.device)
         if isinstance(data.val, TensorData):
             data.val = to_device(data.val, dist.device)
-    sampler = ShardedGlobalSampler(len(data.train), global_batch, dist.world_size, dist.rank, cfg.seed, accum,
-                                   order=getattr(data.train, "sample_order", "permutation"))
+    sampler = ShardedGlobalSampler(
+        len(data.train),
+        global_batch,
+        dist.world_size,
+        dist.rank,
+        cfg.seed,
+        accum,
+        order=getattr(data.train, "sample_order", "permutation"),
+    )
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"batch_size={cfg.batch_size} x grad_accum_steps={accum} needs {per_step} samples per "
-            f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or grad_accum_steps.")
+            f"optimizer step, but the training set has {len(data.train)}. Fix: lower batch_size or "
+            "grad_accum_steps."
+        )
     shield = signals.WorkerShield()  # a preemption signal is the rank's, not its loader workers'
-    loader = TrainLoader(data.train, sampler, dist.device, augment, cfg.perf.num_workers, cfg.perf.pin_memory,
-                         indexed=indexed, collate_fn=data.collate_fn, prefetch_factor=cfg.perf.prefetch_factor,
-                         worker_init_fn=shield, starting_workers=shield.starting)
+    loader = TrainLoader(
+        data.train,
+        sampler,
+        dist.device,
+        augment,
+        cfg.perf.num_workers,
+        cfg.perf.pin_memory,
+        indexed=indexed,
+        collate_fn=data.collate_fn,
+        prefetch_factor=cfg.perf.prefetch_factor,
+        worker_init_fn=shield,
+        starting_workers=shield.starting,
+    )
     steps = min(sampler.steps_per_epoch, cfg.limit_train_steps or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
 
-def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_batch: int, accum: int) -> TrainData:
+def _stream_data(
+    cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_batch: int, accum: int
+) -> TrainData:
     """An IterableDataset: one global stream every rank reads (ddplab.data.streams); what it cannot do,
     refused."""
     name = f"dataset._target_={cfg.dataset.get('_target_')!r}"
@@ -184,29 +236,49 @@ def _stream_data(cfg: DictConfig, dist: Any, data: Splits, augment: Any, global_
         # a Hugging Face IterableDataset after split_dataset_by_node
         split = getattr(ds, "_distributed", None)
         if split is not None:
-            raise ConfigError(f"{name}: its {part} stream is already split by node (split_dataset_by_node: rank "
-                              f"{split.rank} of {split.world_size}); ddplab cuts one global stream into the ranks' "
-                              "slices itself, so it would keep a slice of a slice. Fix: return the dataset before "
-                              "split_dataset_by_node")
+            raise ConfigError(
+                f"{name}: its {part} stream is already split by node (split_dataset_by_node: rank "
+                f"{split.rank} of {split.world_size}); ddplab cuts one global stream into the ranks' "
+                "slices itself, so it would keep a slice of a slice. Fix: return the dataset before "
+                "split_dataset_by_node"
+            )
         try:
             len(ds)
         except TypeError:
-            raise ConfigError(f"{name}: its {part} IterableDataset has no __len__. Fix: give it __len__ (the samples "
-                              "one epoch yields): the lr schedule and every rank's step count come from it") from None
-    for key, on in (("overfit_batches", cfg.overfit_batches), ("dataset.augment", augment is not None and
-                                                                       augment.enabled)):
+            raise ConfigError(
+                f"{name}: its {part} IterableDataset has no __len__. Fix: give it __len__ (the samples "
+                "one epoch yields): the lr schedule and every rank's step count come from it"
+            ) from None
+    for key, on in (
+        ("overfit_batches", cfg.overfit_batches),
+        ("dataset.augment", augment is not None and augment.enabled),
+    ):
         if on:
-            raise ConfigError(f"{key}: not for an IterableDataset ({name}). Fix: drop {key}, or augment inside "
-                              "the dataset")
+            raise ConfigError(
+                f"{key}: not for an IterableDataset ({name}). Fix: drop {key}, or augment inside the dataset"
+            )
     sampler = ShardedGlobalSampler(len(data.train), global_batch, dist.world_size, dist.rank, cfg.seed, accum)
     if sampler.steps_per_epoch == 0:
-        raise ConfigError(f"batch_size={cfg.batch_size} x grad_accum_steps={accum}: one optimizer step needs "
-                          f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
-                          "batch_size or grad_accum_steps")
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} x grad_accum_steps={accum}: one optimizer step needs "
+            f"{global_batch * accum} samples, but {name} yields {len(data.train)} an epoch. Fix: lower "
+            "batch_size or grad_accum_steps"
+        )
     rows = functools.partial(collectives.all_ranks_rows, dist=dist) if dist.world_size > 1 else None
     shield = signals.WorkerShield()
-    loader = StreamLoader(data.train, sampler, dist.device, cfg.perf.num_workers, cfg.perf.pin_memory,
-                          data.collate_fn, cfg.perf.prefetch_factor, shield, rows, name, shield.starting)
+    loader = StreamLoader(
+        data.train,
+        sampler,
+        dist.device,
+        cfg.perf.num_workers,
+        cfg.perf.pin_memory,
+        data.collate_fn,
+        cfg.perf.prefetch_factor,
+        shield,
+        rows,
+        name,
+        shield.starting,
+    )
     steps = min(sampler.steps_per_epoch, cfg.limit_train_steps or sampler.steps_per_epoch)
     return TrainData(data, sampler, loader, steps)
 
@@ -233,4 +305,5 @@ def shape_mismatch(cfg: DictConfig, e: RuntimeError) -> ConfigError | None:
     return ConfigError(
         f"{name} cannot train on {ds.get('_target_', 'the dataset')}'s samples ({sizes}): "
         f"{str(e).splitlines()[0]}. Fix: choose dataset sizes this model accepts (a larger "
-        "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)")
+        "dataset.image_size for convolution stacks), or a model made for them (model=mlp takes any)"
+    )

@@ -50,7 +50,9 @@ def prepare_argv(argv: list[str]) -> list[str]:
         if noted and single:
             # torchrun restarted us after a failure: continue in the same run dir.
             argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={noted}"]
-        elif env.slurm_job() and single and not any(a.startswith(("hydra.run.dir=", "run_dir=")) for a in argv):
+        elif (
+            env.slurm_job() and single and not any(a.startswith(("hydra.run.dir=", "run_dir=")) for a in argv)
+        ):
             # A SLURM batch job's dir is named after the job, so a requeued job (same id, the batch
             # script run again) finds its checkpoints: outputs/slurm-1234 (array task: slurm-1234_7).
             argv = argv + [f"hydra.run.dir=outputs/slurm-{env.slurm_job()}"]
@@ -69,7 +71,7 @@ def _check_writable(argv: list[str]) -> None:
     would fail with "Unable to configure handler 'file'"): a read-only mount, a missing permission.
     A dir another job holds is refused by :class:`OwnRunDir`, which takes the lock itself."""
     key = "hydra.sweep.dir=" if rundir.is_multirun(argv) else "hydra.run.dir="
-    named = [a[len(key):] for a in argv if a.startswith(key)]
+    named = [a[len(key) :] for a in argv if a.startswith(key)]
     target = Path(named[-1].split("${")[0] or ".") if named else Path.cwd()
     probe = target.absolute()
     while not probe.exists() and probe != probe.parent:
@@ -80,8 +82,10 @@ def _check_writable(argv: list[str]) -> None:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        failure.refuse(f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
-                       f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}")
+        failure.refuse(
+            f"error: cannot write the run dir {target} ({e.strerror or e} at {probe}). Fix: "
+            f"{key}<a writable directory>{' or run from a writable working directory' if not named else ''}"
+        )
 
 
 class OwnRunDir(Callback):
@@ -111,8 +115,14 @@ class OwnRunDir(Callback):
         keys = redact.keys_of(config)
         redact.use(keys)
         hc = config.hydra
-        files = [Path(hc.runtime.output_dir) / str(hc.output_subdir) / n for n in
-                 ("config.yaml", "hydra.yaml", "overrides.yaml")] if hc.output_subdir else []
+        files = (
+            [
+                Path(hc.runtime.output_dir) / str(hc.output_subdir) / n
+                for n in ("config.yaml", "hydra.yaml", "overrides.yaml")
+            ]
+            if hc.output_subdir
+            else []
+        )
         if rundir.is_multirun():
             files.append(Path(str(hc.sweep.dir)) / "multirun.yaml")
         for f in files:
@@ -137,18 +147,22 @@ def _no_secret_for_submitit(config: DictConfig) -> None:
     writes nowhere."""
     if "submitit" not in str(config.hydra.launcher.get("_target_", "")):
         return
-    found = sorted(redact.written_out(OmegaConf.to_container(config, resolve=False), redact.keys_of(config)),
-                   key=lambda k: k.startswith("hydra."))  # the user's key before Hydra's copy of the override
+    found = sorted(
+        redact.written_out(OmegaConf.to_container(config, resolve=False), redact.keys_of(config)),
+        key=lambda k: k.startswith("hydra."),
+    )  # the user's key before Hydra's copy of the override
     if found:
         name = str(config.hydra.launcher._target_).rsplit(".", 1)[-1]
         # The sweep dir as written, unresolved: resolving ${fresh_dir:...} would make the dir of a refused
         # sweep.
         sweep_dir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"])
         into = "the sweep dir's .submitit/" if "${" in sweep_dir else f"{sweep_dir}/.submitit/"
-        failure.refuse(f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
-                       f"into {into}. Fix: keep it in the environment: a tracking URI's "
-                       "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
-                       "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}")
+        failure.refuse(
+            f"config error: {found[0]} holds a secret, and submitit ({name}) would write it unmasked "
+            f"into {into}. Fix: keep it in the environment: a tracking URI's "
+            "user and password as MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, a PostgreSQL "
+            "storage's as PGPASSWORD, any other value as ${oc.env:YOUR_VARIABLE}"
+        )
 
 
 def _hold(target: Path, holder: str | None, key: str = "hydra.run.dir (or run_dir)") -> None:
@@ -212,8 +226,10 @@ def main(cfg: DictConfig) -> float | None:
             _record_failure(cfg, ended)
             failure.leave(ended, e)
         if env.is_launched() and not env.is_self_launched() and ended.kind != "config":
-            log.error("a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
-                      "use distributed.nproc_per_node=N without torchrun for sweeps that outlive failures")
+            log.error(
+                "a failed job stops a sweep inside torchrun (ranks cannot be re-paired safely); "
+                "use distributed.nproc_per_node=N without torchrun for sweeps that outlive failures"
+            )
             # Hydra would catch an exception and start the next job; leave instead, so torchrun ends the
             # other ranks (a peer may be blocked mid-collective): exit 1, the line above the only one.
             failure.leave(replace(ended, code=failure.CRASH_EXIT, line=None, waits=False, traceback=False), e)
@@ -231,8 +247,16 @@ def _record_failure(cfg: DictConfig, ended: failure.Failure) -> None:
         rundir.write_result(run_dir, ended.record)
 
 
-# ---------------------------------------------------------------- Hydra's mode look-up, where it cannot matter
-_CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
+# ------------------------------------------------------ Hydra's mode look-up, where it cannot matter
+_CONFIG_FLAGS = (
+    "--config-dir",
+    "-cd",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--experimental-rerun",
+)
 
 
 def skip_needless_mode_lookup(conf: Path) -> None:
@@ -271,10 +295,15 @@ def _mode_setting_options(conf: Path) -> set[str]:
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML has it: ~10x faster
-    docs = {str(p.relative_to(conf).with_suffix("")): yaml.load(p.read_text(), Loader=loader) or {}
-            for p in conf.rglob("*.yaml")}
-    setting = {n for n, d in docs.items() if isinstance(d, dict) and isinstance(d.get("hydra"), dict)
-               and "mode" in d["hydra"]}
+    docs = {
+        str(p.relative_to(conf).with_suffix("")): yaml.load(p.read_text(), Loader=loader) or {}
+        for p in conf.rglob("*.yaml")
+    }
+    setting = {
+        n
+        for n, d in docs.items()
+        if isinstance(d, dict) and isinstance(d.get("hydra"), dict) and "mode" in d["hydra"]
+    }
     pulls = {n: _defaults_of(n, d) for n, d in docs.items() if isinstance(d, dict)}
     while True:  # to a fixpoint: a file that pulls in a setting file sets it too
         more = {n for n, picked in pulls.items() if n not in setting and picked & setting}

@@ -4,24 +4,31 @@ Each is a leading-underscore name torch may change or drop in any release. Keepi
 torch upgrade breaks one module, and ``tests/test_compat.py`` names which entry broke (each entry has a
 test that calls it for real). Where a public equivalent appears, replace the body here and nothing else.
 
-| entry                   | private API                                               | why no public one            |
-|-------------------------|-----------------------------------------------------------|------------------------------|
-| found_inf               | ``GradScaler._found_inf_per_device``                      | ``step()`` hides the flag    |
-| set_last_lr             | ``LRScheduler._last_lr``                                  | no setter for get_last_lr()  |
-| default_store           | ``distributed_c10d._get_default_store``                   | the group hides its store    |
-| cpu_capability          | ``torch._C._cpu._get_cpu_capability``                     | cpuinfo's ISA view           |
-| agent_store_servers     | ``DynamicRendezvousHandler._create_tcp_store_server``     | the agent binds the wildcard |
-| lerp_all_               | ``torch._foreach_lerp_``                                  | one kernel per tensor else   |
-| record/dump_cuda_memory | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | documented, still private |
-| optuna_trial            | ``Study._storage``, ``Study._study_id`` (trial id of a number) | ``Trial`` needs the id |
-| settle_ddp_buckets      | ``DDP._module_parameters``, ``Reducer.prepare_for_backward``, ``._rebuild_buckets`` | layout fixed after a step |
-| rank_server             | ``multiprocessing.forkserver._forkserver._stop`` (Python's)  | one server a process, never stopped |
-| run_exit_handlers       | ``atexit._run_exitfuncs`` (Python's)                      | a fork's exit skips atexit   |
-| defer_dynamo            | ``torch._compile._disable_dynamo``'s cache ``__dynamo_disable``, ``optimizer._use_grad_for_differentiable`` | both import dynamo |
-| ddp_reducer_without_dynamo | ``torch._dynamo.utils.get_optimize_ddp_mode`` (DDP's constructor calls it) | DDP imports dynamo |
-| loader_workers, stream_state | torchdata ``StatefulDataLoader.state_dict()``'s ``_snapshot`` layout | the format is undocumented |
-| BatchNormBase           | ``torch.nn.modules.batchnorm._BatchNorm``                 | BatchNorm1d/2d/3d's base     |
-| answer_hydra_mode       | ``hydra._internal.hydra.Hydra.get_mode`` (``@hydra.main`` composes once more to read it) | no hook |
+Each entry, the private API it uses, and why no public one serves:
+
+* found_inf: ``GradScaler._found_inf_per_device`` — ``step()`` hides the flag
+* set_last_lr: ``LRScheduler._last_lr`` — no setter for get_last_lr()
+* default_store: ``distributed_c10d._get_default_store`` — the group hides its store
+* cpu_capability: ``torch._C._cpu._get_cpu_capability`` — cpuinfo's ISA view
+* agent_store_servers: ``DynamicRendezvousHandler._create_tcp_store_server`` — the agent binds the wildcard
+* lerp_all_: ``torch._foreach_lerp_`` — one kernel per tensor else
+* record/dump_cuda_memory: ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` — documented,
+  still private
+* optuna_trial: ``Study._storage``, ``Study._study_id`` (trial id of a number) — ``Trial`` needs the id
+* settle_ddp_buckets: ``DDP._module_parameters``, ``Reducer.prepare_for_backward``, ``._rebuild_buckets`` —
+  layout fixed after a step
+* rank_server: ``multiprocessing.forkserver._forkserver._stop`` (Python's) — one server a process, never
+  stopped
+* run_exit_handlers: ``atexit._run_exitfuncs`` (Python's) — a fork's exit skips atexit
+* defer_dynamo: ``torch._compile._disable_dynamo``'s cache ``__dynamo_disable``,
+  ``optimizer._use_grad_for_differentiable`` — both import dynamo
+* ddp_reducer_without_dynamo: ``torch._dynamo.utils.get_optimize_ddp_mode`` (DDP's constructor calls it) — DDP
+  imports dynamo
+* loader_workers, stream_state: torchdata ``StatefulDataLoader.state_dict()``'s ``_snapshot`` layout — the
+  format is undocumented
+* BatchNormBase: ``torch.nn.modules.batchnorm._BatchNorm`` — BatchNorm1d/2d/3d's base
+* answer_hydra_mode: ``hydra._internal.hydra.Hydra.get_mode`` (``@hydra.main`` composes once more to read it)
+  — no hook
 """
 
 from __future__ import annotations
@@ -208,7 +215,9 @@ def ddp_reducer_without_dynamo() -> Iterator[None]:
     if "torch._dynamo" in sys.modules or "_dynamo" in torch.__dict__:  # (hasattr would import it)
         yield
         return
-    stand_in = types.SimpleNamespace(utils=types.SimpleNamespace(get_optimize_ddp_mode=lambda: DDP_MODE_BY_DEFAULT))
+    stand_in = types.SimpleNamespace(
+        utils=types.SimpleNamespace(get_optimize_ddp_mode=lambda: DDP_MODE_BY_DEFAULT)
+    )
     torch._dynamo = stand_in  # type: ignore[attr-defined]
     try:
         yield

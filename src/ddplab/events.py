@@ -16,8 +16,10 @@ def events_in(path: str | Path) -> Path:
     if path in found or not found:
         return path
     if len(found) > 1:
-        raise ValueError(f"{path} holds the events of {len(found)} runs ({', '.join(str(f) for f in found)}): "
-                         "pass one of them")
+        raise ValueError(
+            f"{path} holds the events of {len(found)} runs ({', '.join(str(f) for f in found)}): "
+            "pass one of them"
+        )
     return found[0]
 
 
@@ -53,4 +55,8 @@ def read_hparams(path: str | Path) -> dict[str, Any]:
         return {}
     info = metadata.parse_session_start_info_plugin_data(content)
     kinds = ("bool_value", "number_value", "string_value")
-    return {name: getattr(v, v.WhichOneof("kind")) for name, v in info.hparams.items() if v.WhichOneof("kind") in kinds}
+    return {
+        name: getattr(v, v.WhichOneof("kind"))
+        for name, v in info.hparams.items()
+        if v.WhichOneof("kind") in kinds
+    }

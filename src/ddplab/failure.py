@@ -5,17 +5,17 @@ under torchrun or SLURM (``cli.main``), a self-launched rank (``job.run_rank``) 
 Session, which records a failure where it happened. The table (``tests/test_failure.py`` checks each row at
 every entry):
 
-    failure                          exit code              the one line                  result.json
-    Preempted (a signal)             128 + the signal       "preempted: ..." (warning)    preempted, its step
-    ConfigError                      2                      rank 0: "config error: ..."   failed, "config error: ..."
-    InputError (a file the job read) 2                      "error: ..."                  failed
-    ResourceError (a full disk)      1 (a rank's: 4; the    "error: ..."                  failed (RecordWriteError:
-                                     error's own: study 3)                                none: the disk refused it)
-    PeerFailed / PeerLost            1                      the Session's, once           failed, the peer's error
-    RankFailed (a self-launched      1                      the rank at fault, named      failed, that line
-    rank; the rank said its error)
-    VerifyFailed                     1                      "verify_resume: ..."          (the legs record theirs)
-    anything else                    1                      its traceback                 failed, "Type: message"
+    failure                        exit code            the one line                 result.json
+    Preempted (a signal)           128 + the signal     "preempted: ..." (warning)   preempted, its step
+    ConfigError                    2                    rank 0: "config error: ..."  failed, "config error..."
+    InputError (a file it read)    2                    "error: ..."                 failed
+    ResourceError (a full disk)    1 (a self-launched   "error: ..."                 failed (RecordWriteError:
+                                   rank's: 4; study: 3)                              none: the disk refused)
+    PeerFailed / PeerLost          1                    the Session's, once          failed, the peer's error
+    RankFailed (a self-launched    1                    the rank at fault, named     failed, that line
+    rank; it said its error)
+    VerifyFailed                   1                    "verify_resume: ..."         (the legs record theirs)
+    anything else                  1                    its traceback                failed, "Type: message"
 
 A command refused before Hydra makes its run dir (:func:`refuse`) says its line and exits 2, with no record.
 A line the rank that met the failure has said already (``errors.mark_said``) is not said again; a failure
@@ -29,14 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddplab.errors import (
-    ConfigError,
-    InputError,
-    RecordWriteError,
-    ResourceError,
-    VerifyFailed,
-    was_said,
-)
+from ddplab.errors import ConfigError, InputError, RecordWriteError, ResourceError, VerifyFailed, was_said
 from ddplab.runtime import launch
 from ddplab.runtime.group import PeerFailed, plain_message
 from ddplab.runtime.signals import Preempted
@@ -73,26 +66,54 @@ def of(e: BaseException, rank: int = 0, in_rank: bool = False, report: str | Non
     plain = report or f"{type(e).__name__}: {plain_message(e)}"
     failed = {"status": "failed", "error": plain}
     if isinstance(e, Preempted):
-        return Failure("preempted", e.exit_code, None if said else f"preempted: {e}",
-                       {"status": "preempted", "signal": e.signal_name, "step": e.step, "checkpoint": e.checkpoint,
-                        "resume": "run the same command with resume=auto"})
+        return Failure(
+            "preempted",
+            e.exit_code,
+            None if said else f"preempted: {e}",
+            {
+                "status": "preempted",
+                "signal": e.signal_name,
+                "step": e.step,
+                "checkpoint": e.checkpoint,
+                "resume": "run the same command with resume=auto",
+            },
+        )
     if isinstance(e, ConfigError):  # found alike on every rank: rank 0 says it, once, no traceback
         # (a self-launched rank leaves it to its parent, which reads rank 0's record: job.self_launch)
-        return Failure("config", launch.CONFIG_EXIT, None if said or rank or in_rank else f"config error: {e}",
-                       {"status": "failed", "error": f"config error: {e}"}, waits=rank != 0)
+        return Failure(
+            "config",
+            launch.CONFIG_EXIT,
+            None if said or rank or in_rank else f"config error: {e}",
+            {"status": "failed", "error": f"config error: {e}"},
+            waits=rank != 0,
+        )
     if isinstance(e, VerifyFailed):  # the comparison's verdict, not a crash
         return Failure("verify", CRASH_EXIT, None if said else f"verify_resume: {e}", None)
     if isinstance(e, (InputError, ResourceError)):  # one line naming the file or the resource, and the fix
-        code = (launch.CONFIG_EXIT if isinstance(e, InputError) else launch.SAID_EXIT if in_rank
-                else int(getattr(e, "exit_code", CRASH_EXIT)))
-        return Failure("input" if isinstance(e, InputError) else "resource", code, None if said else f"error: {e}",
-                       None if isinstance(e, RecordWriteError) else failed,
-                       # a self-launched rank's input error: rank 0's record and line first, for the parent to
-                       # read
-                       waits=rank != 0 and (alike or (in_rank and isinstance(e, InputError))))
+        code = (
+            launch.CONFIG_EXIT
+            if isinstance(e, InputError)
+            else launch.SAID_EXIT
+            if in_rank
+            else int(getattr(e, "exit_code", CRASH_EXIT))
+        )
+        return Failure(
+            "input" if isinstance(e, InputError) else "resource",
+            code,
+            None if said else f"error: {e}",
+            None if isinstance(e, RecordWriteError) else failed,
+            # a self-launched rank's input error: rank 0's record and line first, for the parent to
+            # read
+            waits=rank != 0 and (alike or (in_rank and isinstance(e, InputError))),
+        )
     if isinstance(e, PeerFailed):  # this rank only lost its connection: the peer's error is the job's
-        return Failure("peer", CRASH_EXIT, None if said else str(e), {"status": "failed", "error": e.report},
-                       waits=alike and rank != 0)
+        return Failure(
+            "peer",
+            CRASH_EXIT,
+            None if said else str(e),
+            {"status": "failed", "error": e.report},
+            waits=alike and rank != 0,
+        )
     if isinstance(e, launch.RankFailed):  # the rank at fault said its error and traceback; named here once
         return Failure("rank", CRASH_EXIT, None if said else str(e), {"status": "failed", "error": str(e)})
     return Failure("crash", CRASH_EXIT, None, failed, traceback=True)

@@ -55,27 +55,36 @@ def _job(cfg: DictConfig, search_earlier_runs: bool | None, evaluating: bool) ->
             _check_room(cfg)
             return _self_launch(cfg, evaluating)
         if not env.is_self_launched():
-            log.warning("distributed.nproc_per_node=%d ignored: this process is already one rank of a "
-                        "launched job (torchrun/SLURM)", nproc)
+            log.warning(
+                "distributed.nproc_per_node=%d ignored: this process is already one rank of a "
+                "launched job (torchrun/SLURM)",
+                nproc,
+            )
     with Session(cfg, search_earlier_runs) as session:
         metrics, note, objective = _in_session(session, evaluating)
         session.complete(metrics, note, objective)
     return metrics
 
 
-def _in_session(session: Session, evaluating: bool) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
+def _in_session(
+    session: Session, evaluating: bool
+) -> tuple[dict[str, float], str | None, dict[str, Any] | None]:
     """The metrics, how the run ended besides them (early stopping's note) and the objective with its
     direction (for sweep summaries; none for an evaluation)."""
     # A function of its own: if it raises, its frame (holding the trainer and
     # DDP's reducer) is in the traceback, which the Session clears before teardown.
-    from ddplab.train.assemble import (
-        build_state,  # after setup: a bad config costs no model build
-    )
+    from ddplab.train.assemble import build_state  # after setup: a bad config costs no model build
     from ddplab.train.loop import Trainer
 
-    state = build_state(session.cfg, session.dist, session.run_dir, evaluating=evaluating,
-                        search_earlier_runs=session.search_earlier_runs, stop=session.stop,
-                        provenance=session.provenance)
+    state = build_state(
+        session.cfg,
+        session.dist,
+        session.run_dir,
+        evaluating=evaluating,
+        search_earlier_runs=session.search_earlier_runs,
+        stop=session.stop,
+        provenance=session.provenance,
+    )
     session.report_failures_at(state.position)
     trainer = Trainer(state)
     if evaluating:
@@ -92,10 +101,16 @@ def _check_room(cfg: DictConfig) -> None:
     on_gpu = str(d.device) == "cuda" or (str(d.device) == "auto" and torch.cuda.is_available())
     have, what = (torch.cuda.device_count(), "CUDA devices") if on_gpu else (env.usable_cores(), "CPU cores")
     if nproc > have and (on_gpu or not d.oversubscribe_cpu):
-        share = "" if on_gpu else ", or let the ranks share the cores (slower): distributed.oversubscribe_cpu=true"
-        raise ConfigError(f"distributed.nproc_per_node={nproc}: this machine has {have} {what} for them. Fix: pass "
-                          f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, "
-                          f"SLURM){share}")
+        share = (
+            ""
+            if on_gpu
+            else ", or let the ranks share the cores (slower): distributed.oversubscribe_cpu=true"
+        )
+        raise ConfigError(
+            f"distributed.nproc_per_node={nproc}: this machine has {have} {what} for them. Fix: pass "
+            f"distributed.nproc_per_node={max(have, 1)} (or fewer), or launch across nodes (torchrun, "
+            f"SLURM){share}"
+        )
 
 
 # What every rank imports after it starts, imported once for all of them in the server they are forked from
@@ -112,12 +127,22 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
     config = resolved_copy(cfg)  # here, where Hydra's resolvers (${now:}, ${hydra:}) still work; typed
     config.run_dir = str(run_dir)
     # decided where Hydra's config is
-    job = {"config": config, "search_earlier_runs": rundir.is_hydras_default(cfg),
-           "log_tag": job_tag(), "evaluating": evaluating}
+    job = {
+        "config": config,
+        "search_earlier_runs": rundir.is_hydras_default(cfg),
+        "log_tag": job_tag(),
+        "evaluating": evaluating,
+    }
     started = time.time()
     try:
-        return launch(run_rank, job, cfg.distributed.nproc_per_node, cfg.distributed.max_restarts, run_dir,
-                      strategy.rank_imports(cfg) + RANK_IMPORTS)
+        return launch(
+            run_rank,
+            job,
+            cfg.distributed.nproc_per_node,
+            cfg.distributed.max_restarts,
+            run_dir,
+            strategy.rank_imports(cfg) + RANK_IMPORTS,
+        )
     except Exception as e:
         # rank 0's record of this job (not an earlier one's)
         done = rundir.read_result(run_dir, since=started) or {}
@@ -146,8 +171,12 @@ def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception
     # a full disk, said by the rank that met it: the caller gets it to decide (a study)
     if isinstance(e, RankSaid):
         if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
-            return mark_said(RecordWriteError(f"a rank failed and {run_dir / rundir.RESULT} could not be written "
-                                              "(see the ranks' lines above)"))
+            return mark_said(
+                RecordWriteError(
+                    f"a rank failed and {run_dir / rundir.RESULT} could not be written "
+                    "(see the ranks' lines above)"
+                )
+            )
         return mark_said(ResourceError(noted))
     stopped = done.get("status") == "preempted"
     if isinstance(e, Preempted):  # rank 0 recorded where it stopped (and said so): its result.json stays
@@ -156,7 +185,9 @@ def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception
     if stopped and done.get("checkpoint"):
         # Rank 0 records a stop only after every rank's part of its checkpoint is in: a rank that died
         # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
-        log.warning("%s, after every rank checkpointed at step %s: the job stays preempted", e, done.get("step"))
+        log.warning(
+            "%s, after every rank checkpointed at step %s: the job stays preempted", e, done.get("step")
+        )
         return mark_said(Preempted(done.get("signal", "SIGTERM"), done.get("step", -1), done["checkpoint"]))
     record = failure.of(e).record
     if done.get("status") != "failed" and record:  # rank 0's record of the first real error stays

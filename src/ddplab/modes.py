@@ -59,6 +59,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     validate(cfg)  # bad values fail here, before any process group exists
     mode = str(cfg.mode)
     if not MODES[mode].in_process:  # each runs jobs of its own, in processes of their own
-        raise ConfigError(f"mode={mode} is run by train.py (or {MODES[mode].runner}(cfg)), not by ddplab.run. "
-                          f"Fix: python train.py mode={mode} ...")
+        raise ConfigError(
+            f"mode={mode} is run by train.py (or {MODES[mode].runner}(cfg)), not by ddplab.run. "
+            f"Fix: python train.py mode={mode} ..."
+        )
     return MODES[mode].entry(cfg)

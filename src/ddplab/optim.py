@@ -20,8 +20,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from ddplab import compat
 
 
-def make_optimizer(factory: Callable[..., Optimizer], params: list[nn.Parameter], mode: Any,
-                   scaled: bool = False) -> Optimizer:
+def make_optimizer(
+    factory: Callable[..., Optimizer], params: list[nn.Parameter], mode: Any, scaled: bool = False
+) -> Optimizer:
     """``factory(params)`` with fused kernels per ``perf.fused_optimizer`` (auto | true | false).
 
     Fused: one kernel updates every parameter instead of a loop of small ops
@@ -36,15 +37,19 @@ def make_optimizer(factory: Callable[..., Optimizer], params: list[nn.Parameter]
         optimizer = factory(params, fused=True)
     except (TypeError, RuntimeError, ValueError) as e:  # no fused kernel for this optimizer/device/dtype
         if mode == "true":
-            raise ValueError(f"perf.fused_optimizer=true, but this optimizer cannot run fused here ({e}). "
-                             "Fix: perf.fused_optimizer=auto") from e
+            raise ValueError(
+                f"perf.fused_optimizer=true, but this optimizer cannot run fused here ({e}). "
+                "Fix: perf.fused_optimizer=auto"
+            ) from e
         return factory(params)
     if not scaled or _safe_under_scaler(optimizer):
         return optimizer
     if mode == "true":
-        raise ValueError("perf.fused_optimizer=true with amp_dtype=float16: torch's fused SGD cannot skip a step "
-                         "with dampening != 0 (optimizer.dampening). Fix: perf.fused_optimizer=auto, "
-                         "optimizer.dampening=0 or amp_dtype=bfloat16")
+        raise ValueError(
+            "perf.fused_optimizer=true with amp_dtype=float16: torch's fused SGD cannot skip a step "
+            "with dampening != 0 (optimizer.dampening). Fix: perf.fused_optimizer=auto, "
+            "optimizer.dampening=0 or amp_dtype=bfloat16"
+        )
     return factory(params)
 
 
@@ -64,7 +69,9 @@ def _safe_under_scaler(optimizer: Optimizer) -> bool:
         return False  # its first step is not `0 * momentum + (1 - dampening) * grad`
     for g in groups:
         for p in g["params"]:
-            optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+            optimizer.state[p].setdefault(
+                "momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format)
+            )
     return True
 
 
@@ -78,8 +85,15 @@ def warmup_of(total_steps: int, warmup_steps: int, warmup_fraction: float | None
     return round(warmup_fraction * total_steps) if warmup_fraction is not None else warmup_steps
 
 
-def cosine(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0,
-           min_lr_ratio: float = 0.0, warmup_fraction: float | None = None) -> LambdaLR:
+def cosine(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.0,
+    warmup_fraction: float | None = None,
+) -> LambdaLR:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
     warmup_steps = min(warmup_of(total_steps, warmup_steps, warmup_fraction), max(total_steps - 1, 0))
 
@@ -92,8 +106,16 @@ def cosine(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warm
     return LambdaLR(optimizer, factor)
 
 
-def step(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_epochs: int = 30,
-         gamma: float = 0.1, warmup_steps: int = 0, warmup_fraction: float | None = None) -> LambdaLR:
+def step(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    steps_per_epoch: int,
+    step_epochs: int = 30,
+    gamma: float = 0.1,
+    warmup_steps: int = 0,
+    warmup_fraction: float | None = None,
+) -> LambdaLR:
     """Multiply the lr by ``gamma`` every ``step_epochs`` epochs (after warmup)."""
     warmup_steps = warmup_of(total_steps, warmup_steps, warmup_fraction)
     if step_epochs <= 0:
@@ -105,13 +127,16 @@ def step(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, step_e
     return LambdaLR(optimizer, factor)
 
 
-def constant(optimizer: Optimizer, *, total_steps: int, steps_per_epoch: int, warmup_steps: int = 0,
-             warmup_fraction: float | None = None) -> LambdaLR:
+def constant(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_steps: int = 0,
+    warmup_fraction: float | None = None,
+) -> LambdaLR:
     warmup_steps = warmup_of(total_steps, warmup_steps, warmup_fraction)
     return LambdaLR(optimizer, lambda s: _warmup(s, warmup_steps))
-
-
-
 
 
 def apply_hyperparameters(optimizer: Optimizer, scheduler: LambdaLR, fresh: list[dict[str, Any]]) -> None:

@@ -28,9 +28,20 @@ log = logging.getLogger("ddplab")
 # Dense TFLOP/s per device: (bf16/fp16 tensor cores, fp32), from the vendor's data sheets. A name matches
 # as whole words, the first entry that matches wins (so "H100 PCIe" before "H100", and "L4" is not "L40" nor
 # "A10" an "A10G", which have peaks of their own); the plain names are the SXM parts.
-_PEAKS = [("H200", 989.4, 66.9), ("H100 PCIe", 756.0, 51.2), ("H100 NVL", 835.0, 60.0), ("H100", 989.4, 66.9),
-          ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L40", 181.0, 90.5), ("L4", 121.0, 30.3),
-          ("A10", 125.0, 31.2), ("V100", 125.0, 15.7), ("RTX 4090", 165.2, 82.6), ("T4", 65.0, 8.1)]
+_PEAKS = [
+    ("H200", 989.4, 66.9),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.4, 66.9),
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5),
+    ("L4", 121.0, 30.3),
+    ("A10", 125.0, 31.2),
+    ("V100", 125.0, 15.7),
+    ("RTX 4090", 165.2, 82.6),
+    ("T4", 65.0, 8.1),
+]
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
@@ -75,8 +86,15 @@ class FlopRate:
     launch to the first training step — and never when ``enabled`` is False.
     """
 
-    def __init__(self, enabled: bool, module: nn.Module, device: torch.device, dtype: torch.dtype,
-                 peak_override: float | None, world_size: int):
+    def __init__(
+        self,
+        enabled: bool,
+        module: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        peak_override: float | None,
+        world_size: int,
+    ):
         self._todo = enabled
         self._module, self._sample, self._device, self._dtype = module, None, device, dtype
         self._override, self._world = peak_override, world_size

@@ -29,22 +29,49 @@ _ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # CPU flags that make a dtype's autocast native: x86 names as in /proc/cpuinfo and torch's probe;
 # "bf16" is aarch64's (Features line). Without one, oneDNN emulates the dtype.
-_CPU_NATIVE = {torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+_CPU_NATIVE = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
 # Emulated step time / fp32 step time, ResNet-18 on digits (batch 32, 1 thread), measured on a Xeon with
 # AVX-512 but no avx512_bf16 (oneDNN's AVX-512 bf16 emulation is cheap) and with oneDNN capped at AVX2.
-_SLOWDOWN = {(torch.bfloat16, True): "~2x", (torch.bfloat16, False): "~40x",
-             (torch.float16, True): "~70x", (torch.float16, False): "~40x"}
+_SLOWDOWN = {
+    (torch.bfloat16, True): "~2x",
+    (torch.bfloat16, False): "~40x",
+    (torch.float16, True): "~70x",
+    (torch.float16, False): "~40x",
+}
 
 
 # oneDNN's instruction-set levels, lowest first (its ONEDNN_MAX_CPU_ISA names; the AVX10 names alias the
 # AVX512 ones), and the lowest level at which oneDNN uses each flag. A cap below it makes oneDNN emulate
 # what the hardware has, so the flag does not count: the cap, not /proc/cpuinfo, decides the speed.
-_ISA_LEVELS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-               "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16")
-_ISA_ALIASES = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX",
-                "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16"}
-_FLAG_NEEDS = {"avx512bw": "AVX512_CORE", "avx512_bw": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16",
-               "avx512_fp16": "AVX10_1_512", "amx_bf16": "AVX10_1_512_AMX", "amx_fp16": "AVX10_1_512_AMX_FP16"}
+_ISA_LEVELS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+)
+_ISA_ALIASES = {
+    "AVX512_CORE_FP16": "AVX10_1_512",
+    "AVX512_CORE_AMX": "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16",
+}
+_FLAG_NEEDS = {
+    "avx512bw": "AVX512_CORE",
+    "avx512_bw": "AVX512_CORE",
+    "avx512_bf16": "AVX512_CORE_BF16",
+    "avx512_fp16": "AVX10_1_512",
+    "amx_bf16": "AVX10_1_512_AMX",
+    "amx_fp16": "AVX10_1_512_AMX_FP16",
+}
 
 
 def _under_isa_cap(flags: frozenset[str], cap: str | None) -> frozenset[str]:
@@ -100,8 +127,10 @@ def _emulation_note(dtype: torch.dtype, device: torch.device) -> str | None:
     if feats.intersection(_CPU_NATIVE[dtype]):
         return None
     wide = bool(feats & {"avx512bw", "avx512_bw"})  # oneDNN's emulation is fast with AVX-512 only
-    return (f"{_SHORT[dtype]} autocast on this CPU is emulated (no {'/'.join(_CPU_NATIVE[dtype][:2])}), "
-            f"{_SLOWDOWN[dtype, wide]} slower than fp32")
+    return (
+        f"{_SHORT[dtype]} autocast on this CPU is emulated (no {'/'.join(_CPU_NATIVE[dtype][:2])}), "
+        f"{_SLOWDOWN[dtype, wide]} slower than fp32"
+    )
 
 
 def _auto_dtype(device: torch.device) -> torch.dtype:
@@ -120,7 +149,10 @@ def _resolve_dtype(amp_dtype: str, device: torch.device) -> tuple[torch.dtype, s
     dtype = getattr(torch, name)
     note = _emulation_note(dtype, device)
     auto = _SHORT.get(_auto_dtype(device), "fp32")
-    return dtype, note and f"amp_dtype={amp_dtype}: {note}: training in {_SHORT[dtype]} as asked (auto: {auto})"
+    return (
+        dtype,
+        note and f"amp_dtype={amp_dtype}: {note}: training in {_SHORT[dtype]} as asked (auto: {auto})",
+    )
 
 
 def _warn_from_rank0(msg: str) -> None:

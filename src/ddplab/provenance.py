@@ -22,8 +22,17 @@ import torch
 from ddplab import redact
 from ddplab.runtime import env
 
-PACKAGES = ("ddplab", "torch", "hydra-core", "omegaconf", "tensorboard", "numpy", "scikit-learn",
-            "hydra-submitit-launcher", "submitit")
+PACKAGES = (
+    "ddplab",
+    "torch",
+    "hydra-core",
+    "omegaconf",
+    "tensorboard",
+    "numpy",
+    "scikit-learn",
+    "hydra-submitit-launcher",
+    "submitit",
+)
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
@@ -40,9 +49,13 @@ def code_version(where: Path) -> dict[str, Any]:
     if commit is None:
         return {"repo": None, "note": f"{where} is not in a git repository (or git is missing)"}
     status = _git(["status", "--porcelain", "--untracked-files=no"], where) or ""
-    return {"repo": (_git(["rev-parse", "--show-toplevel"], where) or "").strip(), "commit": commit.strip(),
-            "dirty": bool(status.strip()), "changed": status.split("\n")[:50] if status.strip() else [],
-            "diff": _git(["diff", "HEAD"], where) if status.strip() else None}
+    return {
+        "repo": (_git(["rev-parse", "--show-toplevel"], where) or "").strip(),
+        "commit": commit.strip(),
+        "dirty": bool(status.strip()),
+        "changed": status.split("\n")[:50] if status.strip() else [],
+        "diff": _git(["diff", "HEAD"], where) if status.strip() else None,
+    }
 
 
 def _code() -> dict[str, Any]:
@@ -81,12 +94,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def collect(ranks: list[dict[str, Any]], backend: str | None, secret_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+def collect(
+    ranks: list[dict[str, Any]], backend: str | None, secret_keys: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """What ran, where and how; the command line with its secrets masked (ddplab.redact)."""
     return {
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [redact.text(a, secret_keys) for a in (sys.executable, *sys.argv)], "cwd": str(Path.cwd()),
-        "code": _code(), "packages": _versions(), "launcher": env.launcher(),
-        "world": {"size": len(ranks), "backend": backend, "hosts": sorted({r["host"] for r in ranks}), "ranks": ranks},
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": [redact.text(a, secret_keys) for a in (sys.executable, *sys.argv)],
+        "cwd": str(Path.cwd()),
+        "code": _code(),
+        "packages": _versions(),
+        "launcher": env.launcher(),
+        "world": {
+            "size": len(ranks),
+            "backend": backend,
+            "hosts": sorted({r["host"] for r in ranks}),
+            "ranks": ranks,
+        },
     }
 
 

@@ -23,10 +23,25 @@ MASK = "***"
 # sweep's job gets it: Hydra escapes an override's special characters (``http\://user\:pw@host``). Escaped
 # once (a sweep job's overrides: ``http\://u\:p@h``, Hydra escaping ``\()[]{}:=,``) or more (the repr of such
 # a string).
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\*://)"
-                       r"(?P<info>(?:\\+[:=,()\[\]{}]|[^\s/@'\"\\])+)@")
-_SECRET_NAMES = frozenset({"password", "passwd", "secret", "secret_key", "api_key", "apikey", "access_token",
-                           "auth_token", "hf_token", "private_key", "client_secret"})
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*\\*://)"
+    r"(?P<info>(?:\\+[:=,()\[\]{}]|[^\s/@'\"\\])+)@"
+)
+_SECRET_NAMES = frozenset(
+    {
+        "password",
+        "passwd",
+        "secret",
+        "secret_key",
+        "api_key",
+        "apikey",
+        "access_token",
+        "auth_token",
+        "hf_token",
+        "private_key",
+        "client_secret",
+    }
+)
 
 
 def is_secret_key(dotted: str, keys: Iterable[str] = ()) -> bool:
@@ -41,8 +56,10 @@ def text(s: str, keys: Iterable[str] = ()) -> str:
         # key=value as an override spells it: after a start, a space, a comma, a quote or a bracket; + or ~
         # first. A value's escaped characters (``\,``: Hydra's, in a sweep's job) are part of it; so is a
         # quoted one.
-        pattern = (rf"((?:^|(?<=[\s,'\"\[/]))[+~]{{0,2}}(?:[\w.]*\.)?{re.escape(key)}=)"
-                   r"(?:'[^']*'|\"[^\"]*\"|(?:\\.|[^,\s'\"\]\\])*)")
+        pattern = (
+            rf"((?:^|(?<=[\s,'\"\[/]))[+~]{{0,2}}(?:[\w.]*\.)?{re.escape(key)}=)"
+            r"(?:'[^']*'|\"[^\"]*\"|(?:\\.|[^,\s'\"\]\\])*)"
+        )
         out = re.sub(pattern, rf"\g<1>{MASK}", out)
     return out
 
@@ -51,8 +68,14 @@ def node(value: Any, keys: Iterable[str] = (), path: str = "") -> Any:
     """A plain config (dicts, lists, scalars) with secret keys' values and URIs' user info masked."""
     keys = tuple(keys)
     if isinstance(value, dict):
-        return {k: (MASK if is_secret_key(f"{path}.{k}" if path else str(k), keys) and v is not None
-                    else node(v, keys, f"{path}.{k}" if path else str(k))) for k, v in value.items()}
+        return {
+            k: (
+                MASK
+                if is_secret_key(f"{path}.{k}" if path else str(k), keys) and v is not None
+                else node(v, keys, f"{path}.{k}" if path else str(k))
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, list):
         return [node(v, keys, f"{path}[{i}]") for i, v in enumerate(value)]
     return text(value, keys) if isinstance(value, str) else value
@@ -62,10 +85,16 @@ def written_out(value: Any, keys: Iterable[str] = (), path: str = "") -> list[st
     """The dotted keys of an unresolved config (dicts, lists, scalars) that hold a secret as such: what
     :func:`node` masks, less what interpolations (``${oc.env:VAR}``) fetch where the job runs."""
     keys = tuple(keys)
-    if is_secret_key(path, keys) and value not in (None, "") and (not isinstance(value, str) or _literal(value)):
+    if (
+        is_secret_key(path, keys)
+        and value not in (None, "")
+        and (not isinstance(value, str) or _literal(value))
+    ):
         return [path]  # masked whole by node(), whatever it holds
     if isinstance(value, dict):
-        return [hit for k, v in value.items() for hit in written_out(v, keys, f"{path}.{k}" if path else str(k))]
+        return [
+            hit for k, v in value.items() for hit in written_out(v, keys, f"{path}.{k}" if path else str(k))
+        ]
     if isinstance(value, list):
         return [hit for i, v in enumerate(value) for hit in written_out(v, keys, f"{path}[{i}]")]
     return [path] if isinstance(value, str) and text(_literal(value), keys) != _literal(value) else []

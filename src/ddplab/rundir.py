@@ -66,7 +66,8 @@ class RunDirLock:
                 holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
                 os.close(fd)
                 self.borrowed = launcher_pid is not None and holder.startswith(
-                    f"pid {launcher_pid} on {socket.gethostname()} ")
+                    f"pid {launcher_pid} on {socket.gethostname()} "
+                )
                 return None if self.borrowed else holder or "another process"
             try:
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
@@ -75,8 +76,8 @@ class RunDirLock:
                 pass
             os.close(fd)  # its holder removed the file as we opened it: lock the new one
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}".encode(), 0)
         self._fd = fd
         return None
 
@@ -157,8 +158,10 @@ def lock_holder(run_dir: Path) -> str | None:
 
 
 def in_use(run_dir: Path, holder: str, key: str = "hydra.run.dir (or run_dir)") -> str:
-    return (f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would overwrite each other's "
-            f"checkpoints and results. Fix: give this job another {key}, or wait for that job to end")
+    return (
+        f"run dir {run_dir} is in use by {holder}: two jobs in one run dir would overwrite each other's "
+        f"checkpoints and results. Fix: give this job another {key}, or wait for that job to end"
+    )
 
 
 def is_hydras_default(cfg: Any) -> bool:
@@ -255,8 +258,11 @@ def swept(run_dir: Path) -> dict[str, str]:
         return {}
     # Compared as Hydra reads them: a sweep's job gets ``k=http\://h`` for the command's ``k=http://h``, and
     # ``k=False`` for its ``k=false``.
-    given = {_meaning(o) for o in OmegaConf.select(command, "hydra.overrides.task", default=None) or []} \
-        if command else set()
+    given = (
+        {_meaning(o) for o in OmegaConf.select(command, "hydra.overrides.task", default=None) or []}
+        if command
+        else set()
+    )
     sampled = set(OmegaConf.select(hydra, "hydra.sweeper.params", default=None) or {})
     out = {}
     for o in mine:
@@ -291,7 +297,7 @@ def label(values: dict[str, str], limit: int = 100) -> str:
 
     keys = [s if last.count(s) == 1 else k for s, k in zip(last, values)]
     text = ",".join(f"{k}={short(v)}" for k, v in zip(keys, values.values())).replace("/", "_")
-    return text if len(text) <= limit else text[:limit - 1] + "~"
+    return text if len(text) <= limit else text[: limit - 1] + "~"
 
 
 def events_dir(run_dir: Path) -> Path:

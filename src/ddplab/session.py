@@ -57,8 +57,10 @@ class Session:
         self.stop.install(env.launcher_pid())  # a dead launcher stops this rank like a signal
         self.dist = group.init(self.cfg.distributed)
         try:
-            log.debug("host allocator: %s", allocator.keep_freed_host_memory(self.dist.device.type,
-                                                                              str(self.cfg.perf.host_allocator)))
+            log.debug(
+                "host allocator: %s",
+                allocator.keep_freed_host_memory(self.dist.device.type, str(self.cfg.perf.host_allocator)),
+            )
             self._agree()
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)
@@ -85,8 +87,10 @@ class Session:
             raise RuntimeError(problem)
         restarts = env.restarts()
         if restarts and not self.cfg.resume:
-            log.info("%s: continuing from the last checkpoint (resume=auto)",
-                     ", ".join(f"{why} {n}" for why, n in restarts.items()))
+            log.info(
+                "%s: continuing from the last checkpoint (resume=auto)",
+                ", ".join(f"{why} {n}" for why, n in restarts.items()),
+            )
             with open_dict(self.cfg):
                 self.cfg.resume = "auto"
         table, rows = collectives.rank_table(dist, collectives.rank_config_digest(self.cfg))
@@ -119,30 +123,40 @@ class Session:
         """A failure from here on is reported at ``position()`` (the trainer's epoch and step)."""
         self._where = position
 
-    def complete(self, metrics: dict[str, Any], note: str | None = None,
-                 objective: dict[str, Any] | None = None) -> None:
+    def complete(
+        self, metrics: dict[str, Any], note: str | None = None, objective: dict[str, Any] | None = None
+    ) -> None:
         """The job finished: rank 0 records it (with ``note``, e.g. why it stopped early, and the
         objective's name and direction, for sweep summaries); a torchrun restart memo is no longer needed."""
         self._where = lambda: "after training, as rank 0 recorded its completion"
         written = self._recorded = self.dist.is_main and rundir.write_result(
-            self.run_dir, {"status": "completed", "metrics": metrics, **({"note": note} if note else {}),
-                           **({"objective": objective} if objective else {})})
+            self.run_dir,
+            {
+                "status": "completed",
+                "metrics": metrics,
+                **({"note": note} if note else {}),
+                **({"objective": objective} if objective else {}),
+            },
+        )
         # A sweep, a study or a scheduler reads the job's end there: exit 0 without it would be a silent loss
         # (the soak found it: the disk filled as the last checkpoint was written). Every rank learns it, so
         # that none waits in the last barrier for a rank 0 that is gone.
         if not collectives.broadcast_object(written, self.dist):
             self._where = lambda: "after training (completed)"
-            raise RecordWriteError(f"the job completed and its checkpoints are written, but its record "
-                                   f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
-                                   "run the same command with resume=auto: it records the completion")
+            raise RecordWriteError(
+                f"the job completed and its checkpoints are written, but its record "
+                f"{self.run_dir / rundir.RESULT} is not (the error above). Fix: free space, then "
+                "run the same command with resume=auto: it records the completion"
+            )
         if self.dist.is_main and self._memo is not None:
             # Its peers are in the last barrier now: an error here would leave them to die of a lost
             # connection.
             with contextlib.suppress(OSError):
                 self._memo.unlink(missing_ok=True)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         lost: group.PeerFailed | None = None
         try:
             if isinstance(exc, Exception):
@@ -166,7 +180,9 @@ class Session:
         """Say ``exc`` on this rank and record it in result.json, as ``ddplab.failure`` words it, here where
         it happened (the entry that ends the process says nothing more). What this rank ends with instead when
         it only lost its connection to a rank that failed first (or to one killed without a word)."""
-        if isinstance(exc, ConfigError) or (getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main):
+        if isinstance(exc, ConfigError) or (
+            getattr(exc, "alike_on_every_rank", False) and not self.dist.is_main
+        ):
             # a value that cannot work: the caller shows it once, from rank 0
             if isinstance(exc, ConfigError):
                 self._record(failure.of(exc, self.dist.rank))
@@ -176,8 +192,9 @@ class Session:
         report = says = None
         silent_peer = False
         if not isinstance(exc, Preempted):  # where, on which rank, and which rank failed first
-            report, says, silent_peer = group.describe_failure(self.dist, exc, self._where(), str(self.run_dir),
-                                                               self.cfg.distributed.timeout_s, self.hosts)
+            report, says, silent_peer = group.describe_failure(
+                self.dist, exc, self._where(), str(self.run_dir), self.cfg.distributed.timeout_s, self.hosts
+            )
         ended = failure.of(exc, self.dist.rank, report=report)
         (log.warning if isinstance(exc, Preempted) else log.error)("%s", says or ended.line)
         mark_said(exc)

@@ -17,8 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ddplab.train.reporting import shown
 from ddplab.rundir import label, read_overrides, read_result, swept
+from ddplab.train.reporting import shown
 from ddplab.train.state import best_name
 
 COLUMNS = ["job", "status", "swept", "objective", "best", "val/loss", "train/loss", "overrides", "error"]
@@ -26,7 +26,9 @@ log = logging.getLogger("ddplab")
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
-    return sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    return sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
 
 
 def _from_events(job: Path) -> dict[str, float]:
@@ -45,7 +47,9 @@ def direction(sweep_dir: Path, objective: str) -> bool:
     return objective.rsplit("/", 1)[-1].endswith("loss")
 
 
-def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool | None = None) -> list[dict[str, Any]]:
+def summarize(
+    sweep_dir: Path, objective: str = "val/acc", minimize: bool | None = None
+) -> list[dict[str, Any]]:
     """One row per job, best first; failed and unfinished jobs last. ``minimize``: None, as the jobs
     recorded it."""
     minimize = direction(sweep_dir, objective) if minimize is None else minimize
@@ -58,16 +62,25 @@ def summarize(sweep_dir: Path, objective: str = "val/acc", minimize: bool | None
         else:
             status, metrics, error = result["status"], result.get("metrics") or {}, result.get("error", "")
             # A study's trial: the state the study was told (pruned; failed though the run completed).
-            status = {"PRUNED": "pruned", "FAIL": "failed"}.get((result.get("trial") or {}).get("state"), status)
+            status = {"PRUNED": "pruned", "FAIL": "failed"}.get(
+                (result.get("trial") or {}).get("state"), status
+            )
             if status != "completed" and not metrics:
                 metrics = _from_events(job)
-        rows.append({
-            "job": int(job.name), "status": status, "overrides": overrides, "swept": label(swept(job), 60),
-            # older runs: best/…
-            "objective": metrics.get(objective), "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),
-            "val/loss": metrics.get("val/loss"), "train/loss": metrics.get("train/loss"),
-            "error": " ".join(str(error).split())[:300],
-        })
+        rows.append(
+            {
+                "job": int(job.name),
+                "status": status,
+                "overrides": overrides,
+                "swept": label(swept(job), 60),
+                # older runs: best/…
+                "objective": metrics.get(objective),
+                "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),
+                "val/loss": metrics.get("val/loss"),
+                "train/loss": metrics.get("train/loss"),
+                "error": " ".join(str(error).split())[:300],
+            }
+        )
 
     def key(r: dict[str, Any]) -> tuple:
         v = r["objective"]
@@ -103,14 +116,17 @@ def to_console(rows: list[dict[str, Any]], objective: str, minimize: bool, width
     """The sweep's jobs as short console lines, best first (a failure's error shortened); 85 columns
     leave room for Hydra's log prefix, which these lines get."""
     done = sum(r["status"] == "completed" for r in rows)
-    lines = [f"sweep: {len(rows)} jobs, {done} completed, {len(rows) - done} not; by {objective} "
-             f"({'lower' if minimize else 'higher'} is better)",
-             f"{'job':>4}  {'status':<10} {objective[-10:]:>10} {'best':>10}  swept"]
+    lines = [
+        f"sweep: {len(rows)} jobs, {done} completed, {len(rows) - done} not; by {objective} "
+        f"({'lower' if minimize else 'higher'} is better)",
+        f"{'job':>4}  {'status':<10} {objective[-10:]:>10} {'best':>10}  swept",
+    ]
     for r in rows:
-        line = f"{r['job']:>4}  {r['status'][:10]:<10} {_fmt(r['objective'], 4):>10} {_fmt(r['best'], 4):>10}  {r['swept']}"
+        objective, best = _fmt(r["objective"], 4), _fmt(r["best"], 4)
+        line = f"{r['job']:>4}  {r['status'][:10]:<10} {objective:>10} {best:>10}  {r['swept']}"
         if r["error"]:
             line += f"  {r['error']}"
-        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+        lines.append(line if len(line) <= width else line[: width - 3] + "...")
     return lines
 
 

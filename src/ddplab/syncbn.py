@@ -42,7 +42,9 @@ class GlobalBatchNorm(compat.BatchNormBase):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D)")
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not (
+            self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        ):
             return super().forward(x)
         c = x.size(1)
         dims = [0, *range(2, x.dim())]
@@ -58,7 +60,7 @@ class GlobalBatchNorm(compat.BatchNormBase):
         # Differentiable: the backward all-reduces each rank's gradient w.r.t.
         # the statistics back to the ranks that produced them.
         rows = _AllReduceSum.apply(rows)
-        counts, means, m2s = rows[:, :1], rows[:, 1:1 + c], rows[:, 1 + c:]
+        counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + c], rows[:, 1 + c :]
         total = counts.sum()
         mean = (counts * means).sum(0) / total
         var = (m2s.sum(0) + (counts * (means - mean).pow(2)).sum(0)) / total  # biased, for normalising
@@ -85,8 +87,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
 def _swap(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, compat.BatchNormBase) and not isinstance(module, GlobalBatchNorm):
-        out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                              module.track_running_stats)
+        out = GlobalBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         with torch.no_grad():
             if module.affine:
                 out.weight, out.bias = module.weight, module.bias

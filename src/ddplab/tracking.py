@@ -69,9 +69,20 @@ def _without_userinfo(uri: str | None) -> str | None:
 class MLflowWriter(NullWriter):
     """Rank 0's MLflow run, fed by a background thread (see the module's docstring)."""
 
-    def __init__(self, tracking_uri: str | None, experiment: str, run_dir: Path, close_timeout_s: float,
-                 log_model: bool = False):
-        self.uri, self.experiment, self.run_dir, self.timeout = tracking_uri, experiment, run_dir, close_timeout_s
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        run_dir: Path,
+        close_timeout_s: float,
+        log_model: bool = False,
+    ):
+        self.uri, self.experiment, self.run_dir, self.timeout = (
+            tracking_uri,
+            experiment,
+            run_dir,
+            close_timeout_s,
+        )
         self.shown_uri = redact.text(tracking_uri) if tracking_uri else None  # what is written and said of it
         self.log_model = log_model  # at a FINISHED close: the run's exported model as the artifact model/
         self.run_id: str | None = None
@@ -107,11 +118,18 @@ class MLflowWriter(NullWriter):
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
         if self._thread.is_alive():
-            within = (f"the {self.timeout:g} s a stop signal left of the launcher's grace" if self._hurried else
-                      f"mlflow.close_timeout_s={self.timeout:g} s")
-            self._say("mlflow: %s did not take the run's last %d record(s) within %s; they are dropped "
-                      "(TensorBoard's record in the run dir is whole)", self.shown_uri or "MLflow", self._q.qsize(),
-                      within)
+            within = (
+                f"the {self.timeout:g} s a stop signal left of the launcher's grace"
+                if self._hurried
+                else f"mlflow.close_timeout_s={self.timeout:g} s"
+            )
+            self._say(
+                "mlflow: %s did not take the run's last %d record(s) within %s; they are dropped "
+                "(TensorBoard's record in the run dir is whole)",
+                self.shown_uri or "MLflow",
+                self._q.qsize(),
+                within,
+            )
 
     def drain(self) -> None:
         self.close("FAILED")  # a resume sets it RUNNING again
@@ -140,9 +158,12 @@ class MLflowWriter(NullWriter):
             except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
                 said = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
                 why = f"{type(e).__name__}: {redact.text(said)}"  # a client's error may quote the URI
-                self._say("mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
-                          "in the run dir is whole. Fix: check mlflow.tracking_uri and the server", self.shown_uri or
-                          "MLflow's default store", why)
+                self._say(
+                    "mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
+                    "in the run dir is whole. Fix: check mlflow.tracking_uri and the server",
+                    self.shown_uri or "MLflow's default store",
+                    why,
+                )
 
     def _client(self) -> Any:
         """One client for the run, made on the thread at its first call (the import included)."""
@@ -184,8 +205,11 @@ class MLflowWriter(NullWriter):
         if exp is None:
             return None
         found = self._client().search_runs(
-            [exp.experiment_id], f"tags.`{RUN_DIR_TAG}` = '{self.run_dir}' and attributes.status != 'FINISHED'",
-            max_results=1, order_by=["attributes.start_time DESC"])
+            [exp.experiment_id],
+            f"tags.`{RUN_DIR_TAG}` = '{self.run_dir}' and attributes.status != 'FINISHED'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
         return found[0].info.run_id if found else None
 
     def _record(self) -> None:
@@ -194,8 +218,12 @@ class MLflowWriter(NullWriter):
         id_file = self.run_dir / ID_FILE
         tmp = id_file.with_name(f".{ID_FILE}.tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps({"run_id": self.run_id, "experiment": self.experiment,
-                                       "tracking_uri": self.shown_uri}) + "\n")
+            tmp.write_text(
+                json.dumps(
+                    {"run_id": self.run_id, "experiment": self.experiment, "tracking_uri": self.shown_uri}
+                )
+                + "\n"
+            )
             os.replace(tmp, id_file)
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -206,7 +234,7 @@ class MLflowWriter(NullWriter):
 
         fresh = [Metric(k, float(v), ms, step) for k, v in values.items() if step > self._sent.get(k, -1)]
         for i in range(0, len(fresh), 1000):  # MLflow takes at most 1000 metrics a batch
-            self._client().log_batch(self.run_id, metrics=fresh[i:i + 1000])
+            self._client().log_batch(self.run_id, metrics=fresh[i : i + 1000])
 
     def _params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -214,7 +242,7 @@ class MLflowWriter(NullWriter):
         have = self._client().get_run(self.run_id).data.params  # a resumed run logged them already
         items = [Param(k, v) for k, v in params.items() if k not in have]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
-            self._client().log_batch(self.run_id, params=items[i:i + 100])
+            self._client().log_batch(self.run_id, params=items[i : i + 100])
 
     def _tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -224,9 +252,14 @@ class MLflowWriter(NullWriter):
     def _provenance(self, text: str) -> None:
         prov = json.loads(text)
         code = prov.get("code") or {}
-        self._tags({"mlflow.source.git.commit": str(code.get("commit", "")), "ddplab.dirty": str(code.get("dirty")),
-                    "ddplab.command": " ".join(prov.get("command") or [])[:5000],
-                    "ddplab.torch": str((prov.get("packages") or {}).get("torch", ""))})
+        self._tags(
+            {
+                "mlflow.source.git.commit": str(code.get("commit", "")),
+                "ddplab.dirty": str(code.get("dirty")),
+                "ddplab.command": " ".join(prov.get("command") or [])[:5000],
+                "ddplab.torch": str((prov.get("packages") or {}).get("torch", "")),
+            }
+        )
 
     def _artifact_text(self, text: str, name: str) -> None:
         self._client().log_text(self.run_id, text, name)
@@ -253,11 +286,15 @@ class MLflowWriter(NullWriter):
             except InputError as e:
                 log.info("mlflow: no model artifact: %s", e)
                 return
-            # noqa: BLE001 - the run's own record is whole; only the artifact is missing
-            except Exception as e:
-                log.warning("mlflow: no model artifact: exporting %s failed (%s: %s). Fix: python -m ddplab export "
-                            "%s, then mlflow artifacts log-artifacts", self.run_dir, type(e).__name__,
-                            str(e).strip().splitlines()[0][:300] if str(e).strip() else "", self.run_dir)
+            except Exception as e:  # the run's own record is whole; only the artifact is missing
+                log.warning(
+                    "mlflow: no model artifact: exporting %s failed (%s: %s). Fix: python -m ddplab export "
+                    "%s, then mlflow artifacts log-artifacts",
+                    self.run_dir,
+                    type(e).__name__,
+                    str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
+                    self.run_dir,
+                )
                 return
             self._client().log_artifacts(self.run_id, str(out), "model")
         self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
@@ -295,10 +332,17 @@ def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = Tru
     except ImportError:
         from ddplab.errors import ConfigError
 
-        raise ConfigError("logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
-                          "'ddplab[mlflow]', or logger=[tensorboard]") from None
-    return MLflowWriter(cfg.mlflow.get("tracking_uri"), experiment_name(cfg, run_dir, multirun), run_dir,
-                        float(cfg.mlflow.close_timeout_s), bool(cfg.mlflow.log_model) and log_model)
+        raise ConfigError(
+            "logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
+            "'ddplab[mlflow]', or logger=[tensorboard]"
+        ) from None
+    return MLflowWriter(
+        cfg.mlflow.get("tracking_uri"),
+        experiment_name(cfg, run_dir, multirun),
+        run_dir,
+        float(cfg.mlflow.close_timeout_s),
+        bool(cfg.mlflow.log_model) and log_model,
+    )
 
 
 def mlflow_environment() -> None:

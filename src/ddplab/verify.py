@@ -1,6 +1,6 @@
 """``mode=verify_resume``: does *this* job resume exactly? Checked on the user's own config.
 
-    python train.py mode=verify_resume <your overrides>                 # e.g. num_epochs=2 limit_train_steps=20
+    python train.py mode=verify_resume <your overrides>     # e.g. num_epochs=2 limit_train_steps=20
     python train.py mode=verify_resume distributed.nproc_per_node=2 verify.resume_nproc=1
 
 Two runs of the job, each in fresh processes, under ``<run dir>/verify_resume/``::
@@ -34,34 +34,44 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import failure, rundir, strategy
-from ddplab.train.callback import Callback
 from ddplab.checkpoint.compare import first_difference
-from ddplab.config.typed import typed
 from ddplab.config import ConfigError, validate
+from ddplab.config.typed import typed
 from ddplab.errors import VerifyFailed
 from ddplab.runtime import env
 from ddplab.runtime.signals import Preempted
+from ddplab.train.callback import Callback
 
 log = logging.getLogger("ddplab")
 
 # The first differing checkpoint entry → what most likely made it differ.
 CAUSES = (
-    ("loop", "the data position: the resumed run did not restart at the sample where the first one stopped "
-             "(a dataset or sampler whose position ddplab does not see: an iterable without state_dict())"),
+    (
+        "loop",
+        "the data position: the resumed run did not restart at the sample where the first one stopped "
+        "(a dataset or sampler whose position ddplab does not see: an iterable without state_dict())",
+    ),
     ("rng", "a random stream was not restored: randomness drawn outside the generators ddplab checkpoints"),
     ("callbacks.", "a callback's state_dict() leaves out something it updates"),
     ("scheduler", "the learning-rate schedule's position was not restored"),
     ("optimizer", "the optimizer's state was not restored, or was updated from different gradients"),
-    ("model", "the weights differ though every logged loss agrees: updates the loss does not show yet (the "
-              "last steps), or a nondeterministic op (torch.use_deterministic_algorithms(True) names it)"),
+    (
+        "model",
+        "the weights differ though every logged loss agrees: updates the loss does not show yet (the "
+        "last steps), or a nondeterministic op (torch.use_deterministic_algorithms(True) names it)",
+    ),
 )
-NOT_REPRODUCIBLE = ("the job is not reproducible even without a resume: randomness ddplab neither seeds nor "
-                    "checkpoints (a generator of your own in a dataset, augmentation or model built without a "
-                    "seed: np.random.default_rng(), random.Random(), os.urandom, time), or a nondeterministic op "
-                    "(torch.use_deterministic_algorithms(True) names it)")
-RESTARTS_FROM_SEED = ("state outside the checkpoint restarts on resume: a generator, iterator or counter of your "
-                      "own (in a dataset, augmentation, model or callback) begins again from its seed. Draw from "
-                      "torch's generator (ddplab checkpoints it), or give its owner state_dict()/load_state_dict()")
+NOT_REPRODUCIBLE = (
+    "the job is not reproducible even without a resume: randomness ddplab neither seeds nor "
+    "checkpoints (a generator of your own in a dataset, augmentation or model built without a "
+    "seed: np.random.default_rng(), random.Random(), os.urandom, time), or a nondeterministic op "
+    "(torch.use_deterministic_algorithms(True) names it)"
+)
+RESTARTS_FROM_SEED = (
+    "state outside the checkpoint restarts on resume: a generator, iterator or counter of your "
+    "own (in a dataset, augmentation, model or callback) begins again from its seed. Draw from "
+    "torch's generator (ddplab checkpoints it), or give its owner state_dict()/load_state_dict()"
+)
 
 
 WALL_CLOCK = ("vitals/",)  # metric names that measure time, not the trajectory
@@ -74,8 +84,10 @@ class Stopped(Preempted):
 
     def __init__(self, what: str, signal_name: str, step: int):
         super().__init__(signal_name, step, None)
-        self.args = (f"{what} was stopped by {signal_name} from outside at step {step}: nothing was compared. "
-                     "Fix: run the same command again (verify_resume starts both of its runs from scratch)",)
+        self.args = (
+            f"{what} was stopped by {signal_name} from outside at step {step}: nothing was compared. "
+            "Fix: run the same command again (verify_resume starts both of its runs from scratch)",
+        )
         log.warning("verify_resume: %s", self)
 
 
@@ -94,15 +106,20 @@ class PreemptAt(Callback):
 def check(cfg: DictConfig) -> None:
     """What verify_resume cannot run, said before anything starts."""
     if env.is_launched() and not env.is_self_launched():
-        raise ConfigError("mode=verify_resume starts fresh processes of its own. Fix: run it as python train.py "
-                          "mode=verify_resume distributed.nproc_per_node=N, not under torchrun or srun")
+        raise ConfigError(
+            "mode=verify_resume starts fresh processes of its own. Fix: run it as python train.py "
+            "mode=verify_resume distributed.nproc_per_node=N, not under torchrun or srun"
+        )
     if not strategy.saves_one_file(cfg):
-        raise ConfigError(f"mode=verify_resume compares one-file checkpoints; distributed.strategy="
-                          f"{cfg.distributed.strategy} saves shards. Fix: verify with distributed.strategy=ddp (the "
-                          "same data and RNG paths)")
+        raise ConfigError(
+            f"mode=verify_resume compares one-file checkpoints; distributed.strategy="
+            f"{cfg.distributed.strategy} saves shards. Fix: verify with distributed.strategy=ddp (the "
+            "same data and RNG paths)"
+        )
     if cfg.resume:
-        raise ConfigError(f"resume={cfg.resume}: mode=verify_resume starts both of its runs from scratch. "
-                          "Fix: drop resume")
+        raise ConfigError(
+            f"resume={cfg.resume}: mode=verify_resume starts both of its runs from scratch. Fix: drop resume"
+        )
 
 
 def verify_resume(cfg: DictConfig) -> dict[str, float]:
@@ -117,17 +134,31 @@ def verify_resume(cfg: DictConfig) -> dict[str, float]:
     total = int(ref["metrics"]["step"])
     stop_at = cfg.verify.stop_at or _mid_epoch(total, int(ref["metrics"].get("epoch", cfg.num_epochs)))
     if not 1 <= stop_at < total:
-        raise ConfigError(f"verify.stop_at={stop_at}: the job has {total} steps. Fix: pass verify.stop_at="
-                          f"{max(1, total // 2)} (or a longer job)")
-    first = _run_child(_with_stop(base, stop_at), vdir / "resumed", f"the run to preempt at step {stop_at}",
-                       stop_expected=True)
+        raise ConfigError(
+            f"verify.stop_at={stop_at}: the job has {total} steps. Fix: pass verify.stop_at="
+            f"{max(1, total // 2)} (or a longer job)"
+        )
+    first = _run_child(
+        _with_stop(base, stop_at),
+        vdir / "resumed",
+        f"the run to preempt at step {stop_at}",
+        stop_expected=True,
+    )
     if first.get("status") != "preempted":
-        raise VerifyFailed(f"the run meant to stop at step {stop_at} ended {first.get('status')}: the stop came "
-                           "too late. Fix: a smaller verify.stop_at, or a longer job")
+        raise VerifyFailed(
+            f"the run meant to stop at step {stop_at} ended {first.get('status')}: the stop came "
+            "too late. Fix: a smaller verify.stop_at, or a longer job"
+        )
     resumed = _with(base, {"resume": "auto", "distributed.nproc_per_node": later})
     _run_child(resumed, vdir / "resumed", f"the resumed run at {later} rank(s)")
-    report = compare(vdir / "uninterrupted", vdir / "resumed", int(first["step"]), same_world=later == nproc,
-                     rtol=cfg.verify.rtol, ranks=(nproc, later))
+    report = compare(
+        vdir / "uninterrupted",
+        vdir / "resumed",
+        int(first["step"]),
+        same_world=later == nproc,
+        rtol=cfg.verify.rtol,
+        ranks=(nproc, later),
+    )
     report.update({"stop_signalled_at": stop_at, "total_steps": total, "nproc": nproc, "resume_nproc": later})
     (vdir / "verify_resume.json").write_text(json.dumps(report, indent=1) + "\n")
     if report["passed"]:
@@ -136,8 +167,14 @@ def verify_resume(cfg: DictConfig) -> dict[str, float]:
     raise VerifyFailed(f"{report['summary']}. Likely cause: {report['cause']}")
 
 
-def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rtol: float,
-            ranks: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+def compare(
+    ref_dir: Path,
+    run_dir: Path,
+    stopped_at: int,
+    same_world: bool,
+    rtol: float,
+    ranks: tuple[int, int] = (1, 1),
+) -> dict[str, Any]:
     """The two runs' final checkpoints and train/loss histories: where they first differ, and why. ``ranks``:
     the world sizes of the run and of its resumed part, said in the summary (a proof at 1 or 2 ranks says
     nothing of the order in which 3 or more add their gradients)."""
@@ -147,21 +184,45 @@ def compare(ref_dir: Path, run_dir: Path, stopped_at: int, same_world: bool, rto
     a, b = (files.load(files.find_resume_path("auto", d)) for d in (ref_dir, run_dir))
     entries = [k for k in a if k != "meta" and (same_world or k != "rng")]
     tol = 0.0 if same_world else rtol
-    entry = next((d for k in entries if (d := first_difference(_trajectory(a.get(k)), _trajectory(b.get(k)), k,
-                                                                 tol if k != "loop" else 0.0))), None)
+    entry = next(
+        (
+            d
+            for k in entries
+            if (
+                d := first_difference(
+                    _trajectory(a.get(k)), _trajectory(b.get(k)), k, tol if k != "loop" else 0.0
+                )
+            )
+        ),
+        None,
+    )
     la, lb = (dict(read_scalars(d).get("train/loss", [])) for d in (ref_dir, run_dir))
     steps = sorted(set(la) | set(lb))
     step = next((s for s in steps if not _close(la.get(s), lb.get(s), tol)), None)
-    how = "bit-identical" if same_world else f"equal to rtol={rtol:g} (another world size; RNG streams not compared)"
+    how = (
+        "bit-identical"
+        if same_world
+        else f"equal to rtol={rtol:g} (another world size; RNG streams not compared)"
+    )
     world = f"{ranks[0]} rank(s)" if ranks[0] == ranks[1] else f"{ranks[0]} rank(s), resumed at {ranks[1]}"
     where = f"{world}, stopped at step {stopped_at} of {steps[-1] if steps else '?'}"
     if entry is None and step is None:
-        return {"passed": True, "summary": f"{where}, resumed: every checkpoint entry ({', '.join(entries)}) and "
-                                           f"train/loss at all {len(steps)} steps {how}"}
+        return {
+            "passed": True,
+            "summary": f"{where}, resumed: every checkpoint entry ({', '.join(entries)}) and "
+            f"train/loss at all {len(steps)} steps {how}",
+        }
     cause = _cause(entry, step, stopped_at)
-    loss = f"train/loss first differs at step {step}" if step is not None else "train/loss equal at every step"
-    return {"passed": False, "first_entry": entry, "first_step": step, "cause": cause,
-            "summary": f"FAIL ({where}): first differing checkpoint entry {entry or 'none'}; {loss}"}
+    loss = (
+        f"train/loss first differs at step {step}" if step is not None else "train/loss equal at every step"
+    )
+    return {
+        "passed": False,
+        "first_entry": entry,
+        "first_step": step,
+        "cause": cause,
+        "summary": f"FAIL ({where}): first differing checkpoint entry {entry or 'none'}; {loss}",
+    }
 
 
 def _mid_epoch(total: int, epochs: int) -> int:
@@ -215,7 +276,10 @@ def _with(job: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_stop(job: dict[str, Any], step: int) -> dict[str, Any]:
-    callbacks = {**(job.get("callbacks") or {}), "verify_stop": {"_target_": f"{__name__}.PreemptAt", "step": step}}
+    callbacks = {
+        **(job.get("callbacks") or {}),
+        "verify_stop": {"_target_": f"{__name__}.PreemptAt", "step": step},
+    }
     return _with(job, {"callbacks": callbacks})
 
 
@@ -232,8 +296,13 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
         # The config goes on a pipe, never into a file: it holds the real secrets (a tracking URI's password,
         # a redacted key) that the run needs and that nothing may keep.
-        child = subprocess.Popen([sys.executable, "-m", __name__, str(refusal)], stdin=subprocess.PIPE, stdout=out,
-                                 stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(refusal)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             try:
                 child.stdin.write(json.dumps(job))
@@ -261,8 +330,10 @@ def _run_child(job: dict[str, Any], run_dir: Path, what: str, stop_expected: boo
     if result.get("status") == "preempted" and not stop_expected:
         raise Stopped(what, str(result.get("signal", "SIGTERM")), int(result.get("step", -1)))
     if result.get("status") not in ("completed", "preempted"):
-        raise VerifyFailed(f"{what} failed (exit {code}, {result.get('error', 'no result.json')}): see "
-                           f"{run_dir.parent / (run_dir.name + '.log')}")
+        raise VerifyFailed(
+            f"{what} failed (exit {code}, {result.get('error', 'no result.json')}): see "
+            f"{run_dir.parent / (run_dir.name + '.log')}"
+        )
     return result
 
 

@@ -92,9 +92,11 @@ class TensorBoardWriter(NullWriter):
                 free = f"{shutil.disk_usage(self.log_dir).free / 2**20:.1f} MiB free on its file system"
             except OSError:
                 free = "its file system unreadable"
-            raise ResourceError(f"could not write TensorBoard events to {self.log_dir}: {type(e).__name__}: {e} "
-                                f"({free}). Fix: free space (or point run_dir elsewhere), then run the same command "
-                                "with resume=auto") from None
+            raise ResourceError(
+                f"could not write TensorBoard events to {self.log_dir}: {type(e).__name__}: {e} "
+                f"({free}). Fix: free space (or point run_dir elsewhere), then run the same command "
+                "with resume=auto"
+            ) from None
 
     def purge_after(self, step: int) -> None:
         self.purge_step = step + 1
@@ -150,7 +152,10 @@ class TensorBoardWriter(NullWriter):
         from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 
         # Typed choices are str-valued enums: plain str for the protobuf.
-        clean = {k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v) for k, v in hparams.items()}
+        clean = {
+            k: v if isinstance(v, (bool, int, float)) or type(v) is str else str(v)
+            for k, v in hparams.items()
+        }
         with self._said_in_one_line():
             self._w.file_writer.add_summary(hparams_pb(clean, trial_id=trial))
 
@@ -166,8 +171,14 @@ class TensorBoardWriter(NullWriter):
         from tensorboard.plugins.custom_scalar import layout_pb2
         from torch.utils.tensorboard.summary import custom_scalars
 
-        summary = custom_scalars({cat: {title: ["Multiline", [re.escape(t) + "$" for t in tags]]
-                                        for title, tags in charts.items()} for cat, charts in categories.items()})
+        summary = custom_scalars(
+            {
+                cat: {
+                    title: ["Multiline", [re.escape(t) + "$" for t in tags]] for title, tags in charts.items()
+                }
+                for cat, charts in categories.items()
+            }
+        )
         # torch's builder has no "closed": set it on the layout it serialised.
         proto = layout_pb2.Layout.FromString(summary.value[0].tensor.string_val[0])
         for category in proto.category[1:]:

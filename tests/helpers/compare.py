@@ -48,8 +48,11 @@ def load_whole(path: Path) -> dict[str, Any]:
     return ck
 
 
-def assert_same_checkpoint(a: dict[str, Any] | Path, b: dict[str, Any] | Path,
-                           entries: tuple[str, ...] = ("model", "optimizer", "scheduler", "loop")) -> None:
+def assert_same_checkpoint(
+    a: dict[str, Any] | Path,
+    b: dict[str, Any] | Path,
+    entries: tuple[str, ...] = ("model", "optimizer", "scheduler", "loop"),
+) -> None:
     """Checkpoints ``a`` and ``b`` (dicts or paths) hold bit-identical ``entries``."""
     a, b = (load(x) if isinstance(x, Path) else x for x in (a, b))
     for key in entries:

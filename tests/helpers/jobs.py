@@ -52,7 +52,9 @@ def environment_put_back(checked: tuple[str, ...]) -> Iterator[None]:
     before = dict(os.environ)
     yield
     try:
-        changed = {k: (before.get(k), os.environ.get(k)) for k in checked if before.get(k) != os.environ.get(k)}
+        changed = {
+            k: (before.get(k), os.environ.get(k)) for k in checked if before.get(k) != os.environ.get(k)
+        }
         assert not changed, f"the test left the job's environment changed (before, after): {changed}"
     finally:
         for k in set(os.environ) - set(before):
@@ -61,8 +63,11 @@ def environment_put_back(checked: tuple[str, ...]) -> Iterator[None]:
 
 
 def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     # tests/toy.py models and datasets are importable as `toy.X` in every rank.
@@ -72,8 +77,9 @@ def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
-            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cmd(
+    args: list[str], cwd: Path, timeout: float = 300, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run to completion; on timeout kill the whole process group (torchrun's workers too). ``python
     train.py`` and ``python -m torch.distributed.run`` are forked from this worker's pre-imported server where
     the job's environment allows (helpers/zygote.py), with their processes' spares (helpers/spares.py)."""
@@ -81,19 +87,34 @@ def run_cmd(args: list[str], cwd: Path, timeout: float = 300,
         done = _zygote().run(args[1:], cwd, {**job_env(), **(extra_env or {})}, timeout)
         if done is not None:
             return done
-    proc = subprocess.Popen(args, cwd=cwd, env={**job_env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env={**job_env(), **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+        raise AssertionError(
+            f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+        )
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE,
-          extra_env: dict[str, str] | None = None, fresh: bool = False) -> Any:
+def start(
+    args: list[str],
+    cwd: Path,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    extra_env: dict[str, str] | None = None,
+    fresh: bool = False,
+) -> Any:
     """Started, not waited for, in a session of its own (so a signal to the group reaches torchrun's workers
     too): a ``subprocess.Popen``, or where it is ``python train.py`` or torchrun and the environment allows,
     the job forked from this worker's server (a Popen-like ``helpers.zygote.Job``: its pid, poll, wait,
@@ -104,7 +125,9 @@ def start(args: list[str], cwd: Path, stdout: Any = subprocess.PIPE, stderr: Any
         job = _zygote().start(args[1:], cwd, env, stdout, stderr)
         if job is not None:
             return job
-    return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True
+    )
 
 
 # `python -m` modules the job server runs: torch's launchers (the current one and the legacy one) and ddplab's
@@ -115,32 +138,57 @@ SERVED_SCRIPTS = (REPO / "scripts" / "make_tokens.py",)
 
 
 def _servable(args: list[str]) -> bool:
-    return len(args) > 1 and args[0] == sys.executable and (
-        (args[1] == "-m" and len(args) > 2 and args[2] in SERVED_MODULES) or Path(args[1]).name == "train.py"
-        or Path(args[1]).parent == REPO / "tests" / "workers" or Path(args[1]) in SERVED_SCRIPTS)
+    return (
+        len(args) > 1
+        and args[0] == sys.executable
+        and (
+            (args[1] == "-m" and len(args) > 2 and args[2] in SERVED_MODULES)
+            or Path(args[1]).name == "train.py"
+            or Path(args[1]).parent == REPO / "tests" / "workers"
+            or Path(args[1]) in SERVED_SCRIPTS
+        )
+    )
 
 
-def torchrun(nproc: int, script_args: list[str], cwd: Path, timeout: float = 300,
-             script: Path = TRAIN, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int,
+    script_args: list[str],
+    cwd: Path,
+    timeout: float = 300,
+    script: Path = TRAIN,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N script ARGS` (a free port each time)."""
     return run_cmd(torchrun_cmd(nproc, script_args, script), cwd, timeout, extra_env)
 
 
 def torchrun_cmd(nproc: int, script_args: list[str], script: Path = TRAIN) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-            *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *script_args,
+    ]
 
 
-def ranks(n: int, script_args: list[str], cwd: Path, timeout: float = 300,
-          extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def ranks(
+    n: int, script_args: list[str], cwd: Path, timeout: float = 300, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The job on ``n`` ranks, the same job whichever launcher starts it: plain ``python train.py`` for one,
     its self-launch for more (``distributed.nproc_per_node=n``: ranks forked from one pre-imported server,
     where torchrun starts n + 1 interpreters, ~4 CPU-s each; past the machine's cores, CI's 2, the ranks share
     them: ``distributed.oversubscribe_cpu``)."""
     if n == 1:
         return python_train(script_args, cwd, timeout, extra_env)
-    return python_train([*script_args, f"distributed.nproc_per_node={n}", "distributed.oversubscribe_cpu=true"],
-                        cwd, timeout, extra_env)
+    return python_train(
+        [*script_args, f"distributed.nproc_per_node={n}", "distributed.oversubscribe_cpu=true"],
+        cwd,
+        timeout,
+        extra_env,
+    )
 
 
 def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
@@ -154,8 +202,9 @@ def rank_kills_itself(d: Path, rank: int, k: int) -> dict[str, str]:
     return {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(d), "SOAK_DIR": str(d)}
 
 
-def python_train(args: list[str], cwd: Path, timeout: float = 300,
-                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def python_train(
+    args: list[str], cwd: Path, timeout: float = 300, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python train.py ARGS``: forked from this worker's pre-imported server where the job's environment
     allows (helpers/zygote.py), else a fresh interpreter."""
     return run_cmd([sys.executable, str(TRAIN), *args], cwd, timeout, extra_env)
@@ -176,7 +225,9 @@ def _zygote():
 
             # the environment jobs get from this process as it started: not from whichever test came first
             # (one that set a variable would leave every later job to a fresh interpreter)
-            _ZYGOTES.append(Zygote({k: v for k, v in job_env(_AT_START).items() if k != "PYTEST_CURRENT_TEST"}))
+            _ZYGOTES.append(
+                Zygote({k: v for k, v in job_env(_AT_START).items() if k != "PYTEST_CURRENT_TEST"})
+            )
             atexit.register(_ZYGOTES[0].close)
     return _ZYGOTES[0]
 
@@ -193,8 +244,9 @@ def own_tmpdir(tmp_path: Path) -> tuple[dict[str, str], Callable[[], list[str]]]
 def run_killed_after_step(cfg: DictConfig, step: int) -> None:
     """``ddplab.run(cfg)`` in this process, crashed by an exception right after optimizer step ``step``
     (a process dying mid-run, without any graceful stop)."""
-    import ddplab
     from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import ddplab
 
     calls: list[int] = []
 
@@ -217,7 +269,9 @@ def job_dirs(cwd: Path) -> list[Path]:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 @contextlib.contextmanager
@@ -225,7 +279,9 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted at ``path`` (``options``: "size=600k" for a disk that fills, "ro,size=1m"), unmounted
     after; the test skips where mounting needs root it does not have."""
     path.mkdir(parents=True, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    ).returncode:
         pytest.skip(f"cannot mount a tmpfs ({options}) here (needs root)")
     try:
         yield path

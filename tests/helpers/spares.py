@@ -34,16 +34,19 @@ import threading
 FORKSERVER = re.compile(r"from multiprocessing\.forkserver import main; main\((\d+), (\d+), ")
 # Entries a process may get that the job did not start with, which only run-time code reads: what the
 # self-launch adds (runtime/env.py's prepare_self_launch) and what torchrun's agent gives each rank.
-ADDED_AT_LAUNCH = re.compile(r"DDPLAB_SELF_LAUNCHED|OMP_NUM_THREADS|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|"
-                             r"GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
-                             r"MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING|NCCL_ASYNC_ERROR_HANDLING")
+ADDED_AT_LAUNCH = re.compile(
+    r"DDPLAB_SELF_LAUNCHED|OMP_NUM_THREADS|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|"
+    r"GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|MASTER_ADDR|"
+    r"MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING|NCCL_ASYNC_ERROR_HANDLING"
+)
 
 
 def imports_alike(before: dict[str, str], now: dict[str, str]) -> bool:
     """Nothing an import reads differs: every entry the job started with is as it was (OMP_NUM_THREADS, which
     a launcher sets only where unset, included), and what was added is only what a launcher adds."""
-    return (all(now.get(k) == v for k, v in before.items())
-            and all(ADDED_AT_LAUNCH.fullmatch(k) for k in set(now) - set(before)))
+    return all(now.get(k) == v for k, v in before.items()) and all(
+        ADDED_AT_LAUNCH.fullmatch(k) for k in set(now) - set(before)
+    )
 
 
 def _exec_keeps() -> dict:
@@ -143,8 +146,11 @@ def _serve_forks(spare: Spare, said: list) -> None:
         # the descriptors, under numbers of their own here
         here = dict(zip(spare.request["passfds"], spare.fds))
         listener, alive = (here[int(n)] for n in FORKSERVER.match(spare.request["cmd"]).groups())
-        cmd = FORKSERVER.sub(f"from multiprocessing.forkserver import main; main({listener}, {alive}, ",
-                             spare.request["cmd"], 1)
+        cmd = FORKSERVER.sub(
+            f"from multiprocessing.forkserver import main; main({listener}, {alive}, ",
+            spare.request["cmd"],
+            1,
+        )
         exec(cmd, {"__name__": "__main__"})  # noqa: S102  (Python's own command, as `python -c` runs it)
     except SystemExit as e:  # how the server ends, once its last client is gone
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -172,14 +178,24 @@ def offer_workers(count: int, said: list) -> dict | None:
     popen = sh.SubprocessHandler._popen
 
     def _popen(self, args, env):
-        ours = (len(args) > 2 and args[0] == sys.executable and args[1] == "-u" and str(args[2]).endswith(".py")
-                and imports_alike(started_with, env))
+        ours = (
+            len(args) > 2
+            and args[0] == sys.executable
+            and args[1] == "-u"
+            and str(args[2]).endswith(".py")
+            and imports_alike(started_with, env)
+        )
         if not ours or not spares:
             return popen(self, args, env)
         spare = spares.pop(0)
         outs = [f.fileno() for f in (self._stdout, self._stderr) if f is not None]
-        request = {"argv": [str(a) for a in args[2:]], "env": dict(env), "cwd": os.getcwd(), "setsid": True,
-                   "std": [t for t, f in ((1, self._stdout), (2, self._stderr)) if f is not None]}
+        request = {
+            "argv": [str(a) for a in args[2:]],
+            "env": dict(env),
+            "cwd": os.getcwd(),
+            "setsid": True,
+            "std": [t for t, f in ((1, self._stdout), (2, self._stderr)) if f is not None],
+        }
         if not spare.hand(request, outs):
             return popen(self, args, env)
         return Started(spare.pid, args)
@@ -217,17 +233,34 @@ def offer_module_runs(count: int, module: str, said: list) -> dict | None:
 
     def _execute_child(self, *args):
         a = params.bind(self, *args).arguments
-        cmd, env = [str(x) for x in a["args"]] if isinstance(a["args"], list) else [], a["env"] or dict(os.environ)
-        ours = (cmd[:3] == [sys.executable, "-m", module] and not a["shell"] and a["executable"] is None
-                and a["preexec_fn"] is None and not a["pass_fds"] and a["uid"] is None and a["gid"] is None
-                and imports_alike(started_with, dict(env)))
+        cmd, env = (
+            [str(x) for x in a["args"]] if isinstance(a["args"], list) else [],
+            a["env"] or dict(os.environ),
+        )
+        ours = (
+            cmd[:3] == [sys.executable, "-m", module]
+            and not a["shell"]
+            and a["executable"] is None
+            and a["preexec_fn"] is None
+            and not a["pass_fds"]
+            and a["uid"] is None
+            and a["gid"] is None
+            and imports_alike(started_with, dict(env))
+        )
         std = [(t, fd) for t, fd in ((0, a["p2cread"]), (1, a["c2pwrite"]), (2, a["errwrite"])) if fd != -1]
-        request = {"argv": cmd[1:], "env": {str(k): str(v) for k, v in env.items()}, "cwd": str(a["cwd"] or os.getcwd()),
-                   "std": [t for t, _ in std], "setsid": bool(a["start_new_session"])}
+        request = {
+            "argv": cmd[1:],
+            "env": {str(k): str(v) for k, v in env.items()},
+            "cwd": str(a["cwd"] or os.getcwd()),
+            "std": [t for t, _ in std],
+            "setsid": bool(a["start_new_session"]),
+        }
         if not ours or not spares or not (spare := spares.pop(0)).hand(request, [fd for _, fd in std]):
             return execute(self, *args)
         self.pid, self._child_created = spare.pid, True
-        self._close_pipe_fds(*(a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")))
+        self._close_pipe_fds(
+            *(a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite"))
+        )
 
     subprocess.Popen._execute_child = _execute_child
     return None
@@ -261,6 +294,7 @@ def _become(spare: Spare, said: list) -> dict:
     for w in said:  # the imports' warnings, which a fresh interpreter prints too
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return spare.request
+
 
 class Started(subprocess.Popen):
     """A ``Popen`` for a child already running (a spare that took the start): wait, poll and signals work as

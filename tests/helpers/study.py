@@ -9,17 +9,29 @@ from pathlib import Path
 
 import optuna
 
+from ddplab.rundir import read_result
 from helpers import jobs
 from helpers.jobs import TRAIN
-from ddplab.rundir import read_result
 
 # Small trials: 2 epochs of 4 steps on the digits default, an MLP.
-SMALL = ["model=mlp", "num_epochs=2", "limit_train_steps=4", "progress=none", "study.sampler.n_startup_trials=2"]
+SMALL = [
+    "model=mlp",
+    "num_epochs=2",
+    "limit_train_steps=4",
+    "progress=none",
+    "study.sampler.n_startup_trials=2",
+]
 
 
 def study_args(d: Path, n: int, *extra: str, pruner: bool = False) -> list[str]:
-    return ["hparams_search=study", f"study.dir={d}", f"study.n_trials={n}", *SMALL,
-            *([] if pruner else ["study.pruner=null"]), *extra]
+    return [
+        "hparams_search=study",
+        f"study.dir={d}",
+        f"study.n_trials={n}",
+        *SMALL,
+        *([] if pruner else ["study.pruner=null"]),
+        *extra,
+    ]
 
 
 def load(d: Path, name: str = "digits_lr_wd", url: str | None = None) -> optuna.Study:

@@ -72,13 +72,30 @@ def _start(folder: Path) -> tuple[str, subprocess.Popen]:
     the suite's three workers and two soak trials, a soak trial's own server once took over 120 s)."""
     port = free_port()
     with open(folder / "server.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                                 f"sqlite:///{folder / 'db'}", "--artifacts-destination", str(folder / "artifacts"),
-                                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                # no job runner: MLflow 3 starts four huey consumers (~250 MB each, polling
-                                # all session) for GenAI jobs that tracking never uses
-                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{folder / 'db'}",
+                "--artifacts-destination",
+                str(folder / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # no job runner: MLflow 3 starts four huey consumers (~250 MB each, polling
+            # all session) for GenAI jobs that tracking never uses
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        )
     uri, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     while True:
         try:

@@ -30,8 +30,14 @@ from typing import Any
 
 # Entries a job may have that the server did not: read at run time only (tempfile's cache is reset; inductor
 # reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
-MAY_DIFFER = ("TMPDIR", "PYTEST_CURRENT_TEST", "DDPLAB_TEST_FRESH", "DDPLAB_TEST_CPU", "TORCHINDUCTOR_CACHE_DIR",
-              "COUNT_OUT")
+MAY_DIFFER = (
+    "TMPDIR",
+    "PYTEST_CURRENT_TEST",
+    "DDPLAB_TEST_FRESH",
+    "DDPLAB_TEST_CPU",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "COUNT_OUT",
+)
 # What a launcher gives a rank the tests start by hand (plain processes with an init_method, srun's tasks):
 # read when the process group forms, never at import (not OMP_NUM_THREADS: the OpenMP runtime reads it at
 # load).
@@ -47,15 +53,23 @@ class Zygote:
         self.path = self.dir / "s"
         # what the server itself says, out of any test's output
         with open(self.dir / "server.log", "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())],
-                                         env=env, cwd=Path(__file__).parents[1], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "helpers.zygote", str(self.path), str(os.getpid())],
+                env=env,
+                cwd=Path(__file__).parents[1],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
         self.ready = "ready\n" in iter(self.proc.stdout.readline, "")  # up to "ready", or EOF: it died
         self.proc.stdout.close()
         # the top-level modules the server imported, and those an interpreter runs as it starts: a job's own
         # PYTHONPATH entry holding one of them would have changed the job's start (a fork's is done)
         self.modules = {"sitecustomize", "usercustomize"} | (
-            set((self.dir / "modules").read_text().split()) if self.ready else set())
+            set((self.dir / "modules").read_text().split()) if self.ready else set()
+        )
 
     def fits(self, env: dict[str, str]) -> bool:
         # tests/soak_toy.py's fault switches are read at run time; but its target "all" finds the trial's
@@ -64,17 +78,35 @@ class Zygote:
         soak = '"target": "all"' not in env.get("SOAK_FAULT", "")
 
         def strip(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k not in MAY_DIFFER and not (soak and k.startswith("SOAK_"))
-                    and not (k not in self.env and LAUNCHER_KEYS.fullmatch(k)) and k != "PYTHONPATH"}
+            return {
+                k: v
+                for k, v in e.items()
+                if k not in MAY_DIFFER
+                and not (soak and k.startswith("SOAK_"))
+                and not (k not in self.env and LAUNCHER_KEYS.fullmatch(k))
+                and k != "PYTHONPATH"
+            }
 
         more = more_path(self.env.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
-        shadows = more is not None and any(p.name.split(".")[0] in self.modules
-                                           for d in more if Path(d).is_dir() for p in Path(d).iterdir())
-        return (self.ready and self.proc.poll() is None and strip(env) == strip(self.env) and more is not None
-                and not shadows)
+        shadows = more is not None and any(
+            p.name.split(".")[0] in self.modules for d in more if Path(d).is_dir() for p in Path(d).iterdir()
+        )
+        return (
+            self.ready
+            and self.proc.poll() is None
+            and strip(env) == strip(self.env)
+            and more is not None
+            and not shadows
+        )
 
-    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Any = subprocess.PIPE,
-              stderr: Any = subprocess.PIPE) -> Job | None:
+    def start(
+        self,
+        argv: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        stdout: Any = subprocess.PIPE,
+        stderr: Any = subprocess.PIPE,
+    ) -> Job | None:
         """The job forked, as ``subprocess.Popen(..., stdout=, stderr=, start_new_session=True)`` starts it
         (``subprocess.PIPE``, ``subprocess.STDOUT`` for stderr, or a file); None where the server cannot take
         it (not fitting, gone, or a working dir Popen would refuse): the caller starts a fresh interpreter."""
@@ -105,7 +137,9 @@ class Zygote:
         self.served += 1
         return Job(self, conn, pid, [sys.executable, *argv], ours)
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    def run(
+        self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess | None:
         """The job's CompletedProcess (its output read to the end, as ``communicate()`` reads it); None where
         the server cannot take it."""
         job = self.start(argv, cwd, env)
@@ -117,8 +151,9 @@ class Zygote:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, signal.SIGKILL)
             out, err = job.communicate(30)
-            raise AssertionError(f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n"
-                                 f"--- stderr\n{err[-3000:]}") from None
+            raise AssertionError(
+                f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+            ) from None
         return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
     def close(self) -> None:
@@ -140,7 +175,7 @@ def more_path(served: str, job: str) -> list[str] | None:
     ending = os.pathsep + served
     if job == ending or not job.endswith(ending):  # an empty entry (the working dir) first, or another path
         return None
-    return job[:-len(ending)].split(os.pathsep)
+    return job[: -len(ending)].split(os.pathsep)
 
 
 class Job:
@@ -245,8 +280,8 @@ def serve(path: str, parent: int) -> tuple[dict, list[int], list]:
     with warnings.catch_warnings(record=True) as said:
         import hydra  # noqa: F401
         import torch  # noqa: F401
-        import torch.utils.tensorboard  # noqa: F401
         import torch.distributed.run  # noqa: F401  (torchrun's launcher)
+        import torch.utils.tensorboard  # noqa: F401
         from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
         import ddplab.cli  # noqa: F401
@@ -322,7 +357,9 @@ def _reap(jobs: dict[int, socket.socket]) -> None:
         conn = jobs.pop(pid, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime}\n".encode())
+                conn.sendall(
+                    f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime}\n".encode()
+                )
             conn.close()
 
 
@@ -343,7 +380,9 @@ def become(request: dict, fds: list[int], said: list) -> None:
     served_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[1:1] = [os.path.abspath(d) for d in more_path(served_path, os.environ.get("PYTHONPATH", "")) or ()]
+    sys.path[1:1] = [
+        os.path.abspath(d) for d in more_path(served_path, os.environ.get("PYTHONPATH", "")) or ()
+    ]
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     env._PARENT_AT_START = os.getppid()  # read at import (in the server): this process's parent is the server
     for w in said:  # what the imports warned, on this job's stderr as a fresh interpreter prints it

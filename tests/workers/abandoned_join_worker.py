@@ -9,10 +9,10 @@ import sys
 import time
 
 import torch.distributed as dist
+from helpers.jobs import compose_cfg
 
 from ddplab.runtime import group, signals
 from ddplab.runtime.signals import Preempted
-from helpers.jobs import compose_cfg
 
 signals.hold_during_startup()
 cfg = compose_cfg(["distributed.timeout_s=60"]).distributed

@@ -26,10 +26,30 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 counts = {"collectives": 0, "syncs": 0, "cuda_syncs": 0, "stop_checks": 0}
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
-               "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "barrier",
-               "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv"]
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+]
 HOST_READS = ["item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu"]
 
 
@@ -37,6 +57,7 @@ def counting(fn, key):
     def wrapper(*a, **k):
         counts[key] += 1
         return fn(*a, **k)
+
     return wrapper
 
 

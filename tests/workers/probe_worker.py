@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddplab.runtime import group
 from ddplab.config import register_configs
 from ddplab.data import ShardedGlobalSampler
+from ddplab.runtime import group
 from ddplab.train.assemble import build_state
 from ddplab.train.loop import Trainer
 
@@ -64,9 +64,18 @@ out = trainer.fit()
 everyone = [None] * state.world_size
 dist.all_gather_object(everyone, {"rank": state.rank, "hook_calls": calls["n"], "seen": seen})
 if state.is_main:
-    print("RESULT " + json.dumps({"ranks": everyone, "steps": trainer.state.loop.step,
-                                  "micro_batches": forwards["train"],
-                                  "metrics": out}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "ranks": everyone,
+                "steps": trainer.state.loop.step,
+                "micro_batches": forwards["train"],
+                "metrics": out,
+            }
+        ),
+        flush=True,
+    )
 del trainer  # release DDP (and its reducer's threads) before the process group goes
 group.teardown()
 # Skip interpreter teardown: with a Python comm hook registered, destroying the

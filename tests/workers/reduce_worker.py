@@ -8,11 +8,11 @@ import json
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from ddplab.train.metrics import SumMeter, TrainMetrics
 from ddplab.runtime import group
 from ddplab.task import ClassificationTask, TaskOutput
-from omegaconf import OmegaConf
+from ddplab.train.metrics import SumMeter, TrainMetrics
 
 cfg = OmegaConf.create({"device": "cpu", "backend": "gloo", "init_method": "env://", "timeout_s": 60})
 state = group.init(cfg)
@@ -50,8 +50,11 @@ total_calls = calls["n"]
 
 # Any named metrics ride in the same packed row, as (sum, count) given as device tensors or numbers:
 # "hits" r of 2n per micro-batch (tensors), "bonus" 2(r + 1) per micro-batch counted once (numbers).
-extra = TaskOutput(torch.tensor(1.0), n, {"hits": (torch.tensor(float(r)), torch.tensor(float(n))),
-                                          "bonus": (2.0 * (r + 1), 1)})
+extra = TaskOutput(
+    torch.tensor(1.0),
+    n,
+    {"hits": (torch.tensor(float(r)), torch.tensor(float(n))), "bonus": (2.0 * (r + 1), 1)},
+)
 m2 = TrainMetrics(state, ("hits", "bonus"))
 m2.add_micro(extra)
 m2.add_micro(extra)
@@ -61,8 +64,20 @@ meter2 = SumMeter(state.device, ("hits", "bonus"))
 meter2.update(extra)
 val2 = meter2.reduce(state)
 if r == 0:
-    print("RESULT " + json.dumps({"train": train, "val": val, "train_calls": train_calls,
-                                  "total_calls": total_calls, "world": state.world_size,
-                                  "train_named": train2, "val_named": val2,
-                                  "named_calls": calls["n"] - total_calls}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "train": train,
+                "val": val,
+                "train_calls": train_calls,
+                "total_calls": total_calls,
+                "world": state.world_size,
+                "train_named": train2,
+                "val_named": val2,
+                "named_calls": calls["n"] - total_calls,
+            }
+        ),
+        flush=True,
+    )
 group.teardown()

@@ -8,9 +8,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from helpers.jobs import compose_cfg
 
 from ddplab.runtime import group
-from helpers.jobs import compose_cfg
 
 cfg = compose_cfg(["distributed.timeout_s=15"]).distributed
 if int(os.environ["SLURM_PROCID"]) == 0:

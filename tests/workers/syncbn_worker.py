@@ -14,8 +14,9 @@ from torch import nn
 from ddplab.runtime import group
 from ddplab.syncbn import convert_sync_batchnorm
 
-state = group.init(OmegaConf.create({"device": "cpu", "backend": "gloo", "init_method": "env://",
-                                            "timeout_s": 60}))
+state = group.init(
+    OmegaConf.create({"device": "cpu", "backend": "gloo", "init_method": "env://", "timeout_s": 60})
+)
 W, r = state.world_size, state.rank
 torch.manual_seed(0)
 per_rank = [5, 3, 4][:W]  # unequal shards on purpose
@@ -27,7 +28,7 @@ ref[0].bias.data.uniform_(-1, 1)
 mine = convert_sync_batchnorm(ref.__class__(nn.BatchNorm2d(3)).double(), state.device)
 mine.load_state_dict(ref.state_dict())
 
-lo, hi = sum(per_rank[:r]), sum(per_rank[:r + 1])
+lo, hi = sum(per_rank[:r]), sum(per_rank[: r + 1])
 xr = x_all[lo:hi].clone().requires_grad_(True)
 out = mine(xr)
 # Global-mean loss: the sum of rank losses equals the single-process loss.
@@ -53,12 +54,18 @@ ref_out = ref(xa)
 ((ref_out - target) ** 2).sum().div(x_all.numel()).backward()
 ref_grads = torch.cat([ref[0].weight.grad, ref[0].bias.grad])
 if r == 0:
-    print("RESULT " + json.dumps({
-        "type": type(mine[0]).__name__,
-        "out": (outs - ref_out).abs().max().item(),
-        "xgrad": (xgrads - xa.grad).abs().max().item(),
-        "pgrad": (grads - ref_grads).abs().max().item(),
-        "rmean": (mine[0].running_mean - ref[0].running_mean).abs().max().item(),
-        "rvar": (mine[0].running_var - ref[0].running_var).abs().max().item(),
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "type": type(mine[0]).__name__,
+                "out": (outs - ref_out).abs().max().item(),
+                "xgrad": (xgrads - xa.grad).abs().max().item(),
+                "pgrad": (grads - ref_grads).abs().max().item(),
+                "rmean": (mine[0].running_mean - ref[0].running_mean).abs().max().item(),
+                "rvar": (mine[0].running_var - ref[0].running_var).abs().max().item(),
+            }
+        ),
+        flush=True,
+    )
 group.teardown()

@@ -6,9 +6,9 @@ import logging
 import math
 from typing import Any
 
+from ddplab.config.errors import ConfigError
 from ddplab.train.callback import Callback
 from ddplab.train.state import State
-from ddplab.config.errors import ConfigError
 
 log = logging.getLogger("ddplab")
 
@@ -24,8 +24,15 @@ class EarlyStopping(Callback):
 
     training_only = True  # it decides when training stops: nothing to decide in mode=eval
 
-    def __init__(self, monitor: str = "val/loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto",
-                 divergence_threshold: float | None = None, check_finite: bool = True):
+    def __init__(
+        self,
+        monitor: str = "val/loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+        divergence_threshold: float | None = None,
+        check_finite: bool = True,
+    ):
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"callbacks.early_stopping.mode={mode!r}: use auto, min or max")
         if patience < 1:
@@ -50,8 +57,10 @@ class EarlyStopping(Callback):
             if self.monitor not in metrics:
                 # Found at the first evaluation, alike on every rank: still the config's fault (one line, exit
                 # 2).
-                raise ConfigError(f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation "
-                                  f"logged {sorted(metrics)}). Fix: monitor one of those")
+                raise ConfigError(
+                    f"callbacks.early_stopping.monitor={self.monitor!r} is not logged (evaluation "
+                    f"logged {sorted(metrics)}). Fix: monitor one of those"
+                )
             self._check(state, metrics[self.monitor])
 
     def _check(self, state: State, value: float) -> None:
@@ -61,20 +70,29 @@ class EarlyStopping(Callback):
         if self.check_finite and not math.isfinite(value):
             return state.request_stop(f"stopped early at {at}: {self.monitor}={value} is not finite")
         if self.divergence_threshold is not None and sign * (value - self.divergence_threshold) > 0:
-            return state.request_stop(f"stopped early at {at}: {self.monitor}={value:.6g} crossed "
-                                        f"divergence_threshold={self.divergence_threshold}")
+            return state.request_stop(
+                f"stopped early at {at}: {self.monitor}={value:.6g} crossed "
+                f"divergence_threshold={self.divergence_threshold}"
+            )
         if self.best is None or sign * (self.best - value) > self.min_delta:
             self.best, self.best_epoch, self.wait = value, epoch, 0
             return None
         self.wait += 1
         if self.wait >= self.patience:
-            state.request_stop(f"stopped early at {at}: {self.monitor} did not improve by more than "
-                                 f"{self.min_delta} for {self.patience} checks (best {self.best:.6g} at epoch "
-                                 f"{self.best_epoch})")
+            state.request_stop(
+                f"stopped early at {at}: {self.monitor} did not improve by more than "
+                f"{self.min_delta} for {self.patience} checks (best {self.best:.6g} at epoch "
+                f"{self.best_epoch})"
+            )
         return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait, "mode": self.mode}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.best, self.best_epoch, self.wait, self.mode = sd["best"], sd["best_epoch"], sd["wait"], sd["mode"]
+        self.best, self.best_epoch, self.wait, self.mode = (
+            sd["best"],
+            sd["best_epoch"],
+            sd["wait"],
+            sd["mode"],
+        )

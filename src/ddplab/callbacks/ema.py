@@ -24,7 +24,9 @@ class EMA(Callback):
 
     def __init__(self, decay: float = 0.999, warmup: bool = True, evaluate: bool = True):
         if not 0.0 <= decay < 1.0:
-            raise ValueError(f"callbacks.ema.decay={decay}: must be in [0, 1). Fix: callbacks.ema.decay=0.999")
+            raise ValueError(
+                f"callbacks.ema.decay={decay}: must be in [0, 1). Fix: callbacks.ema.decay=0.999"
+            )
         self.decay, self.warmup, self.evaluate = decay, warmup, evaluate
         self.updates = 0  # host count: the warm-up decay needs no device read
         self.logged_names: tuple[str, ...] = ()
@@ -59,16 +61,22 @@ class EMA(Callback):
             ema = state.evaluator.evaluate()
         finally:
             _copy(self.live, backup)
-        return {"val_ema/" + k[len("val/"):]: v for k, v in ema.items() if k.startswith("val/")}
+        return {"val_ema/" + k[len("val/") :]: v for k, v in ema.items() if k.startswith("val/")}
 
     def state_dict(self) -> dict[str, Any]:
         # Full tensors (a collective under FSDP: checkpoints are saved on every rank together).
-        return {"shadow": self.strategy.whole_tensors(self.shadow), "updates": self.updates, "decay": self.decay}
+        return {
+            "shadow": self.strategy.whole_tensors(self.shadow),
+            "updates": self.updates,
+            "decay": self.decay,
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if len(sd["shadow"]) != len(self.shadow):
-            raise ValueError(f"callbacks.ema: the checkpoint holds {len(sd['shadow'])} EMA tensors, this model has "
-                             f"{len(self.shadow)}. Fix: resume with the model it was saved with")
+            raise ValueError(
+                f"callbacks.ema: the checkpoint holds {len(sd['shadow'])} EMA tensors, this model has "
+                f"{len(self.shadow)}. Fix: resume with the model it was saved with"
+            )
         self.strategy.load_whole_tensors(self.shadow, sd["shadow"])
         self.updates = int(sd["updates"])
 

@@ -29,7 +29,9 @@ class Profiler(Callback):
     def __init__(self, steps: tuple[int, int] | list[int] = (10, 15), memory_snapshot: bool = True):
         first, last = int(steps[0]), int(steps[1])
         if not 1 <= first <= last:
-            raise ValueError(f"callbacks.profiler.steps={list(steps)}: need 1 <= first <= last. Fix: steps=[10,15]")
+            raise ValueError(
+                f"callbacks.profiler.steps={list(steps)}: need 1 <= first <= last. Fix: steps=[10,15]"
+            )
         self.first, self.last, self.memory_snapshot = first, last, memory_snapshot
         self._prof: Any = None
 
@@ -49,7 +51,9 @@ class Profiler(Callback):
             self._stop()
 
     def _start(self) -> None:
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []
+        )
         self._prof = torch.profiler.profile(activities=acts, record_shapes=True, profile_memory=True)
         self._prof.__enter__()
         if self.cuda and self.memory_snapshot:

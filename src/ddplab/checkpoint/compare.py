@@ -27,8 +27,10 @@ def first_difference(a: Any, b: Any, where: str = "", rtol: float = 0.0) -> str 
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where} length {len(a)} vs {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]", rtol))),
-                    None)
+        return next(
+            (d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]", rtol))),
+            None,
+        )
     if isinstance(a, float) and isinstance(b, float) and rtol:
         return None if abs(a - b) <= rtol * max(abs(a), abs(b)) else f"{where}: {a!r} vs {b!r}"
     return None if a == b or (a != a and b != b) else f"{where}: {a!r} vs {b!r}"  # NaN == NaN here

@@ -37,8 +37,10 @@ def checkpoint_of(source: Path, which: str) -> Path:
     for name in names:
         if (ckpts / name).is_file():
             return ckpts / name
-    raise InputError(f"export {source}: no {' or '.join(names)} in {ckpts}. Fix: a run dir that saved checkpoints "
-                     "(checkpoint.enabled=true), or the path of a checkpoint file")
+    raise InputError(
+        f"export {source}: no {' or '.join(names)} in {ckpts}. Fix: a run dir that saved checkpoints "
+        "(checkpoint.enabled=true), or the path of a checkpoint file"
+    )
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -48,11 +50,15 @@ def read(path: Path) -> dict[str, Any]:
     try:
         ck = load(path)
     except CheckpointReadError as e:
-        raise InputError(f"export {path}: not a ddplab checkpoint ({str(e.__cause__)[:120]}). Fix: a run's "
-                         "checkpoints/last.pt or best.pt") from None
+        raise InputError(
+            f"export {path}: not a ddplab checkpoint ({str(e.__cause__)[:120]}). Fix: a run's "
+            "checkpoints/last.pt or best.pt"
+        ) from None
     if not isinstance(ck, dict) or "meta" not in ck or "model" not in ck and "sharded" not in ck:
-        raise InputError(f"export {path}: not a ddplab checkpoint (no meta/model entries). Fix: a run's "
-                         "checkpoints/last.pt or best.pt")
+        raise InputError(
+            f"export {path}: not a ddplab checkpoint (no meta/model entries). Fix: a run's "
+            "checkpoints/last.pt or best.pt"
+        )
     if "sharded" in ck:
         import tempfile
 
@@ -77,12 +83,13 @@ def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torc
     ``weights`` is ema, or auto and the run kept one. Also what was loaded, said in words, and the config
     whose ``model`` node ``hydra.utils.instantiate`` builds it from (ddplab's ``model.weights`` left out)."""
     from ddplab import build as builder
+    from ddplab.config import trust
     from ddplab.models.weights import state_dict_mismatch
 
-    from ddplab.config import trust
-
     cfg = OmegaConf.create(ck["meta"]["config"])  # parsing YAML builds nothing
-    refused = None if trusted else trust.refusal("export", {"model": cfg.get("model")}, switch="--trust-config")
+    refused = (
+        None if trusted else trust.refusal("export", {"model": cfg.get("model")}, switch="--trust-config")
+    )
     if refused:  # checked before anything it names is imported
         raise InputError(refused)
     with open_dict(cfg.model):
@@ -90,15 +97,21 @@ def build(ck: dict[str, Any], weights: str, trusted: bool = False) -> tuple[torc
         cfg.model.pop("weights", None)
     # counted from the data: read off the head
     if "num_classes" in cfg.model and cfg.model.num_classes is None:
-        cfg.model.num_classes = int(next(t.shape[0] for k, t in reversed(ck["model"].items()) if t.dim() >= 1))
+        cfg.model.num_classes = int(
+            next(t.shape[0] for k, t in reversed(ck["model"].items()) if t.dim() >= 1)
+        )
     model = builder.model(cfg)
     if not isinstance(model, torch.nn.Module):
-        raise InputError(f"export: the checkpoint's model._target_={cfg.model._target_!r} built a "
-                         f"{type(model).__name__}, not a torch.nn.Module. Fix: export a checkpoint ddplab wrote")
+        raise InputError(
+            f"export: the checkpoint's model._target_={cfg.model._target_!r} built a "
+            f"{type(model).__name__}, not a torch.nn.Module. Fix: export a checkpoint ddplab wrote"
+        )
     bad = state_dict_mismatch(model.state_dict(), ck["model"])
     if bad:
-        raise InputError(f"export: the checkpoint's weights do not fit the model its config builds ({bad}). Fix: "
-                         "export with the ddplab version the run was trained with")
+        raise InputError(
+            f"export: the checkpoint's weights do not fit the model its config builds ({bad}). Fix: "
+            "export with the ddplab version the run was trained with"
+        )
     model.load_state_dict(ck["model"])
     return model, _ema_or_trained(model, ck, weights), cfg
 
@@ -114,13 +127,17 @@ def _ema_or_trained(model: torch.nn.Module, ck: dict[str, Any], weights: str) ->
     floats = [p for p in model.parameters() if p.is_floating_point()]  # the EMA's order (callbacks/ema.py)
     shadow = ema[1]["shadow"]
     if len(shadow) != len(floats):
-        raise InputError(f"export: {ema[0]} holds {len(shadow)} tensors, the model {len(floats)} parameters. "
-                         "Fix: --weights raw")
+        raise InputError(
+            f"export: {ema[0]} holds {len(shadow)} tensors, the model {len(floats)} parameters. "
+            "Fix: --weights raw"
+        )
     with torch.no_grad():
         for p, s in zip(floats, shadow):
             p.copy_(s)
-    return (f"the EMA of the weights ({ema[0]}: decay {ema[1]['decay']}, {int(ema[1]['updates'])} updates; "
-            "--weights raw for the trained weights)")
+    return (
+        f"the EMA of the weights ({ema[0]}: decay {ema[1]['decay']}, {int(ema[1]['updates'])} updates; "
+        "--weights raw for the trained weights)"
+    )
 
 
 def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, str]) -> Path:
@@ -128,8 +145,10 @@ def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, s
     # a directory from_pretrained loads: config.json + model.safetensors, the model's own names
     if fmt == "hf":
         if not hasattr(model, "hf"):
-            raise InputError(f"export --to hf: the run's model is {type(model).__module__}.{type(model).__name__}, "
-                             "not a Hugging Face one (model=hf). Fix: --to safetensors")
+            raise InputError(
+                f"export --to hf: the run's model is {type(model).__module__}.{type(model).__name__}, "
+                "not a Hugging Face one (model=hf). Fix: --to safetensors"
+            )
         model.hf.save_pretrained(str(out))
         return path
     if fmt == "state_dict":
@@ -138,8 +157,10 @@ def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, s
     try:
         from safetensors.torch import save_model
     except ImportError:
-        raise InputError("export --to safetensors needs safetensors, which is not installed. "
-                         "Fix: pip install 'ddplab[hf]', or --to state_dict") from None
+        raise InputError(
+            "export --to safetensors needs safetensors, which is not installed. "
+            "Fix: pip install 'ddplab[hf]', or --to state_dict"
+        ) from None
     save_model(model, str(path), metadata=meta)  # tied weights once (safetensors refuses shared memory)
     return path
 
@@ -148,38 +169,70 @@ def card(ck: dict[str, Any], path: Path, run_dir: Path | None, weights: str, fil
     """README.md of the export: what it is, how it scored, what it was trained on and how."""
     cfg = OmegaConf.create(ck["meta"]["config"])
     res, loop = ck.get("results", {}), ck.get("loop", {})
-    prov = json.loads((run_dir / "provenance.json").read_text()) if run_dir and (run_dir / "provenance.json").is_file() else {}
-    metrics = {**res.get("last_val", {}), **({"best " + str(cfg.get("objective")): res["best"]} if "best" in res else {})}
+    prov = (
+        json.loads((run_dir / "provenance.json").read_text())
+        if run_dir and (run_dir / "provenance.json").is_file()
+        else {}
+    )
+    metrics = {
+        **res.get("last_val", {}),
+        **({"best " + str(cfg.get("objective")): res["best"]} if "best" in res else {}),
+    }
     rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items() if isinstance(v, (int, float)))
     code = prov.get("code", {})
-    return "\n".join([
-        f"# {cfg.model._target_.rsplit('.', 1)[-1]}{_CARD_TITLE}", "",
-        f"- model: `{cfg.model._target_}` (its config: `config.yaml`, `model:`)",
-        f"- weights: {weights}", f"- files: {', '.join(f'`{f}`' for f in files)}",
-        f"- from: `{path}` (step {loop.get('step')}, epoch {loop.get('epoch')}, world size {ck['meta'].get('world_size')})",
-        f"- data: `{cfg.dataset.get('_target_')}`; task `{cfg.task.get('_target_')}`",
-        f"- code: {code.get('commit', 'unknown')}{' (uncommitted changes)' if code.get('dirty') else ''}; "
-        f"torch {prov.get('packages', {}).get('torch', torch.__version__)}",
-        f"- command: `{' '.join(prov.get('command', [])) or 'unknown'}`", "",
-        "| metric | value |", "|---|---|", rows or "| (none recorded) | |", "",
-        "Load: `model = hydra.utils.instantiate(OmegaConf.load('config.yaml').model)`, then "
-        "`safetensors.torch.load_model(model, 'model.safetensors')` (or `model.load_state_dict(torch.load('model.pt'))`).", ""])
+    return "\n".join(
+        [
+            f"# {cfg.model._target_.rsplit('.', 1)[-1]}{_CARD_TITLE}",
+            "",
+            f"- model: `{cfg.model._target_}` (its config: `config.yaml`, `model:`)",
+            f"- weights: {weights}",
+            f"- files: {', '.join(f'`{f}`' for f in files)}",
+            f"- from: `{path}` (step {loop.get('step')}, epoch {loop.get('epoch')}, world size "
+            f"{ck['meta'].get('world_size')})",
+            f"- data: `{cfg.dataset.get('_target_')}`; task `{cfg.task.get('_target_')}`",
+            f"- code: {code.get('commit', 'unknown')}"
+            f"{' (uncommitted changes)' if code.get('dirty') else ''}; "
+            f"torch {prov.get('packages', {}).get('torch', torch.__version__)}",
+            f"- command: `{' '.join(prov.get('command', [])) or 'unknown'}`",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            rows or "| (none recorded) | |",
+            "",
+            "Load: `model = hydra.utils.instantiate(OmegaConf.load('config.yaml').model)`, then "
+            "`safetensors.torch.load_model(model, 'model.safetensors')` (or "
+            "`model.load_state_dict(torch.load('model.pt'))`).",
+            "",
+        ]
+    )
 
 
-def export(source: Path, fmt: str, out: Path | None = None, weights: str = "auto",
-           which: str = "auto", trusted: bool = False) -> tuple[Path, str]:
+def export(
+    source: Path,
+    fmt: str,
+    out: Path | None = None,
+    weights: str = "auto",
+    which: str = "auto",
+    trusted: bool = False,
+) -> tuple[Path, str]:
     """Write ``source``'s model (a run dir or a checkpoint) to ``out`` (default: <run dir>/export); the folder
     and which weights it holds, in words. ``trusted``: build whatever the checkpoint's config names (the
     run's own job exporting itself, or ``--trust-config``); else only what ddplab ships (config/trust.py)."""
     if fmt not in FORMATS:
-        raise InputError(f"export --to {fmt}: not a format ddplab writes. Fix: --to one of {', '.join(FORMATS)}")
+        raise InputError(
+            f"export --to {fmt}: not a format ddplab writes. Fix: --to one of {', '.join(FORMATS)}"
+        )
     path = checkpoint_of(source, which)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     out = out or (run_dir or path.parent) / "export"
     _check_owned(out)
     ck = read(path)
     model, said, cfg = build(ck, weights, trusted)
-    meta = {"ddplab_checkpoint": str(path), "ddplab_step": str(ck.get("loop", {}).get("step")), "weights": said[:200]}
+    meta = {
+        "ddplab_checkpoint": str(path),
+        "ddplab_step": str(ck.get("loop", {}).get("step")),
+        "weights": said[:200],
+    }
     # the whole export, then one rename into place
     fresh = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(fresh, ignore_errors=True)
@@ -205,16 +258,20 @@ def _check_owned(out: Path) -> None:
     is left beside the new one: a stale model.pt beside model.safetensors, or a from_pretrained folder
     whose old weights shadow the new). Anything else is refused before any work."""
     if out.exists() and not out.is_dir():
-        raise InputError(f"export --out {out}: is a file, not a folder. Fix: --out a new folder (the export "
-                         "writes several files)")
+        raise InputError(
+            f"export --out {out}: is a file, not a folder. Fix: --out a new folder (the export "
+            "writes several files)"
+        )
     if not out.is_dir() or not any(out.iterdir()):
         return
     card_file = out / "README.md"
     first = card_file.read_text(errors="replace").split("\n", 1)[0] if card_file.is_file() else ""
     if not first.endswith(_CARD_TITLE):
         names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
-        raise InputError(f"export --out {out}: holds files an export did not write ({names}). Fix: --out a new "
-                         "or empty folder (an earlier export's folder is replaced whole)")
+        raise InputError(
+            f"export --out {out}: holds files an export did not write ({names}). Fix: --out a new "
+            "or empty folder (an earlier export's folder is replaced whole)"
+        )
 
 
 def _replace(out: Path, fresh: Path) -> None:
@@ -231,13 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("source", type=Path, help="a run dir (its checkpoints/) or a checkpoint file")
     ap.add_argument("--to", default="safetensors", help=f"one of {', '.join(FORMATS)} (default safetensors)")
     ap.add_argument("--out", type=Path, help="the folder to write (default: <run dir>/export)")
-    ap.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto",
-                    help="auto: the EMA's where the run kept one; raw: the trained weights")
-    ap.add_argument("--which", choices=("auto", "best", "last"), default="auto",
-                    help="a run dir's checkpoint (auto: best.pt where there is one)")
-    ap.add_argument("--trust-config", action="store_true",
-                    help="build any _target_ the checkpoint's config names (it can run any code: only for a run "
-                         "dir you trust); without it, only what ddplab ships (docs/security.md)")
+    ap.add_argument(
+        "--weights",
+        choices=("auto", "ema", "raw"),
+        default="auto",
+        help="auto: the EMA's where the run kept one; raw: the trained weights",
+    )
+    ap.add_argument(
+        "--which",
+        choices=("auto", "best", "last"),
+        default="auto",
+        help="a run dir's checkpoint (auto: best.pt where there is one)",
+    )
+    ap.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="build any _target_ the checkpoint's config names (it can run any code: only for a run "
+        "dir you trust); without it, only what ddplab ships (docs/security.md)",
+    )
     args = ap.parse_args(argv)
     try:
         out, said = export(args.source, args.to, args.out, args.weights, args.which, args.trust_config)

@@ -105,9 +105,11 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
         tmp.unlink(missing_ok=True)
         cause = (out.error if out is not None else None) or e
         raise CheckpointWriteError(
-            f"could not write checkpoint {path}: {type(cause).__name__}: {cause} ({free_space(path.parent)} on its "
+            f"could not write checkpoint {path}: {type(cause).__name__}: {cause} ({free_space(path.parent)} "
+            "on its "
             "file system). The previous checkpoint is intact. Fix: free space (or point run_dir elsewhere), "
-            "then run the same command with resume=auto") from e
+            "then run the same command with resume=auto"
+        ) from e
     os.replace(tmp, path)  # atomic on POSIX
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -160,10 +162,14 @@ def load(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"resume: checkpoint {path} does not exist. Fix: pass resume=auto or a valid path.")
+        raise FileNotFoundError(
+            f"resume: checkpoint {path} does not exist. Fix: pass resume=auto or a valid path."
+        )
     except Exception as e:
-        raise CheckpointReadError(f"resume: cannot read checkpoint {path} (truncated or corrupt?): "
-                           f"{type(e).__name__}: {str(e)[:200]}") from e
+        raise CheckpointReadError(
+            f"resume: cannot read checkpoint {path} (truncated or corrupt?): "
+            f"{type(e).__name__}: {str(e)[:200]}"
+        ) from e
 
 
 def load_first_good(candidates: list[Path]) -> tuple[Path, dict[str, Any]] | None:
@@ -190,7 +196,9 @@ def _same_run_key(run_dir: Path) -> list[str] | None:
     return sorted(o for o in overrides if not o.startswith(("resume=", "stop_after_epochs=")))
 
 
-def find_resume(resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None) -> list[Path]:
+def find_resume(
+    resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None
+) -> list[Path]:
     """All checkpoints to try, best candidate first (see :func:`find_resume_path`)."""
     first = find_resume_path(resume, run_dir, search, digest)
     if first is None:
@@ -208,8 +216,12 @@ def _trains_the_same(ckpt: Path, digest: str | None) -> bool:
         meta = torch.load(ckpt, map_location="cpu", weights_only=True).get("meta", {})
         return drift.trajectory_digest(meta.get("config", "")) == digest
     except Exception as e:  # unreadable or foreign: not ours to continue
-        log.warning("resume=auto: skipping %s, which cannot be read as a checkpoint (%s: %s)",
-                    ckpt, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "resume=auto: skipping %s, which cannot be read as a checkpoint (%s: %s)",
+            ckpt,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return False
 
 
@@ -219,8 +231,12 @@ def _run_key_or_none(run_dir: Path) -> list[str] | None:
         key = _same_run_key(run_dir)
         return key if key is None or all(isinstance(o, str) for o in key) else None
     except Exception as e:  # another job's file: half-written, edited by hand, not YAML
-        log.warning("resume=auto: skipping %s, which cannot be read (%s: %s)", run_dir / ".hydra" / "overrides.yaml",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "resume=auto: skipping %s, which cannot be read (%s: %s)",
+            run_dir / ".hydra" / "overrides.yaml",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return None
 
 
@@ -248,7 +264,9 @@ def _earlier_runs(run_dir: Path) -> list[Path]:
     return sorted((Path(p) for p in found if Path(p).parent.parent != run_dir), key=_mtime, reverse=True)
 
 
-def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None) -> Path | None:
+def find_resume_path(
+    resume: str | None, run_dir: Path, search: bool = False, digest: str | None = None
+) -> Path | None:
     """The checkpoint to continue from, or None to start fresh.
 
     ``resume=auto`` takes ``last.pt`` of this run dir; with ``search`` (a run dir
@@ -265,8 +283,10 @@ def find_resume_path(resume: str | None, run_dir: Path, search: bool = False, di
         p = Path(resume)
         p = p / "checkpoints" / LAST if p.is_dir() else p
         if not p.is_file():
-            raise FileNotFoundError(f"resume={resume}: no checkpoint at {p}. "
-                                    "Fix: pass an existing .pt file or run dir, or resume=auto.")
+            raise FileNotFoundError(
+                f"resume={resume}: no checkpoint at {p}. "
+                "Fix: pass an existing .pt file or run dir, or resume=auto."
+            )
         return p
     own = _newest_first(run_dir / "checkpoints")
     if own:

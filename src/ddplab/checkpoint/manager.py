@@ -32,9 +32,16 @@ log = logging.getLogger("ddplab")
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_dir: Path, policy: Any, dist: Dist, meta: dict[str, Any],
-                 check_meta: Callable[[dict[str, Any], Path], None] | None = None,
-                 stop: Callable[[str], None] | None = None, saved: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        policy: Any,
+        dist: Dist,
+        meta: dict[str, Any],
+        check_meta: Callable[[dict[str, Any], Path], None] | None = None,
+        stop: Callable[[str], None] | None = None,
+        saved: Callable[[str], None] | None = None,
+    ):
         """``policy``: conf ``checkpoint`` (every_n_steps, keep_last, save_best, async_save); ``meta``:
         stored as is; ``check_meta(saved_meta, path)`` raises if a checkpoint's meta refuses it (runs before
         any load); ``stop(reason)``: asks the loop for a stop (a background write failed: the stop's save
@@ -93,8 +100,14 @@ class CheckpointManager:
         every = self._every
         return bool(every) and step % every == 0 and position[0] < position[1]
 
-    def save(self, step: int, is_best: bool = False, mid_epoch: tuple[int, int] | None = None,
-             before: Callable[[], None] | None = None, now: bool = False) -> str:
+    def save(
+        self,
+        step: int,
+        is_best: bool = False,
+        mid_epoch: tuple[int, int] | None = None,
+        before: Callable[[], None] | None = None,
+        now: bool = False,
+    ) -> str:
         """Collective: every rank gathers its components' state; rank 0 writes. The path, or "" when
         nothing was saved.
 
@@ -139,8 +152,13 @@ class CheckpointManager:
         return path
 
     def _write(self, entries: dict[str, Any], step: int, is_best: bool) -> Path:
-        return files.save({**entries, "meta": self.meta}, self.dir, step, self.policy.keep_last,
-                          is_best and self.policy.save_best)
+        return files.save(
+            {**entries, "meta": self.meta},
+            self.dir,
+            step,
+            self.policy.keep_last,
+            is_best and self.policy.save_best,
+        )
 
     def _settle(self, t0: float) -> str:
         """Wait for the background write in flight (async_save); its error ("" if none or it succeeded)."""
@@ -152,9 +170,13 @@ class CheckpointManager:
         self.last_wait_s = waited if busy else 0.0
         self.last_save_s = self._writer.seconds or self.last_save_s  # what a stop's save will cost, about
         if busy and waited > 0.05:
-            log.warning("checkpoint at step %d waited %.2fs for the previous background write (%.2fs in all): "
-                        "saves come faster than they are written. Fix: raise checkpoint.every_n_steps",
-                        self._step, waited, self._writer.seconds)
+            log.warning(
+                "checkpoint at step %d waited %.2fs for the previous background write (%.2fs in all): "
+                "saves come faster than they are written. Fix: raise checkpoint.every_n_steps",
+                self._step,
+                waited,
+                self._writer.seconds,
+            )
         return error
 
     def _save_in_background(self, step: int, is_best: bool, t0: float) -> str:
@@ -177,8 +199,13 @@ class CheckpointManager:
             for finish in pending:
                 finish()
             if self.dist.is_main:
-                path = files.save({**entries, "meta": meta}, self.dir, step, self.policy.keep_last,
-                                  is_best and self.policy.save_best)
+                path = files.save(
+                    {**entries, "meta": meta},
+                    self.dir,
+                    step,
+                    self.policy.keep_last,
+                    is_best and self.policy.save_best,
+                )
                 _note_save_time(self.dir, path.name, time.perf_counter() - t0)
 
         self._writer.start(write, self._on_write_error)
@@ -220,8 +247,11 @@ class CheckpointManager:
         ``auto`` looks in ``run_dir``, and in earlier runs of the same command only with
         ``search_earlier_runs``."""
         digest = drift.trajectory_digest(self.meta["config"]) if "config" in self.meta else None
-        found = [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)] \
-            if self.dist.is_main else []
+        found = (
+            [str(p) for p in files.find_resume(resume, run_dir, search_earlier_runs, digest)]
+            if self.dist.is_main
+            else []
+        )
         paths = [Path(p) for p in broadcast_object(found, self.dist)]
         if not paths:
             return None
@@ -230,8 +260,10 @@ class CheckpointManager:
         else:
             got = files.load_first_good(paths)
             if got is None:
-                raise files.CheckpointReadError(f"resume=auto: none of {[str(p) for p in paths]} could be read. "
-                                   "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint.")
+                raise files.CheckpointReadError(
+                    f"resume=auto: none of {[str(p) for p in paths]} could be read. "
+                    "Fix: resume=null to start fresh, or resume=<path> to a good checkpoint."
+                )
             path, ck = got
         self._source = path
         self.resumed_save_s = _save_times(path.parent).get(path.name, 0.0)
@@ -245,8 +277,10 @@ class CheckpointManager:
             log.info("resume: %s has no %s entry; it starts fresh", path, k)
         missing = [k for k in self.components if k not in ck and k not in fresh]
         if missing:
-            raise RuntimeError(f"resume: {path} has no {missing} entries (saved by another ddplab version or "
-                               "setup). Fix: resume=null to start fresh.")
+            raise RuntimeError(
+                f"resume: {path} has no {missing} entries (saved by another ddplab version or "
+                "setup). Fix: resume=null to start fresh."
+            )
         for key, c in self.components.items():
             if key in ck:
                 c.load_state_dict(ck[key])

@@ -19,8 +19,11 @@ log = logging.getLogger("ddplab")
 def rng_state() -> dict[str, Any]:
     """This process's random streams, as plain lists/tensors (loadable with weights_only=True)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # This rank's device's generator only (the one set_device chose): a resume where another set of GPUs
         # is visible, or ranks sit on other device indices, still restores it exactly.

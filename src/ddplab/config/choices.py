@@ -33,7 +33,9 @@ AmpDtype = choice("AmpDtype", "auto", "bfloat16", "float16", "bf16", "fp16")
 ProgressMode = choice("ProgressMode", "auto", "bar", "log", "none")
 NonFinite = choice("NonFinite", "error", "skip")
 Mode = choice("Mode", "train", "eval", "verify_resume", "study")
-CompileMode = choice("CompileMode", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CompileMode = choice(
+    "CompileMode", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+)
 Stats = choice("Stats", "imagenet", "cifar10", "cifar100", "mnist", "fashion_mnist")
 
 # auto | true | false stays a checked str: Hydra parses `true` as a bool, and OmegaConf

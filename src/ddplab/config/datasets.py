@@ -22,8 +22,13 @@ class AugmentConfig:
 
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.crop_padding >= 0, f"{key}.crop_padding", c.crop_padding, "must be >= 0",
-                f"pass {key}.crop_padding=4 (or 0: off)")
+        require(
+            c.crop_padding >= 0,
+            f"{key}.crop_padding",
+            c.crop_padding,
+            "must be >= 0",
+            f"pass {key}.crop_padding=4 (or 0: off)",
+        )
 
 
 @dataclass
@@ -125,22 +130,39 @@ class TextConfig:
     val_fraction: float = 0.1  # the file's last part, held out for validation
     vocab_size: int = 256  # bytes
     split_seed: int = 0  # fixed, independent of `seed`
+
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.path is None or os.path.isfile(os.path.expanduser(c.path)), f"{key}.path", c.path,
-                "no such file (nothing is downloaded)", f"point {key}.path at a text file, or {key}.path=null for "
-                "the generated corpus")
-        require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
+        require(
+            c.path is None or os.path.isfile(os.path.expanduser(c.path)),
+            f"{key}.path",
+            c.path,
+            "no such file (nothing is downloaded)",
+            f"point {key}.path at a text file, or {key}.path=null for the generated corpus",
+        )
+        require(
+            c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64"
+        )
 
 
 def _check_token_values(c: Any, key: str) -> None:
     """What every token-file dataset checks: the dtype, the window, the vocabulary fitting the dtype."""
-    require(c.dtype in ("uint16", "uint32"), f"{key}.dtype", c.dtype, "must be uint16 or uint32",
-            f"pass {key}.dtype=uint16")
+    require(
+        c.dtype in ("uint16", "uint32"),
+        f"{key}.dtype",
+        c.dtype,
+        "must be uint16 or uint32",
+        f"pass {key}.dtype=uint16",
+    )
     require(c.block_size >= 2, f"{key}.block_size", c.block_size, "must be >= 2", f"pass {key}.block_size=64")
     top = 2**16 if c.dtype == "uint16" else 2**32
-    require(2 <= c.vocab_size <= top, f"{key}.vocab_size", c.vocab_size, f"must be in [2, {top}] for {c.dtype}",
-            f"pass {key}.dtype=uint32" if c.vocab_size > top else f"pass {key}.vocab_size=256")
+    require(
+        2 <= c.vocab_size <= top,
+        f"{key}.vocab_size",
+        c.vocab_size,
+        f"must be in [2, {top}] for {c.dtype}",
+        f"pass {key}.dtype=uint32" if c.vocab_size > top else f"pass {key}.vocab_size=256",
+    )
 
 
 @dataclass
@@ -154,17 +176,33 @@ class TokensConfig:
     block_size: int = 64  # tokens per sample: window i is tokens [i*B, i*B + B]
     vocab_size: int = 256  # bytes; your tokenizer's vocabulary otherwise
     val_fraction: float = 0.1  # with val_path null: the last part of path's windows, never trained on
+
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.path is not None, f"{key}.path", c.path, "is not set", f"pass {key}.path=train.bin (scripts/make_tokens.py "
-                "writes one)")
+        require(
+            c.path is not None,
+            f"{key}.path",
+            c.path,
+            "is not set",
+            f"pass {key}.path=train.bin (scripts/make_tokens.py writes one)",
+        )
         for name in ("path", "val_path"):
             v = c[name]
-            require(v is None or os.path.isfile(os.path.expanduser(v)), f"{key}.{name}", v, "no such file",
-                    f"point {key}.{name} at a token file")
+            require(
+                v is None or os.path.isfile(os.path.expanduser(v)),
+                f"{key}.{name}",
+                v,
+                "no such file",
+                f"point {key}.{name} at a token file",
+            )
         _check_token_values(c, key)
-        require(0.0 < c.val_fraction < 1.0, f"{key}.val_fraction", c.val_fraction, "must be in (0, 1)",
-                f"pass {key}.val_fraction=0.1")
+        require(
+            0.0 < c.val_fraction < 1.0,
+            f"{key}.val_fraction",
+            c.val_fraction,
+            "must be in (0, 1)",
+            f"pass {key}.val_fraction=0.1",
+        )
 
 
 @dataclass
@@ -181,10 +219,18 @@ class TokenShardsConfig:
 
     @staticmethod
     def check(c: Any, key: str) -> None:
-        for name, what in (("path", "a folder of token files"), ("val_path", "a token file or a folder of them")):
+        for name, what in (
+            ("path", "a folder of token files"),
+            ("val_path", "a token file or a folder of them"),
+        ):
             v = c[name]
-            require(v is not None and os.path.exists(os.path.expanduser(v)), f"{key}.{name}", v, "no such file or "
-                    "folder", f"point {key}.{name} at {what} (scripts/make_tokens.py --shards N writes both)")
+            require(
+                v is not None and os.path.exists(os.path.expanduser(v)),
+                f"{key}.{name}",
+                v,
+                "no such file or folder",
+                f"point {key}.{name} at {what} (scripts/make_tokens.py --shards N writes both)",
+            )
         _check_token_values(c, key)
 
 
@@ -210,10 +256,27 @@ class HFDataConfig:
 
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.path is not None and os.path.exists(os.path.expanduser(c.path)), f"{key}.path", c.path,
-                "no such file or folder", f"point {key}.path at a Parquet/JSONL/CSV/Arrow file or a folder of them")
-        require(c.block_size >= 1, f"{key}.block_size", c.block_size, "must be >= 1", f"pass {key}.block_size=64")
-        require(not c.streaming or c.val_path is not None, f"{key}.val_path", c.val_path,
-                "a stream has no last fraction to hold out", f"pass {key}.val_path=<validation files>")
-        require(c.num_samples is None or c.num_samples >= 1, f"{key}.num_samples", c.num_samples, "must be >= 1",
-                f"drop {key}.num_samples (counted at start-up)")
+        require(
+            c.path is not None and os.path.exists(os.path.expanduser(c.path)),
+            f"{key}.path",
+            c.path,
+            "no such file or folder",
+            f"point {key}.path at a Parquet/JSONL/CSV/Arrow file or a folder of them",
+        )
+        require(
+            c.block_size >= 1, f"{key}.block_size", c.block_size, "must be >= 1", f"pass {key}.block_size=64"
+        )
+        require(
+            not c.streaming or c.val_path is not None,
+            f"{key}.val_path",
+            c.val_path,
+            "a stream has no last fraction to hold out",
+            f"pass {key}.val_path=<validation files>",
+        )
+        require(
+            c.num_samples is None or c.num_samples >= 1,
+            f"{key}.num_samples",
+            c.num_samples,
+            "must be >= 1",
+            f"drop {key}.num_samples (counted at start-up)",
+        )

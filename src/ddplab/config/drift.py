@@ -19,10 +19,32 @@ from ddplab.config.errors import ConfigError
 
 # Keys (or key prefixes ending in ".") that never change the numbers a run computes: where it
 # runs, how it is launched, logged, checkpointed and how long this invocation lasts.
-HARMLESS = ("resume", "resume_apply_changes", "run_dir", "stop_after_epochs", "progress", "log_every_n_steps",
-            "eval_every_n_epochs", "eval_every_n_steps", "objective", "nonfinite_loss", "checkpoint.", "distributed.",
-            "perf.", "hparams_search.", "hydra.", "mode", "limit_val_batches", "callbacks.", "verify.", "study.",
-            "logger", "mlflow.", "redact_keys", "trust_stored_config")
+HARMLESS = (
+    "resume",
+    "resume_apply_changes",
+    "run_dir",
+    "stop_after_epochs",
+    "progress",
+    "log_every_n_steps",
+    "eval_every_n_epochs",
+    "eval_every_n_steps",
+    "objective",
+    "nonfinite_loss",
+    "checkpoint.",
+    "distributed.",
+    "perf.",
+    "hparams_search.",
+    "hydra.",
+    "mode",
+    "limit_val_batches",
+    "callbacks.",
+    "verify.",
+    "study.",
+    "logger",
+    "mlflow.",
+    "redact_keys",
+    "trust_stored_config",
+)
 ABSENT = "<absent>"
 
 
@@ -48,7 +70,9 @@ def flatten(cfg: Any) -> dict[str, Any]:
 def _matters(key: str) -> bool:
     # "callbacks." also covers an empty "callbacks" node (flattened as a leaf: {}); a bare name covers only
     # itself and its children ("mode", not "model.hidden")
-    return not any(key == h.rstrip(".") or key.startswith(h if h.endswith(".") else h + ".") for h in HARMLESS)
+    return not any(
+        key == h.rstrip(".") or key.startswith(h if h.endswith(".") else h + ".") for h in HARMLESS
+    )
 
 
 def trajectory(cfg: Any) -> dict[str, Any]:
@@ -58,8 +82,17 @@ def trajectory(cfg: Any) -> dict[str, Any]:
 
     flat = flatten(cfg)
     keys = tuple(flat.get("redact_keys") or ()) + redact.active()
-    return {k: (redact.MASK if redact.is_secret_key(k, keys) and v is not None else
-                redact.text(v, keys) if isinstance(v, str) else v) for k, v in flat.items() if _matters(k)}
+    return {
+        k: (
+            redact.MASK
+            if redact.is_secret_key(k, keys) and v is not None
+            else redact.text(v, keys)
+            if isinstance(v, str)
+            else v
+        )
+        for k, v in flat.items()
+        if _matters(k)
+    }
 
 
 def trajectory_digest(cfg: Any) -> str:
@@ -73,7 +106,9 @@ def differences(saved: Any, current: Any) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint's value, current value) for every trajectory key that differs."""
     old, new = trajectory(saved), trajectory(current)
     keys = sorted(set(old) | set(new))
-    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys if old.get(k, ABSENT) != new.get(k, ABSENT)]
+    return [
+        (k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys if old.get(k, ABSENT) != new.get(k, ABSENT)
+    ]
 
 
 def describe(diffs: list[tuple[str, Any, Any]]) -> str:
@@ -85,7 +120,9 @@ def check_diffs(diffs: list[tuple[str, Any, Any]], current: Any, source: str) ->
     if diffs and not current.resume_apply_changes:
         raise ConfigError(
             f"resume={current.resume}: {source} was trained with a different config; resuming would "
-            f"silently keep its values for:\n{describe(diffs)}\nFix: drop these overrides to continue that run "
+            f"silently keep its values for:\n{describe(diffs)}\nFix: drop these overrides to continue that "
+            "run "
             "as it was, start a new run (resume=null, another run dir), or pass resume_apply_changes=true to "
-            "continue from the checkpoint with the new values (recorded in the run dir's config_changes.yaml)")
+            "continue from the checkpoint with the new values (recorded in the run dir's config_changes.yaml)"
+        )
     return diffs

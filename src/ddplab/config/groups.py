@@ -10,25 +10,69 @@ factory with a yaml of their own, with or without one of these schemas.
 
 from __future__ import annotations
 
-from ddplab.config.datasets import (CIFARConfig, DiabetesConfig, DigitsConfig, HFDataConfig, ImageFolderConfig,
-                                    MNISTConfig, SyntheticConfig, TextConfig, TokensConfig, TokenShardsConfig)
-from ddplab.config.models import (ConvNetConfig, GPTConfig, HFModelConfig, KerasConvNetConfig, MLPConfig,
-                                  ResNetConfig, VAEConfig, ViTConfig)
+from ddplab.config.datasets import (
+    CIFARConfig,
+    DiabetesConfig,
+    DigitsConfig,
+    HFDataConfig,
+    ImageFolderConfig,
+    MNISTConfig,
+    SyntheticConfig,
+    TextConfig,
+    TokensConfig,
+    TokenShardsConfig,
+)
+from ddplab.config.models import (
+    ConvNetConfig,
+    GPTConfig,
+    HFModelConfig,
+    KerasConvNetConfig,
+    MLPConfig,
+    ResNetConfig,
+    VAEConfig,
+    ViTConfig,
+)
 from ddplab.config.optimization import AdamWConfig, ConstantConfig, CosineConfig, SGDConfig, StepConfig
-from ddplab.config.task_and_callbacks import (ClassificationTaskConfig, EarlyStoppingConfig, EMAConfig,
-                                                LanguageModelTaskConfig, ProfilerConfig, RegressionTaskConfig,
-                                                VAETaskConfig)
-
+from ddplab.config.task_and_callbacks import (
+    ClassificationTaskConfig,
+    EarlyStoppingConfig,
+    EMAConfig,
+    LanguageModelTaskConfig,
+    ProfilerConfig,
+    RegressionTaskConfig,
+    VAETaskConfig,
+)
 
 GROUPS = {
-    "model": {"resnet": ResNetConfig, "convnet": ConvNetConfig, "mlp": MLPConfig, "vit": ViTConfig,
-              "keras_convnet": KerasConvNetConfig, "vae": VAEConfig, "gpt": GPTConfig, "hf": HFModelConfig},
-    "dataset": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "mnist": MNISTConfig, "cifar": CIFARConfig,
-                "imagefolder": ImageFolderConfig, "diabetes": DiabetesConfig, "text": TextConfig,
-                "tokens": TokensConfig, "token_shards": TokenShardsConfig, "hf": HFDataConfig},
+    "model": {
+        "resnet": ResNetConfig,
+        "convnet": ConvNetConfig,
+        "mlp": MLPConfig,
+        "vit": ViTConfig,
+        "keras_convnet": KerasConvNetConfig,
+        "vae": VAEConfig,
+        "gpt": GPTConfig,
+        "hf": HFModelConfig,
+    },
+    "dataset": {
+        "digits": DigitsConfig,
+        "synthetic": SyntheticConfig,
+        "mnist": MNISTConfig,
+        "cifar": CIFARConfig,
+        "imagefolder": ImageFolderConfig,
+        "diabetes": DiabetesConfig,
+        "text": TextConfig,
+        "tokens": TokensConfig,
+        "token_shards": TokenShardsConfig,
+        "hf": HFDataConfig,
+    },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {"cosine": CosineConfig, "step": StepConfig, "constant": ConstantConfig},
-    "task": {"classification": ClassificationTaskConfig, "regression": RegressionTaskConfig,
-             "lm": LanguageModelTaskConfig, "vae": VAETaskConfig},
+    "task": {
+        "classification": ClassificationTaskConfig,
+        "regression": RegressionTaskConfig,
+        "lm": LanguageModelTaskConfig,
+        "vae": VAETaskConfig,
+    },
     "callbacks": {"ema": EMAConfig, "early_stopping": EarlyStoppingConfig, "profiler": ProfilerConfig},
 }

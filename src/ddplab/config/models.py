@@ -14,8 +14,13 @@ from ddplab.config.errors import require
 def _check_dropout(c: Any, key: str) -> None:
     for name in ("dropout", "attention_dropout"):
         if name in c:
-            require(0.0 <= c[name] < 1.0, f"{key}.{name}", c[name], "a dropout probability must be in [0, 1)",
-                    f"pass {key}.{name}=0.1 (0 turns it off)")
+            require(
+                0.0 <= c[name] < 1.0,
+                f"{key}.{name}",
+                c[name],
+                "a dropout probability must be in [0, 1)",
+                f"pass {key}.{name}=0.1 (0 turns it off)",
+            )
 
 
 @dataclass
@@ -52,6 +57,8 @@ class VAEConfig:
     hidden: int = 128  # width of the encoder's and decoder's hidden layer
     latent: int = 8  # size of the latent code
     weights: Optional[str] = None  # local state_dict file, loaded before the wrap
+
+
 @dataclass
 class HFModelConfig:
     """Any Hugging Face transformers model (the hf extra), from a local config or a local pretrained dir."""
@@ -65,10 +72,20 @@ class HFModelConfig:
 
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.kind in ("causal_lm", "sequence_classification"), f"{key}.kind", c.kind,
-                "not a kind of model ddplab trains", f"pass {key}.kind=causal_lm or sequence_classification")
-        require(c.pretrained is not None or bool(c.config), f"{key}.config", "{}", "no model to build",
-                f"pass {key}.config.model_type=gpt2 (and its keys), or {key}.pretrained=<a local directory>")
+        require(
+            c.kind in ("causal_lm", "sequence_classification"),
+            f"{key}.kind",
+            c.kind,
+            "not a kind of model ddplab trains",
+            f"pass {key}.kind=causal_lm or sequence_classification",
+        )
+        require(
+            c.pretrained is not None or bool(c.config),
+            f"{key}.config",
+            "{}",
+            "no model to build",
+            f"pass {key}.config.model_type=gpt2 (and its keys), or {key}.pretrained=<a local directory>",
+        )
 
 
 @dataclass
@@ -83,10 +100,16 @@ class GPTConfig:
     n_embd: int = 64  # embedding width
     dropout: float = 0.0  # on attention, residual and embedding outputs
     weights: Optional[str] = None  # local state_dict file, loaded before the wrap
+
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.n_embd % c.n_head == 0, f"{key}.n_embd", c.n_embd, f"must be a multiple of {key}.n_head={c.n_head}",
-                f"pass {key}.n_embd={c.n_head * max(1, c.n_embd // c.n_head)}")
+        require(
+            c.n_embd % c.n_head == 0,
+            f"{key}.n_embd",
+            c.n_embd,
+            f"must be a multiple of {key}.n_head={c.n_head}",
+            f"pass {key}.n_embd={c.n_head * max(1, c.n_embd // c.n_head)}",
+        )
         _check_dropout(c, key)
 
 

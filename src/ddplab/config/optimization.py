@@ -14,10 +14,21 @@ from ddplab.config.errors import require
 
 
 def _check_warmup(c: Any, key: str) -> None:
-    require(c.warmup_steps >= 0, f"{key}.warmup_steps", c.warmup_steps, "must be >= 0", f"pass {key}.warmup_steps=0")
+    require(
+        c.warmup_steps >= 0,
+        f"{key}.warmup_steps",
+        c.warmup_steps,
+        "must be >= 0",
+        f"pass {key}.warmup_steps=0",
+    )
     f = c.get("warmup_fraction")
-    require(f is None or 0 <= f < 1, f"{key}.warmup_fraction", f, "must be in [0, 1) (a fraction of the run's steps)",
-            f"pass {key}.warmup_fraction=0.05, or null to use {key}.warmup_steps")
+    require(
+        f is None or 0 <= f < 1,
+        f"{key}.warmup_fraction",
+        f,
+        "must be in [0, 1) (a fraction of the run's steps)",
+        f"pass {key}.warmup_fraction=0.05, or null to use {key}.warmup_steps",
+    )
 
 
 @dataclass
@@ -28,6 +39,8 @@ class SGDConfig:
     momentum: float = 0.9  # heavy-ball momentum
     weight_decay: float = 5e-4  # L2 penalty, added to the gradient
     nesterov: bool = True  # Nesterov's look-ahead momentum
+
+
 @dataclass
 class AdamWConfig:
     _target_: str = "torch.optim.AdamW"
@@ -37,6 +50,8 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.01  # decoupled from the gradient (AdamW's)
     eps: float = 1e-8  # added to the second moment's root
+
+
 @dataclass
 class CosineConfig:
     """Linear warmup, then cosine decay to min_lr_ratio * lr over all optimizer steps."""
@@ -51,8 +66,13 @@ class CosineConfig:
     @staticmethod
     def check(c: Any, key: str) -> None:
         _check_warmup(c, key)
-        require(0 <= c.min_lr_ratio <= 1, f"{key}.min_lr_ratio", c.min_lr_ratio,
-                "must be in [0, 1] (the final lr as a fraction of optimizer.lr)", f"pass {key}.min_lr_ratio=0.01")
+        require(
+            0 <= c.min_lr_ratio <= 1,
+            f"{key}.min_lr_ratio",
+            c.min_lr_ratio,
+            "must be in [0, 1] (the final lr as a fraction of optimizer.lr)",
+            f"pass {key}.min_lr_ratio=0.01",
+        )
 
 
 @dataclass
@@ -68,7 +88,13 @@ class StepConfig:
     @staticmethod
     def check(c: Any, key: str) -> None:
         _check_warmup(c, key)
-        require(c.step_epochs > 0, f"{key}.step_epochs", c.step_epochs, "must be > 0", f"pass {key}.step_epochs=30")
+        require(
+            c.step_epochs > 0,
+            f"{key}.step_epochs",
+            c.step_epochs,
+            "must be > 0",
+            f"pass {key}.step_epochs=30",
+        )
         require(c.gamma > 0, f"{key}.gamma", c.gamma, "must be > 0", f"pass {key}.gamma=0.1")
 
 

@@ -10,11 +10,9 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from ddplab.config.choices import (AmpDtype, BatchScope, Mode,
-                                   NonFinite, ProgressMode)
+from ddplab.config.choices import AmpDtype, BatchScope, Mode, NonFinite, ProgressMode
 from ddplab.config.errors import require
 from ddplab.config.system import DistributedConfig, PerfConfig
-
 
 
 def _installed(package: str) -> bool:
@@ -23,6 +21,7 @@ def _installed(package: str) -> bool:
     data folder is one)."""
     spec = importlib.util.find_spec(package)
     return spec is not None and spec.origin is not None
+
 
 @dataclass
 class CheckpointConfig:
@@ -38,8 +37,13 @@ class CheckpointConfig:
 
     @staticmethod
     def check(c: Any, key: str = "checkpoint") -> None:
-        require(c.every_n_steps >= 0, f"{key}.every_n_steps", c.every_n_steps, "must be >= 0 (0: epoch ends only)",
-                f"pass {key}.every_n_steps=0")
+        require(
+            c.every_n_steps >= 0,
+            f"{key}.every_n_steps",
+            c.every_n_steps,
+            "must be >= 0 (0: epoch ends only)",
+            f"pass {key}.every_n_steps=0",
+        )
         require(c.keep_last >= 1, f"{key}.keep_last", c.keep_last, "must be >= 1", f"pass {key}.keep_last=2")
 
 
@@ -54,7 +58,13 @@ class VerifyConfig:
     @staticmethod
     def check(c: Any, key: str = "verify") -> None:
         for k in ("stop_at", "resume_nproc"):
-            require(c.get(k) is None or c[k] >= 1, f"{key}.{k}", c.get(k), "must be >= 1 or null", f"pass {key}.{k}=null")
+            require(
+                c.get(k) is None or c[k] >= 1,
+                f"{key}.{k}",
+                c.get(k),
+                "must be >= 1 or null",
+                f"pass {key}.{k}=null",
+            )
         require(0 <= c.rtol < 1, f"{key}.rtol", c.rtol, "must be in [0, 1)", f"pass {key}.rtol=1e-4")
 
 
@@ -74,7 +84,9 @@ class StudyConfig:
     params: Any = field(default_factory=dict)
     # The Optuna sampler that proposes each trial's params (any optuna.samplers class by _target_; its seed is
     # the study's seed plus the worker's number).
-    sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "n_startup_trials": 5})
+    sampler: Any = field(
+        default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "n_startup_trials": 5}
+    )
     pruner: Any = None  # e.g. {_target_: optuna.pruners.MedianPruner, n_warmup_steps: 1}; null: never prune
     # a trial whose worker died (no result recorded) is resumed this many times, then failed
     max_retries: int = 2
@@ -83,10 +95,21 @@ class StudyConfig:
     @staticmethod
     def check(c: Any, key: str = "study") -> None:
         require(c.n_trials >= 1, f"{key}.n_trials", c.n_trials, "must be >= 1", f"pass {key}.n_trials=16")
-        require(c.max_retries >= 0, f"{key}.max_retries", c.max_retries, "must be >= 0", f"pass {key}.max_retries=2")
+        require(
+            c.max_retries >= 0,
+            f"{key}.max_retries",
+            c.max_retries,
+            "must be >= 0",
+            f"pass {key}.max_retries=2",
+        )
         require(c.timeout_s > 0, f"{key}.timeout_s", c.timeout_s, "must be > 0", f"pass {key}.timeout_s=20")
-        require(bool(str(c.name).strip()) and "/" not in str(c.name), f"{key}.name", c.name,
-                "must be a non-empty name without '/'", f"pass {key}.name=my_study")
+        require(
+            bool(str(c.name).strip()) and "/" not in str(c.name),
+            f"{key}.name",
+            c.name,
+            "must be a non-empty name without '/'",
+            f"pass {key}.name=my_study",
+        )
 
 
 @dataclass
@@ -102,8 +125,13 @@ class MLflowConfig:
 
     @staticmethod
     def check(c: Any, key: str = "mlflow") -> None:
-        require(c.close_timeout_s > 0, f"{key}.close_timeout_s", c.close_timeout_s, "must be > 0",
-                f"pass {key}.close_timeout_s=30")
+        require(
+            c.close_timeout_s > 0,
+            f"{key}.close_timeout_s",
+            c.close_timeout_s,
+            "must be > 0",
+            f"pass {key}.close_timeout_s=30",
+        )
 
 
 LOGGERS = ("tensorboard", "mlflow")
@@ -196,37 +224,82 @@ class TrainConfig:
         _check_lengths(c)
         # torch and numpy take seeds below 2**63 / 2**64; per-epoch seeds add up to ~1e6 * epochs.
         require(0 <= c.seed < 2**62, "seed", c.seed, "must be in [0, 2**62)", "pass seed=0")
-        require(c.objective.split("/", 1)[0].startswith("val") and "/" in c.objective, "objective", c.objective,
-                "must name a validation metric (best.pt and sweepers follow it)", "pass objective=val/acc")
-        require(c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0")
-        require(str(c.mode) != "eval" or (c.resume and c.resume != "auto"), "resume", c.resume,
-                "mode=eval evaluates a checkpoint: name it", "pass resume=<checkpoint .pt or run dir>")
+        require(
+            c.objective.split("/", 1)[0].startswith("val") and "/" in c.objective,
+            "objective",
+            c.objective,
+            "must name a validation metric (best.pt and sweepers follow it)",
+            "pass objective=val/acc",
+        )
+        require(
+            c.grad_clip >= 0, "grad_clip", c.grad_clip, "must be >= 0 (0 disables)", "pass grad_clip=1.0 or 0"
+        )
+        require(
+            str(c.mode) != "eval" or (c.resume and c.resume != "auto"),
+            "resume",
+            c.resume,
+            "mode=eval evaluates a checkpoint: name it",
+            "pass resume=<checkpoint .pt or run dir>",
+        )
 
 
 def _check_loggers(loggers: list[str]) -> None:
-    require(set(loggers) <= set(LOGGERS) and "tensorboard" in loggers, "logger", loggers,
-            f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
-            "pass logger=[tensorboard,mlflow]")
+    require(
+        set(loggers) <= set(LOGGERS) and "tensorboard" in loggers,
+        "logger",
+        loggers,
+        f"one or more of {', '.join(LOGGERS)}, tensorboard among them (the run dir's own record)",
+        "pass logger=[tensorboard,mlflow]",
+    )
     # Here, on every rank before its process group: only rank 0 opens the MLflow run, and a rank 0 that
     # found MLflow missing there left its peers to blame a killed rank.
-    require("mlflow" not in loggers or _installed("mlflow"), "logger", loggers,
-            "needs MLflow, which is not installed", "pip install 'ddplab[mlflow]', or logger=[tensorboard]")
+    require(
+        "mlflow" not in loggers or _installed("mlflow"),
+        "logger",
+        loggers,
+        "needs MLflow, which is not installed",
+        "pip install 'ddplab[mlflow]', or logger=[tensorboard]",
+    )
 
 
 def _check_lengths(c: Any) -> None:
     """How long the job runs, in what batches, and how often it logs and evaluates: every count in range."""
-    for k, lo, example in (("batch_size", 1, 64), ("grad_accum_steps", 1, 1), ("log_every_n_steps", 1, 10),
-                           ("eval_every_n_epochs", 1, 1)):
+    for k, lo, example in (
+        ("batch_size", 1, 64),
+        ("grad_accum_steps", 1, 1),
+        ("log_every_n_steps", 1, 10),
+        ("eval_every_n_epochs", 1, 1),
+    ):
         require(c[k] >= lo, k, c[k], "must be > 0", f"pass {k}={example}")
     for k, example in (("num_epochs", 10), ("max_steps", 1000)):
         require(c[k] is None or c[k] >= 1, k, c[k], "must be > 0 or null", f"pass {k}={example}")
-    require(c.num_epochs is not None or c.max_steps is not None, "num_epochs", None,
-            "with max_steps=null too, the run would never end", "pass num_epochs=10 or max_steps=1000")
-    require(c.eval_every_n_steps >= 0, "eval_every_n_steps", c.eval_every_n_steps,
-            "must be >= 0 (0: at epoch ends)", "pass eval_every_n_steps=500")
-    require(c.stop_after_epochs is None or c.stop_after_epochs > 0, "stop_after_epochs", c.stop_after_epochs,
-            "must be > 0 or null", "drop the override")
+    require(
+        c.num_epochs is not None or c.max_steps is not None,
+        "num_epochs",
+        None,
+        "with max_steps=null too, the run would never end",
+        "pass num_epochs=10 or max_steps=1000",
+    )
+    require(
+        c.eval_every_n_steps >= 0,
+        "eval_every_n_steps",
+        c.eval_every_n_steps,
+        "must be >= 0 (0: at epoch ends)",
+        "pass eval_every_n_steps=500",
+    )
+    require(
+        c.stop_after_epochs is None or c.stop_after_epochs > 0,
+        "stop_after_epochs",
+        c.stop_after_epochs,
+        "must be > 0 or null",
+        "drop the override",
+    )
     for k in ("limit_train_steps", "limit_val_batches"):
         require(c[k] is None or c[k] > 0, k, c[k], "must be > 0 or null", f"pass {k}=null")
-    require(c.overfit_batches >= 0, "overfit_batches", c.overfit_batches, "must be >= 0",
-            "pass overfit_batches=0 (off)")
+    require(
+        c.overfit_batches >= 0,
+        "overfit_batches",
+        c.overfit_batches,
+        "must be >= 0",
+        "pass overfit_batches=0 (off)",
+    )

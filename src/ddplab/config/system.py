@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddplab.config.choices import (TRI_STATE, Backend, CommHook, CompileMode, Device, Strategy)
+from ddplab.config.choices import TRI_STATE, Backend, CommHook, CompileMode, Device, Strategy
 from ddplab.config.errors import require
 
 
@@ -57,19 +57,43 @@ class DistributedConfig:
     @staticmethod
     def check(d: Any, key: str = "distributed") -> None:
         require(d.timeout_s > 0, f"{key}.timeout_s", d.timeout_s, "must be > 0", f"pass {key}.timeout_s=300")
-        require(d.bucket_cap_mb > 0, f"{key}.bucket_cap_mb", d.bucket_cap_mb, "must be > 0",
-                f"pass {key}.bucket_cap_mb=25")
-        require(d.nproc_per_node > 0, f"{key}.nproc_per_node", d.nproc_per_node, "must be >= 1",
-                f"pass {key}.nproc_per_node=2 (or launch with torchrun)")
-        require(d.max_restarts >= 0, f"{key}.max_restarts", d.max_restarts, "must be >= 0",
-                f"pass {key}.max_restarts=0")
-        require(d.init_method.split("://")[0] in ("env", "tcp", "file"), f"{key}.init_method", d.init_method,
-                "unknown scheme", "use env://, tcp://HOST:PORT or file:///PATH")
+        require(
+            d.bucket_cap_mb > 0,
+            f"{key}.bucket_cap_mb",
+            d.bucket_cap_mb,
+            "must be > 0",
+            f"pass {key}.bucket_cap_mb=25",
+        )
+        require(
+            d.nproc_per_node > 0,
+            f"{key}.nproc_per_node",
+            d.nproc_per_node,
+            "must be >= 1",
+            f"pass {key}.nproc_per_node=2 (or launch with torchrun)",
+        )
+        require(
+            d.max_restarts >= 0,
+            f"{key}.max_restarts",
+            d.max_restarts,
+            "must be >= 0",
+            f"pass {key}.max_restarts=0",
+        )
+        require(
+            d.init_method.split("://")[0] in ("env", "tcp", "file"),
+            f"{key}.init_method",
+            d.init_method,
+            "unknown scheme",
+            "use env://, tcp://HOST:PORT or file:///PATH",
+        )
         if d.init_method.startswith("file://"):  # torch would wait 300 s for a file it can never create
-            folder = os.path.dirname(d.init_method[len("file://"):]) or "."
-            require(os.path.isdir(folder), f"{key}.init_method", d.init_method,
-                    f"its directory {folder} does not exist", "create it on a file system every rank sees, "
-                    "or use env:// (torchrun sets it up)")
+            folder = os.path.dirname(d.init_method[len("file://") :]) or "."
+            require(
+                os.path.isdir(folder),
+                f"{key}.init_method",
+                d.init_method,
+                f"its directory {folder} does not exist",
+                "create it on a file system every rank sees, or use env:// (torchrun sets it up)",
+            )
 
 
 @dataclass
@@ -103,22 +127,52 @@ class PerfConfig:
     @staticmethod
     def check(pf: Any, key: str = "perf") -> None:
         for k in ("data_on_device", "fused_optimizer"):
-            require(str(pf[k]).lower() in TRI_STATE, f"{key}.{k}", pf[k], "unknown choice",
-                    f"use {key}.{k}=auto, true or false")
-        require(pf.num_workers >= 0, f"{key}.num_workers", pf.num_workers, "must be >= 0",
-                f"pass {key}.num_workers=4")
+            require(
+                str(pf[k]).lower() in TRI_STATE,
+                f"{key}.{k}",
+                pf[k],
+                "unknown choice",
+                f"use {key}.{k}=auto, true or false",
+            )
+        require(
+            pf.num_workers >= 0,
+            f"{key}.num_workers",
+            pf.num_workers,
+            "must be >= 0",
+            f"pass {key}.num_workers=4",
+        )
         # A loader worker hands each batch's tensors over a unix socket that multiprocessing makes under the
         # temp dir (<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX); a socket path over 107 bytes fails in the worker
         # and the job waits for its batch forever (a long per-job TMPDIR does it).
         sock = len(os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx"))
-        require(pf.num_workers == 0 or sock <= 107, f"{key}.num_workers", pf.num_workers,
-                f"loader workers pass batches over a unix socket under the temp dir {tempfile.gettempdir()}, whose "
-                f"path would be {sock} bytes, over the 107 a socket path may have (the job would hang)",
-                f"a shorter TMPDIR (at most {107 - (sock - len(tempfile.gettempdir()))} characters), or "
-                f"{key}.num_workers=0")
-        require(pf.prefetch_factor >= 1, f"{key}.prefetch_factor", pf.prefetch_factor, "must be >= 1",
-                f"pass {key}.prefetch_factor=2")
-        require(str(pf.host_allocator) in ("tuned", "system"), f"{key}.host_allocator",
-                pf.host_allocator, "unknown choice", f"use {key}.host_allocator=tuned or system")
-        require(pf.peak_tflops is None or pf.peak_tflops > 0, f"{key}.peak_tflops", pf.peak_tflops,
-                "must be > 0 or null", f"pass {key}.peak_tflops=null")
+        require(
+            pf.num_workers == 0 or sock <= 107,
+            f"{key}.num_workers",
+            pf.num_workers,
+            f"loader workers pass batches over a unix socket under the temp dir {tempfile.gettempdir()}, "
+            "whose "
+            f"path would be {sock} bytes, over the 107 a socket path may have (the job would hang)",
+            f"a shorter TMPDIR (at most {107 - (sock - len(tempfile.gettempdir()))} characters), or "
+            f"{key}.num_workers=0",
+        )
+        require(
+            pf.prefetch_factor >= 1,
+            f"{key}.prefetch_factor",
+            pf.prefetch_factor,
+            "must be >= 1",
+            f"pass {key}.prefetch_factor=2",
+        )
+        require(
+            str(pf.host_allocator) in ("tuned", "system"),
+            f"{key}.host_allocator",
+            pf.host_allocator,
+            "unknown choice",
+            f"use {key}.host_allocator=tuned or system",
+        )
+        require(
+            pf.peak_tflops is None or pf.peak_tflops > 0,
+            f"{key}.peak_tflops",
+            pf.peak_tflops,
+            "must be > 0 or null",
+            f"pass {key}.peak_tflops=null",
+        )

@@ -43,7 +43,9 @@ class VAETaskConfig:
     @staticmethod
     def check(c: Any, key: str) -> None:
         require(c.beta >= 0, f"{key}.beta", c.beta, "must be >= 0 (a KL weight)", f"pass {key}.beta=1.0")
-        require(c.num_images >= 0, f"{key}.num_images", c.num_images, "must be >= 0", f"pass {key}.num_images=8")
+        require(
+            c.num_images >= 0, f"{key}.num_images", c.num_images, "must be >= 0", f"pass {key}.num_images=8"
+        )
 
 
 # ------------------------------------------------------------------ callbacks
@@ -68,9 +70,16 @@ class EarlyStoppingConfig:
     mode: str = "auto"  # min | max | auto (the task says which metrics are better higher)
     divergence_threshold: Optional[float] = None  # stop at once past this value (null: never)
     check_finite: bool = True  # stop at once when the monitored value is NaN/Inf
+
     @staticmethod
     def check(c: Any, key: str) -> None:
-        require(c.mode in ("auto", "min", "max"), f"{key}.mode", c.mode, "not a mode", f"pass {key}.mode=auto (or min, max)")
+        require(
+            c.mode in ("auto", "min", "max"),
+            f"{key}.mode",
+            c.mode,
+            "not a mode",
+            f"pass {key}.mode=auto (or min, max)",
+        )
         require(c.patience >= 1, f"{key}.patience", c.patience, "must be >= 1", f"pass {key}.patience=3")
 
 
@@ -83,4 +92,10 @@ class ProfilerConfig:
     @staticmethod
     def check(c: Any, key: str) -> None:
         ok = len(c.steps) == 2 and 1 <= c.steps[0] <= c.steps[1]
-        require(ok, f"{key}.steps", list(c.steps), "need [first, last] with 1 <= first <= last", f"pass {key}.steps=[10,15]")
+        require(
+            ok,
+            f"{key}.steps",
+            list(c.steps),
+            "need [first, last] with 1 <= first <= last",
+            f"pass {key}.steps=[10,15]",
+        )

@@ -106,7 +106,9 @@ def _shipped_objects() -> frozenset[int]:
 def _is_torch_optim(obj: Any) -> bool:
     import torch
 
-    return isinstance(obj, type) and issubclass(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler))
+    return isinstance(obj, type) and issubclass(
+        obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    )
 
 
 def untrusted(stored: Any, own: Any = None) -> list[tuple[str, str]]:
@@ -122,13 +124,18 @@ def untrusted(stored: Any, own: Any = None) -> list[tuple[str, str]]:
     return refused
 
 
-def refusal(source: str, stored: Any, own: Any = None, switch: str = "trust_stored_config=true") -> str | None:
+def refusal(
+    source: str, stored: Any, own: Any = None, switch: str = "trust_stored_config=true"
+) -> str | None:
     """One line naming the first target ``stored`` may not build and the switch, or None if it may."""
     bad = untrusted(stored, own)
     if not bad:
         return None
     key, target = bad[0]
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    return (f"{source}: its stored config names {key}._target_={target!r}{more}, which is neither ddplab's, "
-            f"torch.optim's nor in this command's config; a run dir from elsewhere builds only what ddplab ships. "
-            f"Fix: if you trust where it came from, pass {switch}")
+    return (
+        f"{source}: its stored config names {key}._target_={target!r}{more}, which is neither ddplab's, "
+        "torch.optim's nor in this command's config; a run dir from elsewhere builds only what ddplab "
+        "ships. "
+        f"Fix: if you trust where it came from, pass {switch}"
+    )

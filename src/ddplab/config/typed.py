@@ -44,8 +44,10 @@ def typed(plain: Any, where: str) -> DictConfig:
                 raise ConfigError(f"{where}: {e.full_key}: {str(e.msg).splitlines()[0]}") from None
             dropped.append(e.full_key)
         except ValidationError as e:
-            raise ConfigError(f"{where}: {e.full_key}={e.value!r}: {str(e.msg).splitlines()[0]}. Fix: a "
-                              f"config a ddplab run wrote, or {e.full_key}=<a valid value>") from None
+            raise ConfigError(
+                f"{where}: {e.full_key}={e.value!r}: {str(e.msg).splitlines()[0]}. Fix: a "
+                f"config a ddplab run wrote, or {e.full_key}=<a valid value>"
+            ) from None
     if dropped:
         log.warning("%s: keys this ddplab does not know, ignored: %s", where, ", ".join(dropped))
     OmegaConf.set_struct(out, True)

@@ -18,8 +18,11 @@ def map_tensors(batch: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(batch, Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({k: map_tensors(v, fn) for k, v in batch.items()}) if type(batch) is not dict \
+        return (
+            type(batch)({k: map_tensors(v, fn) for k, v in batch.items()})
+            if type(batch) is not dict
             else {k: map_tensors(v, fn) for k, v in batch.items()}
+        )
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -53,5 +56,6 @@ def in_memory_format(batch: Any, fmt: torch.memory_format | None) -> Any:
     the batch as it is."""
     if fmt is None:
         return batch
-    return map_tensors(batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point()
-                       else t)
+    return map_tensors(
+        batch, lambda t: t.contiguous(memory_format=fmt) if t.dim() == 4 and t.is_floating_point() else t
+    )

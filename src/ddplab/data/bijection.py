@@ -37,7 +37,10 @@ class IndexBijection:
         self.mask = np.uint64((1 << int(self.half)) - 1)
         with np.errstate(over="ignore"):
             base = np.uint64(seed % 2**64) * _GOLDEN
-            self.keys = [_mix(np.array([base + np.uint64(r + 1) * _GOLDEN], dtype=np.uint64))[0] for r in range(_ROUNDS)]
+            self.keys = [
+                _mix(np.array([base + np.uint64(r + 1) * _GOLDEN], dtype=np.uint64))[0]
+                for r in range(_ROUNDS)
+            ]
 
     def _network(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self.half, x & self.mask

@@ -63,8 +63,15 @@ def check(source: dict[str, Any], files: list[str], n: int, key: str) -> None:
         added = sorted(set(now) - set(then))
         gone = sorted(set(then) - set(now))
         changed = sorted(f for f in set(now) & set(then) if now[f] != then[f])
-        what = "; ".join(f"{label}: {', '.join(Path(f).name for f in fs[:3])}{' ...' if len(fs) > 3 else ''}"
-                         for label, fs in (("added", added), ("removed", gone), ("changed", changed)) if fs)
-        raise InputError(f"dataset.num_samples={n}: it was counted ({rec['n']} samples) on other files than "
-                         f"dataset.{key} holds now ({what}); the epochs would stop short of them. {fix}")
-    raise InputError(f"dataset.num_samples={n}: dataset.{key}'s files held {rec['n']} samples when counted. {fix}")
+        what = "; ".join(
+            f"{label}: {', '.join(Path(f).name for f in fs[:3])}{' ...' if len(fs) > 3 else ''}"
+            for label, fs in (("added", added), ("removed", gone), ("changed", changed))
+            if fs
+        )
+        raise InputError(
+            f"dataset.num_samples={n}: it was counted ({rec['n']} samples) on other files than "
+            f"dataset.{key} holds now ({what}); the epochs would stop short of them. {fix}"
+        )
+    raise InputError(
+        f"dataset.num_samples={n}: dataset.{key}'s files held {rec['n']} samples when counted. {fix}"
+    )

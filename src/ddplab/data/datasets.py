@@ -83,7 +83,9 @@ def digits(
     _expect("in_channels", in_channels, 1)
     _expect("image_size", image_size, 8)
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"dataset.val_fraction={val_fraction}: must be in (0, 1). Fix: dataset.val_fraction=0.2")
+        raise ValueError(
+            f"dataset.val_fraction={val_fraction}: must be in (0, 1). Fix: dataset.val_fraction=0.2"
+        )
     images, target = _digits_arrays()
     x = torch.as_tensor(images, dtype=torch.float32).unsqueeze(1)  # (1797, 1, 8, 8), 0..16
     y = torch.as_tensor(target, dtype=torch.int64)
@@ -111,8 +113,12 @@ def synthetic(
     Learnable (unlike uniform random labels), so tests can assert that loss
     falls, and any shape/size can be had for benchmarks.
     """
-    for name, v in (("num_train", num_train), ("num_classes", num_classes), ("in_channels", in_channels),
-                    ("image_size", image_size)):
+    for name, v in (
+        ("num_train", num_train),
+        ("num_classes", num_classes),
+        ("in_channels", in_channels),
+        ("image_size", image_size),
+    ):
         if v <= 0:
             raise ValueError(f"dataset.{name}={v}: must be > 0")
     if num_val < 0:

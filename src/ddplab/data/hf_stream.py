@@ -37,8 +37,9 @@ def open_datasets() -> Any:
     try:
         import datasets
     except ImportError:
-        raise InputError("dataset=hf needs Hugging Face datasets, which is not installed. "
-                         "Fix: pip install 'ddplab[hf]'") from None
+        raise InputError(
+            "dataset=hf needs Hugging Face datasets, which is not installed. Fix: pip install 'ddplab[hf]'"
+        ) from None
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     # Each load_dataset would otherwise send a HEAD request to the Hub (its download counter; 3 s timeout):
@@ -49,8 +50,11 @@ def open_datasets() -> Any:
 
 def null_said(column: str, key: str, split: str, file: str, row: int) -> str:
     """The one line for a row with no value in the column a sample is made of."""
-    return (f"dataset.{split}: {file} row {row} has no value (null) in column '{column}' (dataset.{key}). Fix: drop "
-            "or fill the rows without one when the file is written")
+    return (
+        f"dataset.{split}: {file} row {row} has no value (null) in column '{column}' (dataset.{key}). Fix: "
+        "drop "
+        "or fill the rows without one when the file is written"
+    )
 
 
 def row_in_files(files: list[str], fmt: str, row: int) -> tuple[str, int]:
@@ -82,8 +86,10 @@ def columns_apart(files: list[str], fmt: str) -> str | None:
 def tokenizer_for(tokenizer: str | None, key: str) -> Any:
     """The local tokenizer a text column ``dataset.<key>`` is encoded with."""
     if tokenizer is None:
-        raise InputError(f"dataset.{key} is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>"
-                         " (scripts/make_tokens.py --train-bpe writes one). Fix: set dataset.tokenizer")
+        raise InputError(
+            f"dataset.{key} is a text column, so it needs dataset.tokenizer=<a local tokenizer.json>"
+            " (scripts/make_tokens.py --train-bpe writes one). Fix: set dataset.tokenizer"
+        )
     from ddplab.data.tokenizer import load
 
     return load(tokenizer)
@@ -92,10 +98,26 @@ def tokenizer_for(tokenizer: str | None, key: str) -> Any:
 class HFStream(IterableDataset):
     """Samples of ``files`` (one format): LM windows of ``x`` (``y`` None) or one labelled row each."""
 
-    def __init__(self, files: list[str], fmt: str, x: str, y: str | None, tokenizer: str | None, block_size: int,
-                 vocab_size: int, pad_id: int, num_samples: int | None, key: str):
+    def __init__(
+        self,
+        files: list[str],
+        fmt: str,
+        x: str,
+        y: str | None,
+        tokenizer: str | None,
+        block_size: int,
+        vocab_size: int,
+        pad_id: int,
+        num_samples: int | None,
+        key: str,
+    ):
         self.files, self.fmt, self.x, self.y, self.key = files, fmt, x, y, key
-        self.tokenizer, self.block_size, self.vocab_size, self.pad_id = tokenizer, block_size, vocab_size, pad_id
+        self.tokenizer, self.block_size, self.vocab_size, self.pad_id = (
+            tokenizer,
+            block_size,
+            vocab_size,
+            pad_id,
+        )
         self._where: tuple[int, Any, list[Any], int] | None = None  # file, rows' state, carry, at (see _file)
         self._resume: dict[str, Any] | None = None
         self._tok: Any = None
@@ -127,7 +149,9 @@ class HFStream(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # Not a generator itself: the position is reset when the iterator is made, before its first sample.
         resume, self._resume = self._resume, None
-        self._where = None if resume is None else (resume["file"], resume["rows"], resume["carry"], resume["at"])
+        self._where = (
+            None if resume is None else (resume["file"], resume["rows"], resume["carry"], resume["at"])
+        )
         return self._samples(resume)
 
     def _samples(self, resume: dict[str, Any] | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,7 +191,7 @@ class HFStream(IterableDataset):
         if self.y is not None:
             return pending[at]
         # Windows overlap by one token: the last target is the next window's first input.
-        w = torch.tensor(pending[at:at + self.block_size + 1], dtype=torch.int64)
+        w = torch.tensor(pending[at : at + self.block_size + 1], dtype=torch.int64)
         return w[:-1], w[1:]
 
     def _encode(self, batch: dict[str, list[Any]], i: int = 0) -> list[Any]:
@@ -176,12 +200,18 @@ class HFStream(IterableDataset):
         for key, name in (("x", self.x), ("y", self.y)):
             if name is not None and name not in batch:
                 if i:  # the first file has it: the files disagree, and another column would break the others
-                    raise InputError(f"dataset.{self.key}: {Path(self.files[i]).name} has no column '{name}' "
-                                     f"(dataset.{key}); it has {sorted(batch)}. Fix: give every file of one split "
-                                     f"the same columns")
-                raise InputError(f"dataset.{key}={name}: no such column; {Path(self.files[i]).name} has "
-                                 f"{sorted(batch)}. Fix: dataset.{key}=<one of them>")
-            empty = next((r for r, v in enumerate(batch.get(name) or []) if v is None), None) if name else None
+                    raise InputError(
+                        f"dataset.{self.key}: {Path(self.files[i]).name} has no column '{name}' "
+                        f"(dataset.{key}); it has {sorted(batch)}. Fix: give every file of one split "
+                        f"the same columns"
+                    )
+                raise InputError(
+                    f"dataset.{key}={name}: no such column; {Path(self.files[i]).name} has "
+                    f"{sorted(batch)}. Fix: dataset.{key}=<one of them>"
+                )
+            empty = (
+                next((r for r, v in enumerate(batch.get(name) or []) if v is None), None) if name else None
+            )
             if empty is not None:
                 raise InputError(null_said(name, key, self.key, Path(self.files[i]).name, self._read + empty))
         self._read += len(batch[self.x])
@@ -192,12 +222,17 @@ class HFStream(IterableDataset):
         if self.y is None:
             flat = [t for r in ids for t in r]
             if flat and max(flat) >= self.vocab_size:
-                raise InputError(f"dataset.{self.key}: token id {max(flat)} >= dataset.vocab_size={self.vocab_size}. "
-                                 f"Fix: dataset.vocab_size=<the tokenizer's vocabulary>")
+                raise InputError(
+                    f"dataset.{self.key}: token id {max(flat)} >= dataset.vocab_size={self.vocab_size}. "
+                    f"Fix: dataset.vocab_size=<the tokenizer's vocabulary>"
+                )
             return flat
         b = self.block_size
-        xs = ([torch.tensor(s[:b] + [self.pad_id] * (b - len(s[:b])), dtype=torch.int64) for s in ids] if ids is not None
-              else [torch.as_tensor(v, dtype=torch.float32) for v in col])
+        xs = (
+            [torch.tensor(s[:b] + [self.pad_id] * (b - len(s[:b])), dtype=torch.int64) for s in ids]
+            if ids is not None
+            else [torch.as_tensor(v, dtype=torch.float32) for v in col]
+        )
         ys = [torch.as_tensor(v) for v in batch[self.y]]
         return [(x, y.long() if not y.is_floating_point() else y.float()) for x, y in zip(xs, ys)]
 
@@ -222,12 +257,26 @@ class HFStream(IterableDataset):
                 else:
                     tokens += len(self._encode(batch, i))
             n += max(0, tokens - 1) // self.block_size
-        log.info("dataset.%s: %d samples in %d file(s), counted in %.1fs (dataset.num_samples=%d skips the count; "
-                 "checked against these files)", self.key, n, len(self.files), time.perf_counter() - t0, n)
+        log.info(
+            "dataset.%s: %d samples in %d file(s), counted in %.1fs (dataset.num_samples=%d skips the count; "
+            "checked against these files)",
+            self.key,
+            n,
+            len(self.files),
+            time.perf_counter() - t0,
+            n,
+        )
         counts.record(self._source(), self.files, n)
         return n
 
     def _source(self) -> dict[str, Any]:
         """What decides the count besides the files: how they are read and cut."""
-        return {"key": self.key, "dirs": sorted({str(Path(f).resolve().parent) for f in self.files}), "fmt": self.fmt,
-                "x": self.x, "y": self.y, "tokenizer": self.tokenizer, "block_size": self.block_size}
+        return {
+            "key": self.key,
+            "dirs": sorted({str(Path(f).resolve().parent) for f in self.files}),
+            "fmt": self.fmt,
+            "x": self.x,
+            "y": self.y,
+            "tokenizer": self.tokenizer,
+            "block_size": self.block_size,
+        }

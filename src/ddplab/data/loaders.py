@@ -43,11 +43,20 @@ class TrainLoader:
     (per-sample augmentation in its workers, pinned memory, async copies).
     """
 
-    def __init__(self, data: Dataset, sampler: ShardedGlobalSampler, device: torch.device,
-                 augment: BatchAugment | None = None, num_workers: int = 0, pin_memory: bool = True,
-                 indexed: bool | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None,
-                 starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+    def __init__(
+        self,
+        data: Dataset,
+        sampler: ShardedGlobalSampler,
+        device: torch.device,
+        augment: BatchAugment | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        indexed: bool | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        prefetch_factor: int = 2,
+        worker_init_fn: Callable[[int], None] | None = None,
+        starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+    ):
         """``indexed``: batch ``data`` (a TensorData on ``device``) by index; None: whenever it can.
         ``collate_fn``: the dataset's own, for the DataLoader path; ``prefetch_factor``: batches each worker
         keeps ready; ``worker_init_fn``: run in each worker as it starts; ``starting_workers``: the context
@@ -63,10 +72,15 @@ class TrainLoader:
         if not self.indexed:
             source = PerSampleAugment(data, self.augment) if self.augment else data
             self._loader = DataLoader(
-                source, batch_size=sampler.per_rank_batch, sampler=sampler, num_workers=num_workers,
+                source,
+                batch_size=sampler.per_rank_batch,
+                sampler=sampler,
+                num_workers=num_workers,
                 collate_fn=collate_fn,
-                pin_memory=pin_memory and device.type == "cuda", persistent_workers=num_workers > 0,
-                prefetch_factor=prefetch_factor if num_workers > 0 else None, worker_init_fn=worker_init_fn,
+                pin_memory=pin_memory and device.type == "cuda",
+                persistent_workers=num_workers > 0,
+                prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                worker_init_fn=worker_init_fn,
                 # Its own generator: the loader draws a seed per epoch, which would
                 # otherwise come from the global RNG and shift dropout's stream.
                 generator=torch.Generator().manual_seed(sampler.seed * 1_000_003 + sampler.rank),
@@ -93,14 +107,20 @@ class TrainLoader:
                 yield move(batch, self.device, nb)
             return
         # One host->device copy of the epoch's indices, then pure device indexing.
-        idx = self.sampler.batches()[self.sampler.skip:].to(self.device)
+        idx = self.sampler.batches()[self.sampler.skip :].to(self.device)
         for i in idx:
             x = self.data.x[i]
             yield (self.augment(x) if self.augment else x), self.data.y[i]
 
 
-def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, device: torch.device,
-                 collate_fn: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
+def eval_batches(
+    data: Dataset,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    device: torch.device,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Iterator[Any]:
     """This rank's exact validation shard (every sample on exactly one rank)."""
     if is_stream(data):
         yield from stream_eval_batches(data, world_size, rank, batch_size, device, collate_fn)
@@ -113,6 +133,10 @@ def eval_batches(data: Dataset, world_size: int, rank: int, batch_size: int, dev
             yield data.x[idx].to(device, non_blocking=nb), data.y[idx].to(device, non_blocking=nb)
         return
     # The shard is contiguous: a range, not a list of every index (a token file's windows run to millions).
-    for batch in DataLoader(Subset(data, eval_span(len(data), world_size, rank)), batch_size=batch_size,
-                            pin_memory=nb, collate_fn=collate_fn):
+    for batch in DataLoader(
+        Subset(data, eval_span(len(data), world_size, rank)),
+        batch_size=batch_size,
+        pin_memory=nb,
+        collate_fn=collate_fn,
+    ):
         yield move(batch, device, nb)

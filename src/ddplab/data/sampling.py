@@ -71,9 +71,14 @@ class ShardedGlobalSampler(Sampler[int]):
         """(num_micro_batches, per_rank_batch) indices for this rank and epoch (held whole: the indexed
         path's, for data in memory)."""
         if self.order == "bijection":
-            rows = np.arange(self.num_micro_batches)[:, None] * self.global_batch + self.rank * self.per_rank_batch
+            rows = (
+                np.arange(self.num_micro_batches)[:, None] * self.global_batch
+                + self.rank * self.per_rank_batch
+            )
             order = IndexBijection(self.num_samples, self.seed + self.epoch)
-            return torch.from_numpy(order((rows + np.arange(self.per_rank_batch)).ravel()).reshape(rows.shape[0], -1))
+            return torch.from_numpy(
+                order((rows + np.arange(self.per_rank_batch)).ravel()).reshape(rows.shape[0], -1)
+            )
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             perm = torch.randperm(self.num_samples, generator=g)
@@ -94,7 +99,7 @@ class ShardedGlobalSampler(Sampler[int]):
         # A micro-batch at a time: a whole epoch as one Python list costs ~60 bytes per sample, which
         # grows with a token file far past the permutation's own 8 bytes per window. One host read of the
         # index tensor, here at the epoch's start (a zero-copy numpy view); none inside the steps.
-        rows = self.batches()[self.skip:].numpy()
+        rows = self.batches()[self.skip :].numpy()
         for row in rows:
             yield from row.tolist()
 

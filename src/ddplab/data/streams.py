@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.utils.data import IterableDataset, default_collate, default_convert
 
 from ddplab import compat
-from ddplab.errors import ConfigError
 from ddplab.data.batches import move
 from ddplab.data.sampling import ShardedGlobalSampler, eval_span
+from ddplab.errors import ConfigError
 
 
 class StreamEnded(RuntimeError):
@@ -54,11 +54,20 @@ def is_stream(data: Any) -> bool:
 class StreamLoader:
     """This rank's micro-batches of an iterable dataset for one epoch; the TrainLoader of streams."""
 
-    def __init__(self, data: IterableDataset, sampler: ShardedGlobalSampler, device: torch.device,
-                 num_workers: int = 0, pin_memory: bool = True, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 prefetch_factor: int = 2, worker_init_fn: Callable[[int], None] | None = None,
-                 all_ranks_rows: Callable[[Tensor], Tensor] | None = None, name: str | None = None,
-                 starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+    def __init__(
+        self,
+        data: IterableDataset,
+        sampler: ShardedGlobalSampler,
+        device: torch.device,
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        prefetch_factor: int = 2,
+        worker_init_fn: Callable[[int], None] | None = None,
+        all_ranks_rows: Callable[[Tensor], Tensor] | None = None,
+        name: str | None = None,
+        starting_workers: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+    ):
         """``all_ranks_rows``: every rank's row of a tensor (one collective), for checking once that the ranks
         read the same stream; None on one rank. ``name``: the dataset as the user's config names it.
         ``starting_workers``: the context each epoch's workers are forked in (see TrainLoader)."""
@@ -79,8 +88,11 @@ class StreamLoader:
 
     def describe(self) -> str:
         checked = " (checked: the same stream on every rank)" if self.all_ranks_rows is not None else ""
-        return (f"a stream ({type(self.data).__name__}, {self.num_workers} worker(s)), sharded by ddplab: every rank "
-                f"reads the whole stream and keeps its slice of each global batch{checked}")
+        return (
+            f"a stream ({type(self.data).__name__}, {self.num_workers} worker(s)), sharded by ddplab: every "
+            "rank "
+            f"reads the whole stream and keeps its slice of each global batch{checked}"
+        )
 
     def __len__(self) -> int:
         return self.sampler.num_micro_batches
@@ -99,10 +111,15 @@ class StreamLoader:
         workers = self.num_workers
         # samples each
         ahead = max(1, self.prefetch * self.sampler.global_batch // workers) if workers else None
-        return StatefulDataLoader(self.data, batch_size=None, num_workers=workers, prefetch_factor=ahead,
-                                  collate_fn=_by_value if workers else None,
-                                  worker_init_fn=self.worker_init_fn if workers else None,
-                                  generator=torch.Generator().manual_seed(self.sampler.seed * 1_000_003 + 7))
+        return StatefulDataLoader(
+            self.data,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=ahead,
+            collate_fn=_by_value if workers else None,
+            worker_init_fn=self.worker_init_fn if workers else None,
+            generator=torch.Generator().manual_seed(self.sampler.seed * 1_000_003 + 7),
+        )
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self.sampler.epoch, self.sampler.skip
@@ -111,8 +128,10 @@ class StreamLoader:
         loader, saved, self._saved = self._fresh_loader(), self._saved, None
         if skip:  # a mid-epoch resume: the checkpoint holds the loader's state at exactly this point
             if saved is None or (saved["epoch"], saved["micro_batches"]) != (epoch, skip):
-                raise RuntimeError(f"resume: no saved stream position for epoch {epoch}, micro-batch {skip} (the "
-                                   f"checkpoint has {None if saved is None else (saved['epoch'], saved['micro_batches'])})")
+                raise RuntimeError(
+                    f"resume: no saved stream position for epoch {epoch}, micro-batch {skip} (the "
+                    f"checkpoint has {None if saved is None else (saved['epoch'], saved['micro_batches'])})"
+                )
             self._check_same_workers(saved["loader"], epoch, skip)
             loader.load_state_dict(saved["loader"])
         self._loader, self._epoch, self._served = loader, epoch, skip
@@ -128,30 +147,36 @@ class StreamLoader:
             if len(group) < self.sampler.global_batch:
                 break
             self._served += 1  # before the yield: a checkpoint taken while this batch trains counts it
-            yield move(self.collate(group[lo:lo + b]), self.device, self.pin)
+            yield move(self.collate(group[lo : lo + b]), self.device, self.pin)
         if self._served == promised:
             return
         fix = getattr(self.data, "length_fix", "make __len__ the number of samples one epoch yields")
-        raise StreamEnded(f"{type(self.data).__name__} ended after {self._served} global batches of "
-                          f"{self.sampler.global_batch} in epoch {epoch + 1}, but its __len__ ({self.sampler.num_samples}) "
-                          f"promises {promised}. Fix: {fix}")
+        raise StreamEnded(
+            f"{type(self.data).__name__} ended after {self._served} global batches of "
+            f"{self.sampler.global_batch} in epoch {epoch + 1}, but its __len__ ({self.sampler.num_samples}) "
+            f"promises {promised}. Fix: {fix}"
+        )
 
     def _check_same_workers(self, state: dict[str, Any], epoch: int, skip: int) -> None:
         """A mid-epoch position holds only with the loader workers it was saved with."""
         old = compat.loader_workers(state)
         if old != self.num_workers:
             raise ConfigError(
-                f"perf.num_workers={self.num_workers}: the checkpoint stopped mid-epoch (epoch {epoch + 1}, micro-batch "
-                f"{skip}) in a stream read with perf.num_workers={old}; the order in which workers hand over samples "
-                f"is part of the stream, so that position means other samples with {self.num_workers}. Fix: resume "
-                f"with perf.num_workers={old} (change it at an epoch's end)")
+                f"perf.num_workers={self.num_workers}: the checkpoint stopped mid-epoch (epoch {epoch + 1}, "
+                "micro-batch "
+                f"{skip}) in a stream read with perf.num_workers={old}; the order in which workers hand over "
+                "samples "
+                f"is part of the stream, so that position means other samples with {self.num_workers}. Fix: "
+                "resume "
+                f"with perf.num_workers={old} (change it at an epoch's end)"
+            )
 
     def _check_one_stream(self, group: list[Any]) -> None:
         """Every rank must read the same samples in the same order; the first global batch read tells."""
         self._checked = True
         ids = [sample_id(x) for x in group]
         row = torch.zeros(self.sampler.global_batch + 1, dtype=torch.int64)
-        row[0], row[1:len(ids) + 1] = len(ids), torch.tensor(ids, dtype=torch.int64)
+        row[0], row[1 : len(ids) + 1] = len(ids), torch.tensor(ids, dtype=torch.int64)
         rows = self.all_ranks_rows(row.to(self.device)).cpu()
         other = next((r for r in range(1, len(rows)) if not torch.equal(rows[r], rows[0])), None)
         if other is not None:
@@ -167,8 +192,21 @@ class StreamLoader:
 
 
 # Dtypes numpy holds exactly: a worker's tensor of one of these crosses to the rank by value (pickled bytes).
-_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 class _ByValue:
@@ -185,10 +223,16 @@ class _ByValue:
 def _by_value(sample: Any) -> Any:
     """In a loader worker: torch's per-sample conversion (numpy arrays become tensors, as without this), then
     each plain CPU tensor wrapped as its numpy array; other tensors (bfloat16, ...) go as torch sends them."""
+
     def wrap(x: Any) -> Any:
         if isinstance(x, Tensor):
-            plain = (x.device.type == "cpu" and x.layout == torch.strided and not x.requires_grad
-                     and not x.is_conj() and not x.is_neg())  # lazy views numpy() refuses
+            plain = (
+                x.device.type == "cpu"
+                and x.layout == torch.strided
+                and not x.requires_grad
+                and not x.is_conj()
+                and not x.is_neg()
+            )  # lazy views numpy() refuses
             return _ByValue(x.numpy()) if plain and x.dtype in _NUMPY_DTYPES else x
         if isinstance(x, dict):
             return {k: wrap(v) for k, v in x.items()}
@@ -212,6 +256,7 @@ def _unwrapped(sample: Any) -> Any:
     if isinstance(sample, (list, tuple)):
         return type(sample)(_unwrapped(v) for v in sample)
     return sample
+
 
 def sample_id(sample: Any) -> int:
     """A 64-bit hash of a sample that is the same in every process for the same data: tensors and arrays
@@ -250,25 +295,45 @@ def sample_id(sample: Any) -> int:
 def stream_differs(name: str, first: Tensor, other: Tensor, rank: int) -> str:
     """The one line that refuses a stream which differs between rank 0 and ``rank`` (rows: count, ids...)."""
     n0, n1 = int(first[0]), int(other[0])
-    a, b = set(first[1:n0 + 1].tolist()), set(other[1:n1 + 1].tolist())
-    shuffle = ("shuffles with a generator that differs between ranks (Python's random or numpy's global generator, "
-               "which ddplab seeds per rank, or an unseeded one)")
+    a, b = set(first[1 : n0 + 1].tolist()), set(other[1 : n1 + 1].tolist())
+    shuffle = (
+        "shuffles with a generator that differs between ranks (Python's random or numpy's global generator, "
+        "which ddplab seeds per rank, or an unseeded one)"
+    )
     if a == b and n0 == n1:
-        what, fix = f"the same samples in another order: it {shuffle}", ("shuffle with a generator of your own seeded "
-                                                                        "from the seed and set_epoch's epoch alone")
+        what, fix = (
+            f"the same samples in another order: it {shuffle}",
+            ("shuffle with a generator of your own seeded from the seed and set_epoch's epoch alone"),
+        )
     else:
         common = "none" if not a & b else f"{len(a & b)} of {n0}"
-        what = (f"{n1} samples where rank 0 has {n0}" if n0 != n1 else f"other samples ({common} in common)") + (
-            ": it shards itself by rank (torch.distributed.get_rank(), datasets' split_dataset_by_node), which ddplab "
-            f"then shards again, or {shuffle}")
-        fix = ("yield the whole stream on every rank, in an order seeded from the seed and set_epoch's epoch alone, "
-               "and let ddplab give each rank its slice")
-    return (f"{name}: the training stream is not the same on every rank, so samples would be lost or used twice: its "
-            f"first global batch read has, on rank {rank}, {what}. Fix: {fix}")
+        what = (
+            f"{n1} samples where rank 0 has {n0}" if n0 != n1 else f"other samples ({common} in common)"
+        ) + (
+            ": it shards itself by rank (torch.distributed.get_rank(), datasets' split_dataset_by_node), "
+            "which ddplab "
+            f"then shards again, or {shuffle}"
+        )
+        fix = (
+            "yield the whole stream on every rank, in an order seeded from the seed and set_epoch's epoch "
+            "alone, "
+            "and let ddplab give each rank its slice"
+        )
+    return (
+        f"{name}: the training stream is not the same on every rank, so samples would be lost or used twice: "
+        "its "
+        f"first global batch read has, on rank {rank}, {what}. Fix: {fix}"
+    )
 
 
-def stream_eval_batches(data: IterableDataset, world_size: int, rank: int, batch_size: int, device: torch.device,
-                        collate_fn: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
+def stream_eval_batches(
+    data: IterableDataset,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    device: torch.device,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Iterator[Any]:
     """This rank's validation shard of a stream: the same contiguous cut as map-style data (by position in
     the stream, which ``__len__`` sizes), every sample on exactly one rank."""
     collate = collate_fn or default_collate

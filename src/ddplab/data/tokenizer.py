@@ -32,8 +32,10 @@ def _tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise InputError("a subword tokenizer needs Hugging Face tokenizers, which is not installed. "
-                         "Fix: pip install 'ddplab[hf]'") from None
+        raise InputError(
+            "a subword tokenizer needs Hugging Face tokenizers, which is not installed. "
+            "Fix: pip install 'ddplab[hf]'"
+        ) from None
     return tokenizers
 
 
@@ -41,43 +43,59 @@ def load(path: str | Path) -> Any:
     """The tokenizer of a local ``tokenizer.json``; one line if it is missing or not one."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--tokenizer {path}: no such file. Fix: the path of a local tokenizer.json "
-                         "(tokenizer.save(path) writes one), or --train-bpe VOCAB to train one on the text")
+        raise InputError(
+            f"--tokenizer {path}: no such file. Fix: the path of a local tokenizer.json "
+            "(tokenizer.save(path) writes one), or --train-bpe VOCAB to train one on the text"
+        )
     try:
         return _tokenizers().Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a plain Exception with serde's message
-        raise InputError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}). "
-                         "Fix: a file written by tokenizers' Tokenizer.save") from None
+        raise InputError(
+            f"--tokenizer {path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}). "
+            "Fix: a file written by tokenizers' Tokenizer.save"
+        ) from None
 
 
 def train_bpe(lines: Iterable[str], vocab_size: int) -> Any:
     """A byte-level BPE (GPT-2's pre-tokenizer, every byte in its alphabet: no unknown token) of
     ``vocab_size`` ids, trained on ``lines``. Deterministic: the same text gives the same tokenizer."""
     if vocab_size <= 256:
-        raise InputError(f"--train-bpe {vocab_size}: a byte-level BPE has the 256 bytes as its first ids. "
-                         "Fix: a vocabulary above 256 (e.g. 4096), or no tokenizer for bytes as ids")
+        raise InputError(
+            f"--train-bpe {vocab_size}: a byte-level BPE has the 256 bytes as its first ids. "
+            "Fix: a vocabulary above 256 (e.g. 4096), or no tokenizer for bytes as ids"
+        )
     tk = _tokenizers()
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(lines, trainer)
     return tok
 
 
 def describe(tok: Any, path: Path) -> dict[str, Any]:
     """What a token file's sidecar records of the tokenizer that wrote it (saved at ``path``)."""
-    return {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "vocab_size": tok.get_vocab_size(), "model": json.loads(tok.to_str())["model"]["type"]}
+    return {
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "vocab_size": tok.get_vocab_size(),
+        "model": json.loads(tok.to_str())["model"]["type"],
+    }
 
 
 def _text(data: bytes, start: int, errors: str = "strict") -> str:
     try:
         return data.decode("utf-8", errors)
     except UnicodeDecodeError as e:
-        raise InputError(f"byte {start + e.start} of the text is not UTF-8 ({e.reason}). Fix: convert the file "
-                         "to UTF-8 (iconv -t utf-8), or write its bytes as tokens without --tokenizer") from None
+        raise InputError(
+            f"byte {start + e.start} of the text is not UTF-8 ({e.reason}). Fix: convert the file "
+            "to UTF-8 (iconv -t utf-8), or write its bytes as tokens without --tokenizer"
+        ) from None
 
 
 def pieces(chunks: Iterable[bytes], split_at: int, last_errors: str = "strict") -> Iterator[tuple[int, str]]:
@@ -97,27 +115,33 @@ def pieces(chunks: Iterable[bytes], split_at: int, last_errors: str = "strict") 
                 cuts = [c - at for c in cuts if c > at]
         if not cuts:
             if len(buf) > MAX_CARRY:
-                raise InputError(f"bytes {start}-{start + len(buf)}: no line break between two non-space "
-                                 f"characters in {MAX_CARRY >> 20} MB, so no exact place to cut the text. Fix: "
-                                 "break its lines, or encode it with your tokenizer and ddplab.data.write_tokens")
+                raise InputError(
+                    f"bytes {start}-{start + len(buf)}: no line break between two non-space "
+                    f"characters in {MAX_CARRY >> 20} MB, so no exact place to cut the text. Fix: "
+                    "break its lines, or encode it with your tokenizer and ddplab.data.write_tokens"
+                )
             carry = buf
             continue
-        yield part, _text(buf[:cuts[-1]], start)
-        carry = buf[cuts[-1]:]
+        yield part, _text(buf[: cuts[-1]], start)
+        carry = buf[cuts[-1] :]
     if carry:
         yield part, _text(carry, seen - len(carry), last_errors)
 
 
 def check_cut(tok: Any, before: str, after: str) -> None:
     """The ids of the last line before a cut and the first after it, encoded together, are their ids apart."""
-    a, b = before[before.rfind("\n", 0, len(before) - 1) + 1:], after[:after.find("\n") + 1 or len(after)]
-    together, apart = tok.encode(a + b, add_special_tokens=False).ids, (
-        tok.encode(a, add_special_tokens=False).ids + tok.encode(b, add_special_tokens=False).ids)
+    a, b = before[before.rfind("\n", 0, len(before) - 1) + 1 :], after[: after.find("\n") + 1 or len(after)]
+    together, apart = (
+        tok.encode(a + b, add_special_tokens=False).ids,
+        (tok.encode(a, add_special_tokens=False).ids + tok.encode(b, add_special_tokens=False).ids),
+    )
     if together != apart:
-        raise InputError(f"the tokenizer encodes {a[-30:] + b[:30]!r} differently whole and cut at its line break "
-                         "(a prefix space or a piece across lines), so a file cannot be encoded a chunk at a time "
-                         "exactly. Fix: a tokenizer whose pre-tokenizer splits at line breaks (add_prefix_space="
-                         "false), or encode it yourself and write the ids with ddplab.data.write_tokens")
+        raise InputError(
+            f"the tokenizer encodes {a[-30:] + b[:30]!r} differently whole and cut at its line break "
+            "(a prefix space or a piece across lines), so a file cannot be encoded a chunk at a time "
+            "exactly. Fix: a tokenizer whose pre-tokenizer splits at line breaks (add_prefix_space="
+            "false), or encode it yourself and write the ids with ddplab.data.write_tokens"
+        )
 
 
 _WORKER: Any = None

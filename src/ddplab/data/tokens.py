@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset, default_collate
 
 from ddplab.data.bijection import IndexBijection
-from ddplab.errors import InputError
 from ddplab.data.datasets import Splits
+from ddplab.errors import InputError
 
 DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
@@ -53,11 +53,17 @@ def write_tokens(tokens: Any, path: str | Path, dtype: str = "uint16", vocab_siz
     return path
 
 
-def write_sidecar(path: str | Path, dtype: str, tokens: int, vocab_size: int,
-                  tokenizer: dict[str, Any] | None = None) -> None:
+def write_sidecar(
+    path: str | Path, dtype: str, tokens: int, vocab_size: int, tokenizer: dict[str, Any] | None = None
+) -> None:
     """``<path>.json``: what a run checks the file against (dtype, token count, vocabulary size), and the
     tokenizer that wrote it, if not bytes (ddplab.data.tokenizer.describe: its file, hash, vocabulary)."""
-    meta = {"dtype": dtype, "tokens": tokens, "vocab_size": vocab_size, **({"tokenizer": tokenizer} if tokenizer else {})}
+    meta = {
+        "dtype": dtype,
+        "tokens": tokens,
+        "vocab_size": vocab_size,
+        **({"tokenizer": tokenizer} if tokenizer else {}),
+    }
     Path(f"{path}.json").write_text(json.dumps(meta) + "\n")
 
 
@@ -68,8 +74,15 @@ class TokenWindows(Dataset):
     # its memory stays flat however big the file.
     sample_order = "bijection"
 
-    def __init__(self, path: str | Path, dtype: str, block_size: int, vocab_size: int, first: int = 0,
-                 count: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        dtype: str,
+        block_size: int,
+        vocab_size: int,
+        first: int = 0,
+        count: int | None = None,
+    ):
         self.path, self.dtype, self.block = str(path), DTYPES[dtype], block_size
         self.vocab_size, self.first = vocab_size, first
         self.count = windows_in(self.path, dtype, block_size, vocab_size) - first if count is None else count
@@ -88,7 +101,9 @@ class TokenWindows(Dataset):
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch, as the DataLoader fetches one: every window read, then converted and checked once
         (not per window); contiguous ``(inputs, targets)``, which :func:`collate_windows` passes on."""
-        rows = np.frombuffer(b"".join(self._read(i) for i in indices), dtype=self.dtype).reshape(len(indices), -1)
+        rows = np.frombuffer(b"".join(self._read(i) for i in indices), dtype=self.dtype).reshape(
+            len(indices), -1
+        )
         w = torch.from_numpy(self._checked(rows, indices))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
@@ -101,9 +116,11 @@ class TokenWindows(Dataset):
         offset, nbytes = self._offset(i), (self.block + 1) * self.dtype.itemsize
         buf = os.pread(self._fd, nbytes, offset)
         if len(buf) != nbytes:
-            raise TokenFileError(f"{self.path}: truncated: {len(buf)} of {nbytes} bytes at offset {offset}; the file "
-                                 f"is {os.path.getsize(self.path)} bytes now. Fix: do not rewrite a token file a run "
-                                 "is reading; write it again and restart")
+            raise TokenFileError(
+                f"{self.path}: truncated: {len(buf)} of {nbytes} bytes at offset {offset}; the file "
+                f"is {os.path.getsize(self.path)} bytes now. Fix: do not rewrite a token file a run "
+                "is reading; write it again and restart"
+            )
         return buf
 
     def _offset(self, i: int) -> int:
@@ -116,9 +133,11 @@ class TokenWindows(Dataset):
         row, col = divmod(top, t.shape[-1])
         if t.flat[top] >= self.vocab_size:
             at = self._offset(indices[row]) + col * self.dtype.itemsize
-            raise TokenFileError(f"{self.path}: token {int(t.flat[top])} at offset {at} is >= "
-                                 f"dataset.vocab_size={self.vocab_size}. Fix: dataset.vocab_size=<your tokenizer's "
-                                 "vocabulary>, or dataset.dtype=<the dtype the file was written with>")
+            raise TokenFileError(
+                f"{self.path}: token {int(t.flat[top])} at offset {at} is >= "
+                f"dataset.vocab_size={self.vocab_size}. Fix: dataset.vocab_size=<your tokenizer's "
+                "vocabulary>, or dataset.dtype=<the dtype the file was written with>"
+            )
         return t
 
 
@@ -132,33 +151,51 @@ def windows_in(path: str, dtype: str, block_size: int, vocab_size: int) -> int:
     """How many whole windows ``path`` holds; refuses a file its sidecar or dtype does not describe."""
     size, item = os.path.getsize(path), DTYPES[dtype].itemsize
     if size % item:
-        raise TokenFileError(f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each). "
-                             "Fix: dataset.dtype=<the dtype the file was written with>")
+        raise TokenFileError(
+            f"{path}: {size} bytes is not a whole number of {dtype} tokens ({item} bytes each). "
+            "Fix: dataset.dtype=<the dtype the file was written with>"
+        )
     side = Path(f"{path}.json")
     if side.is_file():
         meta = json.loads(side.read_text())
         if meta.get("dtype") != dtype:
-            raise TokenFileError(f"{path} was written as {meta.get('dtype')} ({side.name}), but dataset.dtype={dtype}. "
-                                 f"Fix: dataset.dtype={meta.get('dtype')}")
+            raise TokenFileError(
+                f"{path} was written as {meta.get('dtype')} ({side.name}), but dataset.dtype={dtype}. "
+                f"Fix: dataset.dtype={meta.get('dtype')}"
+            )
         if meta.get("tokens") != size // item:
-            raise TokenFileError(f"{path}: {size // item} tokens, but {side.name} says {meta.get('tokens')}: the file "
-                                 "was truncated or changed after it was written. Fix: write it again")
+            raise TokenFileError(
+                f"{path}: {size // item} tokens, but {side.name} says {meta.get('tokens')}: the file "
+                "was truncated or changed after it was written. Fix: write it again"
+            )
         if meta.get("vocab_size", 0) > vocab_size:
             tok = meta.get("tokenizer")
             by = f", written with {tok['file']}: a {tok['model']} of {tok['vocab_size']} ids" if tok else ""
-            raise TokenFileError(f"{path} holds ids up to {meta['vocab_size'] - 1} ({side.name}{by}), but "
-                                 f"dataset.vocab_size={vocab_size}. Fix: dataset.vocab_size={meta['vocab_size']}")
+            raise TokenFileError(
+                f"{path} holds ids up to {meta['vocab_size'] - 1} ({side.name}{by}), but "
+                f"dataset.vocab_size={vocab_size}. Fix: dataset.vocab_size={meta['vocab_size']}"
+            )
     return max(0, (size // item - 1) // block_size)
 
 
-def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "uint16", block_size: int = 64,
-           vocab_size: int = 256, val_fraction: float = 0.1) -> Splits:
+def tokens(
+    path: str | None = None,
+    val_path: str | None = None,
+    dtype: str = "uint16",
+    block_size: int = 64,
+    vocab_size: int = 256,
+    val_fraction: float = 0.1,
+) -> Splits:
     """``dataset=tokens``: windows of ``block_size`` from ``path``; validation from ``val_path``, or
     else the last ``val_fraction`` of ``path``'s windows (a contiguous tail, never trained on)."""
     if path is None:
-        raise ValueError("dataset.path is not set. Fix: dataset.path=train.bin (scripts/make_tokens.py writes one)")
+        raise ValueError(
+            "dataset.path is not set. Fix: dataset.path=train.bin (scripts/make_tokens.py writes one)"
+        )
     if dtype not in DTYPES:
-        raise ValueError(f"dataset.dtype={dtype}: token files are {' or '.join(DTYPES)}. Fix: dataset.dtype=uint16")
+        raise ValueError(
+            f"dataset.dtype={dtype}: token files are {' or '.join(DTYPES)}. Fix: dataset.dtype=uint16"
+        )
     n = windows_in(path, dtype, block_size, vocab_size)
     if val_path is not None:
         train = TokenWindows(path, dtype, block_size, vocab_size, 0, n)
@@ -169,8 +206,10 @@ def tokens(path: str | None = None, val_path: str | None = None, dtype: str = "u
         val = TokenWindows(path, dtype, block_size, vocab_size, n - k, k)
     for name, part, file in (("training", train, path), ("validation", val, val_path or path)):
         if len(part) < 1:
-            raise ValueError(f"{file}: no {name} window of dataset.block_size={block_size} tokens. Fix: a longer "
-                             "file or a smaller block_size")
+            raise ValueError(
+                f"{file}: no {name} window of dataset.block_size={block_size} tokens. Fix: a longer "
+                "file or a smaller block_size"
+            )
     return Splits(train, val, vocab_size, collate_windows)
 
 
@@ -218,21 +257,36 @@ class TokenShards(IterableDataset):
         self.epoch, self.shard, self.window = sd["epoch"], sd["shard"], sd["window"]
 
 
-def token_shards(path: str | None = None, val_path: str | None = None, dtype: str = "uint16", block_size: int = 64,
-                 vocab_size: int = 256, seed: int = 0) -> Splits:
+def token_shards(
+    path: str | None = None,
+    val_path: str | None = None,
+    dtype: str = "uint16",
+    block_size: int = 64,
+    vocab_size: int = 256,
+    seed: int = 0,
+) -> Splits:
     """``dataset=token_shards``: every ``*.bin`` under the folder ``path``, streamed (:class:`TokenShards`);
     validation: the token file (or every ``*.bin`` of the folder) ``val_path``, read as windows."""
     folder = Path(str(path))
     files = sorted(folder.glob("*.bin"))
     if not files:
-        raise ValueError(f"dataset.path={path}: no *.bin token files in it. Fix: point it at a folder of token "
-                         "files (scripts/make_tokens.py --shards N writes one)")
+        raise ValueError(
+            f"dataset.path={path}: no *.bin token files in it. Fix: point it at a folder of token "
+            "files (scripts/make_tokens.py --shards N writes one)"
+        )
     for f in files:
         windows_in(str(f), dtype, block_size, vocab_size)  # each shard checked against its sidecar up front
-    val_files = sorted(Path(str(val_path)).glob("*.bin")) if val_path and Path(str(val_path)).is_dir() else \
-        [Path(str(val_path))] if val_path else []
+    val_files = (
+        sorted(Path(str(val_path)).glob("*.bin"))
+        if val_path and Path(str(val_path)).is_dir()
+        else [Path(str(val_path))]
+        if val_path
+        else []
+    )
     if not val_files:
-        raise ValueError(f"dataset.val_path={val_path}: no validation token file. Fix: dataset.val_path=<a token "
-                         "file or a folder of them>")
+        raise ValueError(
+            f"dataset.val_path={val_path}: no validation token file. Fix: dataset.val_path=<a token "
+            "file or a folder of them>"
+        )
     val = ConcatDataset([TokenWindows(f, dtype, block_size, vocab_size) for f in val_files])
     return Splits(TokenShards(files, dtype, block_size, vocab_size, seed), val, vocab_size)

@@ -8,4 +8,15 @@ from ddplab.models.vae import VAE
 from ddplab.models.vit import VisionTransformer
 from ddplab.models.weights import load_weights
 
-__all__ = ["ConvNet", "MLP", "ResNet", "resnet18", "resnet34", "resnet50", "VisionTransformer", "load_weights", "TinyGPT", "VAE"]
+__all__ = [
+    "ConvNet",
+    "MLP",
+    "ResNet",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "VisionTransformer",
+    "load_weights",
+    "TinyGPT",
+    "VAE",
+]

@@ -25,9 +25,15 @@ class ConvNet(nn.Module):
         c1, c2, c3 = channels
         # BatchNorm right after a conv makes the conv's bias redundant.
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, c1, 3, padding=1, bias=False), nn.BatchNorm2d(c1), nn.ReLU(inplace=True),
-            nn.Conv2d(c1, c2, 6, stride=2, padding=2, bias=False), nn.BatchNorm2d(c2), nn.ReLU(inplace=True),
-            nn.Conv2d(c2, c3, 6, stride=2, padding=2), nn.BatchNorm2d(c3), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channels, c1, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c1, c2, 6, stride=2, padding=2, bias=False),
+            nn.BatchNorm2d(c2),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c2, c3, 6, stride=2, padding=2),
+            nn.BatchNorm2d(c3),
+            nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
         )

@@ -13,14 +13,17 @@ class Block(nn.Module):
         self.heads, self.dropout = heads, dropout
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        att = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
 
@@ -28,8 +31,15 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """tokens (B, T) → next-token logits (B, T, vocab_size)."""
 
-    def __init__(self, vocab_size: int = 256, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}")

@@ -20,8 +20,9 @@ def transformers_module() -> Any:
     try:
         import transformers
     except ImportError:
-        raise InputError("model=hf needs Hugging Face transformers, which is not installed. "
-                         "Fix: pip install 'ddplab[hf]'") from None
+        raise InputError(
+            "model=hf needs Hugging Face transformers, which is not installed. Fix: pip install 'ddplab[hf]'"
+        ) from None
     transformers.logging.set_verbosity_error()  # its hub and init notices are not the run's to print
     return transformers
 
@@ -30,17 +31,27 @@ class HFModel(nn.Module):
     """``self.hf``: the transformers model itself (``save_pretrained``, its own blocks); ``forward``:
     logits."""
 
-    def __init__(self, kind: str = "causal_lm", config: dict[str, Any] | None = None, pretrained: str | None = None,
-                 num_labels: int | None = None):
+    def __init__(
+        self,
+        kind: str = "causal_lm",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        num_labels: int | None = None,
+    ):
         super().__init__()
         tf = transformers_module()
-        auto = {"causal_lm": tf.AutoModelForCausalLM, "sequence_classification": tf.AutoModelForSequenceClassification}
+        auto = {
+            "causal_lm": tf.AutoModelForCausalLM,
+            "sequence_classification": tf.AutoModelForSequenceClassification,
+        }
         extra = {"num_labels": num_labels} if kind == "sequence_classification" and num_labels else {}
         if pretrained:
             path = Path(pretrained).expanduser()
             if not (path / "config.json").is_file():
-                raise InputError(f"model.pretrained={pretrained}: no config.json there. Fix: a local directory that "
-                                 "save_pretrained wrote (nothing is downloaded), or model.pretrained=null")
+                raise InputError(
+                    f"model.pretrained={pretrained}: no config.json there. Fix: a local directory that "
+                    "save_pretrained wrote (nothing is downloaded), or model.pretrained=null"
+                )
             self.hf = auto[kind].from_pretrained(str(path), local_files_only=True, **extra)
         else:
             spec = dict(config or {})
@@ -48,9 +59,11 @@ class HFModel(nn.Module):
             try:
                 self.hf = auto[kind].from_config(tf.AutoConfig.for_model(model_type, **spec, **extra))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"model.config.model_type={model_type}: transformers cannot build it "
-                                 f"({str(e).splitlines()[0][:160]}). Fix: a model_type transformers knows "
-                                 "(gpt2, llama, bert, ...) and its config's keys") from None
+                raise ValueError(
+                    f"model.config.model_type={model_type}: transformers cannot build it "
+                    f"({str(e).splitlines()[0][:160]}). Fix: a model_type transformers knows "
+                    "(gpt2, llama, bert, ...) and its config's keys"
+                ) from None
         self.kind = kind
 
     def forward(self, x: Tensor) -> Tensor:

@@ -32,16 +32,22 @@ class KerasModule(nn.Module):
         return [p.data for p in self.keras_model.parameters() if not p.requires_grad]
 
 
-def keras_convnet(num_classes: int = 10, in_channels: int = 1, image_size: int = 8, dropout: float = 0.5) -> nn.Module:
+def keras_convnet(
+    num_classes: int = 10, in_channels: int = 1, image_size: int = 8, dropout: float = 0.5
+) -> nn.Module:
     os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is first imported
     try:
         import keras
     except ImportError as e:
-        raise ImportError("model=keras_convnet needs Keras 3 with its torch backend. Fix: pip install 'keras>=3' "
-                          "(or pip install -e '.[keras]')") from e
+        raise ImportError(
+            "model=keras_convnet needs Keras 3 with its torch backend. Fix: pip install 'keras>=3' "
+            "(or pip install -e '.[keras]')"
+        ) from e
     if keras.backend.backend() != "torch":
-        raise RuntimeError(f"model=keras_convnet: Keras runs on its {keras.backend.backend()!r} backend. Fix: "
-                           "export KERAS_BACKEND=torch before starting (Keras was imported before ddplab set it)")
+        raise RuntimeError(
+            f"model=keras_convnet: Keras runs on its {keras.backend.backend()!r} backend. Fix: "
+            "export KERAS_BACKEND=torch before starting (Keras was imported before ddplab set it)"
+        )
     # Fresh name counters: layer names — and so state_dict keys — are the same in every process and run.
     keras.backend.clear_session()
     L, fmt = keras.layers, "channels_first"

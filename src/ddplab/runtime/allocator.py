@@ -36,8 +36,11 @@ def keep_freed_host_memory(device_type: str, setting: str) -> str:
     """Set glibc's thresholds on a CPU rank (``setting`` ``tuned``); what was done or why not, one phrase."""
     global _done
     if setting == "system":  # glibc's moving defaults cannot be set back once fixed: a sweep over the key
-        return ("still tuned: an earlier job in this process set the thresholds" if _done
-                else "system defaults (perf.host_allocator=system)")
+        return (
+            "still tuned: an earlier job in this process set the thresholds"
+            if _done
+            else "system defaults (perf.host_allocator=system)"
+        )
     if device_type != "cpu":
         return f"untouched: tensors live on {device_type}"
     why_not = _left_alone()
@@ -48,7 +51,10 @@ def keep_freed_host_memory(device_type: str, setting: str) -> str:
         if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
             return "untouched: glibc refused the thresholds"
         _done = True
-    return f"freed blocks up to {MMAP_THRESHOLD >> 20} MiB kept for reuse (heap top trimmed past {TRIM_THRESHOLD >> 20} MiB)"
+    return (
+        f"freed blocks up to {MMAP_THRESHOLD >> 20} MiB kept for reuse "
+        f"(heap top trimmed past {TRIM_THRESHOLD >> 20} MiB)"
+    )
 
 
 def _left_alone() -> str:

@@ -92,11 +92,20 @@ def broadcast_buffers(module: torch.nn.Module, dist: Dist) -> None:
 def rank_table(dist: Dist, digest: str = "") -> tuple[str, list[dict[str, Any]]]:
     """Every rank's host, device, local rank, pid and config digest — gathered once at start-up —
     as the "rank@host:device(local_rank) cfg=digest" line and as rows (for provenance)."""
-    me = {"rank": dist.rank, "local_rank": dist.local_rank, "host": socket.gethostname(),
-          "device": str(dist.device), "pid": os.getpid(), "config_digest": digest}
+    me = {
+        "rank": dist.rank,
+        "local_rank": dist.local_rank,
+        "host": socket.gethostname(),
+        "device": str(dist.device),
+        "pid": os.getpid(),
+        "config_digest": digest,
+    }
     rows = gather_object(me, dist)
-    text = ", ".join(f"{r['rank']}@{r['host']}:{r['device']}(local {r['local_rank']})"
-                     + (f" cfg={r['config_digest']}" if r["config_digest"] else "") for r in rows)
+    text = ", ".join(
+        f"{r['rank']}@{r['host']}:{r['device']}(local {r['local_rank']})"
+        + (f" cfg={r['config_digest']}" if r["config_digest"] else "")
+        for r in rows
+    )
     return text, rows
 
 
@@ -122,7 +131,9 @@ def sync_config(cfg: Any, dist: Dist) -> Any:
     diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     logging.getLogger("ddplab").warning(
         "rank %d: this rank was given a different config than rank 0 (%s); using rank 0's",
-        dist.rank, ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff))
+        dist.rank,
+        ", ".join(f"{k}={b.get(k)!r}->{a.get(k)!r}" for k in diff),
+    )
     return typed(ref, "rank 0's config")
 
 

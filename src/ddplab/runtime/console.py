@@ -95,7 +95,9 @@ def _said_once(handler: logging.FileHandler) -> Callable[[logging.LogRecord], No
         stream, handler.stream = handler.stream, None  # nor does closing it (its buffer cannot be written)
         with contextlib.suppress(OSError):
             stream.close()
-        sys.stderr.write(f"ddplab: stopped writing {handler.baseFilename}: {sys.exc_info()[1]} (the console keeps "
-                         "the log)\n")
+        sys.stderr.write(
+            f"ddplab: stopped writing {handler.baseFilename}: {sys.exc_info()[1]} (the console keeps "
+            "the log)\n"
+        )
 
     return handle_error

@@ -114,7 +114,13 @@ def onednn_isa_cap() -> str | None:
 def malloc_settings() -> dict[str, str]:
     """The C allocator choices the user made in the environment: glibc's ``MALLOC_*_`` variables and its
     ``glibc.malloc.*`` tunables, and ``LD_PRELOAD`` (a jemalloc/tcmalloc/mimalloc preloaded), by name."""
-    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "LD_PRELOAD")
+    names = (
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_TOP_PAD_",
+        "MALLOC_MMAP_MAX_",
+        "LD_PRELOAD",
+    )
     found = {k: os.environ[k] for k in names if os.environ.get(k)}
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         found["GLIBC_TUNABLES"] = os.environ["GLIBC_TUNABLES"]
@@ -124,7 +130,8 @@ def malloc_settings() -> dict[str, str]:
 def master_address() -> str:
     """MASTER_ADDR:MASTER_PORT as env:// will use them (for messages)."""
     adopt_scheduler_env()
-    return f"{os.environ.get('MASTER_ADDR', '<MASTER_ADDR unset>')}:{os.environ.get('MASTER_PORT', '<MASTER_PORT unset>')}"
+    addr = os.environ.get("MASTER_ADDR", "<MASTER_ADDR unset>")
+    return f"{addr}:{os.environ.get('MASTER_PORT', '<MASTER_PORT unset>')}"
 
 
 def usable_cores() -> int:
@@ -150,8 +157,19 @@ def launcher() -> dict[str, str]:
         kind = "submitit_local"
     else:
         kind = "python"
-    keys = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
-            "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+    keys = (
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "SLURM_JOB_ID",
+        "SLURM_RESTART_COUNT",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NTASKS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+    )
     return {"kind": kind, **{k: e[k] for k in keys if k in e}}
 
 
@@ -238,7 +256,10 @@ def elastic_restart_count() -> int:
 def restarts() -> dict[str, int]:
     """Why this process is not the job's first start: torchrun's restarts and SLURM's requeues
     (``SLURM_RESTART_COUNT``: preemption, time-limit requeue, ``scontrol requeue``); empty if it is."""
-    counts = {"torchrun restart": elastic_restart_count(), "SLURM requeue": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+    counts = {
+        "torchrun restart": elastic_restart_count(),
+        "SLURM requeue": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
     return {k: v for k, v in counts.items() if v > 0}
 
 
@@ -273,8 +294,10 @@ def private_dir() -> Path:
         pass
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise RuntimeError(f"{d} is not a private directory of this user (a symlink, another owner, or open to "
-                           "others): refusing to keep restart state there. Fix: remove it; ddplab recreates it 0700")
+        raise RuntimeError(
+            f"{d} is not a private directory of this user (a symlink, another owner, or open to "
+            "others): refusing to keep restart state there. Fix: remove it; ddplab recreates it 0700"
+        )
     return d
 
 

@@ -51,12 +51,17 @@ def refusal(cfg: Any) -> str | None:
     included), said before any process group forms; None when nothing."""
     cuda = torch.cuda.is_available()
     if cfg.device == "cuda" and not cuda:
-        return ("distributed.device=cuda but torch sees no CUDA GPU "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
-                "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch")
+        return (
+            "distributed.device=cuda but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+            "Fix: use distributed.device=auto or cpu, or install a CUDA build of torch"
+        )
     if cfg.backend == "nccl" and (cfg.device == "cpu" or not cuda):
-        return (f"distributed.backend=nccl needs CUDA devices ({'distributed.device=cpu' if cuda else 'torch sees none'})"
-                ". Fix: distributed.backend=auto or gloo")
+        return (
+            "distributed.backend=nccl needs CUDA devices "
+            f"({'distributed.device=cpu' if cuda else 'torch sees none'})"
+            ". Fix: distributed.backend=auto or gloo"
+        )
     return None
 
 
@@ -99,22 +104,33 @@ def init(cfg: Any) -> Dist:
     try:
         with deadline(what, cfg.timeout_s):
             store, rank, world_size = _interruptible(
-                lambda: _rendezvous(cfg.init_method, rank, world_size, timeout), what)
+                lambda: _rendezvous(cfg.init_method, rank, world_size, timeout), what
+            )
         # A sweep under torchrun runs several jobs in one process, all on
         # torchrun's one store: a fresh key prefix per job keeps a new group
         # from reading the previous group's (dead) addresses and hanging.
         # torchrun's store also outlives a restart (--max-restarts): the restart count joins the prefix.
         store = torch_dist.PrefixStore(f"ddplab/{env.elastic_restart_count()}/{_generation}", store)
         with deadline(what, cfg.timeout_s):
-            _interruptible(lambda: torch_dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                **({"device_id": device} if backend == "nccl" else {})), what)
+            _interruptible(
+                lambda: torch_dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                    **({"device_id": device} if backend == "nccl" else {}),
+                ),
+                what,
+            )
     except Preempted:
         raise
     except Exception as e:  # name what was tried and what to change
-        raise RuntimeError(f"rank {rank}/{world_size}: could not join the process group (backend={backend}, "
-                           f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
-                           f"{_join_hint(str(e), world_size, cfg.timeout_s)}") from e
+        raise RuntimeError(
+            f"rank {rank}/{world_size}: could not join the process group (backend={backend}, "
+            f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
+            f"{_join_hint(str(e), world_size, cfg.timeout_s)}"
+        ) from e
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
@@ -139,7 +155,9 @@ def _interruptible(join: Callable[[], Any], what: str) -> Any:
     while helper.is_alive():
         helper.join(JOIN_POLL_S)
         gone, now = env.launcher_gone(), signals.held()
-        why = (now if now != earlier else None) or (f"launcher died (pid {gone})" if gone is not None else None)
+        why = (now if now != earlier else None) or (
+            f"launcher died (pid {gone})" if gone is not None else None
+        )
         if why and helper.is_alive():
             log.warning("%s: %s: leaving (nothing to checkpoint)", what, why)
             raise Preempted(why, -1, None)
@@ -160,18 +178,24 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: timedelta
     Groups of one process are told apart by the key prefix init gives each (``_generation``)."""
     key = (init_method, env.master_address(), rank, world_size)
     if key not in _KEPT:
-        store, rank, world_size = next(torch_dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout))
+        store, rank, world_size = next(
+            torch_dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
+        )
         _KEPT[key] = store
     return _KEPT[key], rank, world_size
 
 
 def _join_hint(msg: str, world_size: int, timeout_s: float) -> str:
     if "address already in use" in msg.lower() or "EADDRINUSE" in msg:
-        return (" The port is taken (another job, or a leftover process): use torchrun --standalone, "
-                "or pick a free port (--master_port / the port in init_method).")
+        return (
+            " The port is taken (another job, or a leftover process): use torchrun --standalone, "
+            "or pick a free port (--master_port / the port in init_method)."
+        )
     if "timed out" in msg.lower() or "timeout" in msg.lower():
-        return (f" Not all {world_size} ranks arrived within distributed.timeout_s={timeout_s}: "
-                "check that every process/node was started with the same WORLD_SIZE and address.")
+        return (
+            f" Not all {world_size} ranks arrived within distributed.timeout_s={timeout_s}: "
+            "check that every process/node was started with the same WORLD_SIZE and address."
+        )
     return ""
 
 
@@ -211,8 +235,13 @@ PEER_EXIT_GRACE_S = 3.0
 
 
 # How a collective ends on the ranks still in it when a peer's process goes away (gloo, NCCL).
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
-              "communicator was aborted")
+_LOST_PEER = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
 _WORKER = re.compile(r"^Caught \w+ in DataLoader worker process (\d+)\.\nOriginal Traceback")
 
 
@@ -226,11 +255,17 @@ def plain_message(exc: BaseException) -> str:
     at = text.rfind(f"\n{name}: ") if worker else -1
     if at < 0:
         return text
-    return f"{text[at + len(name) + 3:].rstrip()} (in DataLoader worker {worker.group(1)})"
+    return f"{text[at + len(name) + 3 :].rstrip()} (in DataLoader worker {worker.group(1)})"
 
 
-def describe_failure(dist: Dist, exc: BaseException, where: str, job_key: str, timeout_s: float,
-                     hosts: dict[int, str] | None = None) -> tuple[str, str, bool]:
+def describe_failure(
+    dist: Dist,
+    exc: BaseException,
+    where: str,
+    job_key: str,
+    timeout_s: float,
+    hosts: dict[int, str] | None = None,
+) -> tuple[str, str, bool]:
     """Why the job stopped, as seen from this rank: (the job's first real error, for result.json; what this
     rank says; whether it only lost a peer that said nothing). Usually the same one paragraph, naming the
     rank(s) at fault where possible.
@@ -249,50 +284,84 @@ def describe_failure(dist: Dist, exc: BaseException, where: str, job_key: str, t
     answered = _noted(dist, job_key, msg, lost, _is_timeout(exc), timeout_s, found, first)
     if first:
         peer, report = first[0]
-        return report, (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to rank {peer}, "
-                        "which failed first (its error is above, and in result.json)"), False
+        return (
+            report,
+            (
+                f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to rank {peer}, "
+                "which failed first (its error is above, and in result.json)"
+            ),
+            False,
+        )
     if lost and answered:  # the store answered, and no rank noted an error: one died without a word
-        said = (f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to a rank that said "
-                f"nothing: killed (SIGKILL, the OOM killer) or cut off ({plain_message(exc)[:200]})")
+        said = (
+            f"rank {dist.rank}/{dist.world_size} stopped {where}: lost its connection to a rank that said "
+            f"nothing: killed (SIGKILL, the OOM killer) or cut off ({plain_message(exc)[:200]})"
+        )
         return said, said, True
     if found:
         silent = found[0]
         on = ", ".join(f"rank {r} on {hosts[r]}" for r in silent if hosts and r in hosts)
-        msg += (f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
-                f"Rank(s) {silent} never reached it{f' ({on})' if on else ''}: hung, dead, cut off from the "
-                "network or far slower than the rest (a stuck data loader, a deadlock, a rank-dependent "
-                "branch that skips a collective, a host whose link is down).")
+        msg += (
+            f"\n  A collective timed out after distributed.timeout_s={timeout_s}s. "
+            f"Rank(s) {silent} never reached it{f' ({on})' if on else ''}: hung, dead, cut off from the "
+            "network or far slower than the rest (a stuck data loader, a deadlock, a rank-dependent "
+            "branch that skips a collective, a host whose link is down)."
+        )
     elif not answered:
         msg += "\n  The job's store (on rank 0's host) did not answer: is this host cut off from it?"
     return msg, msg, False
 
 
-def _noted(dist: Dist, job_key: str, msg: str, lost: bool, timed_out: bool, timeout_s: float,
-           found: list[list[int]], first: list[tuple[int, str]]) -> bool:
+def _noted(
+    dist: Dist,
+    job_key: str,
+    msg: str,
+    lost: bool,
+    timed_out: bool,
+    timeout_s: float,
+    found: list[list[int]],
+    first: list[tuple[int, str]],
+) -> bool:
     """:func:`_note` in a thread, waited for a bounded time: the store lives on rank 0's host, and a rank cut
     off from it (its host's link is down) would block in the store's socket until the link came back. Whether
     the store answered in that time."""
-    worker = threading.Thread(target=_note, args=(dist, job_key, msg, lost, timed_out, timeout_s, found, first),
-                              name="ddplab-failure-notes", daemon=True)
+    worker = threading.Thread(
+        target=_note,
+        args=(dist, job_key, msg, lost, timed_out, timeout_s, found, first),
+        name="ddplab-failure-notes",
+        daemon=True,
+    )
     worker.start()
     worker.join(min(3.0, timeout_s / 4) + 5.0)
     return not worker.is_alive()
 
 
-def _note(dist: Dist, job_key: str, msg: str, lost: bool, timed_out: bool, timeout_s: float,
-          found: list[list[int]], first: list[tuple[int, str]]) -> None:
+def _note(
+    dist: Dist,
+    job_key: str,
+    msg: str,
+    lost: bool,
+    timed_out: bool,
+    timeout_s: float,
+    found: list[list[int]],
+    first: list[tuple[int, str]],
+) -> None:
     """This rank's note in the store; then, for a lost connection, the first real failure another rank noted
     (into ``first``), or for a timeout, the ranks that noted nothing (into ``found``)."""
     try:
         store = compat.default_store()
-        store.set(f"ddplab/{job_key}/failed/{dist.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()}))
+        store.set(
+            f"ddplab/{job_key}/failed/{dist.rank}", json.dumps({"msg": msg, "lost": lost, "t": time.time()})
+        )
         if not lost:  # the first real failure to get here is the job's: one key, whatever the world size
             store.compare_set(f"ddplab/{job_key}/first", "", json.dumps({"rank": dist.rank, "msg": msg}))
         if lost:
             first.extend(_first_real_failure(store, job_key))
         elif timed_out:
             time.sleep(min(3.0, timeout_s / 4))  # let the other waiting ranks time out and report
-            found.append([r for r in range(dist.world_size) if not store.check([f"ddplab/{job_key}/failed/{r}"])])
+            found.append(
+                [r for r in range(dist.world_size) if not store.check([f"ddplab/{job_key}/failed/{r}"])]
+            )
     except Exception:  # the store may be gone too; the plain message still stands
         pass
 

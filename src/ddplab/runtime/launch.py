@@ -72,8 +72,14 @@ class RankFailed(RuntimeError):
         self.killed_by = killed_by
 
 
-def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path,
-           preload: tuple[str, ...] = ()) -> dict[str, float]:
+def launch(
+    entry: Entry,
+    job: dict[str, Any],
+    nproc: int,
+    max_restarts: int,
+    run_dir: Path,
+    preload: tuple[str, ...] = (),
+) -> dict[str, float]:
     """Run ``entry(job)`` on ``nproc`` local ranks; return rank 0's result.
 
     ``entry`` must be importable by name (a module-level function). The ranks are forks of a server that
@@ -84,8 +90,11 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
 
     env.prepare_self_launch(nproc)
     # The agent also hands SIGUSR1 (SLURM's warning before the time limit) on to the ranks.
-    extra = {"signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"} \
-        if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
+    extra = (
+        {"signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+        if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
+        else {}
+    )
     if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside joblib's loky workers the global start method is "loky", which
         # the ranks spawned below cannot resolve; they only need plain spawn.
@@ -96,7 +105,9 @@ def launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run
     run_id = uuid.uuid4().hex
     try:
         with compat.rank_server(["__main__", entry.__module__, *preload], SERVER_HOLDS) as start_method:
-            return _launch(entry, job, nproc, max_restarts, run_dir, run_id, {**extra, "start_method": start_method})
+            return _launch(
+                entry, job, nproc, max_restarts, run_dir, run_id, {**extra, "start_method": start_method}
+            )
     finally:
         with contextlib.suppress(OSError, RuntimeError):  # never in place of the job's own outcome
             env.forget_memo(run_id)
@@ -119,8 +130,15 @@ def _handlers_given_back() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, run_dir: Path, run_id: str,
-            extra: dict[str, Any]) -> dict[str, float]:
+def _launch(
+    entry: Entry,
+    job: dict[str, Any],
+    nproc: int,
+    max_restarts: int,
+    run_dir: Path,
+    run_id: str,
+    extra: dict[str, Any],
+) -> dict[str, float]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -128,14 +146,22 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
     try:
         with _loopback_stores() as port, _quiet_about_known_exits(), _handlers_given_back():
             config = LaunchConfig(
-                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
-                rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
-                max_restarts=max_restarts, monitor_interval=0.2, **extra,
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=nproc,
+                run_id=run_id,
+                rdzv_backend="c10d",
+                rdzv_endpoint=f"127.0.0.1:{port}",
+                local_addr="127.0.0.1",
+                max_restarts=max_restarts,
+                monitor_interval=0.2,
+                **extra,
             )
             # (the start method the ranks' own processes, their loader workers, get: this process's, as under
             # spawn)
-            results = elastic_launch(config, _rank_main)(entry, job, str(run_dir), config.start_method,
-                                                         multiprocessing.get_start_method())
+            results = elastic_launch(config, _rank_main)(
+                entry, job, str(run_dir), config.start_method, multiprocessing.get_start_method()
+            )
     except SignalException as e:  # the agent stopped the ranks with our signal; they checkpointed
         raise Preempted(e.sigval.name, -1, None) from None
     except ChildFailedError as e:
@@ -152,15 +178,18 @@ def _launch(entry: Entry, job: dict[str, Any], nproc: int, max_restarts: int, ru
         said = failure.message.get("message") if isinstance(failure.message, dict) else None
         raise RankFailed(
             f"self-launched job failed: rank {rank} (local {failure.local_rank}) exited with code "
-            f"{failure.exitcode}: " + (f"{said} (its error and traceback are above)" if said else "see its log above")
+            f"{failure.exitcode}: "
+            + (f"{said} (its error and traceback are above)" if said else "see its log above")
             + (f" (then: {others})" if others else ""),
             # SIGKILL only: the OOM killer's or a user's; SIGSEGV, SIGABRT are the process's own crash
-            killed_by="SIGKILL" if any(f.exitcode == -signal.SIGKILL for f in e.failures.values()) else None) from None
+            killed_by="SIGKILL" if any(f.exitcode == -signal.SIGKILL for f in e.failures.values()) else None,
+        ) from None
     return results[0]
 
 
-def _rank_main(entry: Entry, job: dict[str, Any], run_dir: str, start_method: str,
-               children_start: str) -> dict[str, float]:
+def _rank_main(
+    entry: Entry, job: dict[str, Any], run_dir: str, start_method: str, children_start: str
+) -> dict[str, float]:
     """Body of each rank: log like train.py would (rank 0 also to run_dir/train.log), then ``entry``."""
     from ddplab import compat
     from ddplab.runtime.console import ConsoleFormatter, log_file_formatter, quiet_log_files
@@ -207,6 +236,7 @@ def _leave_soon_after_returning(after_s: float = RETURNED_EXIT_S) -> None:
     soak, seed 155076137: SIGINT to the whole job during its last checkpoint, the job completed, then both
     ranks waited out the agent's 30 s and were SIGKILLed). The result is in the pipe by then: leave after
     ``after_s`` whatever the agent does (a healthy one reads it within its 0.2 s poll)."""
+
     def leave() -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -224,8 +254,10 @@ def _quiet_about_known_exits() -> Iterator[None]:
     other ranks; for a config error or a preemption (exit 128 + the signal, after the checkpoint) that is
     noise around the one line the caller prints (a rank that crashed keeps its report, and the error this
     module raises names it)."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
-                                               "torch.multiprocessing.spawn")]
+    loggers = [
+        logging.getLogger(n)
+        for n in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    ]
     said = [f"(exitcode: {code})" for code in (CONFIG_EXIT, SAID_EXIT, *(128 + int(s) for s in SIGNALS))]
 
     def keep(record: logging.LogRecord) -> bool:
@@ -258,8 +290,13 @@ def _loopback_stores() -> Iterator[int]:
 
     def loopback_server(host: str, port: int) -> Any:
         sock = socket.create_server((host, port), backlog=512)
-        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True,
-                              master_listen_fd=os.dup(sock.fileno()))
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            multi_tenant=True,
+            master_listen_fd=os.dup(sock.fileno()),
+        )
         sock.close()  # the store listens on its own duplicate
         return store
 

@@ -34,7 +34,10 @@ def after_preemption(e: Preempted) -> str | None:
     if env.under_submitit():
         handler = signal.getsignal(getattr(signal, e.signal_name, signal.SIGTERM))
         if callable(handler):
-            log.info("handing %s to submitit: it requeues the job, which resumes from the checkpoint", e.signal_name)
+            log.info(
+                "handing %s to submitit: it requeues the job, which resumes from the checkpoint",
+                e.signal_name,
+            )
             handler(getattr(signal, e.signal_name), None)
             return "submitit"
         return None
@@ -50,7 +53,10 @@ def after_preemption(e: Preempted) -> str | None:
         log.error("could not requeue SLURM job %s (%s): resubmit it with resume=auto", job, err)
         return None
     if done.returncode != 0:
-        log.error("scontrol requeue %s failed: %s. Fix: submit with --requeue (or resubmit with resume=auto)",
-                  job, (done.stderr or done.stdout).strip())
+        log.error(
+            "scontrol requeue %s failed: %s. Fix: submit with --requeue (or resubmit with resume=auto)",
+            job,
+            (done.stderr or done.stdout).strip(),
+        )
         return None
     return f"scontrol requeue {job}"

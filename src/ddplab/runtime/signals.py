@@ -122,8 +122,12 @@ def shield_worker(worker_id: int, rank_pid: int | None = None) -> None:
     # subprocess keeps the block across exec: a dataset stops such a helper with kill(), not terminate().
     os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}))
     parent = os.getppid()
-    threading.Thread(target=_terminate_only_from, args=({parent, rank_pid or parent},),
-                     name="ddplab-worker-sigterm", daemon=True).start()
+    threading.Thread(
+        target=_terminate_only_from,
+        args=({parent, rank_pid or parent},),
+        name="ddplab-worker-sigterm",
+        daemon=True,
+    ).start()
     threading.Thread(target=_end_with_parent, args=(parent,), name="ddplab-worker-watch", daemon=True).start()
 
 
@@ -205,8 +209,10 @@ class Preempted(Exception):
     def __init__(self, signal_name: str, step: int, checkpoint: str | None):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
-        super().__init__(f"stopped by {signal_name} at step {step} ({where}); run the same command with "
-                         "resume=auto to continue")
+        super().__init__(
+            f"stopped by {signal_name} at step {step} ({where}); run the same command with "
+            "resume=auto to continue"
+        )
 
     @property
     def exit_code(self) -> int:
@@ -240,13 +246,18 @@ class StopSignal:
                 self._old[sig] = signal.SIG_DFL if old is _remember and not _FOR_LIFE else old
         if _EARLY and self.name is None:  # it came while the process started (hold_during_startup)
             (self.name, self.at), _EARLY[:] = _EARLY[0], []
-            log.warning("%s received during start-up, %.1f s ago: stopping at the first step boundary all ranks "
-                        "agree on, after a checkpoint", self.name, time.monotonic() - self.at)
+            log.warning(
+                "%s received during start-up, %.1f s ago: stopping at the first step boundary all ranks "
+                "agree on, after a checkpoint",
+                self.name,
+                time.monotonic() - self.at,
+            )
         self._launcher = launcher_pid
         if launcher_pid is not None:
             self._watching.clear()
-            threading.Thread(target=self._watch_launcher, args=(launcher_pid,), name="ddplab-launcher-watch",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._watch_launcher, args=(launcher_pid,), name="ddplab-launcher-watch", daemon=True
+            ).start()
         return self
 
     def uninstall(self) -> None:
@@ -274,7 +285,9 @@ class StopSignal:
         """Ask for the same checkpointed stop a signal asks for (the first reason is kept)."""
         if self.name is None:
             self.name, self.at = reason, time.monotonic()
-            log.warning("%s: stopping at the next step boundary all ranks agree on, after a checkpoint", reason)
+            log.warning(
+                "%s: stopping at the next step boundary all ranks agree on, after a checkpoint", reason
+            )
 
     def _watch_launcher(self, pid: int) -> None:
         """A rank whose launcher died is an orphan: nobody will stop it, restart it or collect its exit code.
@@ -289,8 +302,11 @@ class StopSignal:
         now = time.monotonic()
         if self.name is None:
             self.name, self.at = name, now
-            log.warning("%s received: stopping at the next step boundary all ranks agree on, after a checkpoint "
-                        "(send it again to exit at once, without one)", name)
+            log.warning(
+                "%s received: stopping at the next step boundary all ranks agree on, after a checkpoint "
+                "(send it again to exit at once, without one)",
+                name,
+            )
         elif now - self.at >= _SAME_EVENT_S:
             log.error("second signal (%s): exiting now, without a checkpoint", name)
             logging.shutdown()

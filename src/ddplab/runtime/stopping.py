@@ -117,13 +117,17 @@ class StopAgreement:
 
     def _check(self, c: _Cadence) -> bool:
         now = time.perf_counter()
-        row = torch.tensor([float(self.signal.requested), now - c.since], dtype=torch.float64, device=self.dist.device)
+        row = torch.tensor(
+            [float(self.signal.requested), now - c.since], dtype=torch.float64, device=self.dist.device
+        )
         rows = all_ranks_rows(row, self.dist).tolist()  # the one tiny collective (and host read) of a check
         self.checks += 1
         self.agreed = self.agreed or any(r[0] > 0 for r in rows)
         per_step = max(r[1] for r in rows) / max(c.steps, 1)  # the slowest rank sets everyone's pace
         # Same numbers on every rank → the same next interval everywhere.
-        c.interval = int(min(_MAX_INTERVAL, max(1, self.period_s // per_step if per_step > 0 else _MAX_INTERVAL)))
+        c.interval = int(
+            min(_MAX_INTERVAL, max(1, self.period_s // per_step if per_step > 0 else _MAX_INTERVAL))
+        )
         c.restart(time.perf_counter())
         return self.agreed
 
@@ -132,7 +136,12 @@ def slow_save_warning(took: float, grace_s: float | None, what: str) -> None:
     """Say so when a checkpoint took longer than the launcher's grace after its stop signal
     (``runtime.env.launcher_grace_s``): on preemption such a save would be killed half-written."""
     if grace_s is not None and took > grace_s:
-        log.warning("%s took %.1fs to write, longer than the %.0fs a launcher waits after its stop signal "
-                    "(torchrun's close timeout, SLURM's KillWait): a preempted run would be killed before its "
-                    "checkpoint is written. Fix: a faster file system for the run dir, smaller state, or a longer "
-                    "grace (SLURM: --signal=USR1@<s> ahead of the time limit)", what, took, grace_s)
+        log.warning(
+            "%s took %.1fs to write, longer than the %.0fs a launcher waits after its stop signal "
+            "(torchrun's close timeout, SLURM's KillWait): a preempted run would be killed before its "
+            "checkpoint is written. Fix: a faster file system for the run dir, smaller state, or a longer "
+            "grace (SLURM: --signal=USR1@<s> ahead of the time limit)",
+            what,
+            took,
+            grace_s,
+        )

@@ -61,14 +61,18 @@ def deadline(what: str, timeout_s: float) -> Iterator[None]:
         while not done.wait(until_next(notices)):
             waited = time.monotonic() - t0
             if waited > timeout_s + GRACE_S and _may_exit:
-                sys.stderr.write(f"{what}: gave up after {waited:.0f}s (distributed.timeout_s={timeout_s}). Fix: "
-                                 "start every rank with the same WORLD_SIZE and address (MASTER_ADDR/MASTER_PORT "
-                                 "or distributed.init_method), or raise distributed.timeout_s\n")
+                sys.stderr.write(
+                    f"{what}: gave up after {waited:.0f}s (distributed.timeout_s={timeout_s}). Fix: "
+                    "start every rank with the same WORLD_SIZE and address (MASTER_ADDR/MASTER_PORT "
+                    "or distributed.init_method), or raise distributed.timeout_s\n"
+                )
                 sys.stderr.flush()
                 os._exit(1)
             if waited >= NOTICE_S * (notices + 1):
                 notices += 1
-                log.warning("%s: %.0fs so far (gives up after distributed.timeout_s=%s)", what, waited, timeout_s)
+                log.warning(
+                    "%s: %.0fs so far (gives up after distributed.timeout_s=%s)", what, waited, timeout_s
+                )
 
     threading.Thread(target=watch, name="ddplab-deadline", daemon=True).start()
     try:
@@ -138,21 +142,27 @@ class StallWatch:
             self._publish(step, ran)
         if ran <= max(NOTICE_S, self.PATIENCE * usual):
             return None
-        msg = (f"rank {self.rank}/{self.world_size}: step {step} has run {ran:.0f}s (its recent steps took "
-               f"{usual:.3g}s), now in its {self.phase}")
+        msg = (
+            f"rank {self.rank}/{self.world_size}: step {step} has run {ran:.0f}s (its recent steps took "
+            f"{usual:.3g}s), now in its {self.phase}"
+        )
         late = self._late_ranks(step)
         if late:
             msg += f"; not at that collective: {late}"
         elif self.phase in self.WAITING_PHASES:
             msg += ": waiting for another rank in a collective?"
-        return msg + (f" (the job fails after distributed.timeout_s={self.timeout_s}, naming the rank(s) that "
-                      "never arrived)")
+        return msg + (
+            f" (the job fails after distributed.timeout_s={self.timeout_s}, naming the rank(s) that "
+            "never arrived)"
+        )
 
     def _publish(self, step: int, ran: float) -> None:
         """Where this rank is, for the others' messages (the store may be gone: then nothing)."""
         if self._store is not None:
             with contextlib.suppress(Exception):
-                self._store.set(f"ddplab/stall/{self.rank}", json.dumps({"step": step, "phase": self.phase, "ran": ran}))
+                self._store.set(
+                    f"ddplab/stall/{self.rank}", json.dumps({"step": step, "phase": self.phase, "ran": ran})
+                )
 
     def _late_ranks(self, step: int) -> str:
         """The ranks that are not where this one waits ('' when that cannot be known)."""
@@ -169,7 +179,9 @@ class StallWatch:
                     continue
                 where = json.loads(self._store.get(key))
                 if where["step"] < step or where["phase"] not in self.WAITING_PHASES:
-                    late.append(f"rank {r} (in its {where['phase']} of step {where['step']} for {where['ran']:.0f}s)")
+                    late.append(
+                        f"rank {r} (in its {where['phase']} of step {where['step']} for {where['ran']:.0f}s)"
+                    )
             return ", ".join(late)
         except Exception:  # the store may be gone (its host died): the plain message still stands
             return ""

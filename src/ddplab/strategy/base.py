@@ -51,14 +51,18 @@ class ModuleState:
 
     def check(self, ck: dict[str, Any], path: Path) -> None:
         if "model" not in ck and "sharded" in ck:
-            raise ConfigError(f"resume={path}: was saved with distributed=fsdp (sharded weights). Fix: resume it "
-                              "with distributed=fsdp, as it was saved, or resume=null")
+            raise ConfigError(
+                f"resume={path}: was saved with distributed=fsdp (sharded weights). Fix: resume it "
+                "with distributed=fsdp, as it was saved, or resume=null"
+            )
         if "model" in ck:
             problems = state_dict_mismatch(self.module.state_dict(), ck["model"])
             if problems:
-                raise ConfigError(f"resume={path}: does not fit this model ({problems}). Fix: resume "
-                                  "with the model config it was saved with (see its meta.config entry), "
-                                  "or resume=null to start fresh")
+                raise ConfigError(
+                    f"resume={path}: does not fit this model ({problems}). Fix: resume "
+                    "with the model config it was saved with (see its meta.config entry), "
+                    "or resume=null to start fresh"
+                )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.module.load_state_dict(sd)
@@ -98,8 +102,9 @@ class Strategy:
         pf = self.perf
         if not pf.compile:
             return module
-        return torch.compile(module, mode=None if pf.compile_mode is None else str(pf.compile_mode),
-                             backend=pf.compile_backend)
+        return torch.compile(
+            module, mode=None if pf.compile_mode is None else str(pf.compile_mode), backend=pf.compile_backend
+        )
 
     def fused_mode(self, mode: str) -> str:
         """perf.fused_optimizer as this strategy can honour it."""
@@ -118,8 +123,9 @@ class Strategy:
         return norm
 
     # -------------------------------------------------------- checkpoints
-    def checkpoint_entries(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                           sidecars: Sidecars) -> dict[str, Stateful]:
+    def checkpoint_entries(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, sidecars: Sidecars
+    ) -> dict[str, Stateful]:
         return {"model": ModuleState(module), "optimizer": optimizer}
 
     # --------------------------------------------------------- evaluation
@@ -129,8 +135,9 @@ class Strategy:
             # shard; evaluate every shard with rank 0's, the ones checkpointed.
             collectives.broadcast_buffers(module, self.dist)
 
-    def finish_eval(self, module: nn.Module, forwards_done: int, forwards_needed: int,
-                    forward: Callable[[], Any]) -> None:
+    def finish_eval(
+        self, module: nn.Module, forwards_done: int, forwards_needed: int, forward: Callable[[], Any]
+    ) -> None:
         """After this rank's evaluation batches: extra forwards, where the strategy needs lockstep."""
 
     def whole_tensors(self, tensors: list[Tensor]) -> list[Tensor]:

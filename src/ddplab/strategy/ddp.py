@@ -49,16 +49,23 @@ class DDPStrategy(Strategy):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             if d.comm_hook == "bf16" and dist.backend != "nccl":
-                raise ConfigError(f"distributed.comm_hook=bf16: torch's bf16 compression needs NCCL (CUDA), this "
-                                  f"job runs {dist.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none")
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[d.comm_hook]
+                raise ConfigError(
+                    f"distributed.comm_hook=bf16: torch's bf16 compression needs NCCL (CUDA), this "
+                    f"job runs {dist.backend}. Fix: distributed.comm_hook=fp16 (works on gloo) or none"
+                )
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[
+                d.comm_hook
+            ]
             ddp.register_comm_hook(state=None, hook=hook)  # state=None: the default process group
         # The buckets the whole run reduces in, fixed before step 1 in every process: a restarted one then
         # adds the ranks' gradients in the order the process it replaces did (bitwise resume at 3+ ranks).
         if not compat.settle_ddp_buckets(ddp) and d.static_graph and dist.world_size >= 3:
-            log.warning("distributed.static_graph=true: DDP learns its gradient buckets in the first step, so a "
-                        "run resumed at %d ranks equals the uninterrupted one to rounding (~1e-7), not bitwise. "
-                        "Fix: distributed.static_graph=false for bitwise resume", dist.world_size)
+            log.warning(
+                "distributed.static_graph=true: DDP learns its gradient buckets in the first step, so a "
+                "run resumed at %d ranks equals the uninterrupted one to rounding (~1e-7), not bitwise. "
+                "Fix: distributed.static_graph=false for bitwise resume",
+                dist.world_size,
+            )
         return ddp
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
@@ -80,9 +87,13 @@ class DDPStrategy(Strategy):
         names = ", ".join(unused[:10]) + (f" (+{len(unused) - 10} more)" if len(unused) > 10 else "")
         raise RuntimeError(
             f"parameter(s) that received no gradient in the first step: {names or '(on another rank)'}. "
-            "DDP needs a gradient for every parameter each step. Fix: distributed.find_unused_parameters=true "
-            "(costs a graph traversal per step), or freeze them (requires_grad=False) or remove them.")
+            "DDP needs a gradient for every parameter each step. Fix: "
+            "distributed.find_unused_parameters=true "
+            "(costs a graph traversal per step), or freeze them (requires_grad=False) or remove them."
+        )
 
     def describe(self) -> list[str]:
         d = self.d
-        return ["static graph"] * d.static_graph + [f"{d.comm_hook} gradient compression"] * (d.comm_hook != "none")
+        return ["static graph"] * d.static_graph + [f"{d.comm_hook} gradient compression"] * (
+            d.comm_hook != "none"
+        )

@@ -48,7 +48,8 @@ def _written_or_removed(path: Path) -> Iterator[None]:
         raise CheckpointWriteError(
             f"could not write sharded checkpoint {path}: {_first_failure(e)} ({free_space(path.parent)} on "
             "its file system). The previous checkpoint is intact. Fix: free space (or point run_dir "
-            "elsewhere), then run the same command with resume=auto") from None
+            "elsewhere), then run the same command with resume=auto"
+        ) from None
 
 
 class ShardedState:
@@ -93,9 +94,13 @@ class ShardedState:
         if "sharded" not in ck:
             from ddplab.config.drift import flatten
 
-            saved = flatten(ck["meta"]["config"]).get("distributed.strategy", "ddp") if "meta" in ck else "ddp"
-            raise ConfigError(f"resume={path}: was saved without distributed=fsdp (full weights). Fix: resume it "
-                              f"with the strategy it was saved with (distributed={saved}), or resume=null")
+            saved = (
+                flatten(ck["meta"]["config"]).get("distributed.strategy", "ddp") if "meta" in ck else "ddp"
+            )
+            raise ConfigError(
+                f"resume={path}: was saved without distributed=fsdp (full weights). Fix: resume it "
+                f"with the strategy it was saved with (distributed={saved}), or resume=null"
+            )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Read this rank's shards back (any world size: DCP reshards on load); collective."""
@@ -108,8 +113,9 @@ class ShardedState:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
 
 
 class FSDPStrategy(Strategy):
@@ -123,14 +129,20 @@ class FSDPStrategy(Strategy):
     @classmethod
     def refuse(cls, cfg: DictConfig, world_size: int) -> None:
         if cfg.distributed.sync_batchnorm:
-            raise ConfigError("distributed.sync_batchnorm=True: not supported with distributed=fsdp. "
-                              "Fix: distributed.sync_batchnorm=false, or distributed=ddp")
+            raise ConfigError(
+                "distributed.sync_batchnorm=True: not supported with distributed=fsdp. "
+                "Fix: distributed.sync_batchnorm=false, or distributed=ddp"
+            )
         if cfg.perf.compile:
-            raise ConfigError("perf.compile=True: not wired for distributed=fsdp yet. "
-                              "Fix: perf.compile=false, or distributed=ddp")
+            raise ConfigError(
+                "perf.compile=True: not wired for distributed=fsdp yet. "
+                "Fix: perf.compile=false, or distributed=ddp"
+            )
         if cfg.perf.channels_last:  # channels_last conv weights are not contiguous; fully_shard refuses them
-            raise ConfigError("perf.channels_last=True: FSDP shards only contiguous parameters. "
-                              "Fix: perf.channels_last=false, or distributed=ddp")
+            raise ConfigError(
+                "perf.channels_last=True: FSDP shards only contiguous parameters. "
+                "Fix: perf.channels_last=false, or distributed=ddp"
+            )
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Each top-level child with parameters is one unit (its all-gather overlaps the previous
@@ -165,14 +177,17 @@ class FSDPStrategy(Strategy):
     def grad_norm(self, norm: Tensor) -> Tensor:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def checkpoint_entries(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                           sidecars: Sidecars) -> dict[str, Stateful]:
+    def checkpoint_entries(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, sidecars: Sidecars
+    ) -> dict[str, Stateful]:
         return {"sharded": ShardedState(module, optimizer, sidecars)}
 
     def whole_tensors(self, tensors: list[Tensor]) -> list[Tensor]:
         # DTensor shards → the whole tensor on every rank (an all-gather each; checkpoint time only).
-        return [t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
-                for t in tensors]
+        return [
+            t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+            for t in tensors
+        ]
 
     def load_whole_tensors(self, into: list[Tensor], full: list[Tensor]) -> None:
         from torch.distributed.tensor import distribute_tensor
@@ -184,8 +199,9 @@ class FSDPStrategy(Strategy):
                 else:
                     t.copy_(f.to(t.device))
 
-    def finish_eval(self, module: nn.Module, forwards_done: int, forwards_needed: int,
-                    forward: Callable[[], Any]) -> None:
+    def finish_eval(
+        self, module: nn.Module, forwards_done: int, forwards_needed: int, forward: Callable[[], Any]
+    ) -> None:
         # Every rank must run as many all-gathering forwards as rank 0 (the largest
         # shard): extra forwards on one sample, results dropped.
         for _ in range(forwards_needed - forwards_done):

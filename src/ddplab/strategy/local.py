@@ -26,12 +26,16 @@ class Local(Strategy):
     def refuse(cls, cfg: DictConfig, world_size: int) -> None:
         n = cfg.distributed.nproc_per_node
         if n != 1:
-            raise ConfigError(f"distributed.nproc_per_node={n}: distributed={cls.name} runs one process. "
-                              "Fix: distributed=ddp (or fsdp) for several processes")
+            raise ConfigError(
+                f"distributed.nproc_per_node={n}: distributed={cls.name} runs one process. "
+                "Fix: distributed=ddp (or fsdp) for several processes"
+            )
         if world_size > 1:
-            raise ConfigError(f"distributed.strategy={cls.name}: runs ONE process, but this one was launched as "
-                              f"one of {world_size} ranks. Fix: run `python train.py distributed={cls.name} ...` "
-                              "without torchrun, or use distributed=ddp (or fsdp) under torchrun")
+            raise ConfigError(
+                f"distributed.strategy={cls.name}: runs ONE process, but this one was launched as "
+                f"one of {world_size} ranks. Fix: run `python train.py distributed={cls.name} ...` "
+                "without torchrun, or use distributed=ddp (or fsdp) under torchrun"
+            )
 
 
 class DataParallel(Local):
@@ -39,10 +43,13 @@ class DataParallel(Local):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         gpus = torch.cuda.device_count() if self.dist.device.type == "cuda" else 0
-        log.warning("distributed=dp: torch.nn.DataParallel, one process over %d GPU(s) — it scatters every batch "
-                    "from and gathers outputs on GPU 0 in one Python thread. DistributedDataParallel is faster: "
-                    "torchrun --nproc_per_node=%d train.py (scripts/bench_dp_vs_ddp.py measures the gap)",
-                    gpus, max(gpus, 2))
+        log.warning(
+            "distributed=dp: torch.nn.DataParallel, one process over %d GPU(s) — it scatters every batch "
+            "from and gathers outputs on GPU 0 in one Python thread. DistributedDataParallel is faster: "
+            "torchrun --nproc_per_node=%d train.py (scripts/bench_dp_vs_ddp.py measures the gap)",
+            gpus,
+            max(gpus, 2),
+        )
         return _DataParallel(self._compiled(module))  # on CPU (no GPUs) it simply calls the module
 
 

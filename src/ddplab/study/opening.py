@@ -37,11 +37,24 @@ def open_study(cfg: DictConfig) -> OpenStudy:
         _check_target(cfg, key, searched)
     with owner.claim_lock(url, cfg.study.timeout_s, study_dir):
         store = storage.open_storage(url, cfg.study.timeout_s)
-        study = storage.open_study(store, url, str(cfg.study.name), "minimize" if minimize else "maximize",
-                                   space.signature(searched), str(cfg.objective),
-                                   storage.training(cfg, searched, trial_world_size(cfg)))
-    log.info("study %s: %s, %d trials, %s %s; trials in %s", cfg.study.name, url, cfg.study.n_trials,
-             "minimizing" if minimize else "maximizing", cfg.objective, study_dir)
+        study = storage.open_study(
+            store,
+            url,
+            str(cfg.study.name),
+            "minimize" if minimize else "maximize",
+            space.signature(searched),
+            str(cfg.objective),
+            storage.training(cfg, searched, trial_world_size(cfg)),
+        )
+    log.info(
+        "study %s: %s, %d trials, %s %s; trials in %s",
+        cfg.study.name,
+        url,
+        cfg.study.n_trials,
+        "minimizing" if minimize else "maximizing",
+        cfg.objective,
+        study_dir,
+    )
     limit = int(cfg.study.n_trials)
     if str((cfg.study.sampler or {}).get("_target_", "")).endswith("GridSampler"):
         grid = math.prod(len(getattr(d, "choices", ())) for d in searched.values())
@@ -61,9 +74,11 @@ def _check_target(cfg: DictConfig, key: str, searched: dict[str, Any]) -> None:
         raise
     except Exception as e:
         why = " ".join(str(e).split())[:300]
-        raise ConfigError(f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "
-                          f"{'optuna.samplers.TPESampler' if key == 'sampler' else 'optuna.pruners.MedianPruner'} "
-                          f"and its arguments, or study.{key}=null") from None
+        raise ConfigError(
+            f"study.{key}: cannot make it ({why}). Fix: a _target_ such as "
+            f"{'optuna.samplers.TPESampler' if key == 'sampler' else 'optuna.pruners.MedianPruner'} "
+            f"and its arguments, or study.{key}=null"
+        ) from None
 
 
 def _check_objective(cfg: DictConfig) -> bool:
@@ -72,4 +87,6 @@ def _check_objective(cfg: DictConfig) -> bool:
     from ddplab.task import check_objective
     from ddplab.train.hooks import Callbacks
 
-    return check_objective(str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names())
+    return check_objective(
+        str(cfg.objective), build.task(cfg), Callbacks(build.callbacks(cfg)).logged_names()
+    )

@@ -63,8 +63,14 @@ def _started(pid: int) -> str:
 
 def me(**extra: Any) -> dict[str, Any]:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "machine": _machine(), "pid": pid, "started": _started(pid),
-            "beat": time.time(), **extra}
+    return {
+        "host": socket.gethostname(),
+        "machine": _machine(),
+        "pid": pid,
+        "started": _started(pid),
+        "beat": time.time(),
+        **extra,
+    }
 
 
 def _alive_here(record: dict[str, Any]) -> bool:
@@ -143,8 +149,11 @@ class Hold:
                 failing = False
             except Exception as e:  # the worker's own next storage call says what is wrong, in one line
                 if not failing:  # the database's own error, not Optuna's wrapper ("... exceeding max length")
-                    log.warning("trial %d: could not renew this worker's hold in the storage (%s); retrying",
-                                self.trial.number, storage.innermost(e))
+                    log.warning(
+                        "trial %d: could not renew this worker's hold in the storage (%s); retrying",
+                        self.trial.number,
+                        storage.innermost(e),
+                    )
                 failing = True
 
     def release(self) -> None:
@@ -157,7 +166,9 @@ class Hold:
         self.release()
         # not recorded: it is resumed as a death, from the same checkpoint
         with contextlib.suppress(Exception):
-            self.trial.set_user_attr(OWNER, {**self.record, "left": "preempted", "step": step, "signal": signal_name})
+            self.trial.set_user_attr(
+                OWNER, {**self.record, "left": "preempted", "step": step, "signal": signal_name}
+            )
 
     def still_mine(self) -> bool:
         from ddplab import compat
@@ -183,8 +194,10 @@ def claim_lock(url: str, timeout_s: float, fallback: Path) -> Iterator[None]:
         yield
         return
     except OSError as e:  # claiming without the lock would let two workers take one trial: refuse instead
-        raise ConfigError(f"study.storage={url}: cannot open its claim lock {lock} ({e.strerror}). Fix: make "
-                          f"{lock.parent} writable for every worker of the study") from None
+        raise ConfigError(
+            f"study.storage={url}: cannot open its claim lock {lock} ({e.strerror}). Fix: make "
+            f"{lock.parent} writable for every worker of the study"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -194,7 +207,7 @@ def claim_lock(url: str, timeout_s: float, fallback: Path) -> Iterator[None]:
 
 def _lock_file(url: str) -> Path | None:
     if url.startswith("journal:"):
-        return Path(f"{url[len('journal:'):]}.ddplab-claim.lock")
+        return Path(f"{url[len('journal:') :]}.ddplab-claim.lock")
     if url.startswith("sqlite"):
         from sqlalchemy.engine import make_url
 
@@ -220,11 +233,15 @@ def _db_lock(url: str, timeout_s: float) -> Iterator[None]:
         yield
         return
     try:
-        conn.execute(text("SELECT pg_advisory_lock(7172023)" if pg else "SELECT GET_LOCK('ddplab-claim', -1)"))
+        conn.execute(
+            text("SELECT pg_advisory_lock(7172023)" if pg else "SELECT GET_LOCK('ddplab-claim', -1)")
+        )
         yield
     finally:
         with contextlib.suppress(Exception):
-            conn.execute(text("SELECT pg_advisory_unlock(7172023)" if pg else "SELECT RELEASE_LOCK('ddplab-claim')"))
+            conn.execute(
+                text("SELECT pg_advisory_unlock(7172023)" if pg else "SELECT RELEASE_LOCK('ddplab-claim')")
+            )
         conn.close()
         engine.dispose()
 

@@ -49,4 +49,6 @@ def trial_world_size(cfg: DictConfig) -> int:
     """The ranks a trial of this worker trains on: the launcher's (torchrun, srun), else its own ranks."""
     if env.is_launched():
         return env.world_size()
-    return int(cfg.distributed.nproc_per_node) if getattr(cfg.distributed.strategy, "name", "") != "none" else 1
+    return (
+        int(cfg.distributed.nproc_per_node) if getattr(cfg.distributed.strategy, "name", "") != "none" else 1
+    )

@@ -22,8 +22,15 @@ class ReportToStudy(Callback):
 
     training_only = True  # mode=eval of a trial's checkpoint must not report to its finished trial
 
-    def __init__(self, storage: str, study_name: str, trial: int, objective: str, pruner: Any = None,
-                 timeout_s: float = 20.0):
+    def __init__(
+        self,
+        storage: str,
+        study_name: str,
+        trial: int,
+        objective: str,
+        pruner: Any = None,
+        timeout_s: float = 20.0,
+    ):
         self.url, self.name, self.number, self.objective = storage, study_name, trial, objective
         self.pruner, self.timeout_s = pruner, timeout_s
         self._trial: Any = None
@@ -39,8 +46,11 @@ class ReportToStudy(Callback):
 
         # ddplab's callback builder instantiates nested _target_s: the pruner usually arrives made.
         pruner = instantiate(self.pruner) if isinstance(self.pruner, dict) else self.pruner
-        study = optuna.load_study(study_name=self.name, storage=open_storage(self.url, self.timeout_s),
-                                  pruner=pruner or optuna.pruners.NopPruner())
+        study = optuna.load_study(
+            study_name=self.name,
+            storage=open_storage(self.url, self.timeout_s),
+            pruner=pruner or optuna.pruners.NopPruner(),
+        )
         self._trial = compat.optuna_trial(study, self.number)
 
     def on_eval_end(self, state: State, metrics: dict[str, float]) -> None:
@@ -60,5 +70,9 @@ class ReportToStudy(Callback):
                     raise
                 raise StorageLost(self.url, e) from None
         if collectives.broadcast_object(prune, state.dist):
-            where = f"step {state.loop.step}" if state.cfg.get("eval_every_n_steps") else f"epoch {state.loop.epoch}"
+            where = (
+                f"step {state.loop.step}"
+                if state.cfg.get("eval_every_n_steps")
+                else f"epoch {state.loop.epoch}"
+            )
             state.request_stop(f"{PRUNED} at {where} ({self.objective}={value:.6g})")

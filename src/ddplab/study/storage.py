@@ -34,7 +34,9 @@ def default_url(study_dir: Path) -> str:
     URL's query or fragment, and the database would silently go elsewhere."""
     from sqlalchemy.engine import URL
 
-    return URL.create("sqlite", database=str(study_dir.absolute() / "study.db")).render_as_string(hide_password=False)
+    return URL.create("sqlite", database=str(study_dir.absolute() / "study.db")).render_as_string(
+        hide_password=False
+    )
 
 
 def open_storage(url: str, timeout_s: float) -> Any:
@@ -45,21 +47,31 @@ def open_storage(url: str, timeout_s: float) -> Any:
         if url.startswith("journal:"):
             from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-            path = Path(url[len("journal:"):])
+            path = Path(url[len("journal:") :])
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"no directory {path.parent}")
             return JournalStorage(JournalFileBackend(str(path)))
         return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url, timeout_s))
     # the database's driver (Optuna re-raises it as "Failed to import DB access module")
     except ImportError as e:
-        driver = "'psycopg[binary]'" if "postgres" in url else "pymysql" if "mysql" in url else "the database's driver"
-        raise ConfigError(f"study.storage={url}: its driver is not installed ({' '.join(str(e).split())[:200]}). "
-                          f"Fix: pip install {driver}") from None
+        driver = (
+            "'psycopg[binary]'"
+            if "postgres" in url
+            else "pymysql"
+            if "mysql" in url
+            else "the database's driver"
+        )
+        raise ConfigError(
+            f"study.storage={url}: its driver is not installed ({' '.join(str(e).split())[:200]}). "
+            f"Fix: pip install {driver}"
+        ) from None
     except Exception as e:  # sqlalchemy's OperationalError, ArgumentError, a missing dir ...
         why = " ".join(str(getattr(e, "orig", None) or e).split())[:300]
-        raise ConfigError(f"study.storage={url}: cannot open it ({type(e).__name__}: {why}). Fix: a reachable "
-                          "database URL (sqlite:///path/study.db, postgresql://user@host/db) or journal:<file on a "
-                          "shared file system>") from None
+        raise ConfigError(
+            f"study.storage={url}: cannot open it ({type(e).__name__}: {why}). Fix: a reachable "
+            "database URL (sqlite:///path/study.db, postgresql://user@host/db) or journal:<file on a "
+            "shared file system>"
+        ) from None
 
 
 def _engine_kwargs(url: str, timeout_s: float) -> dict[str, Any]:
@@ -94,8 +106,11 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
     def searched_key(k: str) -> bool:
         return any(k == s or k.startswith(f"{s}.") for s in searched)
 
-    shipped = {name for name, node in (cfg.get("callbacks") or {}).items()
-               if str((node or {}).get("_target_", "")).startswith(SHIPPED_CALLBACKS)}
+    shipped = {
+        name
+        for name, node in (cfg.get("callbacks") or {}).items()
+        if str((node or {}).get("_target_", "")).startswith(SHIPPED_CALLBACKS)
+    }
 
     def reporting(k: str) -> bool:
         # an empty callbacks node is a leaf: no shipped callback, nothing to add
@@ -105,15 +120,17 @@ def training(cfg: Any, searched: dict[str, Any], world_size: int = 1) -> dict[st
 
     keys = {**trajectory(cfg), **{k: v for k, v in flatten(cfg).items() if reporting(k)}}
     if not any(searched_key(k) for k in ("batch_size", "batch_size_scope")):
-        world = batch_size.micro_batch(cfg.batch_size, getattr(cfg.batch_size_scope, "name",
-                                                                         cfg.batch_size_scope), world_size)
+        world = batch_size.micro_batch(
+            cfg.batch_size, getattr(cfg.batch_size_scope, "name", cfg.batch_size_scope), world_size
+        )
         keys["(global batch)"] = world
         keys["(per-rank batch)"] = world // max(1, world_size)
     return json.loads(json.dumps({k: v for k, v in keys.items() if not searched_key(k)}, default=str))
 
 
-def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str, objective: str,
-               trains: dict[str, Any]) -> Any:
+def open_study(
+    storage: Any, url: str, name: str, direction: str, space_sig: str, objective: str, trains: dict[str, Any]
+) -> Any:
     """Create the study, or load it if another worker did; refuse one made with another space or objective,
     or whose trials train with another config."""
     import optuna
@@ -123,10 +140,12 @@ def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str
     if TRAINING_ATTR not in attrs:  # we created it (or it predates this record): ours is the study's
         study.set_user_attr(TRAINING_ATTR, trains)
     elif attrs[TRAINING_ATTR] != trains:
-        raise ConfigError(f"study.name={name} in {url} trains its trials with another config: "
-                          f"{_trained_apart(attrs[TRAINING_ATTR], trains)}. Fix: give this worker the same overrides "
-                          "as the study's other workers (study.* and launch/logging keys may differ), or a new "
-                          "study.name")
+        raise ConfigError(
+            f"study.name={name} in {url} trains its trials with another config: "
+            f"{_trained_apart(attrs[TRAINING_ATTR], trains)}. Fix: give this worker the same overrides "
+            "as the study's other workers (study.* and launch/logging keys may differ), or a new "
+            "study.name"
+        )
     if SPACE_ATTR not in attrs:  # we created it (or a worker died before noting it): note ours
         study.set_user_attr(SPACE_ATTR, space_sig)
         study.set_user_attr(DIRECTION_ATTR, f"{objective} {direction}")
@@ -134,11 +153,15 @@ def open_study(storage: Any, url: str, name: str, direction: str, space_sig: str
     from ddplab.study.space import differences
 
     if attrs[SPACE_ATTR] != space_sig:
-        raise ConfigError(f"study.name={name} exists in {url} with another search space: "
-                          f"{differences(attrs[SPACE_ATTR], space_sig)}. Fix: a new study.name, or the same study.params")
+        raise ConfigError(
+            f"study.name={name} exists in {url} with another search space: "
+            f"{differences(attrs[SPACE_ATTR], space_sig)}. Fix: a new study.name, or the same study.params"
+        )
     if attrs.get(DIRECTION_ATTR) != f"{objective} {direction}":
-        raise ConfigError(f"study.name={name} in {url} optimizes {attrs.get(DIRECTION_ATTR)}, not {objective} "
-                          f"{direction}. Fix: a new study.name, or objective={str(attrs.get(DIRECTION_ATTR)).split()[0]}")
+        raise ConfigError(
+            f"study.name={name} in {url} optimizes {attrs.get(DIRECTION_ATTR)}, not {objective} "
+            f"{direction}. Fix: a new study.name, or objective={str(attrs.get(DIRECTION_ATTR)).split()[0]}"
+        )
     return study
 
 
@@ -146,7 +169,9 @@ def _trained_apart(study: dict[str, Any], here: dict[str, Any], shown: int = 8) 
     from ddplab.config.drift import ABSENT
 
     keys = sorted(k for k in set(study) | set(here) if study.get(k, ABSENT) != here.get(k, ABSENT))
-    said = "; ".join(f"{k}: {study.get(k, ABSENT)!r} in the study, {here.get(k, ABSENT)!r} here" for k in keys[:shown])
+    said = "; ".join(
+        f"{k}: {study.get(k, ABSENT)!r} in the study, {here.get(k, ABSENT)!r} here" for k in keys[:shown]
+    )
     return said + (f"; and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
@@ -162,8 +187,10 @@ class StorageLost(ResourceError):
     def __init__(self, url: str, error: BaseException, trial: str = "", alike: bool = False):
         self.url, self.cause = url, innermost(error)
         self.alike_on_every_rank = alike
-        super().__init__(f"study.storage={url}: it failed under this worker ({self.cause}){'; ' + trial if trial else ''}"
-                         ". Fix: free space on it, make it writable or restore it, then start the workers again")
+        super().__init__(
+            f"study.storage={url}: it failed under this worker ({self.cause}){'; ' + trial if trial else ''}"
+            ". Fix: free space on it, make it writable or restore it, then start the workers again"
+        )
 
 
 def failed(e: BaseException) -> bool:
@@ -178,9 +205,13 @@ def _failed_here(e: BaseException) -> bool:
     import sqlalchemy.exc
 
     for x in _chain(e):
-        if isinstance(x, (StorageLost, optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)):
+        if isinstance(
+            x, (StorageLost, optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)
+        ):
             return True
-        if isinstance(x, OSError) and any(_module(tb).startswith("optuna.storages") for tb in _frames(x.__traceback__)):
+        if isinstance(x, OSError) and any(
+            _module(tb).startswith("optuna.storages") for tb in _frames(x.__traceback__)
+        ):
             return True
     return False
 
@@ -193,7 +224,9 @@ def innermost(e: BaseException) -> str:
     for x in chain:
         if isinstance(x, StorageLost):
             return x.cause
-        said = re.search(r"StorageLost: study\.storage=\S+: it failed under this worker \((.+?)\)(?:; |\. Fix)", str(x))
+        said = re.search(
+            r"StorageLost: study\.storage=\S+: it failed under this worker \((.+?)\)(?:; |\. Fix)", str(x)
+        )
         if said:  # a self-launched rank's line, handed to its worker as its text
             return said.group(1)
         if not type(x).__module__.startswith(("optuna", "sqlalchemy")):

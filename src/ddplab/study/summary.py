@@ -52,7 +52,9 @@ def finish(w: Opened) -> dict[str, float]:
         counts = Counter(t.state.name for t in trials)
         rows = sweep.summarize(w.dir, objective, w.minimize)
         try:
-            (w.dir / "summary.md").write_text(headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n")
+            (w.dir / "summary.md").write_text(
+                headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n"
+            )
             (w.dir / "summary.csv").write_text(sweep.to_csv(rows))
             table = f"table: {shown(w.dir / 'summary.md')} (and summary.csv); "
         except OSError as e:  # the study's results are in its storage, and the console has the table
@@ -67,8 +69,12 @@ def finish(w: Opened) -> dict[str, float]:
 
 
 def headline(w: Opened, trials: list[Any], counts: Counter) -> str:
-    states = ", ".join(f"{counts[s]} {s.lower()}" for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING") if counts[s])
-    head = f"study {w.study.study_name}: {len(trials)} of {w.cfg.study.n_trials} trials ({states or 'none yet'})"
+    states = ", ".join(
+        f"{counts[s]} {s.lower()}" for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING") if counts[s]
+    )
+    head = (
+        f"study {w.study.study_name}: {len(trials)} of {w.cfg.study.n_trials} trials ({states or 'none yet'})"
+    )
     done = [t for t in trials if t.state.name == "COMPLETE"]
     if not done:
         return head + "; no trial completed"

@@ -40,8 +40,10 @@ def make_sampler(cfg: DictConfig, space: dict[str, Any], n: int) -> Any:
         spec["search_space"] = {k: list(getattr(d, "choices", ())) for k, d in space.items()}
         ranges = [k for k, d in space.items() if not hasattr(d, "choices")]
         if ranges:
-            raise ConfigError(f"study.sampler=GridSampler needs choices: study.params.{ranges[0]} is a range. Fix: "
-                              f"choice(...) or range(lo, hi, step) for it, or another sampler")
+            raise ConfigError(
+                f"study.sampler=GridSampler needs choices: study.params.{ranges[0]} is a range. Fix: "
+                f"choice(...) or range(lo, hi, step) for it, or another sampler"
+            )
     return instantiate(spec)
 
 
@@ -53,10 +55,15 @@ def trial_config(cfg: DictConfig, number: int, params: dict[str, Any], tdir: str
     out = _compose(params, settings) or _updated(cfg, params, settings)
     with open_dict(out):
         out.callbacks = out.get("callbacks") or {}
-        out.callbacks.study = {"_target_": "ddplab.study.report.ReportToStudy", "storage": url,
-                               "study_name": str(cfg.study.name), "trial": number, "objective": out.objective,
-                               "pruner": OmegaConf.to_container(out.study.pruner) if out.study.pruner else None,
-                               "timeout_s": out.study.timeout_s}
+        out.callbacks.study = {
+            "_target_": "ddplab.study.report.ReportToStudy",
+            "storage": url,
+            "study_name": str(cfg.study.name),
+            "trial": number,
+            "objective": out.objective,
+            "pruner": OmegaConf.to_container(out.study.pruner) if out.study.pruner else None,
+            "timeout_s": out.study.timeout_s,
+        }
     return out
 
 
@@ -96,8 +103,10 @@ def _updated(cfg: DictConfig, params: dict[str, Any], settings: dict[str, Any]) 
     with open_dict(out):
         for k, v in {**params, **settings}.items():
             if isinstance(OmegaConf.select(out, k), DictConfig):
-                raise ConfigError(f"study.params.{k}: choosing a group option needs train.py (Hydra composes it). "
-                                  "Fix: run the study through train.py mode=study")
+                raise ConfigError(
+                    f"study.params.{k}: choosing a group option needs train.py (Hydra composes it). "
+                    "Fix: run the study through train.py mode=study"
+                )
             OmegaConf.update(out, k, v, merge=False)
     return out
 

@@ -5,9 +5,9 @@ run dir (:meth:`~StudyWorker.train`; the trial's ReportToStudy callback reports 
 (:meth:`~StudyWorker.tell`) — until the study needs no more.
 
 Under torchrun or ``srun -n N`` the N ranks are one worker whose trials run on all of them: rank 0 opens the
-study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a trial,
-and when another worker may take it over and resume it, lives in the storage (``ddplab.study.owner``). A
-takeover of a trial whose worker died counts a death; past ``study.max_retries`` the trial is told FAIL."""
+study, claims, asks and tells; the others train the trial it picked (``study.ranks.agree``). Who holds a
+trial, and when another worker may take it over and resume it, lives in the storage (``ddplab.study.owner``).
+A takeover of a trial whose worker died counts a death; past ``study.max_retries`` the trial is told FAIL."""
 
 from __future__ import annotations
 
@@ -28,16 +28,9 @@ from ddplab.study import owner, storage, summary
 from ddplab.study.opening import open_study
 from ddplab.study.ranks import agree
 from ddplab.study.report import PRUNED
-from ddplab.study.trials import (
-    Ended,
-    TRIAL_FILE,
-    make_sampler,
-    objective_value,
-    trial_config,
-)
+from ddplab.study.trials import TRIAL_FILE, Ended, make_sampler, objective_value, trial_config
 
 log = logging.getLogger("ddplab")
-
 
 
 class Pending(NamedTuple):
@@ -89,13 +82,17 @@ class StudyWorker:
         """The trial every rank trains next (number, params, run dir), as rank 0 decided it; None: no more."""
         gone = env.launcher_gone()
         if gone is not None:  # torchrun's agent died as the last trial ended: nobody would stop these ranks
-            log.warning("launcher died (pid %d): this worker takes no further trial (start it again to go on)", gone)
+            log.warning(
+                "launcher died (pid %d): this worker takes no further trial (start it again to go on)", gone
+            )
             raise Preempted(f"launcher died (pid {gone})", -1, None)  # the last trial is told on the way out
         self.taken = None
         picked = agree(self.cfg, self._decide)
         if picked is not None and picked[0] == "stop":
-            log.warning("%s arrived between trials: this worker takes no further trial (start it again to go on)",
-                        picked[1])
+            log.warning(
+                "%s arrived between trials: this worker takes no further trial (start it again to go on)",
+                picked[1],
+            )
             raise Preempted(picked[1], -1, None)
         return None if picked is None else picked[1:]
 
@@ -116,8 +113,12 @@ class StudyWorker:
         try:
             self._tell_pending()
         except Exception as e:  # the worker's own failure is what it reports; this is said beside it
-            log.error("the last trial could not be told (%s: %s): it stays RUNNING, and the next worker resumes "
-                      "it from its checkpoint", type(e).__name__, group.plain_message(e))
+            log.error(
+                "the last trial could not be told (%s: %s): it stays RUNNING, and the next worker resumes "
+                "it from its checkpoint",
+                type(e).__name__,
+                group.plain_message(e),
+            )
 
     # ------------------------------------------------------------------------------------------ claim
     def claim(self) -> tuple[Any, owner.Hold] | None:
@@ -139,8 +140,11 @@ class StudyWorker:
             tdir.mkdir(parents=True, exist_ok=True)
             # trial.json first: a dir recorded in the storage must be one a resumer can recognise
             # (owner.reachable), even if this worker dies right after recording it.
-            (tdir / TRIAL_FILE).write_text(json.dumps({"study": self.study.study_name, "number": trial.number,
-                                                       "params": trial.params}, indent=2))
+            (tdir / TRIAL_FILE).write_text(
+                json.dumps(
+                    {"study": self.study.study_name, "number": trial.number, "params": trial.params}, indent=2
+                )
+            )
             trial.set_user_attr(owner.DIR, str(tdir))
             hold = self._hold(trial.number)
             return self.study.get_trials(deepcopy=False)[trial.number], hold
@@ -155,17 +159,23 @@ class StudyWorker:
         if not owner.reachable(tdir, self.study.study_name, trial.number):
             if trial.number not in self.unreachable:
                 self.unreachable.add(trial.number)
-                log.warning("trial %d: %s, but this worker cannot reach its run dir %s, so it leaves the trial to "
-                            "a worker that can. Fix: give every worker a study.dir on a file system they all see",
-                            trial.number, v.why, tdir)
+                log.warning(
+                    "trial %d: %s, but this worker cannot reach its run dir %s, so it leaves the trial to "
+                    "a worker that can. Fix: give every worker a study.dir on a file system they all see",
+                    trial.number,
+                    v.why,
+                    tdir,
+                )
             return None
         why, retries = v.why, self.cfg.study.max_retries
         if v.death:
             why += f" {owner.progress(tdir)}"
             deaths = owner.count_death(self.study, trial.number)
             if deaths > retries:
-                error = (f"its worker died {deaths} times without recording a result (study.max_retries="
-                         f"{retries}); the last time: {why}")
+                error = (
+                    f"its worker died {deaths} times without recording a result (study.max_retries="
+                    f"{retries}); the last time: {why}"
+                )
                 log.error("trial %d: failed: %s", trial.number, error)
                 self.tell(trial, "FAIL", None, error)
                 return None
@@ -214,15 +224,22 @@ class StudyWorker:
         """Train ``trial``; how it ended, to be told once (None: told already, it failed). A preemption leaves
         it RUNNING for a resume (the worker exits)."""
         tdir = self.trial_dir(trial)
-        log.info("trial %d (%s): %s", trial.number, rundir.label({k: str(v) for k, v in trial.params.items()}), tdir)
+        log.info(
+            "trial %d (%s): %s",
+            trial.number,
+            rundir.label({k: str(v) for k, v in trial.params.items()}),
+            tdir,
+        )
         handler = log_to(tdir / "train.log")  # the trial's own train.log, beside the worker's
         try:
             # a trial that cannot be composed: told
             cfg = trial_config(self.cfg, trial.number, trial.params, str(tdir))
             metrics = self._through_rank_deaths(trial.number, cfg)
         except Preempted:
-            log.warning("trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again",
-                        trial.number)
+            log.warning(
+                "trial %d stays RUNNING: it resumes from its checkpoint when a worker starts again",
+                trial.number,
+            )
             raise
         except Exception as e:
             if self._failed(trial, e):
@@ -248,13 +265,19 @@ class StudyWorker:
             return True
         # a rank of it died without a word: its death, the next worker counts
         if isinstance(e, group.PeerLost):
-            log.warning("trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a "
-                        "death", trial.number)
+            log.warning(
+                "trial %d stays RUNNING: a rank of it was killed; the next worker resumes it, counting a "
+                "death",
+                trial.number,
+            )
             return True
         lost = storage.failed(e)  # the trial's own report to the storage failed: so will the next trial's
         if ended.kind == "resource" and not lost:  # a full disk: not the params' fault; every next trial too
-            log.warning("trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is "
-                        "room (this worker stops)", trial.number)
+            log.warning(
+                "trial %d stays RUNNING: the next worker resumes it from its checkpoint once there is "
+                "room (this worker stops)",
+                trial.number,
+            )
             return True
         self._tell_or_keep(trial, "FAIL", None, storage.innermost(e) if lost else cause)
         if lost:
@@ -263,8 +286,11 @@ class StudyWorker:
         if env.is_launched():
             return True
         if was_said(e):  # by the trial's job, where it happened
-            log.warning("trial %d failed (its error is above, and in %s), the study goes on", trial.number,
-                        self.trial_dir(trial) / rundir.RESULT)
+            log.warning(
+                "trial %d failed (its error is above, and in %s), the study goes on",
+                trial.number,
+                self.trial_dir(trial) / rundir.RESULT,
+            )
         else:
             log.error("trial %d failed, the study goes on: %s", trial.number, cause)
         return False
@@ -287,19 +313,40 @@ class StudyWorker:
                 deaths = owner.count_death(self.study, number)
                 if deaths > retries:
                     raise RankFailed(f"{e} (death {deaths}, past study.max_retries={retries})") from None
-                log.warning("trial %d: a rank was killed by %s: death %d of study.max_retries=%d, resuming it from "
-                            "its checkpoint", number, e.killed_by, deaths, retries)
+                log.warning(
+                    "trial %d: a rank was killed by %s: death %d of study.max_retries=%d, resuming it from "
+                    "its checkpoint",
+                    number,
+                    e.killed_by,
+                    deaths,
+                    retries,
+                )
 
     # ------------------------------------------------------------------------------------------ tell
-    def _tell_trained(self, trial: Any, cfg: DictConfig, tdir: Path, outcome: str, value: float | None,
-                      metrics: dict[str, float]) -> None:
+    def _tell_trained(
+        self,
+        trial: Any,
+        cfg: DictConfig,
+        tdir: Path,
+        outcome: str,
+        value: float | None,
+        metrics: dict[str, float],
+    ) -> None:
         why = "" if outcome != "FAIL" else f"{cfg.objective} is {metrics.get(cfg.objective)}"
         self._tell_or_keep(trial, outcome, value, why)
         try:
             summary.write_hparams(cfg, tdir, trial, outcome)
         except OSError as e:  # told already; rank 0 alone writes it, while its peers wait for the next trial
-            log.error("trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e)
-        log.info("trial %d: %s %s=%s", trial.number, outcome, cfg.objective, "" if value is None else f"{value:.6g}")
+            log.error(
+                "trial %d: its HParams row could not be written (%s); the study goes on", trial.number, e
+            )
+        log.info(
+            "trial %d: %s %s=%s",
+            trial.number,
+            outcome,
+            cfg.objective,
+            "" if value is None else f"{value:.6g}",
+        )
 
     def _tell_or_keep(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
         """:meth:`tell`; where the storage cannot take it, the trial stays RUNNING and the line says so (the
@@ -309,8 +356,9 @@ class StudyWorker:
         except Exception as e:
             if not storage.failed(e):
                 raise
-            raise storage.StorageLost(self.url, e, f"trial {trial.number} stays RUNNING in the study: the storage "
-                                      "cannot be written") from None
+            raise storage.StorageLost(
+                self.url, e, f"trial {trial.number} stays RUNNING in the study: the storage cannot be written"
+            ) from None
 
     def tell(self, trial: Any, outcome: str, value: float | None, error: str = "") -> None:
         """Tell the study once how the trial ended (``outcome``: COMPLETE, PRUNED or FAIL), and record it in
@@ -321,8 +369,13 @@ class StudyWorker:
         if hold is not None:
             hold.release()
             if not hold.still_mine():  # its lease ran out while this worker was away: the new holder tells it
-                log.error("trial %d: another worker took it over while this one worked on it (this worker's hold "
-                          "lapsed: no beat for %.0fs); it is not told %s here", trial.number, owner.LEASE_S, outcome)
+                log.error(
+                    "trial %d: another worker took it over while this one worked on it (this worker's hold "
+                    "lapsed: no beat for %.0fs); it is not told %s here",
+                    trial.number,
+                    owner.LEASE_S,
+                    outcome,
+                )
                 return
         if error:
             compat.optuna_trial(self.study, trial.number).set_user_attr("error", error[:1000])
@@ -337,6 +390,11 @@ class StudyWorker:
                 raise
         tdir = self.trial_dir(trial)
         result = rundir.read_result(tdir) or {"status": "failed", "error": error}
-        result["trial"] = {"study": self.study.study_name, "number": trial.number, "state": outcome, "value": value,
-                           "params": trial.params}
+        result["trial"] = {
+            "study": self.study.study_name,
+            "number": trial.number,
+            "state": outcome,
+            "value": value,
+            "params": trial.params,
+        }
         rundir.write_result(tdir, result)

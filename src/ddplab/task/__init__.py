@@ -85,8 +85,10 @@ def check_objective(objective: str, task: Any, callback_names: list[str]) -> boo
     if objective not in names:
         from ddplab.config.errors import ConfigError
 
-        raise ConfigError(f"objective={objective!r}: {name_of(task)} logs no such metric. "
-                          f"Fix: objective= one of {', '.join(names)}")
+        raise ConfigError(
+            f"objective={objective!r}: {name_of(task)} logs no such metric. "
+            f"Fix: objective= one of {', '.join(names)}"
+        )
     return objective.split("/", 1)[-1] not in getattr(task, "maximize", ())
 
 
@@ -95,34 +97,47 @@ def check_batch(task: Any, batch: Any) -> None:
     found = [(where, tuple(t.shape)) for where, t in tensors(batch) if t.dim() > 0]
     if len({shape[0] for _, shape in found}) > 1:
         listed = ", ".join(f"{w} {s}" for w, s in found)
-        raise TaskError(f"{name_of(task)} was given a batch whose tensors disagree on the batch size (leading dim): "
-                        f"{listed}. Fix: make the dataset (or its collate function) return one row per sample in "
-                        "every tensor")
+        raise TaskError(
+            f"{name_of(task)} was given a batch whose tensors disagree on the batch size (leading dim): "
+            f"{listed}. Fix: make the dataset (or its collate function) return one row per sample in "
+            "every tensor"
+        )
 
 
 def check_output(task: Any, out: Any) -> TaskOutput:
     """What a task returned, checked once (first training and evaluation batch): host metadata only."""
     name = name_of(task)
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise TaskError(f"{name} returned {type(out).__name__}; it must return TaskOutput(loss, size, metrics). "
-                        "Fix: return ddplab.task.TaskOutput(loss, batch_size, {name: (sum, count)})")
+        raise TaskError(
+            f"{name} returned {type(out).__name__}; it must return TaskOutput(loss, size, metrics). "
+            "Fix: return ddplab.task.TaskOutput(loss, batch_size, {name: (sum, count)})"
+        )
     out = TaskOutput(*out)
     if not isinstance(out.loss, Tensor) or out.loss.dim() != 0:
         shape = tuple(out.loss.shape) if isinstance(out.loss, Tensor) else type(out.loss).__name__
-        raise TaskError(f"{name} returned a loss of shape {shape}; it must be a scalar tensor (the batch mean). "
-                        "Fix: return loss.mean()")
+        raise TaskError(
+            f"{name} returned a loss of shape {shape}; it must be a scalar tensor (the batch mean). "
+            "Fix: return loss.mean()"
+        )
     if not isinstance(out.size, int) or out.size <= 0:
-        raise TaskError(f"{name} returned size={out.size!r}; it must be the number of samples in the batch (an int "
-                        "> 0). Fix: return len(batch[0]) or x.shape[0]")
+        raise TaskError(
+            f"{name} returned size={out.size!r}; it must be the number of samples in the batch (an int "
+            "> 0). Fix: return len(batch[0]) or x.shape[0]"
+        )
     declared = tuple(getattr(task, "metric_names", ()))
     if set(out.metrics) != set(declared):
-        raise TaskError(f"{name} returned metrics {sorted(out.metrics)} but declares metric_names={declared}. "
-                        "Fix: return exactly the declared names")
+        raise TaskError(
+            f"{name} returned metrics {sorted(out.metrics)} but declares metric_names={declared}. "
+            "Fix: return exactly the declared names"
+        )
     for m, pair in out.metrics.items():
         if not (isinstance(pair, tuple) and len(pair) == 2) or any(
-                isinstance(v, Tensor) and v.dim() != 0 for v in pair):
-            raise TaskError(f"{name}: metric {m!r} is {pair!r}; it must be a (sum, count) pair of numbers or scalar "
-                            "tensors. Fix: return (values.sum(), values.numel())")
+            isinstance(v, Tensor) and v.dim() != 0 for v in pair
+        ):
+            raise TaskError(
+                f"{name}: metric {m!r} is {pair!r}; it must be a (sum, count) pair of numbers or scalar "
+                "tensors. Fix: return (values.sum(), values.numel())"
+            )
     return out
 
 

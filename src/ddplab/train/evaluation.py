@@ -12,10 +12,10 @@ from torch import nn
 
 from ddplab.data import Splits, eval_batches
 from ddplab.data.sampling import eval_span
-from ddplab.train.metrics import SumMeter
 from ddplab.precision import Precision
 from ddplab.runtime.group import Dist
 from ddplab.task import check_batch, check_output, name_of
+from ddplab.train.metrics import SumMeter
 
 
 def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float]:
@@ -23,16 +23,31 @@ def derived(task: Any, values: dict[str, float], prefix: str) -> dict[str, float
     derive = getattr(task, "derive", None)
     if derive is None:
         return {}
-    means = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+    means = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
     return {f"{prefix}{k}": float(v) for k, v in derive(means).items()}
 
 
 class Evaluator:
-    def __init__(self, task: Any, module: nn.Module, data: Splits, dist: Dist, precision: Precision,
-                 strategy: Any, batch_size: int, to_memory_format: Callable[[Any], Any], max_batches: int | None = None):
+    def __init__(
+        self,
+        task: Any,
+        module: nn.Module,
+        data: Splits,
+        dist: Dist,
+        precision: Precision,
+        strategy: Any,
+        batch_size: int,
+        to_memory_format: Callable[[Any], Any],
+        max_batches: int | None = None,
+    ):
         """``max_batches``: evaluate at most this many batches per rank (limit_val_batches; debugging)."""
         self.task, self.module, self.data, self.dist = task, module, data, dist
-        self.precision, self.strategy, self.batch_size, self.to_memory_format = precision, strategy, batch_size, to_memory_format
+        self.precision, self.strategy, self.batch_size, self.to_memory_format = (
+            precision,
+            strategy,
+            batch_size,
+            to_memory_format,
+        )
         self.max_batches = max_batches
         self.step = getattr(task, "evaluate", task)
         # this rank's first validation batch (for visualize and FSDP's extra forwards)
@@ -40,7 +55,9 @@ class Evaluator:
         self._checked = False
 
     def _batches(self, world_size: int, rank: int, batch_size: int) -> Any:
-        return eval_batches(self.data.val, world_size, rank, batch_size, self.dist.device, self.data.collate_fn)
+        return eval_batches(
+            self.data.val, world_size, rank, batch_size, self.dist.device, self.data.collate_fn
+        )
 
     def _common_batches(self) -> int:
         """The fewest batches any rank evaluates: only those may hold a collective every rank reaches."""
@@ -77,7 +94,9 @@ class Evaluator:
             if stopper is not None and stopper.after_eval_batch(done - 1, common):
                 return None  # every rank stops at this same batch: no further collective here
         # A rank with an empty shard borrows one sample: FSDP needs the same number of forwards everywhere.
-        self.sample = first if first is not None else self.to_memory_format(next(iter(self._batches(1, 0, 1))))
+        self.sample = (
+            first if first is not None else self.to_memory_format(next(iter(self._batches(1, 0, 1))))
+        )
 
         def forward() -> None:
             with self.precision.autocast():

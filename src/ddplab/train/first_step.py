@@ -35,7 +35,7 @@ class FirstStep:
         except RuntimeError as e:
             # the config's fault: a model the data
             refusal = None if updating else build.shape_mismatch(s.cfg, e)
-            if refusal is None:                                             # cannot go through
+            if refusal is None:  # cannot go through
                 raise
             raise refusal from e
         finally:

@@ -64,8 +64,11 @@ class Callbacks:
         return [fn(*args) for fn in self.hooks[hook]]
 
     def stateful(self) -> dict[str, Any]:
-        return {f"callbacks.{name}": cb for name, cb in self.named.items()
-                if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")}
+        return {
+            f"callbacks.{name}": cb
+            for name, cb in self.named.items()
+            if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")
+        }
 
     def logged_names(self) -> list[str]:
         return [n for cb in self.named.values() for n in getattr(cb, "logged_names", ())]

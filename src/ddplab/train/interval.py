@@ -17,15 +17,15 @@ import contextlib
 import time
 from typing import Any, Callable, Iterator
 
-from ddplab.train.hooks import Hook
 from ddplab.data.batches import first_tensor
-from ddplab.train.evaluation import derived
-from ddplab.train.metrics import TrainMetrics
 from ddplab.perf import FlopRate
-from ddplab.train.reporting import Progress
 from ddplab.runtime.stopping import StopAgreement
 from ddplab.runtime.watch import StallWatch, default_store
 from ddplab.task import name_of
+from ddplab.train.evaluation import derived
+from ddplab.train.hooks import Hook
+from ddplab.train.metrics import TrainMetrics
+from ddplab.train.reporting import Progress
 from ddplab.train.state import State
 
 
@@ -84,12 +84,23 @@ class LogInterval:
         cfg, dist = s.cfg, s.dist
         self.state, self.stopper = s, stopper
         self.every = int(cfg.log_every_n_steps)  # a plain int: read every step
-        self.metrics = TrainMetrics(dist, getattr(s.task, "metric_names", ()), cfg.nonfinite_loss, s.accum,
-                                    cfg.log_every_n_steps * s.accum)
+        self.metrics = TrainMetrics(
+            dist,
+            getattr(s.task, "metric_names", ()),
+            cfg.nonfinite_loss,
+            s.accum,
+            cfg.log_every_n_steps * s.accum,
+        )
         # a hung peer gets said
         self.watch = StallWatch(dist.rank, dist.world_size, cfg.distributed.timeout_s, default_store())
-        self.flops = FlopRate(s.strategy.counts_flops, s.module, dist.device, s.precision.dtype,
-                              cfg.perf.peak_tflops, dist.world_size)  # counted on a batch in hand (keep)
+        self.flops = FlopRate(
+            s.strategy.counts_flops,
+            s.module,
+            dist.device,
+            s.precision.dtype,
+            cfg.perf.peak_tflops,
+            dist.world_size,
+        )  # counted on a batch in hand (keep)
         self.tokens_per_sample = 0  # a task that counts tokens: the first batch's sequence length
         self.bar = Progress("none")  # each epoch draws its own (new_bar)
         self.probe = StepProbe(s.task, self.watch, s.optimizer)  # the step's data time and stall phases
@@ -104,7 +115,9 @@ class LogInterval:
 
     def new_bar(self) -> None:
         s = self.state
-        self.bar = Progress.for_rank(str(s.cfg.progress), s.dist.is_main, s.steps_per_epoch, s.loop.epoch, s.length)
+        self.bar = Progress.for_rank(
+            str(s.cfg.progress), s.dist.is_main, s.steps_per_epoch, s.loop.epoch, s.length
+        )
 
     def restart(self) -> None:
         """Timing starts (again): at an epoch's first step, after a checkpoint or an evaluation."""
@@ -139,8 +152,9 @@ class LogInterval:
         step = s.loop.step
         self.watch.phase = "log collective"
         # The one collective (and host sync) of this interval; it also carries this rank's stop request.
-        values, anyone_stops = self.metrics.reduce(f"{s.position()}; task {name_of(s.task)}", step,
-                                                   self.stopper.requested)
+        values, anyone_stops = self.metrics.reduce(
+            f"{s.position()}; task {name_of(s.task)}", step, self.stopper.requested
+        )
         self.stopper.heard_at_log_step(anyone_stops)
         values.update(derived(s.task, values, "train/"))
         if s.results.first_train_loss is None:  # the barely trained model's loss: the summary's yardstick

@@ -31,13 +31,17 @@ class RunLength:
     @property
     def by_steps(self) -> bool:
         """max_steps sets the length (given, and reached before num_epochs ends)."""
-        return self.max_steps is not None and self.total_steps == self.max_steps and (
-            self.num_epochs is None or self.max_steps < self.steps_per_epoch * self.num_epochs)
+        return (
+            self.max_steps is not None
+            and self.total_steps == self.max_steps
+            and (self.num_epochs is None or self.max_steps < self.steps_per_epoch * self.num_epochs)
+        )
 
     def done(self, epoch: int, step: int) -> bool:
         """Training is over after ``epoch`` epochs and ``step`` optimizer steps."""
         return (self.num_epochs is not None and epoch >= self.num_epochs) or (
-            self.max_steps is not None and step >= self.max_steps)
+            self.max_steps is not None and step >= self.max_steps
+        )
 
     def describe(self) -> str:
         """The start-up line's length: which key set it, and the other's length when both were given."""
@@ -45,12 +49,19 @@ class RunLength:
         if self.max_steps is None:
             return f"{spe} x {self.num_epochs} epochs"
         if self.num_epochs is None:
-            return f"{self.max_steps:,} steps (max_steps; {spe}, {self.max_steps / self.steps_per_epoch:.3g} epochs)"
+            epochs = self.max_steps / self.steps_per_epoch
+            return f"{self.max_steps:,} steps (max_steps; {spe}, {epochs:.3g} epochs)"
         by_epochs = self.steps_per_epoch * self.num_epochs
         if self.by_steps:
-            return f"{self.max_steps:,} steps (max_steps ends first; num_epochs={self.num_epochs} would be {by_epochs:,}; {spe})"
-        return (f"{spe} x {self.num_epochs} epochs = {by_epochs:,} steps (num_epochs ends before max_steps={self.max_steps:,}; "
-                "num_epochs=null trains by steps alone)")
+            return (
+                f"{self.max_steps:,} steps (max_steps ends first; num_epochs={self.num_epochs} would be "
+                f"{by_epochs:,}; {spe})"
+            )
+        return (
+            f"{spe} x {self.num_epochs} epochs = {by_epochs:,} steps (num_epochs ends before "
+            f"max_steps={self.max_steps:,}; "
+            "num_epochs=null trains by steps alone)"
+        )
 
     def describe_done(self, epoch: int, step: int) -> str:
         """How much of it is done, in the unit the config gave (epochs unless max_steps was given)."""

@@ -39,16 +39,14 @@ log = logging.getLogger("ddplab")
 class Trainer:
     def __init__(self, state: State):
         self.state = s = state
-        # when every rank stops together (a signal, a dead launcher)
-        self.stopper = StopAgreement(s.stop, s.dist)
+        self.stopper = StopAgreement(s.stop, s.dist)  # every rank stops together (a signal, a dead launcher)
         # Read once: a config node's access costs microseconds, and these are read every step.
         self.grad_clip = float(s.cfg.grad_clip)
         self.skip_nonfinite = s.cfg.nonfinite_loss == "skip"
         self.interval = LogInterval(s, self.stopper)  # metrics, stop agreement, stall watch, progress, FLOPs
         self.probe = self.interval.probe  # the step's batches (timed), its task call, its gradients ready
         self.validation = Validation(s, self.stopper)  # when an evaluation is due; running and recording it
-        # this invocation's first step: checked
-        self.first_step: FirstStep | None = FirstStep(s, self.interval)
+        self.first_step: FirstStep | None = FirstStep(s, self.interval)  # this invocation's first: checked
         self._step_hooks = s.callbacks.hooks[Hook.ON_STEP_END]  # per step: an empty loop when none
 
     # ------------------------------------------------------------------- the run
@@ -59,15 +57,15 @@ class Trainer:
         announce(s)
         s.callbacks(Hook.ON_FIT_START, s)
         if s.length.done(loop.epoch, loop.step) and not loop.eval_pending:
-            log.info("already finished: %s done, nothing to train", s.length.describe_done(loop.epoch, loop.step))
+            log.info(
+                "already finished: %s done, nothing to train", s.length.describe_done(loop.epoch, loop.step)
+            )
         t0 = time.perf_counter()
-        stop = s.cfg.stop_after_epochs
+        last = s.cfg.stop_after_epochs or float("inf")  # (null: none; the schema refuses 0)
         try:
-            # stopped before an evaluation (an epoch's end, or a step's): that runs first
-            if loop.eval_pending:
+            if loop.eval_pending:  # stopped before an evaluation (an epoch's end, or a step's): it runs first
                 self._evaluate_mid_epoch() if loop.batches_in_epoch else self._end_epoch()
-            while not s.length.done(loop.epoch, loop.step) and (stop is None or loop.epoch < stop) \
-                    and s.stop_reason is None:
+            while not s.length.done(loop.epoch, loop.step) and loop.epoch < last and s.stop_reason is None:
                 self.train_epoch()
             s.checkpoints.finish()  # async_save: the last checkpoint is on disk before the run says done
         except BaseException as e:
@@ -152,8 +150,7 @@ class Trainer:
         return first(self.train_step, batches)
 
     def train_step(self, batches: Iterator[Any]) -> bool:
-        """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, NaN/Inf on a
-        rank)."""
+        """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, a NaN/Inf)."""
         s, probe, metrics = self.state, self.probe, self.interval.metrics
         for micro in range(s.accum):
             batch = s.memory_format(next(batches))
@@ -188,8 +185,7 @@ class Trainer:
         self._end_epoch()
 
     def _drop_nonfinite(self) -> bool:
-        """nonfinite_loss=skip: a NaN/Inf loss on any rank drops this step, its gradients too, on every
-        rank."""
+        """nonfinite_loss=skip: a NaN/Inf loss on any rank drops this step, gradients too, on every rank."""
         if not self.interval.metrics.nonfinite_on_any_rank(self.state.loop.step + 1):
             return False
         self.state.optimizer.zero_grad(set_to_none=True)
@@ -215,24 +211,26 @@ class Trainer:
         self.interval.restart()
 
     def _evaluate(self) -> bool:
-        """The evaluation now due (a stop agreed during it: checkpoint and leave); True if the objective
-        improved."""
+        """The evaluation now due (a stop agreed in it: checkpoint, leave); True: the objective improved."""
         improved = self.validation.run()
         if improved is None:  # every rank agreed to stop mid-evaluation: it reruns on resume
             self._preempt()
         return bool(improved)
 
-    def _save(self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False) -> str:
+    def _save(
+        self, is_best: bool = False, mid_epoch: tuple[int, int] | None = None, now: bool = False
+    ) -> str:
         """A checkpoint now (``mid_epoch``: only if one is due now; the manager decides). The path or "".
         ``now``: on disk when this returns, even with checkpoint.async_save. The manager tells on_save."""
         s = self.state
         path = s.checkpoints.save(s.loop.step, is_best, mid_epoch, before=self.interval.close, now=now)
         if path:
-            slow_save_warning(s.checkpoints.last_save_s, self.stopper.grace_s, f"checkpoint {Path(path).name}")
+            slow_save_warning(
+                s.checkpoints.last_save_s, self.stopper.grace_s, f"checkpoint {Path(path).name}"
+            )
         return path
 
     def _preempt(self) -> None:
         """Every rank agreed to stop here: checkpoint (written before leaving, async_save or not), then
         leave with status preempted."""
         raise Preempted(self.stopper.reason, self.state.loop.step, self._save(now=True))
-

@@ -44,7 +44,9 @@ def _metric_slots(metric_names: Iterable[str]) -> list[str]:
     return [s for m in metric_names for s in (f"{m}.sum", f"{m}.count")]
 
 
-def _means(total: list[float], slots: Slots, metric_names: Iterable[str], where: str = "") -> dict[str, float]:
+def _means(
+    total: list[float], slots: Slots, metric_names: Iterable[str], where: str = ""
+) -> dict[str, float]:
     """num_samples, the sample-weighted loss and each metric's sum/count from summed rows.
 
     A declared metric whose count is 0 over samples that exist has no mean: that is a task
@@ -60,9 +62,11 @@ def _means(total: list[float], slots: Slots, metric_names: Iterable[str], where:
         if n:
             out[m] = total[slots[f"{m}.sum"]] / n
         elif count:
-            raise TaskError(f"metric {m!r} has count 0 over {count:.0f} samples ({where}): its mean is undefined "
-                            f"(sum {total[slots[f'{m}.sum']]!r}). Fix: return ({m} sum, count) with count = the "
-                            "number of items the sum is over, > 0 for a batch that has any")
+            raise TaskError(
+                f"metric {m!r} has count 0 over {count:.0f} samples ({where}): its mean is undefined "
+                f"(sum {total[slots[f'{m}.sum']]!r}). Fix: return ({m} sum, count) with count = the "
+                "number of items the sum is over, > 0 for a batch that has any"
+            )
     return out
 
 
@@ -106,18 +110,38 @@ class TrainMetrics:
     interval, right before the one collective.
     """
 
-    _FIXED = ["loss", "num_samples", "grad_norm", "grad_norm.count", "step_time", "data_time", "steps", "wall",
-              "peak_mem", "stop", "nonfinite", "nonfinite_step"]
+    _FIXED = [
+        "loss",
+        "num_samples",
+        "grad_norm",
+        "grad_norm.count",
+        "step_time",
+        "data_time",
+        "steps",
+        "wall",
+        "peak_mem",
+        "stop",
+        "nonfinite",
+        "nonfinite_step",
+    ]
 
-    def __init__(self, dist: Dist, metric_names: Iterable[str], nonfinite: str = "error", accum: int = 1,
-                 capacity: int = 64):
+    def __init__(
+        self,
+        dist: Dist,
+        metric_names: Iterable[str],
+        nonfinite: str = "error",
+        accum: int = 1,
+        capacity: int = 64,
+    ):
         self.dist = dist
         self.metric_names = tuple(metric_names)
         self.slots = Slots(self._FIXED + _metric_slots(self.metric_names))
         # Where each metric's sum and count go in the row: indices by name, for one scatter per interval.
         # Index tensors made once on the device: no host-to-device copy on the step path.
         self._sum_idx = torch.tensor([self.slots[f"{m}.sum"] for m in self.metric_names], device=dist.device)
-        self._count_idx = torch.tensor([self.slots[f"{m}.count"] for m in self.metric_names], device=dist.device)
+        self._count_idx = torch.tensor(
+            [self.slots[f"{m}.count"] for m in self.metric_names], device=dist.device
+        )
         self.accum = accum
         self._cuda = dist.device.type == "cuda"
         self._raise_nonfinite = nonfinite == "error"
@@ -172,7 +196,7 @@ class TrainMetrics:
 
     def last_step_losses(self) -> Tensor:
         """The current step's micro-batch losses (device tensor), for nonfinite_loss=skip."""
-        return self.losses[len(self.sizes) - self.accum: len(self.sizes)]
+        return self.losses[len(self.sizes) - self.accum : len(self.sizes)]
 
     def nonfinite_on_any_rank(self, step: int) -> bool:
         """nonfinite_loss=skip: whether any rank's loss in step ``step`` (any micro-batch) is NaN/Inf (a sync
@@ -220,17 +244,29 @@ class TrainMetrics:
             row[self._count_idx] = ((self.counts[:k] + host) * finite[:, None]).sum(0)
         # First non-finite micro-batch → its optimizer step (steps of an interval are consecutive).
         bad = ~finite
-        first_micro = torch.where(bad, torch.arange(k, device=dev, dtype=torch.float64), float(k)).min() \
-            if k else torch.zeros((), dtype=torch.float64, device=dev)
+        first_micro = (
+            torch.where(bad, torch.arange(k, device=dev, dtype=torch.float64), float(k)).min()
+            if k
+            else torch.zeros((), dtype=torch.float64, device=dev)
+        )
         first_step = (last_step - self.steps + 1) + torch.div(first_micro, self.accum, rounding_mode="floor")
         row[lay["nonfinite"]] = bad.sum()
         row[lay["nonfinite_step"]] = torch.where(bad.any(), first_step, 0.0)
         mem = torch.cuda.max_memory_allocated(dev) / 2**30 if self._cuda else 0.0
-        host = [self.step_time, self.data_time, self.steps, time.perf_counter() - self.t_start, mem, float(stop)]
-        row[lay["step_time"]: lay["stop"] + 1] = torch.tensor(host, dtype=torch.float64)
+        host = [
+            self.step_time,
+            self.data_time,
+            self.steps,
+            time.perf_counter() - self.t_start,
+            mem,
+            float(stop),
+        ]
+        row[lay["step_time"] : lay["stop"] + 1] = torch.tensor(host, dtype=torch.float64)
         return row
 
-    def reduce(self, where: str = "", last_step: int = 0, stop: bool = False) -> tuple[dict[str, float], bool]:
+    def reduce(
+        self, where: str = "", last_step: int = 0, stop: bool = False
+    ) -> tuple[dict[str, float], bool]:
         """ONE collective: the ``train/*`` and ``vitals/*`` scalars (same on every rank), and whether any
         rank's ``stop`` was set.
 
@@ -250,15 +286,17 @@ class TrainMetrics:
         step_ms = rows[:, lay["step_time"]] / steps * 1e3  # per rank
         data_ms = rows[:, lay["data_time"]] / steps * 1e3
         out = {f"train/{k}": v for k, v in sums.items() if k != "num_samples"}
-        out.update({
-            "vitals/samples_per_s": sums["num_samples"] / max(rows[:, lay["wall"]].max().item(), 1e-9),
-            "vitals/step_time_ms": step_ms.mean().item(),
-            "vitals/step_time_ms_max": step_ms.max().item(),  # the straggler sets the pace
-            "vitals/step_time_ms_min": step_ms.min().item(),
-            "vitals/data_time_ms": data_ms.mean().item(),
-            "vitals/data_time_ms_max": data_ms.max().item(),
-            "vitals/data_time_ms_min": data_ms.min().item(),
-        })
+        out.update(
+            {
+                "vitals/samples_per_s": sums["num_samples"] / max(rows[:, lay["wall"]].max().item(), 1e-9),
+                "vitals/step_time_ms": step_ms.mean().item(),
+                "vitals/step_time_ms_max": step_ms.max().item(),  # the straggler sets the pace
+                "vitals/step_time_ms_min": step_ms.min().item(),
+                "vitals/data_time_ms": data_ms.mean().item(),
+                "vitals/data_time_ms_max": data_ms.max().item(),
+                "vitals/data_time_ms_min": data_ms.min().item(),
+            }
+        )
         if self._cuda:
             out["vitals/peak_mem_gb"] = rows[:, lay["peak_mem"]].max().item()
         if self.skipped:
@@ -274,4 +312,5 @@ class TrainMetrics:
             raise NonFiniteLossError(
                 f"training loss became NaN/Inf at step {step} (rank(s) {ranks}; noticed at the log step, "
                 f"{where}). Fix: lower optimizer.lr, set grad_clip=1.0, use amp_dtype=bfloat16 instead of "
-                "float16, check the data for NaN — or nonfinite_loss=skip to skip such steps.")
+                "float16, check the data for NaN — or nonfinite_loss=skip to skip such steps."
+            )

@@ -44,6 +44,7 @@ def wrap(head: str, items: list[str], sep: str = "  ", width: int = WIDTH) -> li
 def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any]:
     """The HParams entry: what a sweep varies first (typed: the config's value, or the option name
     of a group), then this job's other overrides, then the key settings."""
+
     def short(target: Any) -> Any:
         return str(target).rsplit(".", 1)[-1] if target else target
 
@@ -58,15 +59,25 @@ def hparams_of(cfg: DictConfig, run_dir: Path, world_size: int) -> dict[str, Any
             hp[key] = typed(key, value)
     settings: dict[str, Any] = {
         "task": short(cfg.task.get("_target_")) if cfg.get("task") else None,
-        "model": short(cfg.model.get("_target_")), "dataset": short(cfg.dataset.get("_target_")),
-        "optimizer": short(cfg.optimizer.get("_target_")), "optimizer.lr": cfg.optimizer.get("lr"),
-        "optimizer.weight_decay": cfg.optimizer.get("weight_decay"), "batch_size": cfg.batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps, "num_epochs": cfg.num_epochs, "max_steps": cfg.max_steps, "amp": cfg.amp,
-        "seed": cfg.seed, "world_size": world_size,
+        "model": short(cfg.model.get("_target_")),
+        "dataset": short(cfg.dataset.get("_target_")),
+        "optimizer": short(cfg.optimizer.get("_target_")),
+        "optimizer.lr": cfg.optimizer.get("lr"),
+        "optimizer.weight_decay": cfg.optimizer.get("weight_decay"),
+        "batch_size": cfg.batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "num_epochs": cfg.num_epochs,
+        "max_steps": cfg.max_steps,
+        "amp": cfg.amp,
+        "seed": cfg.seed,
+        "world_size": world_size,
     }
     keys = redact.keys_of(cfg)  # an override's value is the config's: secrets masked here (ddplab.redact)
-    return {k: redact.MASK if redact.is_secret_key(k, keys) else redact.text(v, keys) if isinstance(v, str) else v
-            for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items() if v is not None}
+    return {
+        k: redact.MASK if redact.is_secret_key(k, keys) else redact.text(v, keys) if isinstance(v, str) else v
+        for k, v in {**hp, **{k: v for k, v in settings.items() if k not in hp}}.items()
+        if v is not None
+    }
 
 
 def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
@@ -81,10 +92,21 @@ def charts_of(s: State) -> dict[str, dict[str, list[str]]]:
         tags = [f"train/{m}", f"val/{m}", *(e for e in extra if e.split("/", 1)[-1] == m)]
         learning[f"{m}: train vs val"] = tags + [best_name(obj)] * (obj in tags)
     v = "vitals/"
-    vitals = {"learning rate": [v + "lr"], "samples/s (all ranks)": [v + "samples_per_s"],
-              "step time ms: mean, slowest, fastest rank": [v + "step_time_ms", v + "step_time_ms_max", v + "step_time_ms_min"],
-              "data wait ms: mean, slowest, fastest rank": [v + "data_time_ms", v + "data_time_ms_max", v + "data_time_ms_min"],
-              "epoch": [v + "epoch"]}
+    vitals = {
+        "learning rate": [v + "lr"],
+        "samples/s (all ranks)": [v + "samples_per_s"],
+        "step time ms: mean, slowest, fastest rank": [
+            v + "step_time_ms",
+            v + "step_time_ms_max",
+            v + "step_time_ms_min",
+        ],
+        "data wait ms: mean, slowest, fastest rank": [
+            v + "data_time_ms",
+            v + "data_time_ms_max",
+            v + "data_time_ms_min",
+        ],
+        "epoch": [v + "epoch"],
+    }
     if s.dist.device.type == "cuda":
         vitals["peak memory GB (max over ranks)"] = [v + "peak_mem_gb"]
     return {"is it learning?": learning, "vitals": vitals}
@@ -99,13 +121,20 @@ def announce(s: State) -> None:
         s.writer.hparams(hparams_of(cfg, s.run_dir, dist.world_size), f"{s.run_dir.name}/{s.events_dir.name}")
     s.writer.charts(charts_of(s))
     per_step = s.samples_per_step
-    lines = [f"run dir: {shown(s.run_dir)}",
-             f"{dist.world_size} rank(s) on {dist.device} ({dist.backend or 'no process group'}) | "
-             f"{s.precision.describe()} | {s.length.describe()}",
-             *wrap("batch:", [f"{per_step} samples per optimizer step = {dist.world_size} rank(s) x "
-                              f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"]),
-             *wrap("data:", [s.train_loader.describe()]),
-             *wrap("model:", _describe_model(s), ", ")]
+    lines = [
+        f"run dir: {shown(s.run_dir)}",
+        f"{dist.world_size} rank(s) on {dist.device} ({dist.backend or 'no process group'}) | "
+        f"{s.precision.describe()} | {s.length.describe()}",
+        *wrap(
+            "batch:",
+            [
+                f"{per_step} samples per optimizer step = {dist.world_size} rank(s) x "
+                f"{s.sampler.per_rank_batch} per rank x {s.accum} accumulation"
+            ],
+        ),
+        *wrap("data:", [s.train_loader.describe()]),
+        *wrap("model:", _describe_model(s), ", "),
+    ]
     if s.callbacks.named:
         lines += wrap("callbacks:", s.callbacks.describe(), ", ")
     for line in lines:
@@ -119,13 +148,20 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
     cfg, res, obj = s.cfg, s.results, s.cfg.objective
     steps, secs = int(out.get("step", 0)), out.get("time_s", 0.0)
     samples = (steps - s.loop.start_step) * s.samples_per_step
-    done = (f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps" if cfg.max_steps is None else
-            f"{steps}/{s.length.total_steps} steps ({steps / s.steps_per_epoch:.3g} epochs)")
-    lines = [f"done: {done}, {secs:.1f} s this run"
-             + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")]
+    done = (
+        f"{int(out.get('epoch', 0))}/{cfg.num_epochs} epochs, {steps} steps"
+        if cfg.max_steps is None
+        else f"{steps}/{s.length.total_steps} steps ({steps / s.steps_per_epoch:.3g} epochs)"
+    )
+    lines = [
+        f"done: {done}, {secs:.1f} s this run"
+        + (f", {samples / secs:,.0f} samples/s" if secs > 0 and samples > 0 else "")
+    ]
     if res.best is not None:
         lines.append(f"best {obj}={res.best:.4g} at epoch {res.best_epoch} (step {res.best_step})")
-        lines += wrap("final:", [f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")])
+        lines += wrap(
+            "final:", [f"{k}={v:.4g}" for k, v in res.last_val.items() if not k.endswith("num_samples")]
+        )
     where = shown(s.run_dir / "checkpoints")
     lines.append(f"checkpoints: {where}" if cfg.checkpoint.enabled else "checkpoints: none written")
     lines.append(f"events: {shown(s.events_dir)}")
@@ -139,7 +175,9 @@ def run_summary(s: State, out: dict[str, float]) -> list[str]:
         what, v = above[0]
         lines.append(f"hint: val/loss ended at {last:.4g}, above {what} ({v:.4g}): not converging")
         amp_on = s.precision.dtype.itemsize < 4  # after amp fell back to fp32, amp=false would change nothing
-        lines.append("  try a lower optimizer.lr, more epochs, grad_clip=1.0" + (", or amp=false" if amp_on else ""))
+        lines.append(
+            "  try a lower optimizer.lr, more epochs, grad_clip=1.0" + (", or amp=false" if amp_on else "")
+        )
     return lines
 
 
@@ -176,16 +214,30 @@ class Progress:
             self._bar.update(n)
 
     def show(self, epoch: int, step: int, values: dict[str, float]) -> None:
-        shown_metrics = {k[6:]: v for k, v in values.items() if k.startswith("train/") and k not in _NOT_SHOWN}
+        shown_metrics = {
+            k[6:]: v for k, v in values.items() if k.startswith("train/") and k not in _NOT_SHOWN
+        }
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown_metrics.items()}, refresh=False)
         elif self.mode == "log":
-            rate = (f"{values['vitals/tokens_per_s']:,.0f} tokens/s" if "vitals/tokens_per_s" in values else
-                    f"{values['vitals/samples_per_s']:.0f} samples/s")
+            rate = (
+                f"{values['vitals/tokens_per_s']:,.0f} tokens/s"
+                if "vitals/tokens_per_s" in values
+                else f"{values['vitals/samples_per_s']:.0f} samples/s"
+            )
             total = f"/{self.length.total_steps}" if self.length is not None else ""
-            log.info("epoch %d step %d%s  %s  lr=%.3g  %s  step %.1f ms (max %.1f)%s", epoch + 1, step, total,
-                     " ".join(f"{k}={v:.4g}" for k, v in shown_metrics.items()), values["vitals/lr"], rate,
-                     values["vitals/step_time_ms"], values["vitals/step_time_ms_max"], self._eta(step, values))
+            log.info(
+                "epoch %d step %d%s  %s  lr=%.3g  %s  step %.1f ms (max %.1f)%s",
+                epoch + 1,
+                step,
+                total,
+                " ".join(f"{k}={v:.4g}" for k, v in shown_metrics.items()),
+                values["vitals/lr"],
+                rate,
+                values["vitals/step_time_ms"],
+                values["vitals/step_time_ms_max"],
+                self._eta(step, values),
+            )
 
     def _eta(self, step: int, values: dict[str, float]) -> str:
         """The training left at the slowest rank's pace (the job's), as 1h02m / 3m05s / 12s."""

@@ -17,12 +17,12 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from ddplab import redact
-from ddplab.train import batch_size
-from ddplab.train.hooks import Hook
 from ddplab.checkpoint import CheckpointManager
 from ddplab.config import ConfigError, drift
 from ddplab.optim import apply_hyperparameters
 from ddplab.runtime.group import Dist
+from ddplab.train import batch_size
+from ddplab.train.hooks import Hook
 from ddplab.train.state import State
 
 log = logging.getLogger("ddplab")
@@ -36,8 +36,12 @@ CHANGES_FILE = "config_changes.yaml"
 def _samples_per_step(flat: dict[str, Any], world_size: int) -> int | None:
     """A (flattened, maybe older) config's samples per optimizer step; None where it cannot say."""
     try:
-        return batch_size.per_step(flat["batch_size"], flat.get("batch_size_scope", "global"), world_size,
-                                   flat.get("grad_accum_steps", 1))
+        return batch_size.per_step(
+            flat["batch_size"],
+            flat.get("batch_size_scope", "global"),
+            world_size,
+            flat.get("grad_accum_steps", 1),
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -59,8 +63,15 @@ class ResumeGuard:
             diffs.append((GLOBAL_BATCH, before, now))
         self.changes, self.source = drift.check_diffs(diffs, self.cfg, str(path)), path
 
-    def apply(self, optimizer: Any, scheduler: Any, fresh_groups: list[dict[str, Any]], step_in_epoch: int,
-              step: int, run_dir: Path | None) -> str | None:
+    def apply(
+        self,
+        optimizer: Any,
+        scheduler: Any,
+        fresh_groups: list[dict[str, Any]],
+        step_in_epoch: int,
+        step: int,
+        run_dir: Path | None,
+    ) -> str | None:
         """After the load: put the opted-in changes in force; a text for TensorBoard, or None.
         ``run_dir``: where to record them (rank 0's; None on other ranks)."""
         if not self.changes:
@@ -68,14 +79,22 @@ class ResumeGuard:
         moved = [k for k, _, _ in self.changes if k in _POSITION_KEYS or k.startswith("dataset.")]
         if moved and step_in_epoch:
             raise ConfigError(
-                f"resume_apply_changes=true: {', '.join(moved)} changed, but {self.source} was saved mid-epoch "
-                f"({step_in_epoch} steps into it), where the position in the data is counted in the old batches. "
-                "Fix: resume from a checkpoint saved at an epoch's end (resume=<run dir>/checkpoints/step-N.pt), "
-                "or keep those keys as they were")
+                f"resume_apply_changes=true: {', '.join(moved)} changed, but {self.source} was saved "
+                "mid-epoch "
+                f"({step_in_epoch} steps into it), where the position in the data is counted in the old "
+                "batches. "
+                "Fix: resume from a checkpoint saved at an epoch's end (resume=<run "
+                "dir>/checkpoints/step-N.pt), "
+                "or keep those keys as they were"
+            )
         apply_hyperparameters(optimizer, scheduler, fresh_groups)
         text = drift.describe(self.changes)
-        log.warning("resume_apply_changes=true: continuing %s at step %d with new values:\n%s",
-                    self.source, step, text)
+        log.warning(
+            "resume_apply_changes=true: continuing %s at step %d with new values:\n%s",
+            self.source,
+            step,
+            text,
+        )
         if run_dir is not None:
             self._record(run_dir, step)
         return f"resumed from {self.source} at step {step} with new values:\n\n{text}"
@@ -83,10 +102,15 @@ class ResumeGuard:
     def _record(self, run_dir: Path, step: int) -> None:
         """Append to ``run_dir/config_changes.yaml``: one entry per resume that applied changes."""
         f = run_dir / CHANGES_FILE
-        # type: ignore[arg-type]
-        entries = list(OmegaConf.to_container(OmegaConf.load(f))) if f.is_file() else []
-        entries.append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "from": str(self.source),
-                        "changes": {k: {"checkpoint": _plain(a), "now": _plain(b)} for k, a, b in self.changes}})
+        entries = list(OmegaConf.to_container(OmegaConf.load(f))) if f.is_file() else []  # type: ignore[arg-type]
+        entries.append(
+            {
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "step": step,
+                "from": str(self.source),
+                "changes": {k: {"checkpoint": _plain(a), "now": _plain(b)} for k, a, b in self.changes},
+            }
+        )
         f.write_text(OmegaConf.to_yaml(OmegaConf.create(entries)))
 
 
@@ -94,25 +118,36 @@ def _plain(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
 
-def checkpoint_manager(cfg: DictConfig, dist: Dist, run_dir: Path, guard: ResumeGuard,
-                       stop: Callable[[str], None], saved: Callable[[str], None]) -> CheckpointManager:
+def checkpoint_manager(
+    cfg: DictConfig,
+    dist: Dist,
+    run_dir: Path,
+    guard: ResumeGuard,
+    stop: Callable[[str], None],
+    saved: Callable[[str], None],
+) -> CheckpointManager:
     """The job's CheckpointManager, before any entry is registered (:func:`register_entries`). ``guard``
     refuses a checkpoint of another config; ``stop(reason)``: how a failed background write stops the loop
     (the StopSignal's request); ``saved(path)``: each checkpoint once it is on disk (the callbacks'
     on_save)."""
     # Secrets masked: a checkpoint travels (exports, model cards and MLflow artifacts are made from it).
     meta = {"config": redact.config_yaml(cfg), "world_size": dist.world_size}
-    return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, dist, meta, check_meta=guard.check,
-                             stop=stop, saved=saved)
+    return CheckpointManager(
+        run_dir / "checkpoints", cfg.checkpoint, dist, meta, check_meta=guard.check, stop=stop, saved=saved
+    )
 
 
 def register_entries(s: State) -> None:
     """Every stateful part of the job into its CheckpointManager; the callbacks' too (after their setup)."""
     manager = s.checkpoints
-    entries = {**s.strategy.checkpoint_entries(s.module, s.optimizer, manager), "scheduler": s.scheduler,
-               "scaler": s.precision, "loop": s.loop,
-               "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
-               "results": s.results}
+    entries = {
+        **s.strategy.checkpoint_entries(s.module, s.optimizer, manager),
+        "scheduler": s.scheduler,
+        "scaler": s.precision,
+        "loop": s.loop,
+        "rng": s.rng,  # every rank's streams: dropout/augmentation continue exactly
+        "results": s.results,
+    }
     if hasattr(s.train_loader, "state_dict"):  # a stream: where it is, its workers' state (data.streams)
         entries["data"] = s.train_loader
     for key, component in entries.items():
@@ -130,11 +165,21 @@ def resume(s: State, guard: ResumeGuard) -> str | None:
         return None
     loop = s.loop
     # Opted-in config changes go into force now; rank 0 records them in the run dir.
-    changes = guard.apply(s.optimizer, s.scheduler, fresh, loop.batches_in_epoch, loop.step,
-                          s.run_dir if s.dist.is_main else None)
+    changes = guard.apply(
+        s.optimizer,
+        s.scheduler,
+        fresh,
+        loop.batches_in_epoch,
+        loop.step,
+        s.run_dir if s.dist.is_main else None,
+    )
     if loop.batches_in_epoch and s.rng.saved_world_size != s.dist.world_size:
-        log.warning("resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
-                    "order, but random layers (dropout) draw new streams", s.dist.world_size, s.rng.saved_world_size)
+        log.warning(
+            "resuming mid-epoch on %d rank(s) from a %d-rank checkpoint: same samples in the same "
+            "order, but random layers (dropout) draw new streams",
+            s.dist.world_size,
+            s.rng.saved_world_size,
+        )
     log.info("resumed from %s: %d epoch(s), %d step(s) done", path, loop.epoch, loop.step)
     s.callbacks(Hook.ON_LOAD, s, str(path))
     return changes
@@ -142,8 +187,20 @@ def resume(s: State, guard: ResumeGuard) -> str | None:
 
 # Keys mode=eval takes from the command line; everything else comes from the checkpoint's config. The
 # callbacks are the run's (EMA's val_ema/* is part of its evaluation), plus any the command adds.
-_EVAL_OWN = ("distributed", "perf", "run_dir", "resume", "mode", "progress", "limit_val_batches",
-             "log_every_n_steps", "trust_stored_config", "logger", "mlflow", "redact_keys")
+_EVAL_OWN = (
+    "distributed",
+    "perf",
+    "run_dir",
+    "resume",
+    "mode",
+    "progress",
+    "limit_val_batches",
+    "log_every_n_steps",
+    "trust_stored_config",
+    "logger",
+    "mlflow",
+    "redact_keys",
+)
 
 
 _BUILT = ("model", "dataset", "task", "callbacks", "optimizer", "scheduler")  # what a job instantiates
@@ -159,7 +216,9 @@ def eval_config(cfg: DictConfig) -> DictConfig:
     assert path is not None
     saved = files.load(path).get("meta", {}).get("config")
     if not saved:
-        raise ConfigError(f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote")
+        raise ConfigError(
+            f"resume={cfg.resume}: {path} holds no config (meta.config). Fix: a checkpoint ddplab wrote"
+        )
     from ddplab.config import trust
     from ddplab.config.typed import typed
 

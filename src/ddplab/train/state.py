@@ -33,12 +33,12 @@ if TYPE_CHECKING:  # types only: importing these here would make state.py import
     from ddplab.data.loaders import TrainLoader
     from ddplab.data.sampling import ShardedGlobalSampler
     from ddplab.data.streams import StreamLoader
-    from ddplab.train.evaluation import Evaluator
     from ddplab.precision import Precision
     from ddplab.runtime.group import Dist
     from ddplab.runtime.signals import StopSignal
     from ddplab.strategy.base import Strategy
     from ddplab.task import Task
+    from ddplab.train.evaluation import Evaluator
     from ddplab.train.hooks import Callbacks
     from ddplab.train.length import RunLength
     from ddplab.writers import Writer
@@ -48,36 +48,36 @@ log = logging.getLogger("ddplab")
 
 @dataclass(eq=False)
 class State:
-    cfg: DictConfig                      # the composed config (rank 0's, on every rank)
-    dist: Dist                           # rank, world size, device, backend of this process
-    run_dir: Path                        # the job's run dir (rank 0 writes it)
-    task: Task                           # batch -> loss + named (sum, count) metrics (or any class alike)
-    strategy: Strategy                   # none | dp | ddp | fsdp: wraps, syncs, checkpoints the model
-    module: torch.nn.Module              # the model itself: evaluation, checkpoints, EMA
-    model: torch.nn.Module               # what the step calls: ``module`` wrapped by the strategy
-    params: list[torch.nn.Parameter]     # the trainable parameters
+    cfg: DictConfig  # the composed config (rank 0's, on every rank)
+    dist: Dist  # rank, world size, device, backend of this process
+    run_dir: Path  # the job's run dir (rank 0 writes it)
+    task: Task  # batch -> loss + named (sum, count) metrics (or any class alike)
+    strategy: Strategy  # none | dp | ddp | fsdp: wraps, syncs, checkpoints the model
+    module: torch.nn.Module  # the model itself: evaluation, checkpoints, EMA
+    model: torch.nn.Module  # what the step calls: ``module`` wrapped by the strategy
+    params: list[torch.nn.Parameter]  # the trainable parameters
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler  # learning-rate schedule, stepped once per optimizer step
-    precision: Precision                 # autocast dtype and the fp16 GradScaler, if any
+    precision: Precision  # autocast dtype and the fp16 GradScaler, if any
     memory_format: Callable[[Any], Any]  # a batch in the model's memory format (channels_last images)
-    data: Splits                         # the dataset's splits (``.train``, ``.val``)
-    sampler: ShardedGlobalSampler        # this rank's share of each global micro-batch
+    data: Splits  # the dataset's splits (``.train``, ``.val``)
+    sampler: ShardedGlobalSampler  # this rank's share of each global micro-batch
     train_loader: TrainLoader | StreamLoader
-    steps_per_epoch: int                 # optimizer steps per epoch
-    length: RunLength                    # how long the run trains: epochs, max_steps, or both
-    global_batch: int                    # samples per micro-step, over all ranks
-    accum: int                           # micro-batches per optimizer step (grad_accum_steps)
-    loop: LoopState                      # epochs, steps and batch groups done: the position
-    results: Results                     # evaluations: the last, the first, the best of the objective
-    rng: RNGStreams                      # every rank's random streams (checkpointed)
-    evaluator: Evaluator                 # the exact evaluation
-    callbacks: Callbacks                 # the job's callbacks, called per hook
-    stop: StopSignal                     # the preemption flag a signal (or a dead launcher) sets
-    writer: Writer                       # rank 0's TensorBoard writer (a do-nothing one elsewhere)
-    events_dir: Path                     # where the TensorBoard events go
-    checkpoints: CheckpointManager       # saves and loads every stateful part (callbacks' entries included)
-    search_earlier_runs: bool = False    # resume=auto may continue an earlier run of the same command
-    stop_reason: str | None = None       # set by request_stop: the job stops after the current evaluation
+    steps_per_epoch: int  # optimizer steps per epoch
+    length: RunLength  # how long the run trains: epochs, max_steps, or both
+    global_batch: int  # samples per micro-step, over all ranks
+    accum: int  # micro-batches per optimizer step (grad_accum_steps)
+    loop: LoopState  # epochs, steps and batch groups done: the position
+    results: Results  # evaluations: the last, the first, the best of the objective
+    rng: RNGStreams  # every rank's random streams (checkpointed)
+    evaluator: Evaluator  # the exact evaluation
+    callbacks: Callbacks  # the job's callbacks, called per hook
+    stop: StopSignal  # the preemption flag a signal (or a dead launcher) sets
+    writer: Writer  # rank 0's TensorBoard writer (a do-nothing one elsewhere)
+    events_dir: Path  # where the TensorBoard events go
+    checkpoints: CheckpointManager  # saves and loads every stateful part (callbacks' entries included)
+    search_earlier_runs: bool = False  # resume=auto may continue an earlier run of the same command
+    stop_reason: str | None = None  # set by request_stop: the job stops after the current evaluation
 
     @property
     def samples_per_step(self) -> int:
@@ -112,11 +112,19 @@ class LoopState:
     start_step: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
-                "batches_in_epoch": self.batches_in_epoch, "eval_pending": self.eval_pending,
-                # The sampler needs no state of its own: (seed, epoch, position) fix its order.
-                "sampler": {"seed": self.seed, "epoch": self.epoch,
-                            "skip_micro_batches": self.batches_in_epoch * self.accum}}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "step_in_epoch": self.step_in_epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "eval_pending": self.eval_pending,
+            # The sampler needs no state of its own: (seed, epoch, position) fix its order.
+            "sampler": {
+                "seed": self.seed,
+                "epoch": self.epoch,
+                "skip_micro_batches": self.batches_in_epoch * self.accum,
+            },
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.epoch, self.step, self.step_in_epoch = sd["epoch"], sd["step"], sd.get("step_in_epoch", 0)
@@ -159,8 +167,13 @@ class Results:
     def final(self, objective: str, loop: LoopState, seconds: float) -> dict[str, float]:
         """What the run returns: the last train and val metrics (the checkpoint's record when this invocation
         trained nothing), where it ended, how long it took, and the best objective."""
-        out = {**self.last_train, **self.last_val, "epoch": float(loop.epoch), "step": float(loop.step),
-               "time_s": seconds}
+        out = {
+            **self.last_train,
+            **self.last_val,
+            "epoch": float(loop.epoch),
+            "step": float(loop.step),
+            "time_s": seconds,
+        }
         if self.best is not None:
             out[best_name(objective)] = self.best
         return out
@@ -176,8 +189,14 @@ class Results:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_epoch": self.best_epoch, "best_step": self.best_step,
-                "last_val": self.last_val, "last_train": self.last_train, "first_val": self.first_val}
+        return {
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "best_step": self.best_step,
+            "last_val": self.last_val,
+            "last_train": self.last_train,
+            "first_val": self.first_val,
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.best, self.last_val = sd["best"], sd.get("last_val", {})

@@ -48,8 +48,11 @@ class Validation:
         epoch = loop.epoch + loop.batches_in_epoch / s.steps_per_epoch
         s.writer.scalars({**val, **best, "vitals/epoch": epoch}, loop.step)  # the best so far: a curve
         s.evaluator.visualize(s.writer, loop.step)
-        head = (f"step {loop.step}/{s.length.total_steps} " if self.step_cadence or loop.batches_in_epoch
-                else f"epoch {loop.epoch}/{s.length.epochs} ")
+        head = (
+            f"step {loop.step}/{s.length.total_steps} "
+            if self.step_cadence or loop.batches_in_epoch
+            else f"epoch {loop.epoch}/{s.length.epochs} "
+        )
         for line in wrap(head, [f"{k}={v:.4g}" for k, v in val.items()]):
             log.info("%s", line)
         return improved
