@@ -11,13 +11,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Every command the script runs before its cluster phases, stood in for by one that notes its arguments.
-STEPS = ("pip", "python", "mkdocs", "apt-get", "sinfo")
+STEPS = ("pip", "python", "mkdocs", "apt-get", "sinfo", "ruff")
 
 
 def _fake(bin_dir: Path, name: str, fail_on: str, code: int, says: str = "") -> None:
     script = bin_dir / name
-    script.write_text(f'#!/bin/sh\necho "{name} $*" >> "$CALLS"\n'
-                      f'case "{name} $*" in *"{fail_on}"*) exit {code};; esac\necho "{says}"\nexit 0\n')
+    script.write_text(
+        f'#!/bin/sh\necho "{name} $*" >> "$CALLS"\n'
+        f'case "{name} $*" in *"{fail_on}"*) exit {code};; esac\necho "{says}"\nexit 0\n'
+    )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
@@ -36,12 +38,20 @@ def run_ci(tmp_path: Path, fail_on: str, code: int = 1) -> tuple[int, list[str]]
     calls = tmp_path / "calls"
     calls.touch()
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS": str(calls)}
-    proc = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60
+    )
     return proc.returncode, calls.read_text().splitlines()
 
 
-@pytest.mark.parametrize("fail_on", ["pip install --no-compile torch==", "pip install --no-compile -e",
-                                     "pip install --no-compile --no-deps hydra-optuna"])
+@pytest.mark.parametrize(
+    "fail_on",
+    [
+        "pip install --no-compile torch==",
+        "pip install --no-compile -e",
+        "pip install --no-compile --no-deps hydra-optuna",
+    ],
+)
 def test_a_failed_install_fails_ci_before_the_suite(tmp_path, fail_on):
     rc, calls = run_ci(tmp_path, fail_on)
     assert rc != 0
@@ -57,9 +67,15 @@ def test_a_failed_or_empty_suite_fails_ci_with_its_code_once_what_runs_beside_it
     assert rc == code, calls
     assert "python -m pytest -q -n 3 --dist loadgroup" in calls, calls
     # the slurm tests, the docs and the two-host phase ran beside it, to their end (clusters taken down)
-    order = [next(i for i, c in enumerate(calls) if c.startswith(step)) for step in (
-        "python -m pytest -q -p no:cacheprovider -m slurm", "mkdocs build --strict", "netns_cluster.sh up",
-        "python -m pytest -q -p no:cacheprovider -m netns -k not link_goes_down tests/test_multihost.py")]
+    order = [
+        next(i for i, c in enumerate(calls) if c.startswith(step))
+        for step in (
+            "python -m pytest -q -p no:cacheprovider -m slurm",
+            "mkdocs build --strict",
+            "netns_cluster.sh up",
+            "python -m pytest -q -p no:cacheprovider -m netns -k not link_goes_down tests/test_multihost.py",
+        )
+    ]
     assert order == sorted(order), calls
     assert calls[-1] == "netns_cluster.sh down", calls
 
@@ -73,12 +89,23 @@ def test_a_test_file_skipped_at_import_under_ci_fails_the_run(tmp_path):
     tests = Path(__file__).parent
     (tmp_path / "test_needs_extra.py").write_text(
         "import pytest\npytest.importorskip('an_extra_that_is_not_here', reason='the x extra')\n"
-        "def test_it():\n    pass\n")
+        "def test_it():\n    pass\n"
+    )
     shutil.copy(tests / "conftest.py", tmp_path / "conftest.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_needs_extra.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tmp_path / "test_needs_extra.py"),
+    ]
     ci = subprocess.run(cmd, cwd=tmp_path, env={**env, "DDPLAB_CI": "1"}, capture_output=True, text=True)
-    assert ci.returncode != 0 and "skipped under DDPLAB_CI=1: Skipped: the x extra" in ci.stdout, ci.stdout[-2000:]
+    assert ci.returncode != 0 and "skipped under DDPLAB_CI=1: Skipped: the x extra" in ci.stdout, ci.stdout[
+        -2000:
+    ]
     env.pop("DDPLAB_CI", None)
     local = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert local.returncode == 5 and "1 skipped" in local.stdout, local.stdout[-2000:]  # skipped: nothing ran
@@ -97,8 +124,10 @@ def test_the_slurm_tests_run_beside_the_suite_and_their_failure_fails_ci_before_
     rc, calls = run_ci(tmp_path, "-m slurm", 1)
     assert rc == 1, calls
     tests = [c for c in calls if c.startswith("python -m pytest")]
-    assert sorted(tests) == ["python -m pytest -q -n 3 --dist loadgroup",
-                             "python -m pytest -q -p no:cacheprovider -m slurm"], calls
+    assert sorted(tests) == [
+        "python -m pytest -q -n 3 --dist loadgroup",
+        "python -m pytest -q -p no:cacheprovider -m slurm",
+    ], calls
     assert not any(c.startswith(("mkdocs", "netns_cluster.sh up")) for c in calls), calls
 
 
@@ -106,14 +135,28 @@ def test_a_failed_two_host_test_fails_ci_and_its_cluster_is_taken_down(tmp_path)
     """The two-host phase runs beside the suite too, after the slurm tests and the docs."""
     rc, calls = run_ci(tmp_path, "-m netns", 1)
     assert rc == 1, calls
-    assert calls.index("netns_cluster.sh up") > calls.index("python -m pytest -q -p no:cacheprovider -m slurm")
+    assert calls.index("netns_cluster.sh up") > calls.index(
+        "python -m pytest -q -p no:cacheprovider -m slurm"
+    )
     assert calls[-1] == "netns_cluster.sh down", calls  # by the exit trap: the phase stopped at its failure
+
+
+@pytest.mark.parametrize("fail_on", ["ruff check .", "ruff format --check ."])
+def test_a_lint_or_format_finding_fails_ci_before_the_suite(tmp_path, fail_on):
+    rc, calls = run_ci(tmp_path, fail_on)
+    assert rc != 0
+    steps = [c for c in calls if c not in ("slurm_local.sh up", "netns_cluster.sh down")]
+    assert steps[-1] == fail_on, calls  # no suite after it
+    assert any(c.startswith("pip install --no-compile -e") for c in steps), calls  # after the installs
 
 
 def test_ci_runs_the_readmes_test_command_step_by_step():
     """.ci/run is the README's test command (one step a line, the suite with the slurm tests set apart)."""
-    command = next(line for line in (REPO / "README.md").read_text().splitlines()
-                   if line.startswith("pip install") and "pytest" in line)
+    command = next(
+        line
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("pip install") and "pytest" in line
+    )
     *installs, suite = command.split(" && ")
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert all(step in ci for step in installs), installs
@@ -126,4 +169,4 @@ def test_the_two_host_test_with_a_tight_time_bound_runs_after_the_suite_then_the
     assert rc == 0, calls
     quiet = "python -m pytest -q -p no:cacheprovider -m netns -k link_goes_down tests/test_multihost.py"
     assert calls.index(quiet) > calls.index("python -m pytest -q -n 3 --dist loadgroup"), calls
-    assert calls[calls.index(quiet) + 1:] == ["netns_cluster.sh down"] * 2, calls
+    assert calls[calls.index(quiet) + 1 :] == ["netns_cluster.sh down"] * 2, calls
