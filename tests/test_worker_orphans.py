@@ -202,3 +202,54 @@ def test_a_ranks_exit_kills_a_loader_worker_that_cannot_take_its_sigterm_within_
     code, took, worker_left = ends["with"]
     assert code == 0 and WORKER_EXIT_S - 0.5 <= took <= WORKER_EXIT_S + 5 and not worker_left, ends
     assert ends["without"][0] is None, ends  # held past WORKER_EXIT_S + 10 s
+
+
+STALE = r"""
+import gc, os, sys
+from torch.utils.data import DataLoader, Dataset
+from ddplab.runtime.signals import WorkerShield
+
+marker = sys.argv[1]
+
+class Stale:  # garbage in a reference cycle, with a finalizer: only the cyclic collector frees it
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+class CollectsInWorker(Dataset):
+    def __len__(self): return 2
+    def __getitem__(self, i):
+        gc.collect()  # a collection in the worker, as any allocation there may start one
+        return i
+
+gc.disable()  # the cycle stays uncollected until the fork, as garbage does between two collections
+Stale()
+shield = WorkerShield()
+loader = DataLoader(CollectsInWorker(), batch_size=None, num_workers=1, worker_init_fn=shield)
+with shield.starting():
+    it = iter(loader)
+print([int(b) for b in it], flush=True)
+gc.enable()
+gc.collect()
+print(os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_loader_worker_never_finalizes_what_it_inherited_from_its_rank(tmp_path):
+    """The soak's pairwise trial 2027837527 (torchrun, a study's second trial, an HF stream read by 2 loader
+    workers): a worker forked while the rank's last epoch's loader iterator was garbage in a cycle, not yet
+    collected, collected it itself; its finalizer shut the old workers down from the wrong process
+    ("AssertionError: can only test a child process") and hung there, before the worker's watch started: two
+    ranks waited for data until distributed.timeout_s, and the hung workers outlived the job. A worker now
+    leaves what it inherited to its rank: each finalizer runs once, in the process that made the object."""
+    marker = tmp_path / "finalized"
+    out = subprocess.run(
+        [sys.executable, "-c", STALE, str(marker)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    batches, rank = out.stdout.splitlines()[:2]
+    assert batches == "[0, 1]"
+    assert marker.read_text().split() == [rank], (marker.read_text(), rank)

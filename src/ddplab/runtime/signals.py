@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -152,14 +153,29 @@ class WorkerShield:
         if not _WORKERS_ENDED_AT_EXIT:
             _WORKERS_ENDED_AT_EXIT.append(True)
             atexit.register(_end_workers_at_exit)  # after multiprocessing's own exit hook, so it runs first
+            os.register_at_fork(after_in_child=_freeze_inherited)
         before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        _FORKING_WORKERS[0] = True
         try:
             yield
         finally:
+            _FORKING_WORKERS[0] = False
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 _WORKERS_ENDED_AT_EXIT: list[bool] = []
+_FORKING_WORKERS = [False]  # inside WorkerShield.starting: a fork now is a loader worker's
+
+
+def _freeze_inherited() -> None:
+    """In a loader worker, as it is forked, before any of its code runs: everything it inherited, the rank's
+    garbage not yet collected included, moves out of the collector's reach. A worker would otherwise collect a
+    cycle of the rank's (its last epoch's loader iterator) and run its finalizer in the wrong process, which
+    shut the old workers down from there and hung (the soak's trial 2027837527). The rank collects its own."""
+    if _FORKING_WORKERS[0]:
+        gc.freeze()
+
+
 WORKER_EXIT_S = 5.0  # how long a rank's exit waits for a loader worker told to end before it kills it
 
 
