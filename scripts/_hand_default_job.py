@@ -60,19 +60,7 @@ def main() -> None:
     reduced = loss.detach().clone()
     if world > 1:
         torch_dist.all_reduce(reduced)
-    model.eval()
-    with torch.no_grad():
-        mine = torch.arange(rank, len(data.val.y), world)
-        logits = model(data.val.x[mine])
-        sums = torch.stack(
-            [
-                F.cross_entropy(logits, data.val.y[mine], reduction="sum"),
-                (logits.argmax(1) == data.val.y[mine]).sum().float(),
-                torch.tensor(float(len(mine))),
-            ]
-        )
-    if world > 1:
-        torch_dist.all_reduce(sums)
+    sums = _evaluate(model, data, rank, world)
     if writer is not None:
         writer.add_scalar("train/loss", reduced.item() / world, a.steps)
         writer.add_scalar("val/loss", (sums[0] / sums[2]).item(), a.steps)
@@ -87,6 +75,28 @@ def main() -> None:
         # it ("terminate called without an active exception", SIGABRT) in about 1 launch in 10.
         torch_dist.barrier()
         torch_dist.destroy_process_group()
+
+
+def _evaluate(model, data, rank: int, world: int):
+    """The validation loss sum, correct count and sample count over every rank's shard."""
+    import torch
+    import torch.distributed as torch_dist
+    import torch.nn.functional as F
+
+    model.eval()
+    with torch.no_grad():
+        mine = torch.arange(rank, len(data.val.y), world)
+        logits = model(data.val.x[mine])
+        sums = torch.stack(
+            [
+                F.cross_entropy(logits, data.val.y[mine], reduction="sum"),
+                (logits.argmax(1) == data.val.y[mine]).sum().float(),
+                torch.tensor(float(len(mine))),
+            ]
+        )
+    if world > 1:
+        torch_dist.all_reduce(sums)
+    return sums
 
 
 if __name__ == "__main__":

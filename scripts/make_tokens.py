@@ -52,7 +52,7 @@ def chunks(args: argparse.Namespace, size: int | None = None):
             yield part
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("text", nargs="?", help="a text file (read as bytes)")
     p.add_argument(
@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         "--train-mb", type=float, default=100, help="--train-bpe: how much of the text it learns from"
     )
     p.add_argument("--workers", type=int, default=1, help="processes that encode with the tokenizer")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     if not args.text and not args.generated_mb:
         p.error("give a text file, or --generated-mb N")

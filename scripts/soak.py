@@ -61,22 +61,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 # tests/: the in-job half (faults, delays), the trials and the plan, the one bitwise comparison
 from _soak_checks import check_files, read_result, run_attempt  # noqa: E402
+from _soak_data import hf_dir, shard_dir, token_file  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from _soak_stop import STOPPING, end_everything_when_stopped  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
-from soak_plan import (  # noqa: E402
-    DIMENSIONS,
-    HF_VOCAB,
-    SLURM,
-    TOKEN_BLOCK,
-    TOKEN_WINDOWS,
-    Trial,
-    coverage,
-    dimensions,
-    draw,
-    plan_trials,
-    trial_seeds,
-)
+from soak_plan import DIMENSIONS, SLURM, Trial, coverage, dimensions, draw, plan_trials, trial_seeds  # noqa: E402
 from soak_toy import snapshot  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
@@ -212,71 +201,6 @@ def report_failure(t: Trial, problems: list[str], root: Path) -> None:
     print(f"    reproduce: {t.rerun()}")
 
 
-def token_file(root: Path) -> Path:
-    """The data=tokens trials' token file, written once per soak run beside the trials (bytes of a generated
-    corpus: TOKEN_WINDOWS windows of TOKEN_BLOCK tokens)."""
-    from ddplab.data import write_tokens
-    from ddplab.data.tabular import generated_corpus
-
-    path = root / "tokens.bin"
-    if not path.exists():
-        text = generated_corpus(sentences=4000, seed=0).encode()[: TOKEN_WINDOWS * TOKEN_BLOCK + 1]
-        write_tokens(list(text), path, "uint16", 256)
-    return path
-
-
-def shard_dir(root: Path) -> Path:
-    """The data=shards trials' folder: the same corpus as the token file, its first 90% as 4 token files under
-    train/ (streamed shard by shard), the rest as val.bin."""
-    from ddplab.data import write_tokens
-    from ddplab.data.tabular import generated_corpus
-
-    folder = root / "shards"
-    if not folder.exists():
-        text = list(generated_corpus(sentences=4000, seed=0).encode()[: TOKEN_WINDOWS * TOKEN_BLOCK + 1])
-        (folder / "train").mkdir(parents=True)
-        cut, n = TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK, 4
-        for i in range(n):
-            write_tokens(
-                text[i * cut // n : (i + 1) * cut // n + 1],
-                folder / "train" / f"shard-{i:04d}.bin",
-                "uint16",
-                256,
-            )
-        write_tokens(text[cut:], folder / "val.bin", "uint16", 256)
-    return folder
-
-
-def hf_dir(root: Path) -> Path:
-    """The data=hf/hf_stream trials' folder: the generated corpus's sentences as JSONL rows (``text``), a BPE
-    of at most HF_VOCAB ids trained on them, and enough rows for TOKEN_WINDOWS windows of TOKEN_BLOCK ids (the
-    last tenth of the windows' rows for validation), as the token file has."""
-    from ddplab.data.tabular import generated_corpus
-    from ddplab.data.tokenizer import train_bpe
-
-    folder = root / "hf"
-    if (folder / "val.jsonl").exists():
-        return folder
-    folder.mkdir()
-    lines = [
-        sentence + "."
-        for sentence in generated_corpus(sentences=12000, seed=0).split(".")
-        if sentence.strip()
-    ]
-    tok = train_bpe(lines, HF_VOCAB)
-    tok.save(str(folder / "tokenizer.json"))
-    rows, ids, cut = [[], []], 0, TOKEN_WINDOWS * 9 // 10 * TOKEN_BLOCK + 1
-    for line in lines:  # rows until the training split holds its windows, then as many for validation
-        part = 0 if ids < cut else 1
-        rows[part].append(line)
-        ids += len(tok.encode(line).ids)
-        if ids >= cut + TOKEN_WINDOWS // 10 * TOKEN_BLOCK + 1 + TOKEN_BLOCK:
-            break
-    for name, part in (("train", rows[0]), ("val", rows[1])):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in part))
-    return folder
-
-
 class NotInPlan(ValueError):
     """``--only SEED --pairwise`` with a seed the plan does not hold."""
 
@@ -361,7 +285,7 @@ def run_all(
     return [d for d in done if d is not None]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--pairwise", action="store_true", help="the fixed plan covering every pair of dimension values"
@@ -405,14 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         help="start no trial after this many minutes (those started end); "
         "the summary covers the trials run and says which --first continues",
     )
-    args = ap.parse_args(argv)
-    # data prep counts
-    until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")
+    return ap
+
+
+def _refuse_mixes(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that do not go together: said by argparse in one line, exit 2."""
     if args.minutes is not None and (args.pairwise or args.only is not None):
         ap.error(
             "--minutes bounds a run of --trials drawn at random (--first continues it); the pairwise plan "
-            "and "
-            "--only run whole: drop --minutes"
+            "and --only run whole: drop --minutes"
         )
     if args.first < 1 or (args.first > 1 and (args.pairwise or args.only is not None)):
         ap.error(f"--first {args.first}: one of the --trials drawn at random, counted from 1")
@@ -422,12 +347,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(
             "--slurm draws srun among the launchers at random; the --pairwise plan is fixed: drop one of them"
         )
-    if (
-        args.slurm
-        and subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True, text=True).stdout.strip()
-        == ""
-    ):
+    idle = (
+        subprocess.run(["sinfo", "-h", "-t", "idle,mixed"], capture_output=True, text=True)
+        if args.slurm
+        else None
+    )
+    if idle is not None and idle.stdout.strip() == "":
         ap.error("--slurm: no SLURM node is up (sinfo lists none idle). Fix: scripts/slurm_local.sh up")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    # data prep counts
+    until = time.monotonic() + 60 * args.minutes if args.minutes is not None else float("inf")
+    _refuse_mixes(ap, args)
     try:
         trials = choose(args)
     except NotInPlan as e:  # a seed the plan does not hold: said in one line, exit 2 like a config error
