@@ -10,9 +10,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers.compare import load_whole
+from helpers.compare import load_whole, same
+from soak_driver import check_events, describe, events_dir, kill, snapshot
 from soak_plan import SIGNALS, Trial
-from soak_toy import check_events, describe, events_dir, kill, same, snapshot, trial_pids
+from soak_toy import trial_pids
 
 GRACE_S = 30.0  # torchrun's (and SLURM's, Kubernetes') wait before SIGKILL
 COMPARED = ("model", "optimizer", "scheduler", "loop", "rng")

@@ -10,7 +10,8 @@ import subprocess
 import threading
 import time
 
-from soak_toy import kill, trial_pids
+from soak_driver import kill
+from soak_toy import trial_pids
 
 STOP_SCAN_S = 30.0  # the longest a stop goes on looking for processes to kill
 STOPPING = threading.Event()  # set by the stop: the driver reports no trial it cut short and starts no other

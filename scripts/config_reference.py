@@ -3,8 +3,8 @@ conf/.
 
 Each key's meaning is its schema field's own comment (the lines above it, or the one after it); each group
 option's description is the first comment of its yaml, its keys and defaults what Hydra composes for it. So
-the page cannot drift from the code: ``tests/test_config_reference.py`` fails when the committed page differs
-from what this writes.
+the page cannot drift from the code: ``tests/integration/test_config_reference.py`` fails when the committed
+page differs from what this writes.
 
     python scripts/config_reference.py           # rewrite docs/reference.md
     python scripts/config_reference.py --check   # exit 1 if it is not current
@@ -200,7 +200,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         "<!-- Written by scripts/config_reference.py from src/ddplab/config/ and conf/; do not edit by hand "
-        "(tests/test_config_reference.py checks it is current). -->",
+        "(tests/integration/test_config_reference.py checks it is current). -->",
         "",
         "Every key, group option and default, as the schema and `conf/` define them today. How the groups "
         "compose and how a job runs: [Configuration](configuration.md).",

@@ -65,8 +65,10 @@ from _soak_data import hf_dir, shard_dir, token_file  # noqa: E402
 from _soak_flows import command, job_env, short_tmp, study_flow, train_flow, verify_flow  # noqa: E402
 from _soak_stop import STOPPING, end_everything_when_stopped  # noqa: E402
 from helpers.tracking import serve  # noqa: E402
-from soak_plan import DIMENSIONS, SLURM, Trial, coverage, dimensions, draw, plan_trials, trial_seeds  # noqa: E402
-from soak_toy import snapshot  # noqa: E402
+from soak_draw import draw, trial_seeds  # noqa: E402
+from soak_driver import snapshot  # noqa: E402
+from soak_pairs import coverage, plan_trials  # noqa: E402
+from soak_plan import DIMENSIONS, SLURM, Trial, dimensions  # noqa: E402
 
 DISK = "size=64m"  # disk_full: the run dir's tmpfs, room for a trial's run until the fault fills it
 

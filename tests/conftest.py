@@ -20,6 +20,9 @@ sys.dont_write_bytecode = False
 
 import helpers.jobs  # noqa: E402  (registers ddplab's configs as train.py does, before any test composes)
 
+# Fixtures that tests of both tiers (tests/unit/, tests/integration/) take: one copy each, in helpers/.
+pytest_plugins = ["helpers.checkpoints", "helpers.steps", "helpers.trust"]
+
 # Markers (pyproject.toml registers them; --strict-markers refuses others):
 #   slow  — seconds or more: whole training runs, real processes. `pytest -m "not slow"` is the inner loop.
 #   dist  — starts real multi-process jobs (gloo on CPU); always slow too.

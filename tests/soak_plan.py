@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import random
 from typing import Any
 
 LAUNCHERS = ("single", "torchrun", "selflaunch")
@@ -288,96 +287,28 @@ def calls(t: Trial) -> list[int]:
     }[t.phase]  # epoch ends, every_n saves
 
 
-def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slurm: bool = False) -> Trial:
-    """The trial of ``seed``; ``fixed``: a plan trial's dimension values, in place of their draws. Every draw
-    is made whatever is fixed, in the order it always had, so a seed's other details never move. ``slurm``:
-    srun is a fourth launcher to draw from."""
-    rng, fixed = random.Random(seed), fixed or {}
-    launcher = fixed.get("launcher", rng.choice(LAUNCHERS + ((SLURM,) if slurm else ())))
-    accum = fixed.get("accum", rng.randint(1, 3))
-    lo, hi = TIMINGS[fixed["timing"]] if "timing" in fixed else ANY_STEP
-    step_s = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    budget, cap = (60.0, 400) if long else (6.0, 60)
-    total = max(3, min(cap, round(budget / step_s)))
-    epochs = rng.randint(1, min(3, total))
-    spe = min(TRAIN_SAMPLES // (BATCH * accum), math.ceil(total / epochs))
-    log_every = round(math.exp(rng.uniform(0.0, math.log(100))))
-    every_n = rng.randint(1, max(1, epochs * spe)) if rng.random() < 0.4 else 0
-    fault = fixed.get("fault", rng.choice(SIGNALS))
-    target = fixed.get("target", rng.choice(TARGETS if launcher != "single" else ("self",)))
-    t = Trial(
-        seed,
-        launcher,
-        step_s,
-        epochs,
-        spe,
-        accum,
-        log_every,
-        every_n,
-        fault,
-        target,
-        0,
-        "",
-        0,
-        long,
-        slurm=slurm,
-    )
-    t.rank = rng.randrange(t.world)
-    t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else t.data
-    phases = PHASE_GROUPS[fixed["phase"]] if "phase" in fixed else PHASES
-    t.phase = rng.choice([p for p in phases if p != "between" or accum > 1])
-    # the plan pairs input with every accum: accum 1 the fetch, 2 and 3 the boundary
-    if fixed.get("phase") == "input":
-        t.phase = "between" if accum > 1 else "data"
-    t.k = rng.choice(calls(t))
-    async_save = rng.random() < 0.5  # drawn after the rest: every earlier draw of a seed is what it was
-    t.async_save = fixed["checkpoint"] == "async" if "checkpoint" in fixed else async_save
-    strategy = rng.choice(("ddp", "fsdp"))
-    t.strategy = fixed.get("strategy", "none" if launcher == "single" else strategy)
-    data = rng.choice(DATA)
-    t.data = DATA_OF[fixed["source"], fixed["access"]] if "source" in fixed else data
-    t.k = min(t.k, max(calls(t)))  # the token file has fewer validation batches than the digits (one process)
-    _draw_mode_and_fault(t, rng, fixed)
-    _draw_world_and_feature(t, rng, fixed)
-    # drawn last: every earlier draw of a seed is what it was
-    tracking_u, server_u = rng.random(), rng.random()
-    t.tracking = fixed.get("tracking", "mlflow" if tracking_u < 0.3 else "none")
-    t.server = SERVER_STATES[int(server_u * len(SERVER_STATES))]
-    return t
-
-
-def _draw_world_and_feature(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
-    """The world size and the feature in play: drawn after everything else (a seed's earlier details stay),
-    each from the values the trial's other dimensions allow; k and the epoch's length fitted to what they
-    change."""
-    world_u, feature_u = rng.random(), rng.random()
-    worlds = [w for w in WORLDS if valid({**dimensions(t), "world": w})]
-    t.ranks = fixed.get("world", worlds[int(world_u * len(worlds))]) if t.launcher != "single" else 2
-    features = [f for f in FEATURES if valid({**dimensions(t), "feature": f})]
-    t.feature = fixed.get("feature", features[int(feature_u * len(features))])
-    t.steps_per_epoch = min(t.steps_per_epoch, TRAIN_SAMPLES // (t.batch * t.accum))
-    t.k = min(t.k, max(calls(t)))
-
-
-def _draw_mode_and_fault(t: Trial, rng: random.Random, fixed: dict[str, Any]) -> None:
-    """The run mode, and for a quarter of drawn trials a fault other than a signal: drawn last (a seed's
-    earlier details stay what they were), each from the values the trial's other dimensions allow."""
-    mode_u, other_u, which_u = rng.random(), rng.random(), rng.random()
-    now = dimensions(t)
-    modes = [m for m in MODES if valid({**now, "mode": m})]
-    t.mode = fixed.get("mode", modes[int(mode_u * len(modes))])
-    if "fault" not in fixed and other_u < 0.25:
-        others = [f for f in OTHER_FAULTS if valid({**dimensions(t), "target": "self", "fault": f})]
-        t.fault, t.target, t.rank = others[int(which_u * len(others))], "self", t.rank
-
-
-def trial_seeds(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2**31) for _ in range(n)]
+def dimensions(t: Trial) -> dict[str, Any]:
+    timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
+    return {
+        "launcher": t.launcher,
+        "strategy": t.strategy,
+        "source": SOURCE_ACCESS[t.data][0],
+        "access": SOURCE_ACCESS[t.data][1],
+        "checkpoint": "async" if t.async_save else "sync",
+        "fault": t.fault,
+        "target": t.target,
+        "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps),
+        "timing": timing,
+        "accum": t.accum,
+        "mode": t.mode,
+        "world": t.world,
+        "feature": t.feature,
+        "tracking": t.tracking,
+    }
 
 
 # ------------------------------------------------------------------------------------------ the pairwise plan
-def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
+def allowed(a: str, va: Any, b: str, vb: Any) -> bool:
     """One pair's constraint. Stated pairwise and closed (strategy none also implies target self), so any set
     of values whose every pair is allowed extends to a whole trial."""
     v = {a: va, b: vb}
@@ -423,132 +354,4 @@ def _allowed(a: str, va: Any, b: str, vb: Any) -> bool:
 
 def valid(trial: dict[str, Any]) -> bool:
     """Every pair of the (possibly partial) trial's values allowed."""
-    return all(_allowed(a, trial[a], b, trial[b]) for a, b in itertools.combinations(trial, 2))
-
-
-def _pairs(trial: dict[str, Any]) -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
-    names = [n for n in DIMENSIONS if n in trial]
-    return {((a, trial[a]), (b, trial[b])) for a, b in itertools.combinations(names, 2)}
-
-
-def valid_pairs() -> set[tuple[tuple[str, Any], tuple[str, Any]]]:
-    return {
-        ((a, va), (b, vb))
-        for a, b in itertools.combinations(DIMENSIONS, 2)
-        for va in DIMENSIONS[a]
-        for vb in DIMENSIONS[b]
-        if _allowed(a, va, b, vb)
-    }
-
-
-def _complete(start: dict[str, Any], uncovered: set, used: dict[tuple[str, Any], int]) -> dict[str, Any]:
-    """``start`` filled one dimension at a time (largest first) with the allowed value that covers the most
-    uncovered pairs (ties: the value the plan has used least, then the first: the padding spreads too)."""
-    trial = dict(start)
-    for name in sorted(DIMENSIONS, key=lambda n: -len(DIMENSIONS[n])):
-        if name in trial:
-            continue
-        options = [v for v in DIMENSIONS[name] if valid({**trial, name: v})]
-        trial[name] = max(
-            options, key=lambda v: (len(_pairs({**trial, name: v}) & uncovered), -used[name, v])
-        )
-    return {n: trial[n] for n in DIMENSIONS}
-
-
-def pairwise_plan(candidates: int = 5) -> list[dict[str, Any]]:
-    """Greedy all-pairs: each next trial is the best of completions of the first ``candidates`` uncovered
-    pairs (in a fixed order), until every allowed pair is covered. No randomness: the same plan every time.
-    The greedy's length moves with ``candidates`` (40 trials at 1, 38 at 8, 11 and 20, 39 at 10, 12, 13 and
-    15): 5 is among the fewest (37 trials; the bound is 28, the fault x phase pairs)."""
-    order = {(n, v): (i, j) for i, n in enumerate(DIMENSIONS) for j, v in enumerate(DIMENSIONS[n])}
-    uncovered, plan, used = valid_pairs(), [], {key: 0 for key in order}
-    while uncovered:
-        firsts = sorted(uncovered, key=lambda p: (order[p[0]], order[p[1]]))[:candidates]
-        options = [_complete(dict(pair), uncovered, used) for pair in firsts]
-        best = max(options, key=lambda t: len(_pairs(t) & uncovered))
-        plan.append(best)
-        uncovered -= _pairs(best)
-        for key in best.items():
-            used[key] += 1
-    return plan
-
-
-def plan_parts(n: int) -> list[list[int]]:
-    """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
-    where ``n`` allows (up to 4), balanced by the processes their launches start. No randomness: a round-robin
-    deal, improved by moving or swapping trials while that lowers (values some part lacks, the largest part's
-    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16,
-    so four consecutive parts hold every value, and the 16 every pair)."""
-    if n > 4 and n % 4 == 0:
-        return [p[k :: n // 4] for p in plan_parts(4) for k in range(n // 4)]
-    plan = pairwise_plan()
-    values = [set(t.items()) for t in plan]
-    load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]  # the launcher and its ranks
-    every = set().union(*values)
-
-    def score(deal: list[int]) -> tuple[int, int, int]:
-        held, loads = [set() for _ in range(n)], [0] * n
-        for i, p in enumerate(deal):
-            held[p] |= values[i]
-            loads[p] += load[i]
-        return sum(len(every - h) for h in held), max(loads), sum(x * x for x in loads)
-
-    deal, improved = [i % n for i in range(len(plan))], True
-    while improved:
-        improved = False
-        for i in range(len(plan)):
-            swaps = [
-                [deal[j] if k == i else deal[i] if k == j else p for k, p in enumerate(deal)]
-                for j in range(len(plan))
-            ]
-            for candidate in swaps + [deal[:i] + [p] + deal[i + 1 :] for p in range(n)]:
-                if score(candidate) < score(deal):
-                    deal, improved = candidate, True
-    return [[i for i, p in enumerate(deal) if p == part] for part in range(n)]
-
-
-def plan_trials(seed: int, long: bool = False, part: tuple[int, int] | None = None) -> list[Trial]:
-    """The pairwise plan's trials, each with its remaining details from its own seed (drawn from ``seed``, for
-    the whole plan: a trial is the same in a part); ``part`` (k, n): only the k-th of ``plan_parts(n)``."""
-    plan = pairwise_plan()
-    chosen = set(plan_parts(part[1])[part[0] - 1]) if part else set(range(len(plan)))
-    trials = [
-        draw(s, long, fixed)
-        for i, (s, fixed) in enumerate(zip(trial_seeds(seed, len(plan)), plan))
-        if i in chosen
-    ]
-    for t in trials:
-        t.plan_seed = seed
-    return trials
-
-
-def coverage(trials: list[Trial]) -> str:
-    """How many of the allowed pairs the trials cover, said as the plan prints it."""
-    every = valid_pairs()
-    seen = set().union(*(_pairs(dimensions(t)) for t in trials)) & every
-    values = {(n, v) for t in trials for n, v in dimensions(t).items()}
-    return (
-        f"covers {len(seen)}/{len(every)} valid pairs of {len(DIMENSIONS)} dimensions in {len(trials)} "
-        "trials, "
-        f"{len(values)}/{sum(map(len, DIMENSIONS.values()))} of their values"
-    )
-
-
-def dimensions(t: Trial) -> dict[str, Any]:
-    timing = next(name for name, (lo, hi) in TIMINGS.items() if lo <= t.step_s <= hi)
-    return {
-        "launcher": t.launcher,
-        "strategy": t.strategy,
-        "source": SOURCE_ACCESS[t.data][0],
-        "access": SOURCE_ACCESS[t.data][1],
-        "checkpoint": "async" if t.async_save else "sync",
-        "fault": t.fault,
-        "target": t.target,
-        "phase": next(g for g, ps in PHASE_GROUPS.items() if t.phase in ps),
-        "timing": timing,
-        "accum": t.accum,
-        "mode": t.mode,
-        "world": t.world,
-        "feature": t.feature,
-        "tracking": t.tracking,
-    }
+    return all(allowed(a, trial[a], b, trial[b]) for a, b in itertools.combinations(trial, 2))

@@ -264,8 +264,8 @@ def skip_needless_mode_lookup(conf: Path) -> None:
     ``hydra.mode`` (run or multirun): about 0.15 s of every start, on every rank. Where nothing the command
     line selects can set it — no ``hydra...`` override, no option file of ``conf`` that sets it (or pulls in
     one that does), no other config dir — Hydra's look-up can only find it unset; it is answered so without
-    composing (``compat.answer_hydra_mode``; ``tests/test_mode_lookup.py`` checks the answer against Hydra's
-    for every option in ``conf``)."""
+    composing (``compat.answer_hydra_mode``; ``tests/unit/test_mode_lookup.py`` checks the answer against
+    Hydra's for every option in ``conf``)."""
     compat.answer_hydra_mode(lambda overrides: mode_may_be_set(conf, overrides, sys.argv))
 
 

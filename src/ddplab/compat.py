@@ -1,7 +1,7 @@
 """Every private torch (and Optuna, Hydra, Python) API ddplab relies on, in one place.
 
-Each is a leading-underscore name torch may change or drop in any release. Keeping them here means a
-torch upgrade breaks one module, and ``tests/test_compat.py`` names which entry broke (each entry has a
+Each is a leading-underscore name torch may change or drop in any release. Keeping them here means a torch
+upgrade breaks one module, and ``tests/integration/test_compat.py`` names which entry broke (each entry has a
 test that calls it for real). Where a public equivalent appears, replace the body here and nothing else.
 
 Each entry, the private API it uses, and why no public one serves:
@@ -198,8 +198,9 @@ def frozen_trial(trial: Any) -> Any:
     return trial.study._storage.get_trial(trial._trial_id)
 
 
-# What torch._dynamo.utils.get_optimize_ddp_mode() answers while dynamo's config holds its defaults (it
-# does until something imports torch._dynamo): DDP's C++ reducer. tests/test_compat.py asks the real one.
+# What torch._dynamo.utils.get_optimize_ddp_mode() answers while dynamo's config holds its defaults (it does
+# until something imports torch._dynamo): DDP's C++ reducer. tests/integration/test_compat.py asks the real
+# one.
 DDP_MODE_BY_DEFAULT = "ddp_optimizer"
 
 

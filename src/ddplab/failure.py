@@ -2,8 +2,8 @@
 and the content of ``result.json``, and every entry acts on its answer — ``python train.py`` and each rank
 under torchrun or SLURM (``cli.main``), a self-launched rank (``job.run_rank``) and its parent
 (``job.self_launch``), a study trial (``study.worker``), a verify_resume leg (``verify``) — as does the
-Session, which records a failure where it happened. The table (``tests/test_failure.py`` checks each row at
-every entry):
+Session, which records a failure where it happened. The table (``tests/unit/test_failure.py`` checks each row
+at every entry):
 
     failure                        exit code            the one line                 result.json
     Preempted (a signal)           128 + the signal     "preempted: ..." (warning)   preempted, its step

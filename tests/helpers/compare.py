@@ -58,3 +58,9 @@ def assert_same_checkpoint(
     for key in entries:
         diff = same(a[key], b[key], key)
         assert diff is None, f"checkpoints differ at {diff}"
+
+
+def max_rel_weight_diff(a: dict, b: dict) -> float:
+    return max(
+        ((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in b if b[k].is_floating_point()
+    )

@@ -55,7 +55,7 @@ def _expect(name: str, given: int, actual: int) -> None:
 def _digits_arrays() -> tuple[Any, Any]:
     """The digits' images (1797, 8, 8) and labels, read from the file scikit-learn ships, without importing
     scikit-learn: ``import sklearn.datasets`` costs about 1 s per rank, reading the file 0.03 s (the same
-    numbers as ``load_digits()``; tests/test_datasets.py checks)."""
+    numbers as ``load_digits()``; tests/integration/test_datasets.py checks)."""
     import importlib.util
 
     import numpy as np

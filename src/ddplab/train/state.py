@@ -2,7 +2,7 @@
 model), and the loop's own small records in it (:class:`LoopState`: the position; :class:`Results`: the
 evaluations; both checkpointed). ``ddplab.train.assemble.build_state`` makes a State complete and resumed,
 before any hook sees it; the Trainer (``ddplab.train.loop``) runs over it; nothing outside ``ddplab.train``
-reads the Trainer (``tests/test_architecture.py`` keeps it so).
+reads the Trainer (``tests/unit/test_architecture.py`` keeps it so).
 
 Callbacks receive it as their first argument (``ddplab.train.hooks.Hook`` says when)::
 

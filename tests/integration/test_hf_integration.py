@@ -1,0 +1,99 @@
+"""Issue 34's acceptance, in one test: a tiny Hugging Face causal LM trained from Parquet text through a BPE
+tokenizer learnt here, at 1 and 2 ranks (the same fp32 run), a rank SIGKILLed and the job resumed bitwise,
+logged to a real MLflow server and TensorBoard with the same values, then exported and reloaded with
+``from_pretrained`` giving ddplab's logits. Each part is also tested on its own (test_tokenizer, test_hf,
+test_hf_data, test_mlflow, test_export)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.compare import assert_same_checkpoint
+from helpers.extras import lazy, needs
+from helpers.jobs import assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
+
+from ddplab.events import read_scalars
+
+needs("transformers", "hf")
+datasets = lazy("datasets", "hf")
+
+
+def parquet_and_bpe(tmp_path: Path) -> list[str]:
+    from ddplab.data import tokenizer as tz
+    from ddplab.data.tabular import generated_corpus
+
+    said = generated_corpus(sentences=1200, seed=4).strip().split(". ")
+    rows = [". ".join(said[i : i + 3]) + "." for i in range(0, len(said), 3)]
+    datasets.Dataset.from_dict({"text": rows[:360]}).to_parquet(tmp_path / "train.parquet")
+    datasets.Dataset.from_dict({"text": rows[360:]}).to_parquet(tmp_path / "val.parquet")
+    tz.train_bpe(rows[:360], 320).save(str(tmp_path / "tokenizer.json"))
+    return [
+        "dataset=hf",
+        f"dataset.path={tmp_path / 'train.parquet'}",
+        f"dataset.val_path={tmp_path / 'val.parquet'}",
+        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
+        "dataset.vocab_size=320",
+        "dataset.block_size=16",
+        f"dataset.cache_dir={tmp_path / 'hf-cache'}",
+    ]
+
+
+# A 2-layer GPT-2 of the Hugging Face library, dropout off (bitwise across world sizes), tracked by MLflow.
+HF_LM = [
+    *("task=lm", "model=hf", "model.config.n_embd=32", "model.config.n_layer=2", "model.config.n_head=2"),
+    *("+model.config.resid_pdrop=0.0", "+model.config.embd_pdrop=0.0", "+model.config.attn_pdrop=0.0"),
+    *("optimizer=adamw", "batch_size=12", "num_epochs=2", "checkpoint.every_n_steps=5"),
+    "log_every_n_steps=5",
+    *("progress=none", "logger=[tensorboard,mlflow]", "+callbacks.soak._target_=soak_toy.SoakCallback"),
+]
+
+
+@pytest.mark.dist
+def test_hf_lm_from_parquet_through_a_bpe_at_1_and_2_ranks_killed_resumed_tracked_and_exported(
+    tmp_path, mlflow_server
+):
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    from ddplab.checkpoint.export import build, read
+
+    args = [*HF_LM, f"mlflow.tracking_uri={mlflow_server}", *parquet_and_bpe(tmp_path)]
+    for n in (1, 2):
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=300))
+    one, two = (json.loads((tmp_path / n / "result.json").read_text())["metrics"] for n in ("1", "2"))
+    assert one["step"] == two["step"] > 20 and one["val/num_samples"] == two["val/num_samples"]
+    assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+
+    killed = tmp_path / "killed"  # rank 1 SIGKILLed at its 13th step (last checkpoint: step 10), then resumed
+    crashed = torchrun(
+        2,
+        args + [f"hydra.run.dir={killed}"],
+        tmp_path,
+        timeout=300,
+        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
+    )
+    assert crashed.returncode != 0 and json.loads((tmp_path / "fault" / "fired").read_text())["step"] == 12
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={killed}", "resume=auto"], tmp_path, timeout=300))
+    assert_same_checkpoint(tmp_path / "2" / "checkpoints" / "last.pt", killed / "checkpoints" / "last.pt")
+
+    client = MlflowClient(mlflow_server)  # one MLflow run for the killed job and its resume, each step once
+    run = client.get_run(json.loads((killed / "mlflow.json").read_text())["run_id"])
+    ref = client.get_run(json.loads((tmp_path / "2" / "mlflow.json").read_text())["run_id"])
+    tb = read_scalars(killed / "tb")
+    for key in ("train/loss", "val/loss", "val/perplexity"):
+        mine = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        theirs = sorted((m.step, m.value) for m in client.get_metric_history(ref.info.run_id, key))
+        assert mine == theirs, key  # bitwise the uninterrupted run's, no step twice
+        assert [(s, np.float32(v)) for s, v in mine] == [(s, np.float32(v)) for s, v in tb[key]], key
+
+    assert_ok(run_cmd([sys.executable, "-m", "ddplab", "export", str(killed), "--to", "hf"], tmp_path))
+    theirs = AutoModelForCausalLM.from_pretrained(str(killed / "export"), local_files_only=True).eval()
+    ours = build(read(killed / "checkpoints" / "best.pt"), "auto")[0].eval()
+    batch = torch.randint(320, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(theirs(input_ids=batch).logits, ours(batch))

@@ -1,0 +1,279 @@
+"""The tests' job server (tests/helpers/zygote.py): a job forked from it ends as the same job in a fresh
+interpreter does — exit code, its words on stdout and stderr, what it writes — so the tests that use it
+(``python_train``) test what ``python train.py`` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+from helpers import jobs
+
+
+def words(text: str, run: str) -> list[str]:
+    """The lines less what differs between any two runs: clock times, durations, rates, the run dir."""
+    # not in tmp_path's name
+    text = re.sub(rf"\b{re.escape(run.rsplit('/', 1)[1])}\b", "RUN", text.replace(run, "RUN"))
+    text = re.sub(r"\d\d:\d\d:\d\d", "T", text)
+    text = re.sub(r"[\d,]+(\.\d+)? ?(s|ms|samples/s|it/s)\b", "N", text)
+    text = re.sub(r"\(max [\d.]+\)", "(max N)", text)  # the slowest step's milliseconds
+    text = re.sub(r"T\.\d+ \d+ ", "T PID ", text)  # torch's log lines: their time and process (a rank's)
+    text = re.sub(r"(pid:|process|PID) \d+", r"\1 PID", text)
+    # torchrun's temp dir for the ranks' error files
+    text = re.sub(r"torchelastic_[\w/.-]+", "ERROR_FILE", text)
+    # the rank table's config hash names the dir
+    return [line for line in text.splitlines() if "cfg=" not in line]
+
+
+CASES = {
+    "completes": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=none"],
+    "config error": ["model=mlp", "num_epochs=0"],
+    "a callback's exception": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=0",
+        "+callbacks.bug.step=2",
+    ],
+    "a process left holding stdout": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=1",
+        "progress=none",
+        "+callbacks.late._target_=toy_callbacks.LeavesAWriterBehind",
+    ],
+    "SIGTERM after step 1": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.stop._target_=toy_callbacks.SignalAtStep",
+        "+callbacks.stop.sig=SIGTERM",
+        "+callbacks.stop.step=1",
+    ],
+    # a self-launch: its rank server a spare of the job (helpers/spares.py)
+    "self-launched, 3 ranks": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=2",
+        "progress=log",
+        "batch_size=48",
+        "distributed.nproc_per_node=3",
+        "distributed.oversubscribe_cpu=true",
+    ],
+    "self-launched, rank 1's callback fails": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "distributed.nproc_per_node=2",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=1",
+        "+callbacks.bug.step=2",
+    ],
+    # torchrun: its launcher forked, its workers spares of it
+    "torchrun, 2 ranks": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
+    "torchrun, rank 1's callback fails": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=3",
+        "progress=none",
+        "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
+        "+callbacks.bug.rank=1",
+        "+callbacks.bug.step=2",
+    ],
+    # (a SIGTERM under torchrun is not here: which rank torchrun's agent finds exited first, and whether the
+    # other then dies of its SIGTERM or exits 143 itself, varies from run to run in fresh interpreters too)
+    "torchrun, config error": ["model=mlp", "num_epochs=0"],
+    # verify_resume: its three legs spares of the job, a 2-rank leg's rank server a spare of the leg
+    "verify_resume, 2 ranks": [
+        "model=mlp",
+        "mode=verify_resume",
+        "num_epochs=1",
+        "limit_train_steps=4",
+        "distributed.nproc_per_node=2",
+    ],
+    # a rank started by hand (the launcher's variables, absent from the server's environment, read at run
+    # time)
+    "a rank started by hand": ["model=mlp", "num_epochs=1", "limit_train_steps=2", "progress=log"],
+    # a user's package before the server's PYTHONPATH: the fork puts it on sys.path where an interpreter would
+    "a user's package on PYTHONPATH": [
+        "model=mlp",
+        "num_epochs=1",
+        "limit_train_steps=1",
+        "progress=none",
+        "+callbacks.mine._target_=users_callbacks.SaysWhere",
+    ],
+    # `python -m ddplab`: the package's __main__ run as a fresh `python -m` runs it (see export_argv)
+    "python -m ddplab export": [],
+    # a script the server runs besides train.py (helpers.jobs.SERVED_SCRIPTS): its files compared byte for
+    # byte
+    "scripts/make_tokens.py": ["--generated-mb", "0.01"],
+}
+# How the failing cases end in result.json (ddplab.failure): the status and the error's start.
+RECORDS = {
+    "config error": ("failed", "config error: num_epochs=0"),
+    "a callback's exception": ("failed", "rank 0/1 failed in epoch 1, step 3: RuntimeError: FailsOnRank"),
+    "SIGTERM after step 1": ("preempted", None),
+    "self-launched, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+    "torchrun, rank 1's callback fails": ("failed", "rank 1/2 failed in epoch 1, step 3: RuntimeError"),
+    "torchrun, config error": ("failed", "config error: num_epochs=0"),
+}
+ENVS = {
+    "a rank started by hand": {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        # (one rank forms no group: provenance records them)
+        "MASTER_PORT": "29431",
+    }
+}
+EXITS = {
+    "completes": 0,
+    "config error": 2,
+    "a callback's exception": 1,
+    "a process left holding stdout": 0,
+    "SIGTERM after step 1": 143,
+    "self-launched, 3 ranks": 0,
+    "self-launched, rank 1's callback fails": 1,
+    "torchrun, 2 ranks": 0,
+    "torchrun, rank 1's callback fails": 1,
+    "torchrun, config error": 1,
+    "verify_resume, 2 ranks": 0,
+    "a rank started by hand": 0,
+    "a user's package on PYTHONPATH": 0,
+    "python -m ddplab export": 0,
+    "scripts/make_tokens.py": 0,
+}
+
+
+def users_package(tmp_path) -> dict[str, str]:
+    """A user's package dir first on PYTHONPATH, then the server's: their callback says where Python found
+    it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "users_callbacks.py").write_text(
+        "import sys\n\n\nclass SaysWhere:\n    def on_fit_start(self, state):\n"
+        "        print('users_callbacks:', __file__, 'first on sys.path:', sys.path[:3], flush=True)\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(pkg), jobs.job_env()["PYTHONPATH"]])}
+
+
+def weights_and_metadata(path) -> tuple[dict, dict]:
+    """What a safetensors file holds (its bytes differ from run to run: the Rust library writes the metadata's
+    keys in a hash map's order, random in each process)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}
+
+
+def written(case: str, folder) -> dict:
+    """What the job wrote that is compared: verify_resume's legs' logs (a leg's log holds both ranks' lines,
+    and which of two written at once comes first varies), an export's files (its weights as read, the rest as
+    words), make_tokens.py's files byte for byte, and for a rank started by hand its launcher as provenance
+    records it."""
+    out = {
+        f"legs/{p.name}": sorted(words(p.read_text(), str(folder)))
+        for p in folder.glob("verify_resume/*.log")
+    }
+    if case == "python -m ddplab export":
+        out |= {
+            p.name: weights_and_metadata(p)
+            if p.suffix == ".safetensors"
+            else words(p.read_text(), str(folder))
+            for p in folder.iterdir()
+            if p.is_file()
+        }
+    if case == "scripts/make_tokens.py":
+        out |= {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    if case in ENVS:
+        out["launcher"] = json.loads((folder / "provenance.json").read_text())["launcher"]
+    return out
+
+
+def job_argv(case: str, tmp_path, how: str) -> list[str]:
+    if case == "python -m ddplab export":  # the run trained before both legs, exported into each leg's folder
+        return ["-m", "ddplab", "export", str(tmp_path / "trained"), "--out", str(tmp_path / how)]
+    if case == "scripts/make_tokens.py":
+        return [str(jobs.REPO / case), *CASES[case], "--out", str(tmp_path / how)]
+    argv = [str(jobs.TRAIN), *CASES[case], f"hydra.run.dir={tmp_path / how}"]
+    if case.startswith("torchrun"):
+        argv = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
+    return argv
+
+
+def _ends(case: str, tmp_path, how: str, extra: dict, monkeypatch) -> tuple:
+    """The job ``case`` run ``how`` (forked from the server, or a fresh interpreter): its exit code, console
+    words, result.json's ending and what it wrote."""
+    argv = job_argv(case, tmp_path, how)
+    if how == "forked":
+        server = jobs._zygote()
+        served = server.served
+        proc = server.run(argv, tmp_path, {**jobs.job_env(), **extra}, 120)
+        from helpers.zygote import MAY_DIFFER
+
+        now = jobs.job_env()
+        changed = sorted(
+            k for k in set(now) | set(server.env) if k not in MAY_DIFFER and now.get(k) != server.env.get(k)
+        )
+        assert proc is not None and server.served == served + 1, (
+            f"not taken; environment entries changed: {changed}"
+        )
+    else:
+        monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # every process a fresh interpreter
+        proc = jobs.run_cmd([sys.executable, *argv], tmp_path, 120, extra)
+    path = tmp_path / how / "result.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    return (
+        proc.returncode,
+        words(proc.stdout, str(tmp_path / how)),
+        words(proc.stderr, str(tmp_path / how)),
+        {k: v for k, v in result.items() if k in ("status", "step", "epoch", "error")},
+        written(case, tmp_path / how),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path, monkeypatch):
+    ends, extra = {}, users_package(tmp_path) if "PYTHONPATH" in case else ENVS.get(case, {})
+    if case == "python -m ddplab export":
+        jobs.assert_ok(
+            jobs.python_train([*CASES["completes"], f"hydra.run.dir={tmp_path / 'trained'}"], tmp_path)
+        )
+    for how in ("forked", "fresh"):
+        ends[how] = _ends(case, tmp_path, how, extra, monkeypatch)
+    assert ends["forked"] == ends["fresh"]
+    assert ends["forked"][0] == EXITS[case]
+    if case in RECORDS:
+        status, error = RECORDS[case]
+        record = ends["forked"][3]
+        assert record["status"] == status and (error is None or record["error"].startswith(error)), record
+    assert ("written-after-the-job-exited" in ends["forked"][1]) == (case == "a process left holding stdout")
+    files = ends["forked"][4]  # none of what is compared missing
+    assert len([k for k in files if k.startswith("legs/")]) == (2 if case.startswith("verify_resume") else 0)
+    assert ("model.safetensors" in files) == (case == "python -m ddplab export")
+    assert ({"train.bin", "val.bin"} <= set(files)) == (case == "scripts/make_tokens.py")
+    assert files.get("launcher") == (
+        {"kind": "python", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29431", "WORLD_SIZE": "1"}
+        if case in ENVS
+        else None
+    )
+    said = [line for line in ends["forked"][1] if line.startswith("users_callbacks:")]
+    # the script's dir, then PYTHONPATH
+    where = [str(jobs.REPO), str(tmp_path / "pkg"), str(jobs.REPO / "tests")]
+    assert said == (
+        words(
+            f"users_callbacks: {tmp_path}/pkg/users_callbacks.py first on sys.path: {where}",
+            str(tmp_path / "forked"),
+        )
+        if "PYTHONPATH" in case
+        else []
+    ), ends["forked"][1]

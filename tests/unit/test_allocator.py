@@ -1,0 +1,40 @@
+"""A rank training on the CPU keeps what a step freed for the next step (ddplab.runtime.allocator): no stream
+of page faults per step, the thresholds left alone where they are not ddplab's to set."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddplab.runtime import allocator
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, "untouched: set by the user (MALLOC_TRIM_THRESHOLD_)"),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+            "untouched: set by the user (GLIBC_TUNABLES)",
+        ),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "untouched: jemalloc is preloaded"),
+    ],
+)
+def test_a_users_own_allocator_settings_are_left_alone(monkeypatch, env, said):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert allocator.keep_freed_host_memory("cpu", "tuned") == said
+
+
+def test_a_gpu_rank_and_the_system_setting_leave_the_c_library_alone():
+    assert allocator.keep_freed_host_memory("cuda", "tuned") == "untouched: tensors live on cuda"
+    assert allocator.keep_freed_host_memory("cpu", "system") == "system defaults (perf.host_allocator=system)"
+
+
+def test_a_later_job_in_the_same_process_says_the_thresholds_stay(monkeypatch):
+    """A sweep in one process over perf.host_allocator: glibc's moving defaults cannot be set back, and the
+    log says so instead of claiming the system defaults."""
+    monkeypatch.setattr(allocator, "_done", True)
+    assert (
+        allocator.keep_freed_host_memory("cpu", "system")
+        == "still tuned: an earlier job in this process set the thresholds"
+    )

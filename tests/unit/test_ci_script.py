@@ -1,0 +1,19 @@
+"""`.ci/run` fails at the first failed step — an install, the suite (pytest's exit 5, no test collected,
+included) — instead of going on to later phases that could still end it with 0."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ci_runs_the_readmes_test_command_step_by_step():
+    """.ci/run is the README's test command (one step a line, the suite with the slurm tests set apart)."""
+    command = next(
+        line
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("pip install") and "pytest" in line
+    )
+    *installs, suite = command.split(" && ")
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert all(step in ci for step in installs), installs
+    assert any(line.startswith(f"DDPLAB_SLURM_APART=1 {suite} ") for line in ci), suite

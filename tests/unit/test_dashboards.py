@@ -1,0 +1,84 @@
+"""What a person sees: TensorBoard's first screens (read with TensorBoard's own loaders and HParams
+plugin), sweep run names, the console's lines and the end-of-run and end-of-sweep summaries."""
+
+import json
+
+import pytest
+
+from ddplab.rundir import label, swept
+from ddplab.sweep import summarize, to_console
+from ddplab.train.reporting import wrap
+
+
+def test_console_helpers_keep_lines_short_and_name_what_a_sweep_varies(tmp_path):
+    items = [f"val/metric_{i}=0.{i}234" for i in range(12)]
+    lines = wrap("epoch 3/10", items)
+    assert len(lines) > 1 and max(map(len, lines)) <= 100
+    assert " ".join(lines).split() == ["epoch", "3/10", *items]  # nothing lost, nothing reordered
+    assert (
+        label({"optimizer.lr": "0.0123456789", "model": "mlp", "dataset.root": "/data/x"})
+        == "lr=0.01235,model=mlp,root=_data_x"
+    )
+    assert label({"optimizer.lr": "0.1", "scheduler.lr": "1e-3"}) == "optimizer.lr=0.1,scheduler.lr=0.001"
+    # Which overrides a sweep varies: the command's sweeps and a sweeper's sampled params, not fixed values.
+    sweep = tmp_path / "sweep"
+    job = sweep / "3"
+    (job / ".hydra").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task: ['optimizer.lr=0.1,0.01', 'num_epochs=2']\n"
+    )
+    (job / ".hydra" / "overrides.yaml").write_text(
+        "- optimizer.lr=0.01\n- num_epochs=2\n- optimizer.momentum=0.8\n"
+    )
+    (job / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      optimizer.momentum: interval(0.5, 0.99)\n"
+    )
+    assert swept(job) == {"optimizer.lr": "0.01", "optimizer.momentum": "0.8"}
+    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
+    assert swept(job) == {}  # a single run is no sweep
+    # The sweep table: the direction the jobs recorded (a minimised objective), failures last, short lines.
+    for j, (status, v) in enumerate([("completed", 0.5), ("failed", None), ("completed", 0.2)]):
+        d = tmp_path / "s2" / str(j)
+        d.mkdir(parents=True)
+        metrics = {"val/mae": v, "val/mae_best": v} if v is not None else {}
+        (d / "result.json").write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "metrics": metrics,
+                    "error": "x" * 300,
+                    "objective": {"name": "val/mae", "minimize": True},
+                }
+            )
+        )
+    rows = summarize(tmp_path / "s2", "val/mae")
+    assert [r["job"] for r in rows] == [2, 0, 1]
+    out = to_console(rows, "val/mae", True)
+    assert out[0].endswith("by val/mae (lower is better)") and max(map(len, out)) <= 85
+
+
+def test_events_on_a_full_disk_are_one_line_naming_the_dir_and_space_without_the_threads_traceback(
+    tmp_path, capfd
+):
+    """TensorBoard's writer thread met the full disk and printed its own traceback ("Exception in thread
+    Thread-1: ... OSError: [Errno 28]"); the main thread then failed with a bare OSError at its next write."""
+    from helpers.disk import fill
+    from helpers.jobs import tmpfs
+
+    from ddplab.errors import ResourceError
+    from ddplab.writers import TensorBoardWriter
+
+    with tmpfs(tmp_path / "disk", "size=200k") as disk:
+        w = TensorBoardWriter(str(disk / "tb"))
+        w.scalars({"train/loss": 1.0}, 1)
+        fill(disk / "filler")  # the rest of the disk
+        with pytest.raises(ResourceError) as e:
+            # the writer thread writes on its own time: its failure shows at a later call
+            for step in range(2, 200):
+                w.scalars({"train/loss": float(step)}, step)
+            w.close()
+    assert str(e.value).startswith(
+        f"could not write TensorBoard events to {disk / 'tb'}: OSError: [Errno 28] No space"
+    )
+    assert "MiB free on its file system). Fix: free space" in str(e.value)
+    assert "Traceback" not in capfd.readouterr().err

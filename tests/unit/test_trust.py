@@ -1,0 +1,103 @@
+"""A run dir or checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` build only
+what ddplab ships, torch.optim's classes or what the command names from the checkpoint's stored config; any
+other ``_target_`` is refused in one line before it is imported, unless the user passes the trust switch."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.jobs import compose_cfg
+from helpers.trust import TINY, crafted, payloads, ran
+
+import ddplab
+from ddplab.checkpoint import export
+from ddplab.config import ConfigError, trust
+
+
+@pytest.mark.parametrize("name", ["savetxt", "pickle", "open", "nested", "alias"])
+def test_export_of_a_crafted_checkpoint_runs_nothing_and_says_so_in_one_line(tmp_path, trained, capsys, name):
+    model, marker, how = payloads(tmp_path)[name]
+    path = crafted(trained, tmp_path, model)
+    assert export.main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "_target_=" in err and "Fix: " in err and "--trust-config" in err, (
+        err
+    )
+    assert model["_target_"] in err or "write_tokens" in err
+    assert not ran(marker, how) and not (path.parent.parent / "export").exists()
+
+
+@pytest.mark.parametrize("name", ["pickle", "open", "nested"])
+def test_mode_eval_of_a_crafted_checkpoint_runs_nothing(tmp_path, trained, name):
+    model, marker, how = payloads(tmp_path)[name]
+    path = crafted(trained, tmp_path, model)
+    with pytest.raises(
+        ConfigError,
+        match=r"mode=eval resume=.*stored config names model.*Fix: .*"
+        r"trust_stored_config=true",
+    ):
+        ddplab.run(compose_cfg(["mode=eval", f"resume={path}", "progress=none"], tmp_path / "eval"))
+    assert not ran(marker, how)
+
+
+def test_the_trust_switch_builds_what_it_names_so_the_payloads_are_live(tmp_path, trained):
+    """With --trust-config the same payload runs (the file is truncated): the refusal above is what stops
+    it."""
+    model, marker, how = payloads(tmp_path)["open"]
+    path = crafted(trained, tmp_path, model)
+    assert export.main([str(path), "--trust-config"]) != 0  # a file object is no model: refused after it ran
+    assert ran(marker, how)
+
+
+def test_shipped_targets_torch_optim_and_the_commands_own_pass():
+    stored = {
+        "model": {"_target_": "ddplab.models.resnet.resnet18"},  # conf/'s resnet18, another spelling
+        "optimizer": {"_target_": "torch.optim.AdamW"},
+        "scheduler": {"_target_": "ddplab.optim.cosine"},
+        "callbacks": {
+            "ema": {"_target_": "ddplab.callbacks.ema.EMA"},
+            "study": {"_target_": "ddplab.study.report.ReportToStudy"},
+        },
+    }
+    assert trust.untrusted(stored) == []
+    mine = {"model": {"_target_": "toy.FaultyMLP"}}
+    assert trust.untrusted(mine) == [("model", "toy.FaultyMLP")]
+    assert trust.untrusted(mine, own=compose_cfg(["model._target_=toy.FaultyMLP"])) == []
+    assert trust.untrusted({"m": {"_target_": "torch.optim.sgd.torch.load"}}) == [
+        ("m", "torch.optim.sgd.torch.load")
+    ]
+
+
+def test_an_own_run_with_its_own_model_exports_with_the_switch(tmp_path):
+    """A user's model class (tests/toy.py's) is refused from the stored config alone, and exported with it."""
+    run = tmp_path / "run"
+    ddplab.run(compose_cfg(TINY + ["model._target_=toy.FaultyMLP"], run))
+    assert export.main([str(run)]) == 2
+    assert export.main([str(run), "--trust-config", "--to", "state_dict"]) == 0
+    assert (run / "export" / "model.pt").is_file()
+
+
+# ------------------------------------------------------------------ an export owns its folder
+def test_an_export_into_an_earlier_exports_folder_replaces_it_whole(tmp_path, trained):
+    """safetensors, then state_dict into the same folder: before, model.safetensors stayed beside model.pt
+    (and a from_pretrained folder kept weights the new config did not describe)."""
+    out = tmp_path / "out"
+    assert export.main([str(trained), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.safetensors"]
+    assert export.main([str(trained), "--out", str(out), "--to", "state_dict"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.yaml", "model.pt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # nothing left aside
+
+
+@pytest.mark.parametrize("what", ["foreign", "file"])
+def test_an_export_into_a_folder_it_does_not_own_or_onto_a_file_is_one_line(tmp_path, trained, capsys, what):
+    out = tmp_path / "out"
+    if what == "file":
+        out.write_text("mine\n")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine\n")
+    assert export.main([str(trained), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"export --out {out}: ") and "Fix: " in err, err
+    assert ("notes.txt" in err) == (what == "foreign")
+    assert (out / "notes.txt" if what == "foreign" else out).read_text() == "mine\n"
