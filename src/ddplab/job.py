@@ -124,12 +124,12 @@ def _self_launch(cfg: DictConfig, evaluating: bool) -> dict[str, float]:
 
     run_dir = rundir.own_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    search_earlier_runs = rundir.is_hydras_default(cfg)  # decided where Hydra's config is
     config = resolved_copy(cfg)  # here, where Hydra's resolvers (${now:}, ${hydra:}) still work; typed
     config.run_dir = str(run_dir)
-    # decided where Hydra's config is
     job = {
         "config": config,
-        "search_earlier_runs": rundir.is_hydras_default(cfg),
+        "search_earlier_runs": search_earlier_runs,
         "log_tag": job_tag(),
         "evaluating": evaluating,
     }
@@ -160,39 +160,43 @@ def _as_the_jobs(e: Exception, done: dict[str, Any], run_dir: Path) -> Exception
     """The self-launched ranks' failure ``e`` (``runtime.launch``: their exit codes) as the job's own, for the
     entry to end with (``ddplab.failure``), with rank 0's record ``done`` as its words: marked said where a
     rank said it. Writes result.json where no rank recorded how the job ended."""
+    out, said = _ranks_ending(e, done, run_dir)
+    return mark_said(out) if said else out
+
+
+def _ranks_ending(e: Exception, done: dict[str, Any], run_dir: Path) -> tuple[Exception, bool]:
+    """The job's exception for the ranks' ``e``, and whether a rank said it already."""
     from ddplab.runtime.launch import RankRefusedConfig, RankSaid
 
     noted = done.get("error")
     if isinstance(e, RankRefusedConfig):  # found while building (a callback's value): rank 0 recorded it
         noted = noted or "config error: a rank refused the config (see its log)"
         if not noted.startswith("config error: "):  # an input file, said by the rank that met it
-            return mark_said(InputError(noted))
-        return ConfigError(noted.removeprefix("config error: "))  # the caller says it, once
-    # a full disk, said by the rank that met it: the caller gets it to decide (a study)
-    if isinstance(e, RankSaid):
+            return InputError(noted), True
+        return ConfigError(noted.removeprefix("config error: ")), False  # the caller says it, once
+    if isinstance(e, RankSaid):  # a full disk, said by the rank that met it: the caller decides (a study)
         if noted is None:  # rank 0 could not record how the job ended: nothing may record it in its place
-            return mark_said(
-                RecordWriteError(
-                    f"a rank failed and {run_dir / rundir.RESULT} could not be written "
-                    "(see the ranks' lines above)"
-                )
-            )
-        return mark_said(ResourceError(noted))
+            where = run_dir / rundir.RESULT
+            return RecordWriteError(
+                f"a rank failed and {where} could not be written (see the ranks' lines above)"
+            ), True
+        return ResourceError(noted), True
     stopped = done.get("status") == "preempted"
     if isinstance(e, Preempted):  # rank 0 recorded where it stopped (and said so): its result.json stays
-        out = Preempted(done.get("signal", e.signal_name), done.get("step", e.step), done.get("checkpoint"))
-        return mark_said(out) if stopped else out
+        return Preempted(
+            done.get("signal", e.signal_name), done.get("step", e.step), done.get("checkpoint")
+        ), stopped
     if stopped and done.get("checkpoint"):
         # Rank 0 records a stop only after every rank's part of its checkpoint is in: a rank that died
         # afterwards (seen: SIGABRT as its interpreter exited) loses nothing. The job stays preempted.
         log.warning(
             "%s, after every rank checkpointed at step %s: the job stays preempted", e, done.get("step")
         )
-        return mark_said(Preempted(done.get("signal", "SIGTERM"), done.get("step", -1), done["checkpoint"]))
+        return Preempted(done.get("signal", "SIGTERM"), done.get("step", -1), done["checkpoint"]), True
     record = failure.of(e).record
     if done.get("status") != "failed" and record:  # rank 0's record of the first real error stays
         rundir.write_result(run_dir, record)
-    return e
+    return e, False
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, float]:

@@ -56,7 +56,7 @@ def summarize(
     rows = []
     for job in _job_dirs(sweep_dir):
         overrides = " ".join(read_overrides(job) or [])
-        result = read_result(job)
+        result, swept_values = read_result(job), label(swept(job), 60)
         if result is None:
             status, metrics, error = "unfinished", _from_events(job), ""
         else:
@@ -72,7 +72,7 @@ def summarize(
                 "job": int(job.name),
                 "status": status,
                 "overrides": overrides,
-                "swept": label(swept(job), 60),
+                "swept": swept_values,
                 # older runs: best/…
                 "objective": metrics.get(objective),
                 "best": metrics.get(best_name(objective), metrics.get("best/" + objective)),

@@ -175,7 +175,7 @@ def test_leave_says_the_line_then_exits_with_the_code(caplog):
 # Every entry that ends a process on a failure, and the function in it that asks ddplab.failure.
 ENTRIES = {
     "cli.py": ["main"],  # python train.py; each rank under torchrun or SLURM
-    "job.py": ["run_rank", "_as_the_jobs"],  # a self-launched rank; its parent
+    "job.py": ["run_rank", "_ranks_ending"],  # a self-launched rank; its parent
     "study/__init__.py": ["run_study"],  # a study worker whose storage failed
     "study/worker.py": ["StudyWorker._failed"],  # a study trial
     "verify.py": ["_child_main"],  # a verify_resume leg

@@ -49,19 +49,19 @@ def finish(w: Opened) -> dict[str, float]:
     objective = str(w.cfg.objective)
     with ask_lock(w.dir):  # one writer of the table at a time
         trials = w.study.get_trials(deepcopy=False)
-        counts = Counter(t.state.name for t in trials)
         rows = sweep.summarize(w.dir, objective, w.minimize)
+        markdown, csv = sweep.to_markdown(rows, objective), sweep.to_csv(rows)
+        console = sweep.to_console(rows, objective, w.minimize)
+        head = headline(w, trials, Counter(t.state.name for t in trials))
         try:
-            (w.dir / "summary.md").write_text(
-                headline(w, trials, counts) + "\n\n" + sweep.to_markdown(rows, objective) + "\n"
-            )
-            (w.dir / "summary.csv").write_text(sweep.to_csv(rows))
+            (w.dir / "summary.md").write_text(head + "\n\n" + markdown + "\n")
+            (w.dir / "summary.csv").write_text(csv)
             table = f"table: {shown(w.dir / 'summary.md')} (and summary.csv); "
         except OSError as e:  # the study's results are in its storage, and the console has the table
             log.error("could not write the study's summary in %s: %s", w.dir, e)
             table = ""
-    log.info("%s", headline(w, trials, counts))
-    for line in sweep.to_console(rows, objective, w.minimize):
+    log.info("%s", head)
+    for line in console:
         log.info("%s", line)
     # pasted as is
     log.info("%sdashboard: optuna-dashboard %s", table, shlex.quote(w.url.removeprefix("journal:")))
