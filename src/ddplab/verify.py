@@ -37,7 +37,7 @@ from ddplab import failure, rundir, strategy
 from ddplab.checkpoint.compare import first_difference
 from ddplab.config import ConfigError, validate
 from ddplab.config.typed import typed
-from ddplab.errors import VerifyFailed
+from ddplab.errors import VerifyFailed, mark_said
 from ddplab.runtime import env
 from ddplab.runtime.signals import Preempted
 from ddplab.train.callback import Callback
@@ -89,6 +89,7 @@ class Stopped(Preempted):
             "Fix: run the same command again (verify_resume starts both of its runs from scratch)",
         )
         log.warning("verify_resume: %s", self)
+        mark_said(self)  # its one line: the entry that ends the process says nothing more (ddplab.failure)
 
 
 class PreemptAt(Callback):
