@@ -278,3 +278,21 @@ def test_built_in_callbacks_add_no_collective_or_sync_between_log_steps(tmp_path
     ]
     # EMA steps and early stops stay quiet
     assert_quiet_between_log_steps(count_steps(tmp_path, 2, args), 22, 2, 5)
+
+
+def test_fast_dev_run_evaluates_two_batches_of_a_larger_validation_set(tmp_path):
+    """The presets' validation sets fit in 2 batches of 256; 2000 samples do not: exactly 2 batches run."""
+    out = ddplab.run(
+        compose_cfg(
+            [
+                "model=mlp",
+                "dataset=synthetic",
+                "dataset.num_val=2000",
+                "dataset.image_size=8",
+                "debug=fast_dev_run",
+                "progress=none",
+            ],
+            tmp_path / "r",
+        )
+    )
+    assert out["step"] == 2 and out["val/num_samples"] == 2 * 256

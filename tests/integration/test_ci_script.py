@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.jobs import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 MULTIHOST = "tests/integration/test_multihost.py"
 # Every command the script runs before its cluster phases, stood in for by one that notes its arguments.
 STEPS = ("pip", "python", "mkdocs", "apt-get", "sinfo", "ruff")

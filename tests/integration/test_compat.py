@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddplab import compat
 
@@ -173,3 +174,71 @@ def test_ddp_reducer_without_dynamo_answers_what_dynamos_default_config_does(tmp
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[:3] == ["deferred False False False", "real True", "after module"]
+
+
+def test_set_last_lr_is_what_get_last_lr_reports():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    assert sched.get_last_lr() == [0.1]
+    compat.set_last_lr(sched, [0.025])
+    assert sched.get_last_lr() == [0.025]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_workers_and_stream_state_read_torchdatas_loader_state(workers):
+    """torchdata's state layout: the workers a state was saved with, and the request count set to the samples
+    consumed (the raw count runs ahead by the requests a worker whose stream ended wasted), leaving the
+    loader's own state untouched; a loader restored from it yields the rest."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Numbers(torch.utils.data.IterableDataset):  # worker 1's stream ends after 2 numbers
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            return iter(
+                [1, 3] if info and info.id == 1 else [n for n in range(40) if not info or n not in (1, 3)]
+            )
+
+    loader = StatefulDataLoader(
+        Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None
+    )
+    it = iter(loader)
+    head = [next(it) for _ in range(10)]
+    raw = loader.state_dict()
+    state = compat.stream_state(raw)
+    assert compat.loader_workers(state) == workers
+    if workers:
+        assert raw["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] > 10  # wasted requests counted
+        assert state["_snapshot"]["_main_snapshot"]["_sampler_iter_yielded"] == 10
+        assert loader.state_dict() == raw  # the loader's own state as it was
+    again = StatefulDataLoader(
+        Numbers(), batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None
+    )
+    again.load_state_dict(state)
+    assert head + list(again) == list(range(40))
+
+
+def test_settle_ddp_buckets_gives_ddp_its_final_layout_before_any_step(tmp_path):
+    """The layout DDP would rebuild after step 1, last-defined parameters first, fixed at construction: the
+    first real backward rebuilds nothing (``has_rebuilt_buckets`` before it, the same layout after it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(300, 300), torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 300)
+        )
+        ddp = DDP(model, bucket_cap_mb=1)
+        assert len(ddp.reducer._get_zeros_like_grad_buckets()) == 1  # DDP's start: one bucket, until step 1
+        assert compat.settle_ddp_buckets(ddp) is True
+        sizes = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+        assert sizes == [1000 * 300 + 300, 300 * 1000 + 1000, 300 * 300 + 300]  # 1 MiB each, last layer first
+        assert all(p.grad is None for p in model.parameters())  # the zeros it reduced are no gradient
+        for _ in range(2):  # DDP's logger samples its runtime data from the second iteration on
+            ddp(torch.randn(2, 300)).sum().backward()
+        data = ddp._get_ddp_logging_data()
+        assert (
+            data["rebuilt_per_bucket_param_indices"] == "5 4, 3 2, 1 0" and data["has_rebuilt_buckets"] == 1
+        )
+        assert compat.settle_ddp_buckets(DDP(model, find_unused_parameters=True)) is False  # never rebuilds
+    finally:
+        dist.destroy_process_group()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from helpers.datasets import make_image_folder
+from helpers.datasets import make_cifar, make_idx_dataset, make_image_folder
 from helpers.jobs import compose_cfg
 
 import ddplab
@@ -73,3 +74,31 @@ def test_imagefolder_infers_its_classes_from_the_folders_and_says_a_missing_root
     assert f"config error: dataset.root='{tmp_path / 'missing'}': no such file or directory" in said[0], said[
         0
     ]
+
+
+@pytest.mark.parametrize(
+    "dataset,maker",
+    [
+        ("mnist", lambda d: make_idx_dataset(d, gz=True)),
+        ("fashion_mnist", lambda d: make_idx_dataset(d / "FashionMNIST" / "raw", gz=False)),
+        ("cifar10", lambda d: make_cifar(d, hundred=False)),
+        ("cifar100", lambda d: make_cifar(d / "cifar-100-python", hundred=True)),
+        ("imagefolder", lambda d: make_image_folder(d)),
+    ],
+)
+def test_each_dataset_trains_a_step(tmp_path, dataset, maker):
+    maker(tmp_path / "data")
+    args = [
+        f"dataset={dataset}",
+        f"dataset.root={tmp_path / 'data'}",
+        "model=convnet",
+        "batch_size=4",
+        "num_epochs=1",
+        "progress=none",
+    ]
+    if dataset == "imagefolder":
+        args += ["dataset.num_classes=3", "dataset.image_size=16"]
+    out = ddplab.run(compose_cfg(args, run_dir=tmp_path / "run"))
+    assert out["step"] >= 1 and np.isfinite(out["val/loss"])
+    n_val = {"mnist": 10, "fashion_mnist": 10, "cifar10": 6, "cifar100": 6, "imagefolder": 6}[dataset]
+    assert out["val/num_samples"] == n_val

@@ -166,3 +166,25 @@ def test_a_vocabulary_below_the_datas_ids_is_one_config_error_for_an_hf_model(tm
         )
     with pytest.raises(ConfigError, match=said):
         ddplab.run(compose_cfg(LM + token_file(tmp_path) + extra, tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "model.config.model_type=not_a_model",
+            r"model.config.model_type=not_a_model: transformers cannot build it",
+        ),
+        (
+            "model.pretrained=/nowhere",
+            r"model.pretrained=/nowhere: no config.json there. Fix: a local directory",
+        ),
+        (
+            "model.kind=seq2seq",
+            r"model.kind='seq2seq': not a kind of model ddplab trains. Fix: pass model.kind=causal_lm",
+        ),
+    ],
+)
+def test_what_cannot_be_built_is_one_config_error(tmp_path, override, said):
+    with pytest.raises(ConfigError, match=said):
+        ddplab.run(compose_cfg(LM + token_file(tmp_path) + [override], tmp_path / "run"))

@@ -160,3 +160,25 @@ def test_a_bad_file_read_in_a_loader_worker_under_torchrun_is_one_line(tmp_path)
         for s in said
     ), out[-3000:]
     assert not any("Traceback" in line for line in lines), "\n".join(lines)[-3000:]
+
+
+def test_one_file_streams_exactly_the_in_memory_windows_and_rows(tmp_path):
+    train, val, _ = files(tmp_path, n=1, rows=120)
+    tok = str(tmp_path / "tokenizer.json")
+    for extra in ({}, {"y": "label", "num_classes": 2}):
+        mem = hf(
+            str(train),
+            str(val),
+            tokenizer=tok,
+            block_size=16,
+            vocab_size=320,
+            cache_dir=str(tmp_path / "c"),
+            **extra,
+        )
+        stream = hf(
+            str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, streaming=True, **extra
+        )
+        got = list(stream.train)
+        assert len(stream.train) == len(got) == len(mem.train) > 100
+        assert same(got, list(zip(mem.train.x, mem.train.y)))
+        assert same(list(stream.val), list(zip(mem.val.x, mem.val.y)))

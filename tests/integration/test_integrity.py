@@ -236,3 +236,26 @@ def test_cpu_ranks_share_the_cores_when_the_user_lets_them(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{more} rank(s) on cpu (gloo)" in proc.stdout
+
+
+def test_a_batch_change_mid_epoch_is_refused_even_with_the_opt_in(tmp_path):
+    ddplab.run(
+        compose_cfg(
+            BASE + ["num_epochs=1", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10"], tmp_path / "a"
+        )
+    )
+    mid = tmp_path / "a" / "checkpoints" / "step-00000005.pt"
+    with pytest.raises(
+        ConfigError, match=r"batch_size changed, but .* was saved mid-epoch \(5 steps into it\)"
+    ):
+        ddplab.run(
+            compose_cfg(
+                BASE + ["num_epochs=1", f"resume={mid}", "batch_size=32", "resume_apply_changes=true"],
+                tmp_path / "b",
+            )
+        )
+
+
+def test_a_model_that_cannot_take_the_image_size_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot train on .*dataset.image_size=1.* Fix: "):
+        ddplab.run(compose_cfg(["dataset=synthetic", "dataset.image_size=1", "num_epochs=1"], tmp_path / "r"))

@@ -140,3 +140,20 @@ def test_keras_adapter_passes_train_and_eval_modes():
     assert torch.equal(m(x), m(x))
     assert len(keras_convnet().state_dict()) == len(m.state_dict())  # same names on a rebuild
     assert set(keras_convnet().state_dict()) == set(m.state_dict())
+
+
+def test_any_installed_factory_via_target(tmp_path):
+    """A user's own factory (here tests/toy.py; torchvision's or timm's work the same way)."""
+    out = ddplab.run(
+        compose_cfg(
+            [
+                "model=mlp",
+                "model._target_=toy.UnusedParamMLP",
+                "num_epochs=1",
+                "progress=none",
+                "distributed.find_unused_parameters=true",
+            ],
+            run_dir=tmp_path,
+        )
+    )
+    assert out["val/num_samples"] == 359

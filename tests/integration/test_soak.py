@@ -21,7 +21,12 @@ from soak_pairs import pairwise_plan, plan_parts, plan_trials, valid
 from soak_plan import DIMENSIONS
 
 sys.path.insert(0, str(REPO / "scripts"))
+import sys
+
 import soak  # noqa: E402  (scripts/soak.py, the driver)
+from helpers.jobs import REPO
+from soak_draw import trial_seeds
+from soak_plan import SLURM
 
 CI_PARTS = 16  # quarters of the 4-way deal's parts: every value over four commits, every pair over 16
 
@@ -332,3 +337,19 @@ def test_a_soak_bounded_in_time_starts_no_trial_after_it_and_says_where_to_go_on
         "--seed" in proc.stdout
     )
     assert "0/0 trials held" in proc.stdout and not list((tmp_path / "soak").glob("trial-*"))
+
+
+def test_srun_is_drawn_as_a_launcher_only_with_slurm_and_never_for_what_it_cannot_run(capsys):
+    seeds = trial_seeds(1127, 200)
+    # without --slurm the draws are what they always were
+    assert all(draw(s).launcher != SLURM for s in seeds)
+    under = [t for t in (draw(s, slurm=True) for s in seeds) if t.launcher == SLURM]
+    assert 30 <= len(under) <= 70, len(under)  # one launcher of four
+    # verify_resume starts its own processes: not under srun
+    assert {t.mode for t in under} == {"train", "study"}
+    assert {t.strategy for t in under} == {"ddp", "fsdp"} and all(t.world == 2 for t in under)
+    assert under[0].rerun() == f"python scripts/soak.py --only {under[0].seed} --slurm --keep"
+    # the plan is fixed (CI runs it before its cluster is up): one line, exit 2
+    with pytest.raises(SystemExit) as e:
+        soak.main(["--pairwise", "--slurm"])
+    assert e.value.code == 2 and "the --pairwise plan is fixed: drop one of them" in capsys.readouterr().err

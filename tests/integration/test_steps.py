@@ -15,6 +15,8 @@ from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars
 from helpers.steps import _corpus
 
 import ddplab
+from ddplab.config.errors import ConfigError
+from ddplab.config.validate import validate
 from ddplab.data.tokens import tokens
 
 # A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so
@@ -161,3 +163,22 @@ def test_early_stopping_follows_step_evaluations(tmp_path, corpus, caplog):
         20,
         40,
     ]
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (
+            ["num_epochs=null"],
+            r"num_epochs=None: with max_steps=null too, the run would never end\. Fix: pass "
+            r"num_epochs=10 or max_steps=1000",
+        ),
+        (["max_steps=0"], r"max_steps=0: must be > 0 or null\. Fix: pass max_steps=1000"),
+        (["num_epochs=0"], r"num_epochs=0: must be > 0 or null\. Fix: pass num_epochs=10"),
+        (["eval_every_n_steps=-5"], r"eval_every_n_steps=-5: must be >= 0 \(0: at epoch ends\)"),
+        (["scheduler.warmup_fraction=1.5"], r"scheduler.warmup_fraction=1.5: must be in \[0, 1\)"),
+    ],
+)
+def test_length_config_errors_name_the_key_the_value_and_the_fix(override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(override))

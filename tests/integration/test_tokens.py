@@ -29,6 +29,8 @@ from helpers.jobs import (
 from helpers.tokens import LM, files, shards
 
 import ddplab
+from ddplab.config.errors import ConfigError
+from ddplab.config.validate import validate
 from ddplab.data.tokens import tokens, write_tokens
 
 
@@ -243,3 +245,22 @@ def test_token_shards_under_two_ranks_match_one_and_a_killed_rank_resumes_bitwis
         last(tmp_path / "2"), last(run), entries=("model", "optimizer", "scheduler", "loop", "data")
     )
     assert metrics(run)["step"] == metrics(tmp_path / "2")["step"]
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ([], r"dataset.path=None: is not set. Fix: pass dataset.path=train.bin"),
+        (["dataset.path=/nonexistent/train.bin"], r"dataset.path='/nonexistent/train.bin': no such file"),
+        (["dataset.path=X", "dataset.dtype=int8"], r"dataset.dtype='int8': must be uint16 or uint32"),
+        (
+            ["dataset.path=X", "dataset.vocab_size=70000"],
+            r"dataset.vocab_size=70000: must be in \[2, 65536\] for "
+            r"uint16. Fix: pass dataset.dtype=uint32",
+        ),
+    ],
+)
+def test_token_config_errors_name_the_key_the_value_and_the_fix(tmp_path, override, match):
+    f = write_tokens(np.arange(100) % 256, tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(LM + [o.replace("=X", f"={f}") for o in override], tmp_path / "run"))

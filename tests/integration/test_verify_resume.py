@@ -9,9 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.jobs import python_train
+from helpers.jobs import compose_cfg, python_train
 
 from ddplab import verify
+from ddplab.config.errors import ConfigError
 
 SHORT = ["model=mlp", "num_epochs=2", "limit_train_steps=6", "progress=none"]  # 12 steps, 6 an epoch
 
@@ -177,3 +178,22 @@ def test_a_leg_stopped_from_outside_is_a_preemption_not_a_verdict(tmp_path, leg,
         "was compared. Fix: run the same command again (verify_resume starts both of its runs from "
         "scratch)"
     ), said
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (["verify.stop_at=0"], r"verify.stop_at=0: must be >= 1 or null"),
+        (["verify.resume_nproc=0"], r"verify.resume_nproc=0: must be >= 1 or null"),
+        (["verify.rtol=2"], r"verify.rtol=2.0: must be in \[0, 1\)"),
+        (["distributed.strategy=fsdp"], r"distributed.strategy=fsdp saves shards. Fix: verify with "),
+        (
+            ["resume=auto"],
+            r"resume=auto: mode=verify_resume starts both of its runs from scratch. Fix: drop resume",
+        ),
+    ],
+)
+def test_what_verify_resume_cannot_run_is_refused_in_one_line(tmp_path, override, match):
+    with pytest.raises(ConfigError, match=match):
+        verify.verify_resume(compose_cfg(["mode=verify_resume", *override], tmp_path / "run"))
+    assert not (tmp_path / "run" / "verify_resume" / "uninterrupted").exists()  # nothing ran

@@ -1,9 +1,7 @@
 """`.ci/run` fails at the first failed step — an install, the suite (pytest's exit 5, no test collected,
 included) — instead of going on to later phases that could still end it with 0."""
 
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from helpers.jobs import REPO  # noqa: E402
 
 
 def test_ci_runs_the_readmes_test_command_step_by_step():

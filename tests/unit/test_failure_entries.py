@@ -25,7 +25,7 @@ MATRIX = {
     ],
     ("torchrun", "config error"): ["integration/test_config_errors.py::test_under_torchrun"],
     ("torchrun", "a rank's exception"): [
-        "integration/test_integrity.py::test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection"
+        "integration/test_errors_said_once.py::test_a_rank_that_fails_alone_is_the_error_result_json_records_not_its_peers_lost_connection"
     ],
     ("torchrun", "a dead peer"): [
         "integration/test_soak.py::test_the_pairwise_soak_plan_holds_every_invariant"
@@ -37,7 +37,7 @@ MATRIX = {
         "integration/test_config_errors.py::test_self_launched_ranks_report_a_build_time_error_once"
     ],
     ("self-launch", "a rank's exception"): [
-        "integration/test_integrity.py::test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback"
+        "integration/test_errors_said_once.py::test_a_self_launched_rank_that_fails_alone_is_said_once_by_the_parent_without_its_traceback"
     ],
     ("self-launch", "a dead peer"): [
         "integration/test_soak.py::test_the_pairwise_soak_plan_holds_every_invariant"
@@ -45,12 +45,14 @@ MATRIX = {
     ("self-launch", "a signal"): [
         "integration/test_preemption.py::test_self_launched_job_listens_on_loopback_only_and_stops_on_sigterm"
     ],
-    ("study trial", "config error"): ["integration/test_study.py::test_bad_input_is_one_line_within_seconds"],
+    ("study trial", "config error"): [
+        "integration/test_study_storages_and_input.py::test_bad_input_is_one_line_within_seconds"
+    ],
     ("study trial", "a rank's exception"): [
         "integration/test_failure_entries.py::test_a_trial_whose_job_fails_is_told_fail_with_its_record_and_one_line"
     ],
     ("study trial", "a dead peer"): [
-        "integration/test_study_ownership.py::test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial"
+        "integration/test_study_owners.py::test_a_rank_killed_under_a_torchrun_worker_is_a_death_not_a_failed_trial"
     ],
     ("study trial", "a signal"): [
         "integration/test_study.py::test_a_signal_as_a_trial_completes_ends_the_worker_after_telling_it"

@@ -44,38 +44,3 @@ def test_a_rank_stopped_by_its_peers_whose_own_launcher_is_dead_says_the_launche
     assert agreement.reason == "a signal to another rank"  # its launcher alive: the stop came from a peer
     agreement.signal._launcher = gone
     assert agreement.reason == f"launcher died (pid {gone})"
-
-
-def test_under_slurm_the_grace_is_its_killwait_and_the_shortest_grace_wins(tmp_path, monkeypatch):
-    """SLURM's KillWait (scontrol show config), not an assumed 30 s; torchrun inside a SLURM job: the shorter
-    of the two; SLURM's default when scontrol cannot answer."""
-    from ddplab.runtime import env
-
-    scontrol = tmp_path / "bin" / "scontrol"
-    scontrol.parent.mkdir()
-    scontrol.write_text(
-        "#!/bin/sh\necho 'JobCompType             = jobcomp/none'\necho 'KillWait                = 12 sec'\n"
-    )
-    scontrol.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
-    for key in ("TORCHELASTIC_RUN_ID", "KUBERNETES_SERVICE_HOST", env.SELF_LAUNCHED):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    env.slurm_kill_wait_s.cache_clear()
-    try:
-        assert env.launcher_grace_s() == 12.0
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun's 30 s inside SLURM's 12 s
-        assert env.launcher_grace_s() == 12.0
-        scontrol.write_text("#!/bin/sh\nexit 1\n")
-        env.slurm_kill_wait_s.cache_clear()
-        assert env.launcher_grace_s() == 30.0
-        monkeypatch.delenv("SLURM_JOB_ID")
-        assert env.launcher_grace_s() == 30.0
-        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")  # torchrun --shutdown-timeout 7
-        assert env.launcher_grace_s() == 7.0
-        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")  # not a number: torchrun's default
-        assert env.launcher_grace_s() == 30.0
-        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-        assert env.launcher_grace_s() is None
-    finally:
-        env.slurm_kill_wait_s.cache_clear()

@@ -10,11 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from helpers.jobs import compose_cfg
-from helpers.tokens import LM
 
-from ddplab.config.errors import ConfigError
-from ddplab.config.validate import validate
 from ddplab.data.tokens import TokenFileError, tokens, write_tokens
 
 
@@ -95,22 +91,3 @@ def test_token_files_that_do_not_match_are_one_line_errors_naming_file_and_offse
         TokenFileError, match=r"raw.bin: truncated: 0 of 18 bytes at offset 160; the file is 60 bytes"
     ):
         s.train[10]
-
-
-@pytest.mark.parametrize(
-    "override,match",
-    [
-        ([], r"dataset.path=None: is not set. Fix: pass dataset.path=train.bin"),
-        (["dataset.path=/nonexistent/train.bin"], r"dataset.path='/nonexistent/train.bin': no such file"),
-        (["dataset.path=X", "dataset.dtype=int8"], r"dataset.dtype='int8': must be uint16 or uint32"),
-        (
-            ["dataset.path=X", "dataset.vocab_size=70000"],
-            r"dataset.vocab_size=70000: must be in \[2, 65536\] for "
-            r"uint16. Fix: pass dataset.dtype=uint32",
-        ),
-    ],
-)
-def test_token_config_errors_name_the_key_the_value_and_the_fix(tmp_path, override, match):
-    f = write_tokens(np.arange(100) % 256, tmp_path / "t.bin")
-    with pytest.raises(ConfigError, match=match):
-        validate(compose_cfg(LM + [o.replace("=X", f"={f}") for o in override], tmp_path / "run"))

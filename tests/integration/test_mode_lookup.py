@@ -22,10 +22,6 @@ def hydras_answer(overrides: list[str]) -> RunMode | None:
         return GlobalHydra.instance().hydra.get_mode(config_name="train", overrides=list(overrides))
 
 
-def test_every_option_is_looked_at():
-    assert len(OPTIONS) >= 40 and "hparams_search=optuna" in OPTIONS and "model=gpt" in OPTIONS
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -54,3 +50,7 @@ def test_another_config_dir_is_always_asked(tmp_path: Path):
     assert mode_may_be_set(CONF, [], ["train.py", "--config-dir", str(tmp_path)])
     assert mode_may_be_set(CONF, [], ["train.py", "-cn", "other"])
     assert hydras_answer(["hparams_search=optuna"]) == RunMode.MULTIRUN  # the one option here that sets it
+
+
+def test_every_option_is_looked_at():
+    assert len(OPTIONS) >= 40 and "hparams_search=optuna" in OPTIONS and "model=gpt" in OPTIONS
