@@ -73,7 +73,7 @@ def labelled_sequences(n_train: int = 384, n_val: int = 128, seed: int = 0, **di
 def test_a_sequence_classifier_trains_with_exact_accuracy(tmp_path):
     args = HF + [
         "task=classification",
-        "dataset._target_=test_hf.labelled_sequences",
+        "dataset._target_=integration.test_hf.labelled_sequences",
         "model.kind=sequence_classification",
         "model.num_labels=2",
         "model.config.vocab_size=64",

@@ -17,6 +17,15 @@ from ddplab.data import tokenizer as tz
 from ddplab.data.hf import hf
 
 
+def node_split_stream(**_: object):
+    """A user's factory returning a Hugging Face stream already split by node (as the datasets docs show)."""
+    from datasets.distributed import split_dataset_by_node
+
+    rows = datasets.Dataset.from_dict({"x": [[float(i)] for i in range(64)], "y": [i % 2 for i in range(64)]})
+    stream = split_dataset_by_node(rows.to_iterable_dataset(), rank=0, world_size=2)
+    return stream, stream
+
+
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_text_rows_become_the_windows_of_their_ids_joined_in_row_order(tmp_path):
     train, val, texts = corpus(tmp_path)
@@ -136,7 +145,7 @@ def test_a_stream_already_split_by_node_is_refused_in_one_line(tmp_path):
     ):
         ddplab.run(
             compose_cfg(
-                ["model=mlp", "dataset._target_=test_hf_data.node_split_stream", "progress=none"],
+                ["model=mlp", "dataset._target_=integration.test_hf_data.node_split_stream", "progress=none"],
                 tmp_path / "run",
             )
         )
