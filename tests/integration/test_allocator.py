@@ -1,5 +1,6 @@
-"""A rank training on the CPU keeps what a step freed for the next step (ddplab.runtime.allocator): no stream
-of page faults per step, the thresholds left alone where they are not ddplab's to set."""
+"""CPU ranks, self-launched and under torchrun, keep what a step freed for the next step
+(ddplab.runtime.allocator): no stream of page faults per step, where perf.host_allocator=system (the control,
+under torchrun) has one; both settings train bitwise the same weights."""
 
 from __future__ import annotations
 

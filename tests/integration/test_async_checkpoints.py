@@ -1,6 +1,8 @@
-"""checkpoint.async_save=true: the loop pauses only to copy the state; a background thread writes it.
-The files are the synchronous saves' bit for bit; a stop waits for the write in flight and then saves
-its own step; a write killed half-way is never resumed; a full disk fails the run cleanly, every rank."""
+"""checkpoint.async_save=true, the background write: the loop pauses only to copy the state; a thread writes
+it. The files are the synchronous saves' bit for bit (one process, and 2 DDP ranks told of each at the same
+step); on_save is told of each once it is on disk; a stop waits for the write in flight and then saves its own
+step; a write killed half-way is never resumed; a full disk fails the run cleanly and a retry continues.
+Failures and stops across 2 ranks, and FSDP: tests/integration/test_async_checkpoints_ranks.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""checkpoint.async_save=true: the loop pauses only to copy the state; a background thread writes it.
-The files are the synchronous saves' bit for bit; a stop waits for the write in flight and then saves
-its own step; a write killed half-way is never resumed; a full disk fails the run cleanly, every rank."""
+"""checkpoint.async_save=true on 2 ranks under torchrun, a background write that fails or is interrupted: a
+full disk on rank 0's write stops every rank at the same step with the write's own error and no partial file;
+the launcher SIGTERMed or SIGKILLed during a write lets it complete, then the stop's own checkpoint follows
+and resumes bitwise; FSDP's sharded async saves (DCP) resume to the synchronous run's end, and a disk too
+small for them fails every rank in one line."""
 
 from __future__ import annotations
 

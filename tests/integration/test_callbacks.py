@@ -1,5 +1,6 @@
-"""Callbacks and the features built on them (EMA, early stopping, profiler), the eval entry,
-experiment/debug presets and provenance."""
+"""Callbacks and the features built on them, in real runs: EMA (a reference by hand, val_ema/*, bitwise
+resume, FSDP), a user's callback's hooks and state, early stopping on every rank, the profiler's traces, no
+collective between log steps, and fast_dev_run's validation batches."""
 
 from __future__ import annotations
 

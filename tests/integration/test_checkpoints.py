@@ -1,4 +1,6 @@
-"""Checkpoints, kill-and-resume, elastic restarts, and bad input (issue: nothing lost, nothing hangs)."""
+"""Checkpoints within a run: an in-process crash resumes bitwise with every step logged once, rotation keeps
+the last k and best, a writer killed mid-write or a corrupt last.pt falls back to the previous one, NaN losses
+and fp16 skips, another model's checkpoint, and bad input (issue: nothing lost, nothing hangs)."""
 
 import math
 import subprocess

@@ -1,4 +1,7 @@
-"""Checkpoints, kill-and-resume, elastic restarts, and bad input (issue: nothing lost, nothing hangs)."""
+"""Kill-and-resume and elastic restarts across processes: a self-launched job restarts after a killed rank, a
+2-rank run resumes on 1 rank (mid-epoch: a warning about random streams), leftovers of dead processes are
+removed, a run dir in use is refused naming its holder, and the objective must be a logged validation metric
+(issue: nothing lost, nothing hangs)."""
 
 import os
 import subprocess

@@ -1,5 +1,6 @@
-"""`.ci/run` fails at the first failed step — an install, the suite (pytest's exit 5, no test collected,
-included) — instead of going on to later phases that could still end it with 0."""
+"""`.ci/run`, each step faked, fails at the first failed step — an install, a lint or format finding, a
+cluster that does not start, the suite (pytest's exit 5, no test collected, included), the slurm or two-host
+tests beside it — instead of going on to later phases that could still end it with 0."""
 
 import os
 import shutil

@@ -1,5 +1,8 @@
-"""Each private torch API in ddplab.compat, called for real: when a torch upgrade renames or drops one, the
-test of that entry fails and names it (rather than a run failing, or silently degrading, somewhere later)."""
+"""ddplab.compat's entries for GradScaler, CUDA memory, the rank server, exit handlers, dynamo, LR schedulers,
+torchdata and DDP's buckets, called for real, most in a fork server, a fresh interpreter, loader workers or on
+a GPU: when a torch upgrade renames or drops one, the test of that entry fails and names it (rather than a run
+failing, or silently degrading, somewhere later). The entries checked in this process:
+tests/unit/test_compat.py."""
 
 from __future__ import annotations
 

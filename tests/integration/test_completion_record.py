@@ -1,8 +1,8 @@
-"""A job's end on a disk that refuses writes. Its record of completion (result.json): the job fails in one
-line, every rank alike, nothing writes another record in its place, and ``resume=auto`` records the completion
-once there is room (found by the soak, seed 4908357, twice in CI). What else rank 0 alone writes as a job or a
-study ends (the run dir's lock, a study's HParams rows and summary) never stops it with a traceback while its
-peers wait."""
+"""A job's end on a full disk, for real under each launcher, in a sweep and in a study. Its record of
+completion (result.json): the job fails in one line, every rank alike, nothing writes another record in its
+place, and ``resume=auto`` records the completion once there is room (found by the soak, seed 4908357, twice
+in CI). A study's HParams rows and summary, which rank 0 alone writes, meet the full disk in one line each and
+the study completes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Every config option composes and instantiates; bad input fails early, naming the key."""
+"""Every config option composes, instantiates and runs: each model on each in-memory dataset through a
+forward, each optimizer with each scheduler through steps, every rank of a self-launch or torchrun on the
+typed config; bad input fails early, naming the key (under torchrun before any process group)."""
 
 import importlib.util
 from pathlib import Path

@@ -1,5 +1,6 @@
-"""docs/reference.md is written from the schema and conf/ (scripts/config_reference.py): it is current, and it
-names every key, group option and default with a meaning, so the documentation cannot drift from the code."""
+"""docs/reference.md is the render of the schema and every option of conf/ today
+(scripts/config_reference.py): it is current, it names every key, group option and default with a meaning, and
+``--check`` fails on a stale page, so the documentation cannot drift from the code."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What a person sees: TensorBoard's first screens (read with TensorBoard's own loaders and HParams
-plugin), sweep run names, the console's lines and the end-of-run and end-of-sweep summaries."""
+"""What a person sees of real runs: TensorBoard's first screens (read with TensorBoard's own loaders and
+HParams plugin), sweep run names, the console's lines and the end-of-run and end-of-sweep summaries; a resumed
+run's event files win over the crashed run's, and a full disk is one line."""
 
 import csv
 import json

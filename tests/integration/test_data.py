@@ -1,4 +1,5 @@
-"""Samplers and datasets: who gets which sample, and that the split is fixed."""
+"""The bijection order holds no permutation: ShardedGlobalSampler(order="bijection") over 10**8 samples peaks
+at a block of indices (under 4 MiB), as over 10**6, where a permutation would be 800 MB."""
 
 from ddplab.data import ShardedGlobalSampler
 

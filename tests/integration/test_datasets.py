@@ -1,4 +1,6 @@
-"""Readers of the real dataset formats, on tiny files written here in each format."""
+"""Datasets in runs: scikit-learn's digits read from its file without importing it (checked in a fresh
+interpreter), ImageFolder's classes from its folders and a missing root in one line, and one training step on
+each reader's tiny files (MNIST, Fashion-MNIST, CIFAR-10/100, ImageFolder)."""
 
 from __future__ import annotations
 

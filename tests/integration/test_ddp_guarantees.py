@@ -1,5 +1,6 @@
-"""What ddplab guarantees under DDP (docs/guarantees.md): exactness across world sizes and the classic
-pitfalls.
+"""What ddplab guarantees under DDP (docs/guarantees.md) for the job as a whole: exactness across world sizes,
+an unused parameter named at the first step, uneven or too little data, and the ways ranks are launched and
+meet (torch.distributed.launch, init methods, two nodes).
 
 Each test runs real processes (gloo on CPU) and asserts numbers.
 """

@@ -1,5 +1,6 @@
-"""What ddplab guarantees under DDP (docs/guarantees.md): exactness across world sizes and the classic
-pitfalls.
+"""What ddplab guarantees under DDP (docs/guarantees.md) when a rank hangs, crashes or never arrives, and at
+each step: the job fails within the timeout naming the rank, groups form under srun, a port in use is one
+line; accumulation equals the big batch, every epoch reshuffles, only rank 0 writes, a slow rank shows.
 
 Each test runs real processes (gloo on CPU) and asserts numbers.
 """

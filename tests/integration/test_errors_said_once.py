@@ -1,5 +1,6 @@
-"""Runs that never get mixed up and never fail silently: config drift on resume, the earlier-run
-search, a full disk, waits bounded by distributed.timeout_s, and config errors said once."""
+"""Each error said once, in one line, by the process that should say it: a config error under torchrun, a rank
+that fails alone (torchrun, self-launch), a read-only run dir or one in use, a full disk, a checkpoint that
+cannot be read (resume=auto, mode=eval: exit 2)."""
 
 from __future__ import annotations
 

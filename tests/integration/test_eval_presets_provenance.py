@@ -1,5 +1,7 @@
-"""Callbacks and the features built on them (EMA, early stopping, profiler), the eval entry,
-experiment/debug presets and provenance."""
+"""The eval entry, the experiment and debug presets, and provenance: mode=eval reproduces a run's last
+validation metrics at 1 and 3 ranks, with the callbacks it trained with (not those that only serve training);
+the presets run; provenance records commit, diff, versions, hosts, command and every rank, ddplab's own
+checkout from outside any repository; a callback added on resume starts fresh."""
 
 from __future__ import annotations
 

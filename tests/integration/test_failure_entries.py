@@ -1,9 +1,6 @@
-"""Each entry × each failure kind ends as ddplab.failure says: its exit code, one line, a whole result.json.
-
-MATRIX names, for every cell, the process test that checks it; the cells no other test reached are here.
-A dead peer is named by the launcher's race as much as by ddplab (torchrun's agent and the self-launch's
-SIGTERM the survivors at once; whether a survivor sees the lost connection or the signal first varies): its
-cells are the soak's, whose invariants hold for either end (nothing lost, a whole result.json)."""
+"""The matrix's cells no other process test reached (MATRIX, tests/unit/test_failure_entries.py): a rank's
+exception in a study trial and in a verify_resume leg ends as ddplab.failure says — one line, its exit code, a
+whole result.json."""
 
 from __future__ import annotations
 

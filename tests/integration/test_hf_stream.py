@@ -1,7 +1,8 @@
-"""dataset=hf dataset.streaming=true (issue 34, item 2): local files read row by row through datasets'
+"""dataset=hf dataset.streaming=true in runs (issue 34, item 2): local files read row by row through datasets'
 streaming mode. The samples are the in-memory source's (one file) or its per-file windows; a resume from any
 sample — mid- read, at a read's end, at a file's end — continues exactly, through datasets' own state_dict;
-under ranks and loader workers the run is the one-rank run's and a killed rank resumes bitwise."""
+under ranks and loader workers the run is the one-rank run's and a killed rank resumes bitwise; a num_samples
+the files do not hold, or a bad file met in a loader worker under torchrun, is one line."""
 
 from __future__ import annotations
 

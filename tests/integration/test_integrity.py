@@ -1,5 +1,6 @@
-"""Runs that never get mixed up and never fail silently: config drift on resume, the earlier-run
-search, a full disk, waits bounded by distributed.timeout_s, and config errors said once."""
+"""Runs that never get mixed up and never fail silently, trained for real: config drift on resume refused or
+applied, a full disk (one process, FSDP's shards), waits bounded by distributed.timeout_s, ranks against
+cores, a batch change mid-epoch, a model that cannot take the image size."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""logger=[tensorboard,mlflow] (issue 34, item 4), against a real `mlflow server` on loopback with a SQLite
-backend started here: the same scalars as TensorBoard, config as params, tags; one MLflow run per job and per
-sweep job, grouped by the sweep; a resume continues the same run with each step once; a server that is down
-or hangs never stops training and is said once."""
+"""logger=[tensorboard,mlflow] in real runs (issue 34, item 4), against an `mlflow server` on loopback with a
+SQLite backend started here: the same scalars as TensorBoard, config as params, tags; one MLflow run per job,
+per sweep job (grouped by the sweep) and per study trial; a resume continues the same run with each step once,
+a full disk at the run id's write included; a server that is down or hangs never stops training, is said once
+and holds a stop's exit only within the launcher's grace; 2 ranks log the last checkpoint's model once."""
 
 from __future__ import annotations
 

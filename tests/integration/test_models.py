@@ -1,4 +1,5 @@
-"""Model zoo: torchvision-format weights from a local file, the ViT, user factories."""
+"""Model zoo in training: torchvision-format weights from a local file, the ViT, a Keras 3 convnet under DDP
+with resume, user factories through ``_target_``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""amp_dtype=auto picks bf16 only where the device computes it natively; elsewhere fp32 and ONE warning line.
+"""train.py with amp, for real: under oneDNN's AVX2 cap (bf16 emulated) amp=true trains fp32 with ONE warning
+line, and two ranks with amp_dtype=bf16 say it once; a CPU with native bf16 and no cap trains bf16 without a
+warning.
 
-A CPU without AVX512-BF16/AMX (or aarch64's bf16) emulates bf16 autocast: ~2x slower than fp32 with
-AVX-512, ~40x with AVX2 only (ResNet-18 on digits), so `amp=true` must not silently pick it.
+A CPU without AVX512-BF16/AMX (or aarch64's bf16) emulates bf16 autocast: ~2x slower than fp32 with AVX-512,
+~40x with AVX2 only (ResNet-18 on digits), so `amp=true` must not silently pick it.
 """
 
 import pytest

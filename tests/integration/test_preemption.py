@@ -1,6 +1,7 @@
-"""Preemption saves the work: SIGTERM / SIGINT / SIGUSR1 on any rank stop every rank at the same step,
-after a checkpoint there, with ``result.json`` status ``preempted``; resume=auto continues bitwise.
-Also: a self-launched job's stores listen on loopback only."""
+"""Preemption of a running job saves the work: SIGTERM / SIGINT / SIGUSR1 on any rank stop every rank at the
+same step, after a checkpoint there, with ``result.json`` status ``preempted``; resume=auto continues bitwise;
+a second signal exits at once, and one after the last checkpoint lets the job complete.
+Also: a self-launched job's stores listen on loopback only (plain torchrun's on every interface)."""
 
 from __future__ import annotations
 

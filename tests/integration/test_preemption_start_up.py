@@ -1,6 +1,6 @@
-"""Preemption saves the work: SIGTERM / SIGINT / SIGUSR1 on any rank stop every rank at the same step,
-after a checkpoint there, with ``result.json`` status ``preempted``; resume=auto continues bitwise.
-Also: a self-launched job's stores listen on loopback only."""
+"""Stop signals before and after a job's own handler: one during start-up (imports) is held and the job stops
+at its first agreed step with a checkpoint, as preempted; the hold ends when the job's handler is installed;
+an in-process study worker and a self-launch leave the process's signal handlers as they found them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Secrets stay out (issue 45): a password in a tracking URI, and a config key named in ``redact_keys``,
-appear in no file of the run dir (checkpoints, TensorBoard, Hydra's copies, provenance, mlflow.json, the
-exported model artifact), nothing the MLflow server stored (params, tags, artifacts) and no console line,
-whether the server is up or down; the job itself uses the real values (the callback checks its token, MLflow
-gets the run)."""
+"""Secrets stay out of what real jobs write and say (issue 45): a password in a tracking URI, and a config key
+named in ``redact_keys``, appear in no file of the run dir (checkpoints, TensorBoard, Hydra's copies,
+provenance, mlflow.json, the exported model artifact), nothing the MLflow server stored (params, tags,
+artifacts) and no console line, whether the server is up or down, in a sweep and under verify_resume; a
+submitit sweep that would pickle one is refused. The job itself uses the real values (the callback checks its
+token, MLflow gets the run)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""StallWatch only blames what it knows: a step is stalled relative to this rank's own recent steps (never the
-first step, never a run whose every step is slow), and when it speaks it names the ranks that are not at the
-collective it waits in, from where each rank published itself."""
+"""Two ranks under torchrun whose every step is equally slow (6 s): StallWatch says nothing, as no rank waits
+for another."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Training by steps (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps`` (exact
-evaluations mid-epoch, resumable), schedules over the run's steps with a warmup fraction, and what the console
-says."""
+"""Training by steps in real runs (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps``
+(exact evaluations mid-epoch at 1-3 ranks that change no weight), best.pt and early stopping on step
+evaluations, a run resumed after its end, what the console says, and length config errors."""
 
 from __future__ import annotations
 

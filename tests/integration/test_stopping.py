@@ -1,5 +1,7 @@
-"""Preemption off the millisecond path: a stop is agreed within seconds at any step time and any log
-interval, during a long evaluation too, and a rank whose launcher died stops instead of training on."""
+"""Preemption off the millisecond path, under real launchers: a stop is agreed within seconds at any step time
+and any log interval, during a long evaluation and between a stream's slow steps too, and a rank whose
+launcher died stops instead of training on; a save slower than the launcher's grace (SLURM's KillWait) is
+said."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""IterableDatasets (ddplab.data.streams): one global stream that every rank slices — the same global batches
-at any world size, each sample once per epoch, every rank the same number of steps, the loader's (and its
-workers') state in the checkpoint, bitwise kill + resume, and a resume at another world size that loses or
-doubles nothing."""
+"""IterableDatasets (ddplab.data.streams) through loaders, workers and real ranks: one global stream that
+every rank slices — the same global batches at any world size, each sample once per epoch, every rank the same
+number of steps, the loader's (and its workers') state in the checkpoint, bitwise kill + resume, and a resume
+at another world size that loses or doubles nothing; a stream that differs between ranks is refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""mode=study: Optuna studies run by ddplab workers — real processes sharing a real storage (SQLite, the
-journal file, PostgreSQL), trials that are normal runs, pruning agreed by every rank, preemption and death of
-a worker, and input refused in one line. Ownership of trials in the storage, and a storage lost under a
-worker: tests/integration/test_study_ownership.py."""
+"""mode=study, a study's course: Optuna studies run by ddplab workers — real processes sharing a SQLite
+storage, trials that are normal runs, pruning agreed by every rank, preemption and death of a worker, a
+finished study restarted. Other storages and input refused:
+tests/integration/test_study_storages_and_input.py; who owns a trial: tests/integration/test_study_owners.py;
+a storage lost: tests/integration/test_study_ownership.py."""
 
 import json
 import signal

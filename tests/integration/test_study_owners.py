@@ -1,7 +1,9 @@
 """mode=study, who owns a trial: ownership lives in the storage (workers with different study.dirs on one
-storage, a trial taken over only from a worker provably gone, deaths counted across preemptions and workers),
-the training config a study records (a worker that would train differently is refused), the claim lock, and a
-storage lost under a running worker. The study's basic behaviour: tests/integration/test_study.py."""
+storage, a trial taken over only from a worker provably gone, deaths counted across preemptions, workers and
+torchrun ranks), the training and reporting config a study records (a worker that would train or report
+differently is refused), the claim lock, a full disk under a trial, and a hold that cannot be renewed. A
+storage lost under a running worker: tests/integration/test_study_ownership.py; the study's course:
+tests/integration/test_study.py."""
 
 import json
 import re

@@ -1,7 +1,6 @@
-"""mode=study, who owns a trial: ownership lives in the storage (workers with different study.dirs on one
-storage, a trial taken over only from a worker provably gone, deaths counted across preemptions and workers),
-the training config a study records (a worker that would train differently is refused), the claim lock, and a
-storage lost under a running worker. The study's basic behaviour: tests/integration/test_study.py."""
+"""mode=study, a storage lost under a running worker (its SQLite file on a full disk, made read-only or
+deleted): one line and no trial left silently running, a self-launched trial's rank included; under torchrun
+rank 0 alone says it and every rank stops. Who owns a trial: tests/integration/test_study_owners.py."""
 
 import contextlib
 import subprocess

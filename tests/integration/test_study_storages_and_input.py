@@ -1,7 +1,8 @@
-"""mode=study: Optuna studies run by ddplab workers — real processes sharing a real storage (SQLite, the
-journal file, PostgreSQL), trials that are normal runs, pruning agreed by every rank, preemption and death of
-a worker, and input refused in one line. Ownership of trials in the storage, and a storage lost under a
-worker: tests/integration/test_study_ownership.py."""
+"""mode=study's storages and input: two worker processes sharing the journal file and PostgreSQL; bad input (a
+storage that cannot be opened among it) is one line within seconds, a study name reused with another space is
+refused, the space's grammar is the Hydra Optuna sweeper's, a study.dir with a space, a hash and a question
+mark works, and a trial that cannot be composed is told FAIL. The study's course:
+tests/integration/test_study.py."""
 
 import shlex
 import subprocess

@@ -1,6 +1,7 @@
-"""Token files written with a subword tokenizer (issue 34, item 3): scripts/make_tokens.py with a local
-tokenizer.json or a BPE it trains on the text, encoded a chunk at a time (and in worker processes) to exactly
-the ids of the whole text, the tokenizer named in the sidecar so a smaller vocabulary is one line."""
+"""Token files written with a subword tokenizer, and trained on (issue 34, item 3): scripts/make_tokens.py
+with a local tokenizer.json or a BPE it trains on the text, encoded a chunk at a time (and in worker
+processes) to exactly the ids of the whole text, the tokenizer named in the sidecar so a smaller vocabulary is
+one line."""
 
 from __future__ import annotations
 

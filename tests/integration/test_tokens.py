@@ -1,6 +1,7 @@
-"""dataset=tokens: flat binary token files (nanoGPT's layout) read a window at a time — exact windows,
-exact sharding over world sizes, bitwise kill + resume at 1 and 2 ranks, a resume at another world
-size that neither loses nor doubles a sample, and one-line errors for files that do not match."""
+"""dataset=tokens in real runs: flat binary token files (nanoGPT's layout) read a window at a time — exact
+windows, exact sharding over world sizes, bitwise kill + resume at 1 and 2 ranks, a resume at another world
+size that neither loses nor doubles a sample, token shards streamed once an epoch, and one-line errors for a
+corrupt token (in a loader worker, under two ranks) and for the config."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""A run dir or checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` build only
-what ddplab ships, torch.optim's classes or what the command names from the checkpoint's stored config; any
-other ``_target_`` is refused in one line before it is imported, unless the user passes the trust switch."""
+"""A crafted checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` (in-process and
+under train.py) build only what ddplab ships, torch.optim's classes or what the command names from the
+checkpoint's stored config; any other ``_target_`` is refused in one line before it is imported, unless the
+user passes the trust switch, which a user's own run needs to export its own model."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""mode=verify_resume: the user's own job, run whole and run preempted + resumed in fresh processes, the two
-ends compared. PASS on a shipped task (bitwise at the same world size, to a tolerance at another); FAIL naming
-the first differing entry and step, and the likely cause, for a dataset with unseeded randomness and for one
-whose seeded generator restarts on resume."""
+"""mode=verify_resume, run for real: the user's own job, run whole and run preempted + resumed in fresh
+processes, the two ends compared. PASS on a shipped task (bitwise at the same world size, to a tolerance at
+another) and on noise from torch's generator; FAIL naming the first differing entry and step, and the likely
+cause, for a dataset with unseeded randomness and for one whose seeded generator restarts on resume; a leg
+refused or stopped from outside, and what it cannot run, is one line and no verdict."""
 
 from __future__ import annotations
 

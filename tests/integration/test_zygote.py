@@ -1,6 +1,7 @@
-"""The tests' job server (tests/helpers/zygote.py): a job forked from it ends as the same job in a fresh
-interpreter does — exit code, its words on stdout and stderr, what it writes — so the tests that use it
-(``python_train``) test what ``python train.py`` does."""
+"""A job forked from the tests' job server (tests/helpers/zygote.py) ends as the same job in a fresh
+interpreter does, case by case (tests/helpers/zygote_cases.py) — exit code, its words on stdout and stderr,
+what it writes, its result.json — so the tests that use it (``python_train``) test what ``python train.py``
+does."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The tests' job server (tests/helpers/zygote.py): a job forked from it ends as the same job in a fresh
-interpreter does — exit code, its words on stdout and stderr, what it writes — so the tests that use it
-(``python_train``) test what ``python train.py`` does."""
+"""The job server's spares (tests/helpers/zygote.py): a self-launch's ranks, verify_resume's legs and their
+ranks, and torchrun's workers (restarts included) fork from a spare of the process that starts them (a job's
+second self-launch: from a fresh server); the server ends when its pytest process dies; what an in-process run
+sets in the environment does not reach later jobs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""A rank training on the CPU keeps what a step freed for the next step (ddplab.runtime.allocator): no stream
-of page faults per step, the thresholds left alone where they are not ddplab's to set."""
+"""What ddplab.runtime.allocator does to the C library's malloc thresholds, and says, in-process: a user's own
+settings (MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES, a preloaded jemalloc), a GPU rank and
+perf.host_allocator=system leave them alone; a later job in the same process says an earlier job's tuning
+stays (glibc's moving defaults cannot be set back)."""
 
 from __future__ import annotations
 

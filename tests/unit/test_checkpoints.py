@@ -1,4 +1,6 @@
-"""Checkpoints, kill-and-resume, elastic restarts, and bad input (issue: nothing lost, nothing hangs)."""
+"""Checkpoint parts in-process: the restart memo lives in this user's private dir and never follows a symlink;
+any object with state_dict/load_state_dict joins the checkpoint in one register() line, and one that refuses
+the checkpoint on resume leaves every component unloaded."""
 
 import os
 

@@ -1,5 +1,5 @@
-"""`.ci/run` fails at the first failed step — an install, the suite (pytest's exit 5, no test collected,
-included) — instead of going on to later phases that could still end it with 0."""
+"""`.ci/run` is the README's test command step by step: its installs, one a line, and the suite with the slurm
+tests set apart. How it fails at the first failed step: tests/integration/test_ci_script.py."""
 
 from helpers.jobs import REPO  # noqa: E402
 

@@ -1,5 +1,7 @@
-"""Each private torch API in ddplab.compat, called for real: when a torch upgrade renames or drops one, the
-test of that entry fails and names it (rather than a run failing, or silently degrading, somewhere later)."""
+"""ddplab.compat's private torch, Optuna and Hydra APIs called for real in this process (stores, CPU features,
+the agent's store factory, lerp, Optuna's trials, the rank server's fallback, Hydra's mode lookup, batch
+norm's base class): when an upgrade renames or drops one, the test of that entry fails and names it (rather
+than a run failing, or silently degrading, somewhere later)."""
 
 from __future__ import annotations
 

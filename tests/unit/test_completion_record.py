@@ -1,8 +1,7 @@
-"""A job's end on a disk that refuses writes. Its record of completion (result.json): the job fails in one
-line, every rank alike, nothing writes another record in its place, and ``resume=auto`` records the completion
-once there is room (found by the soak, seed 4908357, twice in CI). What else rank 0 alone writes as a job or a
-study ends (the run dir's lock, a study's HParams rows and summary) never stops it with a traceback while its
-peers wait."""
+"""Rank 0 lets go of the run dir's lock at a job's end without an error where the run dir went read-only
+(EROFS, a stale NFS handle), its descriptor closed all the same: its peers, waiting in the last barrier, are
+not left to die of the lost connection. The job's record on a full disk:
+tests/integration/test_completion_record.py."""
 
 from __future__ import annotations
 

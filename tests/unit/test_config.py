@@ -1,4 +1,7 @@
-"""Every config option composes and instantiates; bad input fails early, naming the key."""
+"""The schema and conf/, composed in-process: every group has its documented options, keys are typed, each
+default lives in the schema alone, a config from plain data is typed by it; bad input (a misspelt key, a batch
+that does not split over ranks, too long a socket path) fails while composing or validating, naming the
+key."""
 
 import importlib.util
 from pathlib import Path

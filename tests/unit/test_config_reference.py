@@ -1,5 +1,6 @@
-"""docs/reference.md is written from the schema and conf/ (scripts/config_reference.py): it is current, and it
-names every key, group option and default with a meaning, so the documentation cannot drift from the code."""
+"""scripts/config_reference.py reads the schema's comments: a comment above a field means that one key, a
+trailing comment its own, and a rendered row without a meaning of its own is named. The page itself:
+tests/integration/test_config_reference.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What a person sees: TensorBoard's first screens (read with TensorBoard's own loaders and HParams
-plugin), sweep run names, the console's lines and the end-of-run and end-of-sweep summaries."""
+"""The console's helpers and sweep labels, in-process: wrapped lines stay short and lose nothing, a run's
+label names the values a sweep varies (the command's sweeps and a sweeper's params), and the sweep table
+orders jobs by the objective's direction, failures last, in short lines."""
 
 import json
 

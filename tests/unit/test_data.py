@@ -1,4 +1,6 @@
-"""Samplers and datasets: who gets which sample, and that the split is fixed."""
+"""Samplers and in-memory datasets, in-process: who gets which sample at any world size, that the split is
+fixed, reshuffles and accumulation, the bijection order, batched augmentation, and batches of any nesting on
+their way to the device."""
 
 import os
 

@@ -1,4 +1,6 @@
-"""Readers of the real dataset formats, on tiny files written here in each format."""
+"""Readers of the real dataset formats (IDX, CIFAR-10/100 batches, ImageFolder), on tiny files written here in
+each format: what they read, a missing root or file said with what is expected, and a crafted CIFAR pickle
+that cannot run code."""
 
 from __future__ import annotations
 

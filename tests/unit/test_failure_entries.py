@@ -1,6 +1,6 @@
-"""Each entry × each failure kind ends as ddplab.failure says: its exit code, one line, a whole result.json.
+"""The entry × failure kind matrix is whole: MATRIX names, for every cell, the process test that checks it
+ends as ddplab.failure says (its exit code, one line, a whole result.json), and each named test exists.
 
-MATRIX names, for every cell, the process test that checks it; the cells no other test reached are here.
 A dead peer is named by the launcher's race as much as by ddplab (torchrun's agent and the self-launch's
 SIGTERM the survivors at once; whether a survivor sees the lost connection or the signal first varies): its
 cells are the soak's, whose invariants hold for either end (nothing lost, a whole result.json)."""

@@ -1,7 +1,7 @@
-"""dataset=hf dataset.streaming=true (issue 34, item 2): local files read row by row through datasets'
-streaming mode. The samples are the in-memory source's (one file) or its per-file windows; a resume from any
-sample — mid- read, at a read's end, at a file's end — continues exactly, through datasets' own state_dict;
-under ranks and loader workers the run is the one-rank run's and a killed rank resumes bitwise."""
+"""dataset=hf dataset.streaming=true's start-up, in-process (issue 34, item 2; issue 45): the count is what an
+epoch yields and dataset.num_samples skips it, a kept num_samples is checked against the files there now, no
+connection is opened; a missing validation file, a null text or files that disagree on columns are one
+line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Runs that never get mixed up and never fail silently: config drift on resume, the earlier-run
-search, a full disk, waits bounded by distributed.timeout_s, and config errors said once."""
+"""The earlier-run search and a log file on a full disk, in-process: resume=auto takes the newest run with the
+same config digest, under its own root alone; train.log on a full disk is given up in one line, not a
+traceback for every record."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""logger=[tensorboard,mlflow] (issue 34, item 4), against a real `mlflow server` on loopback with a SQLite
-backend started here: the same scalars as TensorBoard, config as params, tags; one MLflow run per job and per
-sweep job, grouped by the sweep; a resume continues the same run with each step once; a server that is down
-or hangs never stops training and is said once."""
+"""logger=[tensorboard,mlflow]'s refusals (issue 34, item 4), in-process, no server: a logger list without
+tensorboard, a close_timeout_s that is not positive, and MLflow not installed are each one config error."""
 
 from __future__ import annotations
 

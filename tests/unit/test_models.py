@@ -1,4 +1,5 @@
-"""Model zoo: torchvision-format weights from a local file, the ViT, user factories."""
+"""A model.weights file that is no torch state_dict is one ValueError naming the key, the path and the fix
+(ddplab.models.load_weights, in-process)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""amp_dtype=auto picks bf16 only where the device computes it natively; elsewhere fp32 and ONE warning line.
+"""amp_dtype=auto's choice in-process, from device features faked here and this CPU's own: bf16 only where the
+device computes it natively, oneDNN's ISA cap counted; elsewhere fp32 and ONE warning line.
 
-A CPU without AVX512-BF16/AMX (or aarch64's bf16) emulates bf16 autocast: ~2x slower than fp32 with
-AVX-512, ~40x with AVX2 only (ResNet-18 on digits), so `amp=true` must not silently pick it.
+A CPU without AVX512-BF16/AMX (or aarch64's bf16) emulates bf16 autocast: ~2x slower than fp32 with AVX-512,
+~40x with AVX2 only (ResNet-18 on digits), so `amp=true` must not silently pick it.
 """
 
 import logging

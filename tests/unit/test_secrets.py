@@ -1,8 +1,6 @@
-"""Secrets stay out (issue 45): a password in a tracking URI, and a config key named in ``redact_keys``,
-appear in no file of the run dir (checkpoints, TensorBoard, Hydra's copies, provenance, mlflow.json, the
-exported model artifact), nothing the MLflow server stored (params, tags, artifacts) and no console line,
-whether the server is up or down; the job itself uses the real values (the callback checks its token, MLflow
-gets the run)."""
+"""What ddplab.redact masks and finds (issue 45), in-process: a URI's user info and a key named like a secret
+or in ``redact_keys``, in plain text, Hydra's escapes and reprs; and the secrets written out that a pickling
+launcher is refused for, not those an interpolation fetches where the job runs."""
 
 from __future__ import annotations
 

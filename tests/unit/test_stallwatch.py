@@ -1,6 +1,7 @@
-"""StallWatch only blames what it knows: a step is stalled relative to this rank's own recent steps (never the
-first step, never a run whose every step is slow), and when it speaks it names the ranks that are not at the
-collective it waits in, from where each rank published itself."""
+"""StallWatch on given step times, with a dict for torch's store: a step is stalled relative to this rank's
+own recent steps (never the first step, never a run whose every step is slow; evaluation and checkpoints are
+no steps), and when it speaks it names the ranks that are not at the collective it waits in, from where each
+rank published itself; without a store it only asks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Training by steps (issue 33): ``max_steps`` beside ``num_epochs``, ``eval_every_n_steps`` (exact
-evaluations mid-epoch, resumable), schedules over the run's steps with a warmup fraction, and what the console
-says."""
+"""A run's length by steps (issue 33), in-process: RunLength's total steps from ``num_epochs`` and
+``max_steps``, a cosine schedule over the run's steps whose warmup fraction is the same steps at any world
+size, and the console's ETA at the slowest rank's pace."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Preemption off the millisecond path: a stop is agreed within seconds at any step time and any log
-interval, during a long evaluation too, and a rank whose launcher died stops instead of training on."""
+"""StopAgreement in one process: its checks are spaced by time (~1 s of the slowest rank's steps), not steps;
+a rank stopped by its peers whose own launcher is dead says the launcher died."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""IterableDatasets (ddplab.data.streams): one global stream that every rank slices — the same global batches
-at any world size, each sample once per epoch, every rank the same number of steps, the loader's (and its
-workers') state in the checkpoint, bitwise kill + resume, and a resume at another world size that loses or
-doubles nothing."""
+"""ddplab.data.streams in one process: every rank slices the same global batches and each sample comes once,
+validation splits contiguously, a short stream or a shuffle that differs between ranks is named, sample ids do
+not depend on objects' addresses, and what a stream cannot do is refused in one line."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Token files written with a subword tokenizer (issue 34, item 3): scripts/make_tokens.py with a local
-tokenizer.json or a BPE it trains on the text, encoded a chunk at a time (and in worker processes) to exactly
-the ids of the whole text, the tokenizer named in the sidecar so a smaller vocabulary is one line."""
+"""scripts/make_tokens.py's refusals (issue 34, item 3), in-process: a tokenizer whose ids cross a line break,
+bad tokenizer arguments, the hf extra missing, and text that is not UTF-8 are each one line."""
 
 from __future__ import annotations
 

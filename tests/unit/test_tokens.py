@@ -1,6 +1,6 @@
-"""dataset=tokens: flat binary token files (nanoGPT's layout) read a window at a time — exact windows,
-exact sharding over world sizes, bitwise kill + resume at 1 and 2 ranks, a resume at another world
-size that neither loses nor doubles a sample, and one-line errors for files that do not match."""
+"""dataset=tokens' reader, in-process: a window is the file's tokens, a batch read whole is its windows
+stacked (a bad token named at its offset), the dataset pickles for loader workers, and token files that do not
+match are one-line errors naming file and offset."""
 
 from __future__ import annotations
 

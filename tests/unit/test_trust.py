@@ -1,6 +1,6 @@
-"""A run dir or checkpoint from elsewhere runs nothing (issue 45): ``export`` and ``mode=eval`` build only
-what ddplab ships, torch.optim's classes or what the command names from the checkpoint's stored config; any
-other ``_target_`` is refused in one line before it is imported, unless the user passes the trust switch."""
+"""The trust check and export's folder, in-process (issue 45): ddplab's targets, torch.optim's and the
+command's own pass ``trust.untrusted``; ``--trust-config`` builds what it names, so the crafted payloads are
+live; an export replaces its own earlier folder whole and refuses another's folder, or a file, in one line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""mode=verify_resume: the user's own job, run whole and run preempted + resumed in fresh processes, the two
-ends compared. PASS on a shipped task (bitwise at the same world size, to a tolerance at another); FAIL naming
-the first differing entry and step, and the likely cause, for a dataset with unseeded randomness and for one
-whose seeded generator restarts on resume."""
+"""mode=verify_resume's comparison, in-process: the first difference named bitwise or to a tolerance, the
+default stop mid-epoch, the likely cause from what differs first and when; under torchrun or through
+ddplab.run it says how to start it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The tests' job server (tests/helpers/zygote.py): a job forked from it ends as the same job in a fresh
-interpreter does — exit code, its words on stdout and stderr, what it writes — so the tests that use it
-(``python_train``) test what ``python train.py`` does."""
+"""Which jobs the tests' job server (tests/helpers/zygote.py) can fork, by PYTHONPATH (``more_path``): a job's
+own entries are those before the server's; any other path (another, reordered, in part, an empty entry first)
+is no fit, and the job gets a fresh interpreter."""
 
 from __future__ import annotations
 
