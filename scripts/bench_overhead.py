@@ -32,6 +32,11 @@ Reported per side:
   mean ms    their mean (includes the log steps)
   first s    launch (process start) → first optimizer step done (median of launches)
   total s    launch → exit of a one-epoch run: evaluation, checkpoint, teardown
+
+and a verdict for each bound (step ratio ≤ 1.0, first step ddplab − hand ≤ +0.3 s): a 95 % bootstrap
+interval of the median over the paired rounds (epochs for the step ratio, launches for the first step),
+"holds" only where the whole interval is within the bound, "undecided" where the rounds were too few to
+beat the noise (scripts/_bench_stats.py): then run more (``--epochs``, ``--repeats``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_stats import judged  # noqa: E402  (the verdict against a bound, beyond the noise)
 from _overhead_hand import HandLoop  # noqa: E402  (the hand-written side, in a module of its own)
 
 
@@ -215,6 +221,7 @@ def per_step(nproc: int, a: argparse.Namespace, argv: list[str]) -> dict:
         "paired_min": paired[0],
         "paired_max": paired[-1],
         "paired_median": statistics.median(paired),
+        "paired": paired,
     }
 
 
@@ -230,11 +237,14 @@ def start_up(nproc: int, a: argparse.Namespace, argv: list[str]) -> dict:
                 f"total {total:.2f} s",
                 flush=True,
             )
-    return {
+    medians = {
         f"{side}_{k}": statistics.median(x[j] for x in rs)
         for side, rs in runs.items()
         for j, k in enumerate(("first_s", "total_s"))
     }
+    # launch i of each side ran back to back: their difference is one pair's figure
+    first = [d[0] - h[0] for h, d in zip(runs["hand"], runs["ddplab"])]
+    return {**medians, "first_diffs": first}
 
 
 def main() -> None:
@@ -318,9 +328,10 @@ def print_table(rows: list[dict], a: argparse.Namespace) -> None:
     print(
         "| ranks | step ms hand / ddplab | **step ratio** | per-epoch ratios (min–max) | mean ms hand / "
         "ddplab "
-        "| first step s hand / ddplab | **first-step ratio** | total s hand / ddplab |"
+        "| first step s hand / ddplab | **first-step ratio** | total s hand / ddplab "
+        "| step ratio ≤ 1.0 (95 % interval) | first step ddplab − hand ≤ +0.3 s (95 % interval) |"
     )
-    print("|---" * 8 + "|")
+    print("|---" * 10 + "|")
     for r in rows:
         print(
             f"| {r['nproc']} | {r['hand_step_ms']:.2f} / {r['ddplab_step_ms']:.2f} "
@@ -329,7 +340,8 @@ def print_table(rows: list[dict], a: argparse.Namespace) -> None:
             f"| {r['hand_mean_ms']:.2f} / {r['ddplab_mean_ms']:.2f} "
             f"| {r['hand_first_s']:.2f} / {r['ddplab_first_s']:.2f} "
             f"| **{r['ddplab_first_s'] / r['hand_first_s']:.3f}** "
-            f"| {r['hand_total_s']:.2f} / {r['ddplab_total_s']:.2f} |"
+            f"| {r['hand_total_s']:.2f} / {r['ddplab_total_s']:.2f} "
+            f"| {judged(r['paired'], 1.0)} | {judged(r['first_diffs'], 0.3, '{:+.2f}')} |"
         )
 
 

@@ -11,7 +11,9 @@ more than the plain wall time; read them as shares).
 ``--vs-hand``: ddplab's fixed cost as whole processes, launch to exit: ``train.py`` (the default job, one
 step) against ``scripts/_hand_default_job.py`` (the same job written by hand: the same digits reader, model,
 process group and TensorBoard writer opened before its first step, one evaluation, a checkpoint), launched
-alike (``python`` for one rank, ``torchrun --standalone`` for more), alternating, median of ``--repeats``.
+alike (``python`` for one rank, ``torchrun --standalone`` for more), alternating, median of ``--repeats``,
+and whether ddplab − hand ≤ +0.3 s holds beyond the noise (scripts/_bench_stats.py: a bootstrap interval of
+the paired launches' median difference).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_stats import judged  # noqa: E402  (the verdict against a bound, beyond the noise)
+
 JOB = ["num_epochs=1", "limit_train_steps=1", "progress=none", "log_every_n_steps=1"]
 
 # phase -> (a pattern of the profiled function, what it is). Each is a cumulative time inside the run.
@@ -70,8 +75,8 @@ def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
     difference."""
     print(
         "| ranks | hand s (median) | ddplab s (median) | **ddplab − hand s** | launches a side | failed, "
-        "rerun "
-        "(hand / ddplab) |\n|---|---|---|---|---|---|"
+        "rerun (hand / ddplab) | ddplab − hand ≤ +0.3 s (95 % interval of the paired launches) |"
+        "\n|---|---|---|---|---|---|---|"
     )
     for n in nprocs:
         launch = (
@@ -110,9 +115,10 @@ def vs_hand(nprocs: list[int], repeats: int, work: Path) -> None:
                             flush=True,
                         )
         hand, ours = statistics.median(times["hand"]), statistics.median(times["ddplab"])
+        pairs = [d - h for h, d in zip(times["hand"], times["ddplab"])]  # launch i of each ran back to back
         print(
             f"| {n} | {hand:.2f} | {ours:.2f} | **{ours - hand:+.2f}** | {repeats} | {failed['hand']} / "
-            f"{failed['ddplab']} |",
+            f"{failed['ddplab']} | {judged(pairs, 0.3, '{:+.2f}')} |",
             flush=True,
         )
 
