@@ -1,5 +1,5 @@
-"""Callbacks and a pruner for tests/integration/test_study.py and tests/integration/test_study_ownership.py,
-named by `_target_` (tests/ is on every rank's PYTHONPATH)."""
+"""Callbacks and a pruner for the study tests (tests/integration/test_study*.py) and verify_resume's, named
+by `_target_` (tests/ is on every rank's PYTHONPATH)."""
 
 import json
 import os

@@ -1,4 +1,6 @@
-"""Shared by tests/unit/test_hf_data.py and tests/integration/test_hf_data.py."""
+"""dataset=hf on text files with a BPE learnt on them (tests/integration/test_hf_data.py), and what the
+streaming tests' files (helpers/hf_stream.py) share with them: the tokenizer beside the files and its 320
+ids, ddplab's source opened on them, the overrides of a small GPT trained on them."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import json
 from pathlib import Path
 
 from ddplab.data import tokenizer as tz
+from ddplab.data.hf import hf
 from ddplab.data.tabular import generated_corpus
 from helpers.extras import lazy
 
@@ -28,8 +31,17 @@ def corpus(tmp_path: Path, rows: int = 240) -> tuple[Path, Path, list[str]]:
     return tmp_path / "train.parquet", tmp_path / "val.jsonl", train
 
 
-def lm_args(tmp_path: Path) -> list[str]:
-    train, val, _ = corpus(tmp_path)
+def source(tmp_path: Path, train: Path, val: Path, **kw: object):
+    """ddplab's dataset=hf on ``train`` and ``val`` (``corpus``'s or ``helpers.hf_stream.files``'), read with
+    the BPE they wrote to ``tmp_path/tokenizer.json`` (320 ids), in windows of 16 tokens; ``kw``: hf's
+    other arguments."""
+    return hf(
+        str(train), str(val), tokenizer=str(tmp_path / "tokenizer.json"), block_size=16, vocab_size=320, **kw
+    )
+
+
+def text_lm(tmp_path: Path, train: Path, val: Path) -> list[str]:
+    """The overrides that train a language model on ``source``'s files, as it reads them (batch 12)."""
     return [
         "task=lm",
         "dataset=hf",
@@ -40,5 +52,9 @@ def lm_args(tmp_path: Path) -> list[str]:
         "dataset.block_size=16",
         "batch_size=12",
         "progress=none",
-        f"dataset.cache_dir={tmp_path / 'cache'}",
-    ] + GPT
+    ]
+
+
+def lm_args(tmp_path: Path) -> list[str]:
+    train, val, _ = corpus(tmp_path)
+    return text_lm(tmp_path, train, val) + [f"dataset.cache_dir={tmp_path / 'cache'}"] + GPT

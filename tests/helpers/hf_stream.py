@@ -10,11 +10,9 @@ import torch
 from ddplab.data import tokenizer as tz
 from ddplab.data.tabular import generated_corpus
 from helpers.extras import lazy
+from helpers.hf_data import GPT, text_lm
 
 datasets = lazy("datasets", "hf")
-
-
-GPT = ["model=gpt", "model.n_embd=32", "model.n_layer=1", "model.n_head=2"]
 
 
 def texts(rows: int) -> list[str]:
@@ -44,16 +42,4 @@ def same(a: list, b: list) -> bool:
 
 def lm_args(tmp_path: Path) -> list[str]:
     train, val, _ = files(tmp_path)
-    return [
-        "task=lm",
-        "dataset=hf",
-        "dataset.streaming=true",
-        f"dataset.path={train}",
-        f"dataset.val_path={val}",
-        f"dataset.tokenizer={tmp_path / 'tokenizer.json'}",
-        "dataset.vocab_size=320",
-        "dataset.block_size=16",
-        "batch_size=12",
-        "progress=none",
-        "model.dropout=0",
-    ] + GPT
+    return text_lm(tmp_path, train, val) + ["dataset.streaming=true", "model.dropout=0"] + GPT

@@ -131,10 +131,14 @@ def start(
 
 
 # `python -m` modules the job server runs: torch's launchers (the current one and the legacy one) and ddplab's
-# commands; scripts: train.py, the tests' own hand-launched ranks (tests/workers) and the token files' maker
-# (a corpus a fixture writes: ~4 CPU-s of imports in a fresh interpreter, nine times a suite).
+# commands; scripts: train.py, the tests' own hand-launched ranks (tests/workers), the token files' maker (a
+# corpus a fixture writes: ~4 CPU-s of imports in a fresh interpreter, nine times a suite) and the scripts a
+# test runs only for what they print (the metrics and sweep tables, the DP-vs-DDP benchmark's refusal).
 SERVED_MODULES = ("torch.distributed.run", "torch.distributed.launch", "ddplab")
-SERVED_SCRIPTS = (REPO / "scripts" / "make_tokens.py",)
+SERVED_SCRIPTS = tuple(
+    REPO / "scripts" / name
+    for name in ("make_tokens.py", "show_metrics.py", "sweep_summary.py", "bench_dp_vs_ddp.py")
+)
 
 
 def _servable(args: list[str]) -> bool:

@@ -58,11 +58,14 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def ranks_of(pid: int) -> dict[int, int]:
-    """{RANK: pid} of the training ranks under ``pid`` (from their environment)."""
-    ranks = {}
-    for p in children(pid):
-        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_text().split("\0") if "=" in kv)
-        if "RANK" in env:
-            ranks[int(env["RANK"])] = p
+def ranks_of(run: Path, pid: int) -> dict[int, int]:
+    """{rank: pid} of the job under ``pid`` that runs in ``run``, as its provenance.json records them (rank 0
+    writes it once every rank is up). Not /proc's environ or command line: a rank forked from the job server
+    (helpers/spares.py) shows the server's there, not what it would have been exec'd with. Each one checked
+    to be a process under ``pid``: the record is this job's."""
+    import json
+
+    ranks = {r["rank"]: r["pid"] for r in json.loads((run / "provenance.json").read_text())["world"]["ranks"]}
+    under = set(children(pid))
+    assert set(ranks.values()) <= under, (ranks, sorted(under))
     return ranks

@@ -1,6 +1,6 @@
-"""Shared by the study tests (tests/integration/test_study.py, tests/integration/test_study_ownership.py): a
-small study's overrides, its workers started and finished as real processes, and what the study and the
-trials' run dirs record."""
+"""Shared by the study tests (tests/integration/test_study*.py, and the MLflow, failure-entry and
+completion-record tests that run a study): a small study's overrides, its workers started and finished as
+real processes, and what the study and the trials' run dirs record."""
 
 from __future__ import annotations
 

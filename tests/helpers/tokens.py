@@ -1,4 +1,5 @@
-"""Shared by tests/unit/test_tokens.py and tests/integration/test_tokens.py."""
+"""Shared by the token-file tests (tests/integration/test_tokens.py, test_tokenizer.py, test_steps.py): the
+tiny language model they train on a token file, its overrides, and token shards written to train on."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ from pathlib import Path
 
 from helpers.jobs import REPO, assert_ok, run_cmd
 
-LM = [
+# A 1-layer GPT of width 32 on a token file, windows of 16 tokens; each test module picks its batch and
+# console (test_steps': batch 48 to have 245 steps an epoch, and the step lines it reads).
+TINY_LM = [
     "task=lm",
     "dataset=tokens",
     "dataset.block_size=16",
     "model.n_embd=32",
     "model.n_layer=1",
     "model.n_head=2",
-    "batch_size=12",
-    "progress=none",
 ]
+LM = TINY_LM + ["batch_size=12", "progress=none"]
 
 
 def files(train: Path, val: Path) -> list[str]:

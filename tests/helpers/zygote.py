@@ -3,8 +3,10 @@ job imports (torch, Hydra, ddplab, TensorBoard, with train.preload: ~2 of the ~3
 costs) once, then forks a child per job (``helpers.jobs._servable``: train.py, torch's launchers, ``python -m
 ddplab``, tests/workers). The child is a process of its own (pid, session, working dir, environment, stdout
 and stderr pipes the caller reads to their end, as ``communicate()`` does) that runs the script as
-``__main__`` and ends through the interpreter's own exit (threads joined, atexit handlers, exit code), as a
-fresh one does.
+``__main__`` and ends as the interpreter's own exit does (threads joined, atexit handlers, streams flushed,
+exit code), as a fresh one does, without the module teardown after them
+(``zygote_server.end_as_an_interpreter``: in a fork it copied ~30,000 of the server's pages, a third of a
+short job's CPU).
 
 Only where nothing the job reads at import time can differ: its environment is the server's but for
 ``MAY_DIFFER``, what a launcher gives a rank (``LAUNCHER_KEYS``) and PYTHONPATH entries before the server's

@@ -131,9 +131,9 @@ def test_two_rank_ddp_async_launcher_signalled_during_a_background_write_saves_b
         *disk,
         f"hydra.run.dir={run}",
     ]
-    proc = start(cmd, tmp_path, log, fresh=True)  # ranks_of reads /proc/PID/environ
+    proc = start(cmd, tmp_path, log)
     wait_for(run / "provenance.json", proc, log)  # both ranks are up
-    ranks = list(ranks_of(proc.pid).values())
+    ranks = list(ranks_of(run, proc.pid).values())
     assert len(ranks) == 2, ranks
     finish(proc, log, timeout=120)
     _wait_gone(ranks)

@@ -19,14 +19,25 @@ from helpers.jobs import CONF, TRAIN, assert_ok, compose_cfg, python_train, run_
 
 import ddplab
 
+# The one 2-rank torchrun run the eval entry evaluates and whose provenance is read: built once, by the one
+# worker that takes this group (it only reads the run; the eval writes into its own dirs).
+SHARED = "torchrun_mlp_run"
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("torchrun") / "run"
+    assert_ok(
+        run_cmd(torchrun_cmd(2, BASE + ["num_epochs=2", f"hydra.run.dir={run}"]), run.parent, timeout=180)
+    )
+    return run
+
 
 # ---------------------------------------------------------------------------- eval entry
 @pytest.mark.dist
-def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_path):
-    run = tmp_path / "run"
-    assert_ok(
-        run_cmd(torchrun_cmd(2, BASE + ["num_epochs=2", f"hydra.run.dir={run}"]), tmp_path, timeout=180)
-    )
+@pytest.mark.xdist_group(SHARED)
+def test_eval_entry_reproduces_the_last_val_metrics_at_world_sizes_1_and_3(tmp_path, torchrun_run):
+    run = torchrun_run
     last = json.loads((run / "result.json").read_text())["metrics"]
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
     for n in (1, 3):
@@ -187,12 +198,9 @@ def test_provenance_records_commit_dirty_diff_versions_hosts_and_command(tmp_pat
 
 
 @pytest.mark.dist
-def test_provenance_lists_every_rank_under_torchrun(tmp_path):
-    run = tmp_path / "run"
-    assert_ok(
-        run_cmd(torchrun_cmd(2, BASE + ["num_epochs=1", f"hydra.run.dir={run}"]), tmp_path, timeout=120)
-    )
-    prov = json.loads((run / "provenance.json").read_text())
+@pytest.mark.xdist_group(SHARED)
+def test_provenance_lists_every_rank_under_torchrun(torchrun_run):
+    prov = json.loads((torchrun_run / "provenance.json").read_text())
     assert prov["launcher"]["kind"] == "torchrun" and prov["world"]["size"] == 2
     assert [r["rank"] for r in prov["world"]["ranks"]] == [0, 1] and prov["world"]["backend"] == "gloo"
     assert len({r["pid"] for r in prov["world"]["ranks"]}) == 2

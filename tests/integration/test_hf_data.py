@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.compare import assert_same_checkpoint
-from helpers.hf_data import corpus, datasets, lm_args
+from helpers.hf_data import corpus, datasets, lm_args, source
 from helpers.jobs import compose_cfg, run_killed_after_step
 
 import ddplab
@@ -29,14 +29,7 @@ def node_split_stream(**_: object):
 @pytest.mark.slow  # 1.4-2.1 s in the inner loop: a second or more, as the marker says
 def test_text_rows_become_the_windows_of_their_ids_joined_in_row_order(tmp_path):
     train, val, texts = corpus(tmp_path)
-    s = hf(
-        str(train),
-        str(val),
-        tokenizer=str(tmp_path / "tokenizer.json"),
-        block_size=16,
-        vocab_size=320,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    s = source(tmp_path, train, val, cache_dir=str(tmp_path / "cache"))
     tok = tz.load(tmp_path / "tokenizer.json")
     ids = [t for text in texts for t in tok.encode(text).ids]
     n = (len(ids) - 1) // 16

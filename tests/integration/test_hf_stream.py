@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 from helpers.compare import assert_same_checkpoint
-from helpers.hf_stream import GPT, datasets, files, lm_args, same
+from helpers.hf_data import GPT, source
+from helpers.hf_stream import datasets, files, lm_args, same
 from helpers.jobs import assert_ok, compose_cfg, rank_kills_itself, ranks, torchrun
 
 import ddplab
 from ddplab.data import hf_stream
 from ddplab.data import tokenizer as tz
-from ddplab.data.hf import hf
 
 
 def result_of(run: Path) -> dict:
@@ -32,15 +32,7 @@ def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatc
     monkeypatch.setattr(hf_stream, "ROWS_PER_READ", 5)
     train, val, parts = files(tmp_path)
     extra = {"y": "label", "num_classes": 2} if task == "labelled" else {}
-    s = hf(
-        str(train),
-        str(val),
-        tokenizer=str(tmp_path / "tokenizer.json"),
-        block_size=16,
-        vocab_size=320,
-        streaming=True,
-        **extra,
-    ).train
+    s = source(tmp_path, train, val, streaming=True, **extra).train
     whole = list(s)
     tok = tz.load(tmp_path / "tokenizer.json")
     per_file = [
@@ -54,16 +46,7 @@ def test_a_stream_resumed_from_any_sample_continues_exactly(tmp_path, monkeypatc
         it = iter(s)
         head = [next(it) for _ in range(k)]
         state = s.state_dict()
-        fresh = hf(
-            str(train),
-            str(val),
-            tokenizer=str(tmp_path / "tokenizer.json"),
-            block_size=16,
-            vocab_size=320,
-            streaming=True,
-            num_samples=len(whole),
-            **extra,
-        ).train
+        fresh = source(tmp_path, train, val, streaming=True, num_samples=len(whole), **extra).train
         fresh.load_state_dict(state)
         assert same(head + list(fresh), whole), k
 
@@ -165,20 +148,9 @@ def test_a_bad_file_read_in_a_loader_worker_under_torchrun_is_one_line(tmp_path)
 
 def test_one_file_streams_exactly_the_in_memory_windows_and_rows(tmp_path):
     train, val, _ = files(tmp_path, n=1, rows=120)
-    tok = str(tmp_path / "tokenizer.json")
     for extra in ({}, {"y": "label", "num_classes": 2}):
-        mem = hf(
-            str(train),
-            str(val),
-            tokenizer=tok,
-            block_size=16,
-            vocab_size=320,
-            cache_dir=str(tmp_path / "c"),
-            **extra,
-        )
-        stream = hf(
-            str(train), str(val), tokenizer=tok, block_size=16, vocab_size=320, streaming=True, **extra
-        )
+        mem = source(tmp_path, train, val, cache_dir=str(tmp_path / "c"), **extra)
+        stream = source(tmp_path, train, val, streaming=True, **extra)
         got = list(stream.train)
         assert len(stream.train) == len(got) == len(mem.train) > 100
         assert same(got, list(zip(mem.train.x, mem.train.y)))

@@ -84,10 +84,9 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_at_one_step_and_resume_is_bi
 def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """A signal that reaches one rank only (SLURM's --signal=USR1 to a task, a user's kill)."""
     run, log = tmp_path / "run", tmp_path / "run.log"
-    # ranks_of reads environ
-    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log, fresh=True)
+    proc = start(TORCHRUN + SLOW + [f"hydra.run.dir={run}"], tmp_path, log)
     wait_for(run / "checkpoints" / "step-00000022.pt", proc, log)
-    os.kill(ranks_of(proc.pid)[1], signal.SIGUSR1)
+    os.kill(ranks_of(run, proc.pid)[1], signal.SIGUSR1)
     took = finish(proc, log)
     out = log.read_text()
     assert took < 10 and proc.returncode != 0

@@ -13,6 +13,7 @@ import torch
 from helpers.compare import assert_same_checkpoint
 from helpers.jobs import assert_ok, compose_cfg, ranks, read_scalars
 from helpers.steps import _corpus
+from helpers.tokens import TINY_LM
 
 import ddplab
 from ddplab.config.errors import ConfigError
@@ -22,16 +23,7 @@ from ddplab.data.tokens import tokens
 # A tiny LM on a generated token file; batch 48 x 16 tokens: 245 steps an epoch (0.2 MB; 61 for 0.05 MB, so
 # 150 steps cross two epoch ends, which a step cadence does not evaluate, and every evaluation falls
 # mid-epoch).
-LM = [
-    "task=lm",
-    "dataset=tokens",
-    "dataset.block_size=16",
-    "model.n_embd=32",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "batch_size=48",
-    "progress=log",
-]
+LM = TINY_LM + ["batch_size=48", "progress=log"]
 STEPS = ["num_epochs=null", "max_steps=150", "eval_every_n_steps=25", "log_every_n_steps=25"]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.compare import result
 from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
-from helpers.processes import children, finish, start
+from helpers.processes import children, finish, ranks_of, start
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
 
@@ -163,15 +163,10 @@ def test_ranks_whose_launcher_was_killed_stop_and_say_why(tmp_path, launcher):
         if launcher == "torchrun"
         else [sys.executable, str(TRAIN), *args, "distributed.nproc_per_node=2"]
     )
-    proc = start(cmd, tmp_path, log, fresh=True)  # its ranks are found by their command lines
-    wait_until(lambda: len(traced(trace)) >= 3, proc, log)
-    ranks = [
-        p
-        for p in children(proc.pid)
-        if "train.py" in Path(f"/proc/{p}/cmdline").read_text()
-        or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()
-    ]
-    assert ranks, "no rank processes found"
+    proc = start(cmd, tmp_path, log)
+    wait_until(lambda: len(traced(trace)) >= 3 and (run / "provenance.json").exists(), proc, log)
+    ranks = list(ranks_of(run, proc.pid).values())
+    assert len(ranks) == 2, ranks
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()

@@ -73,19 +73,13 @@ def test_single_process_strategies_refuse_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_dp_vs_ddp_bench_skips_without_two_gpus(tmp_path):
-    import subprocess
     import sys
 
-    from helpers.jobs import REPO
+    from helpers.jobs import REPO, run_cmd
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has 2 GPUs: the benchmark would run for real")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cmd([sys.executable, str(REPO / "scripts" / "bench_dp_vs_ddp.py")], tmp_path, timeout=120)
     assert proc.returncode == 0 and "needs at least 2 GPUs" in proc.stdout
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import shutil
 from collections import namedtuple
 
 import numpy as np
@@ -16,15 +15,13 @@ import pytest
 import torch
 import toy
 from helpers.compare import assert_same_checkpoint, result
-from helpers.jobs import (
-    assert_ok,
-    compose_cfg,
-    python_train,
-    rank_kills_itself,
-    ranks,
-    run_killed_after_step,
-    torchrun,
+from helpers.data_ranks import (
+    assert_failed_saying,
+    metrics_at_world_sizes,
+    rank_1_killed_at_step_13,
+    resumed_at_2_and_3,
 )
+from helpers.jobs import assert_ok, compose_cfg, python_train, run_killed_after_step, torchrun
 from helpers.streams import STREAM, ids, loader, stream
 
 import ddplab
@@ -118,27 +115,13 @@ def test_a_stream_is_exact_over_world_sizes_and_a_killed_rank_resumes_at_2_and_a
         "model.dropout=0",
         "+callbacks.soak._target_=soak_toy.SoakCallback",
     ]
-    runs = {}
-    for n in (1, 2, 3):
-        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
-        runs[n] = result(tmp_path / str(n))["metrics"]
+    runs = metrics_at_world_sizes(args, tmp_path)
     assert runs[1]["step"] == 2 * (1438 // 48)
     for n in (2, 3):
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash, its run dir copied: each copy resumes at another world size.
-    crashed = ranks(
-        2,
-        args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"],
-        tmp_path,
-        timeout=240,
-        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
-    )
-    assert crashed.returncode != 0
-    shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
-    for resumed_at in (2, 3):
-        run = tmp_path / f"killed_then_{resumed_at}"
-        assert_ok(ranks(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
-        assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
+    assert rank_1_killed_at_step_13(args, tmp_path).returncode != 0
+    for resumed_at, run in resumed_at_2_and_3(args, tmp_path).items():
         if resumed_at == 2:
             assert_same_checkpoint(
                 tmp_path / "2" / "checkpoints" / "last.pt",
@@ -160,15 +143,12 @@ def test_a_stream_shorter_on_one_rank_stops_every_rank_naming_it(tmp_path):
         "distributed.timeout_s=60",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = torchrun(2, args, tmp_path, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert re.search(
+    assert_failed_saying(
+        torchrun(2, args, tmp_path, timeout=120),
         r"rank 1/2 failed in epoch 1, step \d+: StreamEnded: StatefulDigitStream ended after 19 global "
         r"batches of 48 in epoch 1, but its __len__ \(1438\) promises 29",
-        out,
-    ), out[-3000:]
-    assert result(tmp_path / "run")["status"] == "failed"
+        tmp_path / "run",
+    )
 
 
 ON_2_RANKS = ["num_epochs=1", "limit_train_steps=3", "distributed.nproc_per_node=2"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tokens
 from helpers.extras import needs
 from helpers.jobs import compose_cfg, python_train
 from helpers.tokenizer import ids, make_tokens, text_file
@@ -20,17 +21,7 @@ from ddplab.config.errors import ConfigError
 from ddplab.data import tokenizer as tz
 
 needs("tokenizers", "hf")
-LM = [
-    "task=lm",
-    "dataset=tokens",
-    "dataset.block_size=16",
-    "model.n_embd=32",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "batch_size=12",
-    "progress=none",
-    "num_epochs=1",
-]
+LM = tokens.LM + ["num_epochs=1"]
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,6 +15,12 @@ import numpy as np
 import pytest
 import torch
 from helpers.compare import assert_same_checkpoint
+from helpers.data_ranks import (
+    assert_failed_saying,
+    metrics_at_world_sizes,
+    rank_1_killed_at_step_13,
+    resumed_at_2_and_3,
+)
 from helpers.jobs import (
     REPO,
     assert_ok,
@@ -87,32 +92,19 @@ def test_token_lm_is_exact_over_world_sizes_and_a_killed_rank_resumes_bitwise_or
         + files(train, val)
         + ["num_epochs=2", "checkpoint.every_n_steps=5", "+callbacks.soak._target_=soak_toy.SoakCallback"]
     )
-    runs = {}
-    for n in (1, 2, 3):
-        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
-        runs[n] = metrics(tmp_path / str(n))
+    runs = metrics_at_world_sizes(args, tmp_path)
     # 2 epochs of 49 steps
     assert runs[1]["step"] == 2 * (len(tokens(str(train), str(val), block_size=16).train) // 12)
     for n in (2, 3):
         assert runs[n]["val/num_samples"] == runs[1]["val/num_samples"]
         assert runs[n]["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5), n
     # One crash (rank 1 SIGKILLed), its run dir copied: each copy resumes at another world size.
-    crashed = ranks(
-        2,
-        args + [f"hydra.run.dir={tmp_path / 'killed_then_2'}"],
-        tmp_path,
-        timeout=240,
-        extra_env=rank_kills_itself(tmp_path / "fault", rank=1, k=13),
-    )
+    crashed = rank_1_killed_at_step_13(args, tmp_path)
     fired = json.loads((tmp_path / "fault" / "fired").read_text())
     assert crashed.returncode != 0 and fired["step"] == 12, (crashed.stderr[-2000:], fired)
-    shutil.copytree(tmp_path / "killed_then_2", tmp_path / "killed_then_3")
-    for resumed_at, ref in ((2, "2"), (3, "1")):
-        run = tmp_path / f"killed_then_{resumed_at}"
-        assert_ok(ranks(resumed_at, args + [f"hydra.run.dir={run}", "resume=auto"], tmp_path, timeout=240))
-        assert "0 epoch(s), 10 step(s) done" in (run / "train.log").read_text()
+    for resumed_at, run in resumed_at_2_and_3(args, tmp_path).items():
         if resumed_at == 2:
-            assert_same_checkpoint(last(tmp_path / ref), last(run))
+            assert_same_checkpoint(last(tmp_path / "2"), last(run))
         assert metrics(run)["step"] == runs[1]["step"]
         assert metrics(run)["val/loss"] == pytest.approx(runs[1]["val/loss"], rel=1e-5)
 
@@ -158,15 +150,12 @@ def test_a_corrupt_token_under_two_ranks_names_file_and_offset_and_stops_both(tm
         "distributed.timeout_s=120",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = torchrun(2, args, tmp_path, timeout=100)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert re.search(
+    assert_failed_saying(
+        torchrun(2, args, tmp_path, timeout=100),
         r"rank \d/2 failed in epoch 1, step \d+: TokenFileError: \S*t.bin: token 60000 at offset 24690 "
         r"is >= dataset.vocab_size=256",
-        out,
-    ), out[-3000:]
-    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "failed"
+        tmp_path / "run",
+    )
 
 
 @pytest.mark.slow  # a second or more: a training run or a process (the inner loop stays under a minute)

@@ -175,3 +175,33 @@ def test_a_forked_job_ends_as_the_same_job_in_a_fresh_interpreter(case, tmp_path
         if "PYTHONPATH" in case
         else []
     ), ends["forked"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["returns", "exit 3", "exit with a message", "raises"])
+def test_a_forked_process_ends_in_a_fresh_interpreters_order_without_its_module_teardown(
+    how, tmp_path, monkeypatch
+):
+    """The server's child skips only the module teardown (zygote_server.end_as_an_interpreter): the thread is
+    joined, the atexit handler runs, buffered output is flushed, the exit code and words are the fresh
+    interpreter's, for each way a script ends; only a finalizer that the teardown alone would run (of an
+    object a module global holds) does not run."""
+    argv = [str(jobs.REPO / "tests" / "workers" / "ending_worker.py"), how]
+    server = jobs._zygote()
+    served = server.served
+    forked = server.run(argv, tmp_path, jobs.job_env(), 60)
+    assert forked is not None and server.served == served + 1
+    monkeypatch.setenv("DDPLAB_TEST_FRESH", "1")  # a fresh interpreter
+    fresh = jobs.run_cmd([sys.executable, *argv], tmp_path, 60)
+    lines = [
+        "main: done, this line still buffered",
+        "thread: joined before atexit",
+        "atexit: ran after the thread",
+    ]
+    assert forked.stdout.splitlines() == fresh.stdout.splitlines() == lines
+    teardown = "module teardown: ran\n"
+    assert fresh.stderr.endswith(teardown) and teardown not in forked.stderr
+    assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr[: -len(teardown)])
+    assert forked.returncode == {"returns": 0, "exit 3": 3}.get(how, 1)
+    said = {"exit with a message": "bye: said on stderr, exit 1\n", "raises": "ValueError: boom\n"}
+    assert forked.stderr.endswith(said.get(how, "")) and (forked.stderr == "") == (how not in said)

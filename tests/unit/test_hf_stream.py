@@ -6,6 +6,7 @@ line."""
 from __future__ import annotations
 
 import pytest
+from helpers.hf_data import source
 from helpers.hf_stream import datasets, files, lm_args, texts
 from helpers.jobs import compose_cfg
 
@@ -31,18 +32,13 @@ def test_a_num_samples_kept_after_files_were_added_is_refused_naming_them(tmp_pa
     from ddplab.errors import InputError
 
     train, val, _ = files(tmp_path, n=2, rows=20)
-    kw = {
-        "tokenizer": str(tmp_path / "tokenizer.json"),
-        "block_size": 16,
-        "vocab_size": 320,
-        "streaming": True,
-    }
-    n = len(hf(str(train), str(val), **kw).train)  # counted, and recorded
-    assert len(hf(str(train), str(val), num_samples=n, **kw).train) == n  # the same files: taken as given
+    n = len(source(tmp_path, train, val, streaming=True).train)  # counted, and recorded
+    # the same files: taken as given
+    assert len(source(tmp_path, train, val, streaming=True, num_samples=n).train) == n
     with pytest.raises(
         InputError, match=rf"dataset.num_samples={n - 1}: dataset.path's files held {n} samples"
     ):
-        hf(str(train), str(val), num_samples=n - 1, **kw)
+        source(tmp_path, train, val, streaming=True, num_samples=n - 1)
     datasets.Dataset.from_dict({"text": texts(30)[-10:]}).to_parquet(train / "part-9.parquet")
     with pytest.raises(
         InputError,
@@ -50,7 +46,7 @@ def test_a_num_samples_kept_after_files_were_added_is_refused_naming_them(tmp_pa
         r"than dataset.path holds now \(added: part-9.parquet\).*Fix: drop "
         r"dataset.num_samples",
     ):
-        hf(str(train), str(val), num_samples=n, **kw)
+        source(tmp_path, train, val, streaming=True, num_samples=n)
 
 
 def test_streaming_without_a_validation_file_is_one_config_error(tmp_path):
@@ -103,15 +99,7 @@ def test_a_null_in_the_text_column_is_one_line_naming_file_row_and_column(tmp_pa
         match=r"dataset.path: part-1.parquet row 13 has no value \(null\) in column "
         r"'text' \(dataset.x\)\. Fix: drop or fill",
     ):
-        hf(
-            str(train),
-            str(val),
-            tokenizer=str(tmp_path / "tokenizer.json"),
-            block_size=16,
-            vocab_size=320,
-            streaming=streaming,
-            cache_dir=str(tmp_path / "c"),
-        )
+        source(tmp_path, train, val, streaming=streaming, cache_dir=str(tmp_path / "c"))
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -127,13 +115,5 @@ def test_files_that_disagree_on_columns_are_named_and_the_fix_is_not_another_col
         match=r"part-1.parquet has (no column 'text'|columns \['body'\]).*Fix: give "
         r"every file of one split the same columns",
     ):
-        s = hf(
-            str(train),
-            str(val),
-            tokenizer=str(tmp_path / "tokenizer.json"),
-            block_size=16,
-            vocab_size=320,
-            streaming=streaming,
-            cache_dir=str(tmp_path / "c"),
-        )
+        s = source(tmp_path, train, val, streaming=streaming, cache_dir=str(tmp_path / "c"))
         list(s.train)
