@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from helpers.jobs import REPO, assert_ok, run_cmd
+from helpers import tokens
 
 
 def _corpus(tmp_path_factory, mb: float) -> list[str]:
-    out = tmp_path_factory.mktemp("corpus")
-    assert_ok(
-        run_cmd(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tokens.py"),
-                "--generated-mb",
-                str(mb),
-                "--out",
-                str(out),
-            ],
-            out,
-        )
-    )
-    return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
+    return tokens.corpus(tmp_path_factory.mktemp("corpus") / "data", mb)
 
 
 @pytest.fixture(scope="module")

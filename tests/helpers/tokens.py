@@ -25,22 +25,28 @@ def files(train: Path, val: Path) -> list[str]:
     return [f"dataset.path={train}", f"dataset.val_path={val}"]
 
 
+def generated(out: Path, mb: float, *more: str) -> Path:
+    """A generated corpus of ``mb`` MB made into token files in ``out`` by the shipped script
+    (scripts/make_tokens.py, forked from the job server), with its further arguments ``more``."""
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "make_tokens.py"),
+        "--generated-mb",
+        str(mb),
+        "--out",
+        str(out),
+    ]
+    assert_ok(run_cmd([*cmd, *more], out.parent))
+    return out
+
+
+def corpus(out: Path, mb: float) -> list[str]:
+    """The overrides that train on a generated corpus of ``mb`` MB, written to ``out``."""
+    generated(out, mb)
+    return files(out / "train.bin", out / "val.bin")
+
+
 # --------------------------------------------------------------------------- a folder of shards, streamed
 def shards(tmp_path: Path, n: int = 4) -> tuple[Path, Path]:
-    out = tmp_path / "data"
-    assert_ok(
-        run_cmd(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tokens.py"),
-                "--generated-mb",
-                "0.02",
-                "--out",
-                str(out),
-                "--shards",
-                str(n),
-            ],
-            tmp_path,
-        )
-    )
+    out = generated(tmp_path / "data", 0.02, "--shards", str(n))
     return out / "train", out / "val.bin"

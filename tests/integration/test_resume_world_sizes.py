@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tokens
 from helpers.compare import assert_same_checkpoint, load, load_whole
 from helpers.jobs import REPO, assert_ok, ranks, read_scalars, run_cmd, torchrun
 
@@ -48,21 +49,7 @@ LM = [
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    out = tmp_path_factory.mktemp("corpus")
-    assert_ok(
-        run_cmd(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tokens.py"),
-                "--generated-mb",
-                "0.05",
-                "--out",
-                str(out),
-            ],
-            out,
-        )
-    )
-    return [f"dataset.path={out / 'train.bin'}", f"dataset.val_path={out / 'val.bin'}"]
+    return tokens.corpus(tmp_path_factory.mktemp("corpus") / "data", 0.05)
 
 
 @pytest.fixture(scope="module")

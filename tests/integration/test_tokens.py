@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +21,15 @@ from helpers.data_ranks import (
     resumed_at_2_and_3,
 )
 from helpers.jobs import (
-    REPO,
     assert_ok,
     compose_cfg,
     python_train,
     rank_kills_itself,
     ranks,
-    run_cmd,
     run_killed_after_step,
     torchrun,
 )
-from helpers.tokens import LM, files, shards
+from helpers.tokens import LM, files, generated, shards
 
 import ddplab
 from ddplab.config.errors import ConfigError
@@ -44,19 +41,7 @@ def corpus(tmp_path: Path, mb: float = 0.01) -> tuple[Path, Path]:
     """train.bin / val.bin written by the shipped script: 49 steps an epoch at a batch of 12 (two epochs, a
     checkpoint mid-epoch before the step 13 a kill stops at, as the tests need; each step more costs six
     runs)."""
-    out = tmp_path / "data"
-    proc = run_cmd(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make_tokens.py"),
-            "--generated-mb",
-            str(mb),
-            "--out",
-            str(out),
-        ],
-        tmp_path,
-    )
-    assert_ok(proc)
+    out = generated(tmp_path / "data", mb)
     return out / "train.bin", out / "val.bin"
 
 
