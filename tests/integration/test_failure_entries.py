@@ -10,16 +10,9 @@ import re
 import pytest
 from helpers.jobs import python_train
 from helpers.study import study_args
+from helpers.zygote_cases import CASES
 
-FAILS = [
-    "model=mlp",
-    "num_epochs=1",
-    "limit_train_steps=3",
-    "progress=none",
-    "+callbacks.bug._target_=toy_callbacks.FailsOnRank",
-    "+callbacks.bug.rank=0",
-    "+callbacks.bug.step=2",
-]
+FAILS = CASES["a callback's exception"]  # rank 0's callback raises at step 2 (the job server's case)
 BUG = "RuntimeError: FailsOnRank: a callback's own bug on rank 0 at step 2"
 
 
