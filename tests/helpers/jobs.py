@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddplab.config import register_configs
 from ddplab.events import read_scalars  # noqa: F401  (re-exported for the tests)
+from helpers.proctree import stacks_then_kill
 
 register_configs()  # what train.py does before composing
 REPO = Path(__file__).resolve().parents[2]
@@ -80,9 +80,10 @@ def job_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def run_cmd(
     args: list[str], cwd: Path, timeout: float = 300, extra_env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run to completion; on timeout kill the whole process group (torchrun's workers too). ``python
-    train.py`` and ``python -m torch.distributed.run`` are forked from this worker's pre-imported server where
-    the job's environment allows (helpers/zygote.py), with their processes' spares (helpers/spares.py)."""
+    """Run to completion; on timeout say where each of its processes was, then kill them all (torchrun's
+    workers too). ``python train.py`` and ``python -m torch.distributed.run`` are forked from this worker's
+    pre-imported server where the job's environment allows (helpers/zygote.py), with their processes' spares
+    (helpers/spares.py)."""
     if _servable(args) and os.environ.get("DDPLAB_TEST_FRESH") != "1":
         done = _zygote().run(args[1:], cwd, {**job_env(), **(extra_env or {})}, timeout)
         if done is not None:
@@ -99,11 +100,12 @@ def run_cmd(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stacks = stacks_then_kill(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout}s: {args}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
-        )
+            f"\n--- where each process was\n{stacks}"
+        ) from None
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 

@@ -4,13 +4,13 @@ for, their descendants and ranks read from /proc."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 from helpers import jobs
+from helpers.proctree import children
 
 
 def start(cmd: list[str], cwd: Path, log: Path, fresh: bool = False) -> subprocess.Popen:
@@ -38,24 +38,6 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 60) -> float:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"still running {timeout}s after the signal\n{log.read_text()[-4000:]}")
     return time.monotonic() - t0
-
-
-def children(pid: int) -> list[int]:
-    """All descendants of ``pid`` (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int(re.search(r"^PPid:\s+(\d+)", (d / "status").read_text(), re.M).group(1))
-            except (OSError, AttributeError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def ranks_of(run: Path, pid: int) -> dict[int, int]:

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helpers.proctree import stacks_then_kill
+
 # Entries a job may have that the server did not: read at run time only (tempfile's cache is reset; inductor
 # reads its cache dir when it compiles, and an in-process run in pytest sets it), or the tests' own switches.
 MAY_DIFFER = (
@@ -150,11 +152,11 @@ class Zygote:
         try:
             out, err = job.communicate(timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
+            stacks = stacks_then_kill(job.pid)
             out, err = job.communicate(30)
             raise AssertionError(
                 f"timed out after {timeout}s: {argv}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+                f"\n--- where each process was\n{stacks}"
             ) from None
         return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 

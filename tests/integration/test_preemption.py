@@ -19,7 +19,8 @@ import pytest
 import torch
 from helpers.compare import result
 from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
-from helpers.processes import children, finish, ranks_of, start, wait_for
+from helpers.processes import finish, ranks_of, start, wait_for
+from helpers.proctree import children
 
 pytestmark = pytest.mark.dist
 

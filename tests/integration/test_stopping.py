@@ -16,7 +16,8 @@ import pytest
 import torch
 from helpers.compare import result
 from helpers.jobs import TRAIN, assert_ok, read_scalars, run_cmd
-from helpers.processes import children, finish, ranks_of, start
+from helpers.processes import finish, ranks_of, start
+from helpers.proctree import children
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN)]
 

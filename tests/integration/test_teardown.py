@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 import pytest
-from helpers.jobs import TRAIN, assert_ok, run_cmd
+from helpers.callbacks import BASE
+from helpers.jobs import REPO, TRAIN, assert_ok, run_cmd, torchrun_cmd
 
 # Registered before train.py's own handler, so it runs after it: what the teardown then finds.
 _LAST_WORD = """
@@ -18,6 +19,20 @@ atexit.register(lambda: open(said, "w").write(json.dumps({"frozen": gc.get_freez
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+@pytest.mark.dist
+def test_a_group_left_while_its_last_collective_still_runs_ends_every_rank(tmp_path):
+    """Rank 0 leaves the process group while its last collective still runs (tests/workers/
+    late_collective_worker.py: rank 1 joins it 2 s late). Before: at the exit's collection DDP's reducer
+    dropped the group last, with the GIL held, and its destructor waited for gloo's worker, which waited for
+    the GIL to free the collective's tensor: rank 0 never ended (CI's hang, caught there at random)."""
+    run = tmp_path / "run"
+    worker = REPO / "tests" / "workers" / "late_collective_worker.py"
+    args = BASE + ["num_epochs=1", "limit_train_steps=2", f"hydra.run.dir={run}"]
+    proc = run_cmd(torchrun_cmd(2, args, worker), tmp_path, timeout=90)
+    assert_ok(proc)
+    assert json.loads((run / "result.json").read_text())["status"] == "completed"
 
 
 @pytest.mark.slow

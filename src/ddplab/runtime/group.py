@@ -21,6 +21,7 @@ import torch.distributed as torch_dist
 
 from ddplab import compat
 from ddplab.runtime import env, signals
+from ddplab.runtime import teardown as process_exit
 from ddplab.runtime.signals import Preempted
 from ddplab.runtime.watch import deadline
 
@@ -131,6 +132,7 @@ def init(cfg: Any) -> Dist:
             f"init_method={cfg.init_method}, timeout={cfg.timeout_s}s): {e}."
             f"{_join_hint(str(e), world_size, cfg.timeout_s)}"
         ) from e
+    process_exit.drop_held()  # the previous group (a sweep's or study's last job): idle since the join
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
@@ -206,6 +208,12 @@ def teardown(clean: bool = True) -> None:
     if torch_dist.is_available() and torch_dist.is_initialized():
         if clean:
             torch_dist.barrier()
+        # Whoever drops the group last runs its destructor, which joins gloo's worker threads. DDP's reducer
+        # holds it from C++ and drops it with the GIL held (at the exit's collection, or wherever the trainer
+        # goes); a worker still releasing its last collective's tensors needs the GIL: both wait forever
+        # (seen in CI at exit, 1 run in hundreds). The group's Python object releases the GIL as it goes:
+        # held here past the reducer, it is the last.
+        process_exit.hold_past_collection(torch_dist.group.WORLD)
         torch_dist.destroy_process_group()
 
 
