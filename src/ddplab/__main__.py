@@ -1,15 +1,16 @@
 """``python -m ddplab <command>``: what ddplab does besides training (train.py trains).
 
-    python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict   # the model out
+    python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict|hf|auto   # the model out
+    python -m ddplab generate <run dir or export folder> --prompt TEXT                  # what it writes
 
-(the export: ``ddplab.checkpoint.export``)
+(the export: ``ddplab.checkpoint.export``; sampling: ``ddplab.generate``)
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"export": "ddplab.checkpoint.export"}
+COMMANDS = {"export": "ddplab.checkpoint.export", "generate": "ddplab.generate"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddplab import failure, provenance, redact, rundir
 from ddplab.config.errors import ConfigError
+from ddplab.data import tokenizer
 from ddplab.errors import RecordWriteError, mark_said
 from ddplab.runtime import allocator, collectives, env, group
 from ddplab.runtime.group import Dist
@@ -99,6 +100,8 @@ class Session:
         # What exactly runs, recorded by rank 0 from the same gather (provenance.json, TensorBoard text).
         prov = provenance.collect(rows, dist.backend, redact.keys_of(self.cfg)) if dist.is_main else None
         self.provenance = provenance.write(self.run_dir, prov) if prov is not None else ""
+        if dist.is_main:  # the run dir alone then samples and exports with it, wherever the data goes
+            tokenizer.keep(self.cfg.dataset, self.run_dir)
 
     def _hold_run_dir(self) -> str | None:
         """Rank 0: make and lock the run dir, note it for a torchrun restart; None, or why it cannot."""

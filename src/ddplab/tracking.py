@@ -271,17 +271,17 @@ class MLflowWriter(NullWriter):
 
     def _model(self) -> None:
         """The artifact ``model/``: what ``python -m ddplab export <run dir>`` writes (the best checkpoint's
-        weights, EMA's where the run had EMA; safetensors where installed), config and model card."""
-        import importlib.util
+        weights, EMA's where the run had EMA), config and model card: a folder transformers loads as is where
+        the model has a transformers counterpart, else safetensors where installed."""
         import tempfile
 
         from ddplab.checkpoint import export
         from ddplab.errors import InputError
 
-        fmt = "safetensors" if importlib.util.find_spec("safetensors") else "state_dict"
         with tempfile.TemporaryDirectory(prefix="ddplab-mlflow-") as tmp:
             try:
-                out, said = export.export(self.run_dir, fmt, Path(tmp) / "model", trusted=True)  # its own
+                # a transformers folder where the model has one (from_pretrained loads the artifact as is)
+                out, said = export.export(self.run_dir, "auto", Path(tmp) / "model", trusted=True)  # its own
             # no checkpoint to export (checkpoints off): a run without a model artifact
             except InputError as e:
                 log.info("mlflow: no model artifact: %s", e)
@@ -297,6 +297,7 @@ class MLflowWriter(NullWriter):
                 )
                 return
             self._client().log_artifacts(self.run_id, str(out), "model")
+            fmt = next(f for f, name in _ARTIFACT_KINDS if (out / name).is_file())
         self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
 
 
@@ -364,3 +365,8 @@ def mlflow_environment() -> None:
     # moment, so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the
     # server's health.
     env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
+
+
+# what the model artifact is, by the file that tells it (transformers' config.json first: its weights are
+# model.safetensors too)
+_ARTIFACT_KINDS = (("hf", "config.json"), ("safetensors", "model.safetensors"), ("state_dict", "model.pt"))

@@ -87,12 +87,13 @@ def test_an_ema_run_exports_its_ema_weights_which_load_outside_ddplab_and_score_
         ),
         (
             ["run", "--to", "onnx"],
-            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf",
+            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf, "
+            "auto",
         ),
         (
             ["run", "--to", "hf"],
-            "export --to hf: the run's model is ddplab.models.mlp.MLP, not a Hugging Face one (model=hf). "
-            "Fix: --to safetensors",
+            "export --to hf: the run's model is ddplab.models.mlp.MLP, which has no transformers counterpart "
+            "(model=hf and model=gpt do). Fix: --to safetensors",
         ),
         (
             ["run", "--weights", "ema"],
@@ -115,5 +116,5 @@ def test_an_unknown_command_is_one_line(tmp_path):
     proc = run_cmd([sys.executable, "-m", "ddplab", "serve"], tmp_path)
     assert proc.returncode == 2 and proc.stderr == (
         "python -m ddplab: 'serve' is not a command. Fix: python -m ddplab "
-        "export ... (train with python train.py)\n"
+        "export|generate ... (train with python train.py)\n"
     )

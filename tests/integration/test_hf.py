@@ -137,9 +137,12 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
     args = LM + token_file(tmp_path) + ["num_epochs=1", "limit_train_steps=4"]
     ddplab.run(compose_cfg(args, tmp_path / "run"))
     proc = run_cmd([sys.executable, "-m", "ddplab", "export", str(tmp_path / "run"), "--to", "hf"], tmp_path)
-    assert proc.returncode == 0 and proc.stdout.endswith("from_pretrained loads the folder\n"), proc.stderr[
-        -2000:
-    ]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # token ids of bytes: the tokenizer beside it is the byte-level one
+    assert proc.stdout.endswith(
+        "from_pretrained loads the folder, with a byte-level tokenizer (the run's ids "
+        "are the text's UTF-8 bytes)\n"
+    )
     theirs = AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "run" / "export"), local_files_only=True
     ).eval()
@@ -147,7 +150,8 @@ def test_export_to_hf_is_a_folder_from_pretrained_loads_with_ddplabs_logits(tmp_
     batch = torch.randint(256, (4, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(theirs(input_ids=batch).logits, ours(batch))
-    assert "config.json (transformers')" in (tmp_path / "run" / "export" / "README.md").read_text()
+    card = (tmp_path / "run" / "export" / "README.md").read_text()
+    assert "`config.json`" in card and "`tokenizer.json`" in card and "from_pretrained(folder)" in card
 
 
 @pytest.mark.parametrize("pretrained", [False, True])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.compare import assert_same_checkpoint
 from helpers.extras import lazy, needs
-from helpers.jobs import assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
 
 from ddplab.events import read_scalars
 
@@ -97,3 +97,36 @@ def test_hf_lm_from_parquet_through_a_bpe_at_1_and_2_ranks_killed_resumed_tracke
     batch = torch.randint(320, (4, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(theirs(input_ids=batch).logits, ours(batch))
+    text_out(killed, tmp_path, client, run.info.run_id)
+
+
+def text_out(run: Path, tmp_path: Path, client, run_id: str) -> None:
+    """Issue 47's item 1 on this run: the run kept its tokenizer, the export carries it with ids of its
+    vocabulary (the BPE has no special tokens: none, not GPT-2's 50256), transformers' pipeline on the folder
+    alone writes the greedy text ``python -m ddplab generate`` writes from the run dir, and MLflow's model/
+    is that same folder."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    assert (run / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    folder = run / "export"
+    prompt = "The captain"  # and 8 new tokens: within the model's 16 positions
+    assert AutoTokenizer.from_pretrained(str(folder))(prompt)["input_ids"] == (
+        Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(prompt).ids
+    )
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == 320 and config.get("bos_token_id") is config.get("eos_token_id") is None
+    piped = run_cmd(
+        [sys.executable, str(REPO / "tests/workers/pipeline_worker.py"), str(folder), prompt, "8"], tmp_path
+    )
+    assert_ok(piped)
+    assert "warn" not in piped.stderr.lower() and "token_id" not in piped.stderr
+    said = run_cmd(
+        [sys.executable, "-m", "ddplab", "generate", str(run), "--prompt", prompt, "--temperature", "0"]
+        + ["--max-new-tokens", "8"],
+        tmp_path,
+    )
+    assert_ok(said)
+    assert said.stdout == json.loads(piped.stdout) + "\n"
+    artifact = {a.path for a in client.list_artifacts(run_id, "model")}
+    assert {"model/config.json", "model/tokenizer.json", "model/model.safetensors"} <= artifact

@@ -1,5 +1,5 @@
 """Getting the trained model out: ``python -m ddplab export <run dir or checkpoint> --to
-safetensors|state_dict``.
+safetensors|state_dict|hf|auto``.
 
 A checkpoint (``last.pt``, ``best.pt``) is ddplab's resume format — model, optimizer, RNG, loop, callbacks —
 and only ddplab reads it. An export is the model alone, for serving stacks and other code: its weights (the
@@ -10,7 +10,6 @@ provenance, the command). FSDP checkpoints are read back whole from their shards
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -20,11 +19,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from ddplab.checkpoint import card as model_card
 from ddplab.checkpoint.files import BEST, LAST
 from ddplab.errors import InputError
 
-FORMATS = ("safetensors", "state_dict", "hf")
-FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt", "hf": "model.safetensors"}
+# hf: a folder transformers loads as is (checkpoint/hf_export.py); auto: hf where the model has a transformers
+# counterpart, else safetensors where installed, else state_dict
+FORMATS = ("safetensors", "state_dict", "hf", "auto")
+FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt"}
 
 
 def checkpoint_of(source: Path, which: str) -> Path:
@@ -142,15 +144,6 @@ def _ema_or_trained(model: torch.nn.Module, ck: dict[str, Any], weights: str) ->
 
 def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, str]) -> Path:
     path = out / FILES[fmt]
-    # a directory from_pretrained loads: config.json + model.safetensors, the model's own names
-    if fmt == "hf":
-        if not hasattr(model, "hf"):
-            raise InputError(
-                f"export --to hf: the run's model is {type(model).__module__}.{type(model).__name__}, "
-                "not a Hugging Face one (model=hf). Fix: --to safetensors"
-            )
-        model.hf.save_pretrained(str(out))
-        return path
     if fmt == "state_dict":
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
         return path
@@ -165,46 +158,31 @@ def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, s
     return path
 
 
-def card(ck: dict[str, Any], path: Path, run_dir: Path | None, weights: str, files: list[str]) -> str:
-    """README.md of the export: what it is, how it scored, what it was trained on and how."""
-    cfg = OmegaConf.create(ck["meta"]["config"])
-    res, loop = ck.get("results", {}), ck.get("loop", {})
-    prov = (
-        json.loads((run_dir / "provenance.json").read_text())
-        if run_dir and (run_dir / "provenance.json").is_file()
-        else {}
-    )
-    metrics = {
-        **res.get("last_val", {}),
-        **({"best " + str(cfg.get("objective")): res["best"]} if "best" in res else {}),
-    }
-    rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items() if isinstance(v, (int, float)))
-    code = prov.get("code", {})
-    return "\n".join(
-        [
-            f"# {cfg.model._target_.rsplit('.', 1)[-1]}{_CARD_TITLE}",
-            "",
-            f"- model: `{cfg.model._target_}` (its config: `config.yaml`, `model:`)",
-            f"- weights: {weights}",
-            f"- files: {', '.join(f'`{f}`' for f in files)}",
-            f"- from: `{path}` (step {loop.get('step')}, epoch {loop.get('epoch')}, world size "
-            f"{ck['meta'].get('world_size')})",
-            f"- data: `{cfg.dataset.get('_target_')}`; task `{cfg.task.get('_target_')}`",
-            f"- code: {code.get('commit', 'unknown')}"
-            f"{' (uncommitted changes)' if code.get('dirty') else ''}; "
-            f"torch {prov.get('packages', {}).get('torch', torch.__version__)}",
-            f"- command: `{' '.join(prov.get('command', [])) or 'unknown'}`",
-            "",
-            "| metric | value |",
-            "|---|---|",
-            rows or "| (none recorded) | |",
-            "",
-            "Load: `model = hydra.utils.instantiate(OmegaConf.load('config.yaml').model)`, then "
-            "`safetensors.torch.load_model(model, 'model.safetensors')` (or "
-            "`model.load_state_dict(torch.load('model.pt'))`).",
-            "",
-        ]
-    )
+def write_hf(model: torch.nn.Module, cfg: Any, run_dir: Path | None, out: Path) -> tuple[list[str], str]:
+    """A folder ``from_pretrained`` and ``pipeline`` load as is: the transformers model, the run's tokenizer
+    (where the run names one), special-token ids of its vocabulary. The files, and what was written, in
+    words."""
+    from ddplab.checkpoint import hf_export
+    from ddplab.data import tokenizer as tz
+
+    hf = hf_export.transformers_model(model)
+    tok, where = tz.of_run(cfg, run_dir) or (None, "")
+    files = hf_export.save(hf, tok, out, hf_export.context_of(hf))
+    with_tok = f"with {where}" if tok else "without a tokenizer (the run's ids came as ids)"
+    return files, f"; from_pretrained loads the folder, {with_tok}"
+
+
+def resolved(fmt: str, model: torch.nn.Module) -> str:
+    """``auto``: hf where the model has a transformers counterpart, else safetensors where installed."""
+    if fmt != "auto":
+        return fmt
+    import importlib.util
+
+    from ddplab.checkpoint.hf_export import maps
+
+    if importlib.util.find_spec("transformers") and maps(model):
+        return "hf"
+    return "safetensors" if importlib.util.find_spec("safetensors") else "state_dict"
 
 
 def export(
@@ -228,8 +206,9 @@ def export(
     _check_owned(out)
     ck = read(path)
     model, said, cfg = build(ck, weights, trusted)
+    fmt = resolved(fmt, model)
     meta = {
-        "ddplab_checkpoint": str(path),
+        "ddplab_checkpoint": model_card.within(path, run_dir),
         "ddplab_step": str(ck.get("loop", {}).get("step")),
         "weights": said[:200],
     }
@@ -238,19 +217,18 @@ def export(
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
     try:
-        written = write_weights(model, fresh, fmt, meta)
         if fmt == "hf":
-            said += "; from_pretrained loads the folder"
+            files, note = write_hf(model, cfg, run_dir, fresh)
+            said += note
+        else:
+            files = [write_weights(model, fresh, fmt, meta).name]
         (fresh / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        files = [written.name, "config.yaml"] + (["config.json (transformers')"] if fmt == "hf" else [])
-        (fresh / "README.md").write_text(card(ck, path, run_dir, said, files))
+        files.append("config.yaml")
+        (fresh / "README.md").write_text(model_card.card(ck, path, run_dir, said, files, fmt))
         _replace(out, fresh)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
     return out, said
-
-
-_CARD_TITLE = " exported by ddplab"  # the model card's first line ends so: how an earlier export is known
 
 
 def _check_owned(out: Path) -> None:
@@ -266,7 +244,7 @@ def _check_owned(out: Path) -> None:
         return
     card_file = out / "README.md"
     first = card_file.read_text(errors="replace").split("\n", 1)[0] if card_file.is_file() else ""
-    if not first.endswith(_CARD_TITLE):
+    if not first.endswith(model_card.TITLE):
         names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
         raise InputError(
             f"export --out {out}: holds files an export did not write ({names}). Fix: --out a new "
@@ -283,11 +261,8 @@ def _replace(out: Path, fresh: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ddplab export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", type=Path, help="a run dir (its checkpoints/) or a checkpoint file")
-    ap.add_argument("--to", default="safetensors", help=f"one of {', '.join(FORMATS)} (default safetensors)")
-    ap.add_argument("--out", type=Path, help="the folder to write (default: <run dir>/export)")
+def add_build_flags(ap: argparse.ArgumentParser) -> None:
+    """--weights and --trust-config: how a run's model is built from its checkpoint (export's, generate's)."""
     ap.add_argument(
         "--weights",
         choices=("auto", "ema", "raw"),
@@ -295,17 +270,30 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: the EMA's where the run kept one; raw: the trained weights",
     )
     ap.add_argument(
-        "--which",
-        choices=("auto", "best", "last"),
-        default="auto",
-        help="a run dir's checkpoint (auto: best.pt where there is one)",
-    )
-    ap.add_argument(
         "--trust-config",
         action="store_true",
         help="build any _target_ the checkpoint's config names (it can run any code: only for a run "
         "dir you trust); without it, only what ddplab ships (docs/security.md)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ddplab export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", type=Path, help="a run dir (its checkpoints/) or a checkpoint file")
+    ap.add_argument(
+        "--to",
+        default="safetensors",
+        help=f"one of {', '.join(FORMATS)} (default safetensors; hf: a folder transformers loads as is, with "
+        "the run's tokenizer; auto: hf where the model has a transformers counterpart)",
+    )
+    ap.add_argument("--out", type=Path, help="the folder to write (default: <run dir>/export)")
+    ap.add_argument(
+        "--which",
+        choices=("auto", "best", "last"),
+        default="auto",
+        help="a run dir's checkpoint (auto: best.pt where there is one)",
+    )
+    add_build_flags(ap)
     args = ap.parse_args(argv)
     try:
         out, said = export(args.source, args.to, args.out, args.weights, args.which, args.trust_config)

@@ -99,6 +99,9 @@ class GPTConfig:
     n_head: int = 4  # attention heads (divide n_embd)
     n_embd: int = 64  # embedding width
     dropout: float = 0.0  # on attention, residual and embedding outputs
+    # false: GPT-2's layout (export --to hf maps it onto transformers); true: a bias on the output layer, as
+    # in checkpoints from before this key (conf/model/gpt.yaml sets false)
+    head_bias: bool = True
     weights: Optional[str] = None  # local state_dict file, loaded before the wrap
 
     @staticmethod

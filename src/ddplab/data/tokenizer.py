@@ -7,6 +7,9 @@ whole text would get: a chunk is cut only at a line break between two non-space 
 where every common pre-tokenizer (byte-level, whitespace, BERT's) ends a piece anyway, and each cut is checked
 (the two lines around it encoded together and apart) so a tokenizer whose pieces cross it is refused, not
 silently encoded differently.
+
+A run keeps the tokenizer its ids came from in its dir (``keep``), so that export and generate find it from
+the run dir alone (``of_run``); a run over bytes gets one whose ids are the bytes (``byte_level``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import re
+import shutil
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -182,3 +186,71 @@ def encode(tok: Any, texts: Iterable[tuple[int, str]], workers: int = 1) -> Iter
         while pending:
             done = pending.popleft()
             yield done[0], done[1].get()
+
+
+# --------------------------------------------------------------------------- the run's tokenizer
+RUN_FILE = "tokenizer.json"  # the copy a run keeps in its dir (keep): export and generate read it first
+
+
+def named_by(dataset: Any) -> Path | None:
+    """The tokenizer.json a dataset config's ids come from: dataset.tokenizer (dataset=hf), or the one the
+    token files' sidecar names (dataset=tokens and token_shards: saved beside them by make_tokens.py, its
+    hash checked); None for bytes, or ids written without a tokenizer ddplab knows of."""
+    if dataset.get("tokenizer"):
+        return Path(str(dataset.tokenizer)).expanduser()
+    path = dataset.get("path")
+    if not path or "tokens" not in str(dataset.get("_target_", "")):
+        return None
+    path = Path(str(path)).expanduser()
+    first = path if path.is_file() else next(iter(sorted(path.glob("*.bin"))), None)
+    side = Path(f"{first}.json") if first else None
+    if side is None or not side.is_file():
+        return None
+    meta = json.loads(side.read_text()).get("tokenizer")
+    if not meta:
+        return None
+    for folder in (side.parent, side.parent.parent):  # beside a token file, or above a folder of shards
+        f = folder / meta["file"]
+        if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == meta["sha256"]:
+            return f
+    return None
+
+
+def keep(dataset: Any, run_dir: Path) -> None:
+    """The run's own copy of its tokenizer (``<run dir>/tokenizer.json``), so that the run dir alone samples
+    and exports with it, wherever the data went."""
+    src = named_by(dataset)
+    if src is not None and src.is_file():
+        shutil.copyfile(src, run_dir / RUN_FILE)
+
+
+def of_run(cfg: Any, run_dir: Path | None) -> tuple[Any, str] | None:
+    """The tokenizer a task=lm run's ids mean, and where it came from: the run's copy, the one its dataset
+    names, or bytes (a vocabulary of 256 and no tokenizer named); None where ddplab cannot know it."""
+    if run_dir is not None and (run_dir / RUN_FILE).is_file():
+        return load(run_dir / RUN_FILE), f"the run's tokenizer ({RUN_FILE} in its dir)"
+    named = named_by(cfg.dataset)
+    if named is not None:
+        return load(named), f"the run's tokenizer ({named.name}, named by its dataset)"
+    target = str(cfg.dataset.get("_target_", ""))
+    if cfg.dataset.get("vocab_size") == 256 and target.endswith((".text", ".tokens", ".token_shards")):
+        return byte_level(), "a byte-level tokenizer (the run's ids are the text's UTF-8 bytes)"
+    return None
+
+
+def byte_level() -> Any:
+    """A tokenizer whose ids are the text's UTF-8 bytes, as a byte-level run's are: GPT-2's alphabet of one
+    character per byte, in byte order, and no merges (decoding gives the bytes back)."""
+    tk = _tokenizers()
+    vocab = {ch: b for b, ch in enumerate(_byte_chars())}
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    return tok
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte 0-255: itself where printable, else 256 + n in order."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]

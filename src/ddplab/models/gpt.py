@@ -39,6 +39,7 @@ class TinyGPT(nn.Module):
         n_head: int = 4,
         n_embd: int = 64,
         dropout: float = 0.0,
+        head_bias: bool = True,
     ):
         super().__init__()
         if n_embd % n_head:
@@ -48,7 +49,8 @@ class TinyGPT(nn.Module):
         self.pos = nn.Embedding(block_size, n_embd)
         # Sequential (not ModuleList): each block is an FSDP unit with a forward of its own.
         self.blocks = nn.Sequential(*(Block(n_embd, n_head, dropout) for _ in range(n_layer)))
-        self.head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size))
+        # without a bias the model is GPT-2's layout, which export --to hf maps onto transformers
+        self.head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=head_bias))
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]

@@ -24,6 +24,7 @@ def transformers_module() -> Any:
             "model=hf needs Hugging Face transformers, which is not installed. Fix: pip install 'ddplab[hf]'"
         ) from None
     transformers.logging.set_verbosity_error()  # its hub and init notices are not the run's to print
+    transformers.utils.logging.disable_progress_bar()  # nor its loading and saving bars (rank logs, export)
     return transformers
 
 
