@@ -182,7 +182,8 @@ class MLflowWriter(NullWriter):
                 self._sent[key] = max(m.step for m in client.get_metric_history(self.run_id, key))
         else:
             exp = client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
+            # made a model-training experiment: MLflow 3's UI then opens on its runs, not on GenAI traces
+            exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, tags=KIND)
             tags = {RUN_DIR_TAG: str(self.run_dir)}
             self.run_id = client.create_run(exp_id, run_name=self.run_dir.name, tags=tags).info.run_id
         if self._recorded_run() != self.run_id:
@@ -299,6 +300,9 @@ class MLflowWriter(NullWriter):
             self._client().log_artifacts(self.run_id, str(out), "model")
             fmt = next(f for f, name in _ARTIFACT_KINDS if (out / name).is_file())
         self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
+
+
+KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow's tag for an experiment's kind
 
 
 def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:

@@ -56,7 +56,10 @@ def test_the_mlflow_run_holds_tensorboards_scalars_the_config_and_tags(tmp_path,
     client, run = run_of(run_dir, mlflow_server)
     tb = read_scalars(run_dir / "tb")
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
-    assert client.get_experiment(run.info.experiment_id).name == "ddplab"
+    experiment = client.get_experiment(run.info.experiment_id)
+    # a model-training experiment: MLflow's UI opens on the runs table, not on GenAI traces
+    assert experiment.name == "ddplab"
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert set(run.data.metrics) == set(tb) and len(tb) > 10
     for key, points in tb.items():  # TensorBoard keeps float32: the same numbers, rounded as it rounds them
         got = history(client, run, key)
@@ -162,6 +165,7 @@ def test_a_sweep_is_one_experiment_with_a_run_per_job(tmp_path, mlflow_server):
     assert_ok(proc)
     client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name(f"sweep {(tmp_path / 'sweep').resolve()}")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.data.params["optimizer.lr"] for r in runs) == ["0.05", "0.1"]
     assert [client.list_artifacts(r.info.run_id, "model") for r in runs] == [[], []]  # mlflow.log_model=false
