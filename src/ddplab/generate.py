@@ -35,7 +35,8 @@ def sample(
     out = list(ids)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = logits_of(torch.tensor([out[-context:]]))[0, -1].float()
+            # on the CPU, where the generator is (a GPU model's logits come back for one row)
+            logits = logits_of(torch.tensor([out[-context:]]))[0, -1].float().cpu()
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:

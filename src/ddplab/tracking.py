@@ -103,12 +103,14 @@ class MLflowWriter(NullWriter):
     def scalars(self, values: dict[str, float], step: int) -> None:
         self._q.put((self._metrics, (dict(values), step, int(time.time() * 1000))))
 
-    def text(self, tag: str, value: str) -> None:
+    def text(self, tag: str, value: str, step: int = 0) -> None:
         if tag == "config":
             self._q.put((self._params, (flat_params(value),)))
         elif tag == "provenance":
             self._q.put((self._provenance, (value,)))
-        self._q.put((self._artifact_text, (value, f"{tag}.txt")))
+        # a text of a step (samples at an evaluation): one file per step, as TensorBoard keeps one per step
+        name = f"{tag}/{step:08d}.txt" if step else f"{tag}.txt"
+        self._q.put((self._artifact_text, (value, name)))
 
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))

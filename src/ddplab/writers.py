@@ -22,7 +22,7 @@ class Writer(Protocol):
     (``state.writer``)."""
 
     def scalars(self, values: dict[str, float], step: int) -> None: ...
-    def text(self, tag: str, value: str) -> None: ...
+    def text(self, tag: str, value: str, step: int = 0) -> None: ...
     def hparams(self, hparams: dict[str, Any], trial: str) -> None: ...
     def charts(self, categories: dict[str, dict[str, list[str]]]) -> None: ...
     def image(self, tag: str, image: Any, step: int) -> None: ...
@@ -38,7 +38,7 @@ class NullWriter:
     def scalars(self, values: dict[str, float], step: int) -> None:
         pass
 
-    def text(self, tag: str, value: str) -> None:
+    def text(self, tag: str, value: str, step: int = 0) -> None:
         pass
 
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
@@ -131,13 +131,13 @@ class TensorBoardWriter(NullWriter):
         with self._said_in_one_line():
             w.file_writer.add_summary(summary, step)
 
-    def text(self, tag: str, value: str) -> None:
+    def text(self, tag: str, value: str, step: int = 0) -> None:
         if self._w is None:
-            self._queued.append(("text", (tag, value)))
+            self._queued.append(("text", (tag, value, step)))
             return
         # Markdown: indent four spaces so yaml keeps its layout in TensorBoard's Text tab.
         with self._said_in_one_line():
-            self._w.add_text(tag, "    " + value.replace("\n", "\n    "), 0)
+            self._w.add_text(tag, "    " + value.replace("\n", "\n    "), step)
 
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         """This run's HParams session, in its own event file (add_hparams would make a second run
@@ -208,9 +208,9 @@ class TeeWriter(NullWriter):
         for w in self.writers:
             w.scalars(values, step)
 
-    def text(self, tag: str, value: str) -> None:
+    def text(self, tag: str, value: str, step: int = 0) -> None:
         for w in self.writers:
-            w.text(tag, value)
+            w.text(tag, value, step)
 
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         for w in self.writers:

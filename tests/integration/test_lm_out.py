@@ -118,3 +118,43 @@ def test_a_tinygpt_whose_head_has_a_bias_says_why_it_has_no_transformers_export(
     auto = run_cmd(ddplab_cmd("export", str(run), "--to", "auto"), tmp_path)
     assert_ok(auto)
     assert (run / "export" / "model.safetensors").is_file() and not (run / "export" / "config.json").exists()
+
+
+def texts(events: Path, tag: str) -> dict[int, str]:
+    """{step: text} of a TensorBoard text tag, as its Text tab shows them (ddplab indents each line by 4)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(events), size_guidance={"tensors": 0}).Reload()
+    return {
+        e.step: e.tensor_proto.string_val[0].decode()[4:].replace("\n    ", "\n")
+        for e in ea.Tensors(f"{tag}/text_summary")
+    }
+
+
+@pytest.mark.slow
+def test_samples_at_each_evaluation_are_generates_text_and_leave_training_bitwise(tmp_path):
+    """callbacks=[samples]: after each evaluation the model's continuation of the prompt in TensorBoard's Text
+    tab at its step; the last one is what generate writes from last.pt; greedy or sampled, the run (with
+    dropout) trains bitwise as the run without it."""
+    from helpers.compare import assert_same_checkpoint
+
+    args = [*BYTES_LM[:-3], "num_epochs=2", "limit_train_steps=6", "progress=none", "model.dropout=0.1"]
+    sampled = [
+        "callbacks=[samples]",
+        f"callbacks.samples.prompt={PROMPT}",
+        "callbacks.samples.max_new_tokens=12",
+    ]
+    ddplab.run(compose_cfg(args, tmp_path / "plain"))
+    ddplab.run(compose_cfg(args + sampled, tmp_path / "greedy"))
+    ddplab.run(compose_cfg(args + sampled + ["callbacks.samples.temperature=1.0"], tmp_path / "sampled"))
+    for run in ("greedy", "sampled"):
+        assert_same_checkpoint(
+            tmp_path / "plain" / "checkpoints" / "last.pt", tmp_path / run / "checkpoints" / "last.pt"
+        )
+    said = texts(tmp_path / "greedy" / "tb", "samples")
+    assert sorted(said) == [6, 12] and all(t.startswith(PROMPT) for t in said.values())
+    last = tmp_path / "greedy" / "checkpoints" / "last.pt"
+    greedy = ("--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12")
+    proc = run_cmd(ddplab_cmd("generate", str(last), *greedy), tmp_path)
+    assert_ok(proc)
+    assert proc.stdout == said[12] + "\n"

@@ -40,6 +40,7 @@ from ddplab.config.task_and_callbacks import (
     LanguageModelTaskConfig,
     ProfilerConfig,
     RegressionTaskConfig,
+    SamplesConfig,
     VAETaskConfig,
 )
 
@@ -74,5 +75,10 @@ GROUPS = {
         "lm": LanguageModelTaskConfig,
         "vae": VAETaskConfig,
     },
-    "callbacks": {"ema": EMAConfig, "early_stopping": EarlyStoppingConfig, "profiler": ProfilerConfig},
+    "callbacks": {
+        "ema": EMAConfig,
+        "early_stopping": EarlyStoppingConfig,
+        "profiler": ProfilerConfig,
+        "samples": SamplesConfig,
+    },
 }

@@ -99,3 +99,37 @@ class ProfilerConfig:
             "need [first, last] with 1 <= first <= last",
             f"pass {key}.steps=[10,15]",
         )
+
+
+@dataclass
+class SamplesConfig:
+    _target_: str = "ddplab.callbacks.samples.Samples"
+    prompt: str = ""  # the text the model continues after each evaluation (the run's tokenizer encodes it)
+    max_new_tokens: int = 32  # tokens written after it
+    temperature: float = 0.0  # 0: greedy; else softmax(logits / temperature), from the sampler's own seed
+    top_k: Optional[int] = None  # sample among the k likeliest only (null: all)
+    seed: int = 0  # the sampler's generator, seeded alike at each evaluation (training's streams untouched)
+
+    @staticmethod
+    def check(c: Any, key: str) -> None:
+        require(
+            c.max_new_tokens >= 1,
+            f"{key}.max_new_tokens",
+            c.max_new_tokens,
+            "must be >= 1",
+            f"pass {key}.max_new_tokens=32",
+        )
+        require(
+            c.temperature >= 0,
+            f"{key}.temperature",
+            c.temperature,
+            "must be >= 0 (0: greedy)",
+            f"pass {key}.temperature=0",
+        )
+        require(
+            c.top_k is None or c.top_k >= 1,
+            f"{key}.top_k",
+            c.top_k,
+            "must be >= 1 or null",
+            f"pass {key}.top_k=null",
+        )
