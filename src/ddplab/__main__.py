@@ -2,15 +2,16 @@
 
     python -m ddplab export <run dir or checkpoint> --to safetensors|state_dict|hf|auto   # the model out
     python -m ddplab generate <run dir or export folder> --prompt TEXT                  # what it writes
+    python -m ddplab sync <run dir>                                     # what an outage kept from MLflow
 
-(the export: ``ddplab.checkpoint.export``; sampling: ``ddplab.generate``)
+(the export: ``ddplab.checkpoint.export``; sampling: ``ddplab.generate``; ``ddplab.sync``)
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"export": "ddplab.checkpoint.export", "generate": "ddplab.generate"}
+COMMANDS = {"export": "ddplab.checkpoint.export", "generate": "ddplab.generate", "sync": "ddplab.sync"}
 
 
 def main(argv: list[str] | None = None) -> int:

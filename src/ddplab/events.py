@@ -60,3 +60,19 @@ def read_hparams(path: str | Path) -> dict[str, Any]:
         for name, v in info.hparams.items()
         if v.WhichOneof("kind") in kinds
     }
+
+
+def missing_steps(
+    path: str | Path, sent: dict[str, int], upto: int | None = None
+) -> list[tuple[int, dict[str, float]]]:
+    """(step, {tag: value}) of the scalars in the events under ``path`` that a tracker lacks: past the last
+    step ``sent`` holds for each tag, up to ``upto`` (None: all), in step order. What a tracker that was
+    unreachable gets later (ddplab.tracking's backfill)."""
+    if not events_in(path).exists():
+        return []
+    by_step: dict[int, dict[str, float]] = {}
+    for tag, points in read_scalars(path).items():
+        for step, value in points:
+            if step > sent.get(tag, -1) and (upto is None or step <= upto):
+                by_step.setdefault(step, {})[tag] = value
+    return sorted(by_step.items())

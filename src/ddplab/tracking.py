@@ -4,9 +4,11 @@ MLflow run per job (per sweep job, per study trial), grouped in an experiment na
 sweep; at a successful end, the run's exported model as the artifact ``model/`` (``mlflow.log_model``).
 
 Training never waits for MLflow: every call goes through a queue to one background thread. A tracking server
-that is down, slow or failing is said once (a warning naming the URI and the cause); from then on nothing more
-is sent, and TensorBoard — written in the loop, as always — keeps the whole record. At the end the thread gets
-``mlflow.close_timeout_s`` to drain; what is left is said and dropped.
+that cannot be reached (down, hanging, failing with a 5xx) is said once, a warning naming the URI and the
+cause; what MLflow misses waits in order and goes when the server is back (tried every ``mlflow.retry_s``).
+What it still lacks at the end (``mlflow.close_timeout_s`` to drain) is said once: TensorBoard's record in the
+run dir holds it, and ``python -m ddplab sync <run dir>`` sends it, each step once, as a resume does. A record
+MLflow refuses (a 4xx: a bad value) is said once and skipped; the rest goes on.
 
 A resumed run continues the same MLflow run (its id is kept in ``<run dir>/mlflow.json``), and each metric's
 steps appear once: the steps a crashed attempt had already sent (after its last checkpoint, recomputed bitwise
@@ -15,6 +17,7 @@ by the resume) are not sent again.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -30,6 +33,8 @@ from ddplab.writers import NullWriter
 
 log = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
+# records held while the server cannot be reached; past it the oldest scalars go (TensorBoard has them)
+MAX_BACKLOG = 100_000
 # each MLflow run's run dir: a resume finds its run by it when mlflow.json is gone
 RUN_DIR_TAG = "ddplab.run_dir"
 THREAD = "ddplab-mlflow"
@@ -76,6 +81,8 @@ class MLflowWriter(NullWriter):
         run_dir: Path,
         close_timeout_s: float,
         log_model: bool = False,
+        retry_s: float = 30.0,
+        events: Path | None = None,
     ):
         self.uri, self.experiment, self.run_dir, self.timeout = (
             tracking_uri,
@@ -92,9 +99,14 @@ class MLflowWriter(NullWriter):
         # Checkpoints before the first step: a resume, decided here, before this run can write one of its own.
         self._resuming = any((run_dir / "checkpoints").glob("*.pt"))
         self._q: queue.Queue = queue.Queue()
-        self._failed: str | None = None
+        self.retry_s = retry_s
+        self.events = events or run_dir / "tb"  # TensorBoard's record: what MLflow missed is read back there
+        self._backlog: collections.deque = collections.deque()  # the thread's: records not delivered yet
+        self._down = False  # the server cannot be reached: the backlog waits, tried again at _next_try
+        self._next_try = 0.0
+        self._gap = False  # the backlog overflowed: its oldest scalars are TensorBoard's to send (backfill)
         self._hurried = False  # close's wait shortened by hurry (a stop signal)
-        self._said = threading.Lock()  # one warning a run, whichever side says it first
+        self._said: set[str] = set()  # what was said already: each kind of trouble once a run
         self._thread = threading.Thread(target=self._drain, name=THREAD, daemon=True)
         self._thread.start()
         self._q.put((self._open, ()))
@@ -115,22 +127,34 @@ class MLflowWriter(NullWriter):
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))
 
+    def purge_after(self, step: int) -> None:
+        """A resume: the steps up to ``step`` that MLflow lacks (a crashed attempt's outage) come from
+        TensorBoard's record; the loop sends the rest."""
+        self._q.put((self._backfill, (step,)))
+
+    def backfill(self) -> None:
+        """Every step of TensorBoard's record that the MLflow run lacks (``python -m ddplab sync``)."""
+        self._q.put((self._backfill, (None,)))
+
     def close(self, status: str = "FINISHED") -> None:
         self._q.put((self._finish, (status,)))
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
-        if self._thread.is_alive():
+        left = self._q.qsize() + len(self._backlog) if self._thread.is_alive() else len(self._backlog)
+        if left:
             within = (
                 f"the {self.timeout:g} s a stop signal left of the launcher's grace"
                 if self._hurried
                 else f"mlflow.close_timeout_s={self.timeout:g} s"
             )
             self._say(
-                "mlflow: %s did not take the run's last %d record(s) within %s; they are dropped "
-                "(TensorBoard's record in the run dir is whole)",
+                "end",
+                "mlflow: %s did not take the run's last %d record(s) within %s; TensorBoard's record in the "
+                "run dir holds them: python -m ddplab sync %s sends them, each step once",
                 self.shown_uri or "MLflow",
-                self._q.qsize(),
+                left,
                 within,
+                self.run_dir,
             )
 
     def drain(self) -> None:
@@ -141,31 +165,79 @@ class MLflowWriter(NullWriter):
             self.timeout, self._hurried = seconds, True
             self.log_model = False  # an upload cut short would leave the MLflow run RUNNING for good
 
-    def _say(self, msg: str, *args: Any) -> None:
-        """The run's one warning about MLflow; after it, nothing more is sent or said."""
-        if self._said.acquire(blocking=False):
-            self._failed = self._failed or "said"
+    def _say(self, kind: str, msg: str, *args: Any) -> None:
+        """A warning about MLflow, once a run for each ``kind`` (an outage, a refused record, the end)."""
+        if kind not in self._said:
+            self._said.add(kind)
             log.warning(msg, *args)
 
     # ---------------------------------------------------------------- the thread's side
     def _drain(self) -> None:
         while True:
-            fn, args = self._q.get()
-            if fn is _STOP:
-                return
-            if self._failed:
-                continue  # said once; the rest is dropped, never retried in the loop's time
+            wait = max(0.0, self._next_try - time.monotonic()) if self._backlog else None
             try:
+                fn, args = self._q.get(timeout=wait)
+            except queue.Empty:  # time to try the server again
+                fn, args = None, ()
+            if fn is _STOP:
+                self._deliver(final=True)
+                return
+            if fn is not None:
+                self._keep(fn, args)
+            self._deliver()
+
+    def _keep(self, fn: Any, args: tuple) -> None:
+        self._backlog.append((fn, args))
+        if len(self._backlog) > MAX_BACKLOG:  # the oldest scalars go: TensorBoard's record holds them
+            oldest = next(i for i, (f, _) in enumerate(self._backlog) if f == self._metrics)
+            del self._backlog[oldest]
+            self._gap = True
+
+    def _deliver(self, final: bool = False) -> None:
+        """The backlog, in order, while the server takes it; at the first record it cannot reach, an outage
+        (tried again in retry_s; at the end, once more)."""
+        if self._down and not final and time.monotonic() < self._next_try:
+            return
+        while self._backlog:
+            fn, args = self._backlog[0]
+            try:
+                if self._down and self._gap:  # back after an overflow: the oldest missed steps first
+                    self._backfill(None)
+                    self._gap = False
                 fn(*args)
             except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
-                said = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-                why = f"{type(e).__name__}: {redact.text(said)}"  # a client's error may quote the URI
+                if not _refused(e):
+                    self._outage(e)
+                    return
                 self._say(
-                    "mlflow: cannot log to %s (%s); MLflow logging stops for this run, TensorBoard's record "
-                    "in the run dir is whole. Fix: check mlflow.tracking_uri and the server",
-                    self.shown_uri or "MLflow's default store",
-                    why,
+                    "refused", "mlflow: %s refused a record (%s); it is skipped", self._where(), _why(e)
                 )
+            self._backlog.popleft()
+            if self._down:
+                self._down = False
+                log.info("mlflow: %s is back; what it missed is being sent", self._where())
+
+    def _outage(self, e: Exception) -> None:
+        self._down, self._next_try = True, time.monotonic() + self.retry_s
+        self._say(
+            "outage",
+            "mlflow: cannot reach %s (%s); training goes on, and what MLflow misses is sent when it is back "
+            "(tried every mlflow.retry_s=%g s; TensorBoard's record in the run dir is whole)",
+            self._where(),
+            _why(e),
+            self.retry_s,
+        )
+
+    def _where(self) -> str:
+        return self.shown_uri or "MLflow's default store"
+
+    def _backfill(self, upto: int | None) -> None:
+        """The steps of TensorBoard's record (up to ``upto``) the MLflow run lacks, in order."""
+        from ddplab.events import missing_steps
+
+        ms = int(time.time() * 1000)
+        for step, values in missing_steps(self.events, self._sent, upto):
+            self._metrics(values, step, ms)
 
     def _client(self) -> Any:
         """One client for the run, made on the thread at its first call (the import included)."""
@@ -238,6 +310,7 @@ class MLflowWriter(NullWriter):
         fresh = [Metric(k, float(v), ms, step) for k, v in values.items() if step > self._sent.get(k, -1)]
         for i in range(0, len(fresh), 1000):  # MLflow takes at most 1000 metrics a batch
             self._client().log_batch(self.run_id, metrics=fresh[i : i + 1000])
+        self._sent.update({m.key: step for m in fresh})  # each step once, whatever sends it again
 
     def _params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -307,72 +380,18 @@ class MLflowWriter(NullWriter):
 KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow's tag for an experiment's kind
 
 
-def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
-    """mlflow.experiment, else the study's (``study <name>``), the sweep's (``sweep <its dir>``), or
-    ddplab."""
-    if cfg.mlflow.get("experiment"):
-        return str(cfg.mlflow.experiment)
-    if "study" in (cfg.callbacks or {}):
-        return f"study {cfg.study.name}"
-    if multirun:
-        return f"sweep {run_dir.parent.resolve()}"
-    return "ddplab"
-
-
-def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: bool = False) -> Any:
-    """The job's writer: rank 0's TensorBoard writer (a do-nothing one elsewhere), and with
-    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it (``evaluating``: mode=eval, no model to
-    log)."""
-    from ddplab import rundir
-    from ddplab.writers import TeeWriter, make_writer
-
-    tensorboard = make_writer(dist, log_dir)
-    if not dist.is_main or "mlflow" not in list(cfg.get("logger") or []):
-        return tensorboard
-    return TeeWriter(tensorboard, mlflow_writer(cfg, run_dir, rundir.is_multirun(), log_model=not evaluating))
-
-
-def mlflow_writer(cfg: Any, run_dir: Path, multirun: bool, log_model: bool = True) -> MLflowWriter:
-    mlflow_environment()
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        from ddplab.errors import ConfigError
-
-        raise ConfigError(
-            "logger=[...,mlflow] needs MLflow, which is not installed. Fix: pip install "
-            "'ddplab[mlflow]', or logger=[tensorboard]"
-        ) from None
-    return MLflowWriter(
-        cfg.mlflow.get("tracking_uri"),
-        experiment_name(cfg, run_dir, multirun),
-        run_dir,
-        float(cfg.mlflow.close_timeout_s),
-        bool(cfg.mlflow.log_model) and log_model,
-    )
-
-
-def mlflow_environment() -> None:
-    """MLflow's switches that ddplab sets where the user has not, before MLflow is imported (it reads some
-    then)."""
-    from ddplab.runtime import env
-
-    # Its usage telemetry (on by default outside CI): a thread MLflow starts at import fetches a config from
-    # the internet, then changes the process environment while this writer's thread sends (requests reads it
-    # for proxies): one KeyError ended MLflow logging for a run (the soak's trial 1864753826). Offline
-    # clusters gain nothing from it. MLFLOW_DISABLE_TELEMETRY=false keeps it.
-    env.library_default("MLFLOW_DISABLE_TELEMETRY", "true")
-    # A server that is down must not hold the thread for minutes (MLflow's defaults: 7 retries, 120 s each,
-    # backoff doubling from 2 s).
-    env.library_default("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")  # a dropped connection is retried, briefly
-    env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    env.library_default("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    # No jitter: urllib3 and MLflow draw it from Python's global `random`, from this writer's thread at any
-    # moment, so the rank's RNG (which its checkpoint holds, and user code draws from) would follow the
-    # server's health.
-    env.library_default("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
-
-
 # what the model artifact is, by the file that tells it (transformers' config.json first: its weights are
 # model.safetensors too)
 _ARTIFACT_KINDS = (("hf", "config.json"), ("safetensors", "model.safetensors"), ("state_dict", "model.pt"))
+
+
+def _refused(e: Exception) -> bool:
+    """MLflow answered and refused this record (a 4xx but 429: a bad value, a closed run): retrying cannot
+    help. Anything else (no answer, a timeout, a 5xx, too many requests) is an outage."""
+    code = getattr(e, "get_http_status_code", lambda: None)()
+    return isinstance(code, int) and 400 <= code < 500 and code != 429
+
+
+def _why(e: Exception) -> str:
+    said = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {redact.text(said)}"  # a client's error may quote the URI

@@ -120,6 +120,8 @@ class MLflowConfig:
     tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local store)
     experiment: Optional[str] = None  # null: the study's or the sweep's, else "ddplab"
     close_timeout_s: float = 30.0  # at the end, how long MLflow may take to receive what is still queued
+    # while the server cannot be reached, how often the writer tries again (what it missed is sent then)
+    retry_s: float = 30.0
     # at a successful end, the run's model (python -m ddplab export's folder) as model/
     log_model: bool = True
 

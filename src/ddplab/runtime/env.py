@@ -379,3 +379,8 @@ def offer_mlflow_credentials(user: str, password: str | None) -> None:
     os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
     if password is not None:
         os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)
+
+
+def mlflow_tracking_uri() -> str | None:
+    """MLflow's own MLFLOW_TRACKING_URI, where the user set it (ddplab.sync's fallback)."""
+    return os.environ.get("MLFLOW_TRACKING_URI")

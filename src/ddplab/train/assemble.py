@@ -29,7 +29,7 @@ from ddplab.runtime.group import Dist
 from ddplab.runtime.signals import StopSignal
 from ddplab.runtime.stopping import slow_save_warning
 from ddplab.task import Task, check_objective
-from ddplab.tracking import writer_for
+from ddplab.tracking_setup import writer_for
 from ddplab.train.batch_size import global_batch_size
 from ddplab.train.evaluation import Evaluator
 from ddplab.train.hooks import Callbacks, Hook
