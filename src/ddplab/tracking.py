@@ -127,6 +127,11 @@ class MLflowWriter(NullWriter):
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))
 
+    @property
+    def down(self) -> bool:
+        """Whether the server could not be reached at the last try (what it misses waits)."""
+        return self._down
+
     def purge_after(self, step: int) -> None:
         """A resume: the steps up to ``step`` that MLflow lacks (a crashed attempt's outage) come from
         TensorBoard's record; the loop sends the rest."""
@@ -209,6 +214,9 @@ class MLflowWriter(NullWriter):
                 if not _refused(e):
                     self._outage(e)
                     return
+                if fn == self._open:  # no run to log to: nothing after it can go
+                    self._stop_for_good(e)
+                    return
                 self._say(
                     "refused", "mlflow: %s refused a record (%s); it is skipped", self._where(), _why(e)
                 )
@@ -227,6 +235,17 @@ class MLflowWriter(NullWriter):
             _why(e),
             self.retry_s,
         )
+
+    def _stop_for_good(self, e: Exception) -> None:
+        self._say(
+            "refused",
+            "mlflow: %s refused the run (%s); MLflow logging stops for this run, TensorBoard's record in the "
+            "run dir is whole",
+            self._where(),
+            _why(e),
+        )
+        self._backlog.clear()
+        self._keep = lambda fn, args: None  # type: ignore[method-assign]  # what comes after is dropped
 
     def _where(self) -> str:
         return self.shown_uri or "MLflow's default store"
@@ -255,13 +274,26 @@ class MLflowWriter(NullWriter):
             for key in client.get_run(self.run_id).data.metrics:
                 self._sent[key] = max(m.step for m in client.get_metric_history(self.run_id, key))
         else:
-            exp = client.get_experiment_by_name(self.experiment)
-            # made a model-training experiment: MLflow 3's UI then opens on its runs, not on GenAI traces
-            exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment, tags=KIND)
             tags = {RUN_DIR_TAG: str(self.run_dir)}
+            exp_id = self._experiment_id()
             self.run_id = client.create_run(exp_id, run_name=self.run_dir.name, tags=tags).info.run_id
         if self._recorded_run() != self.run_id:
             self._record()
+
+    def _experiment_id(self) -> str:
+        """The experiment's id, made where there is none yet, as a model-training experiment (MLflow 3's UI
+        then opens on its runs, not on GenAI traces); another job making it at the same moment (a sweep's,
+        a study's workers) is no failure."""
+        client = self._client()
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return client.create_experiment(self.experiment, tags=KIND)
+        except Exception as e:
+            if "RESOURCE_ALREADY_EXISTS" not in str(e):
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _recorded_run(self) -> str | None:
         """The MLflow run id in ``mlflow.json``; None where there is none or it cannot be read (a file emptied
@@ -342,47 +374,15 @@ class MLflowWriter(NullWriter):
 
     def _finish(self, status: str) -> None:
         if status == "FINISHED" and self.log_model:
-            self._model()
+            from ddplab.tracking_model import log_model
+
+            said = log_model(self._client(), self.run_id, self.run_dir)
+            if said:
+                self._tags({"ddplab.model": said[:5000]})
         self._client().set_terminated(self.run_id, status)
-
-    def _model(self) -> None:
-        """The artifact ``model/``: what ``python -m ddplab export <run dir>`` writes (the best checkpoint's
-        weights, EMA's where the run had EMA), config and model card: a folder transformers loads as is where
-        the model has a transformers counterpart, else safetensors where installed."""
-        import tempfile
-
-        from ddplab.checkpoint import export
-        from ddplab.errors import InputError
-
-        with tempfile.TemporaryDirectory(prefix="ddplab-mlflow-") as tmp:
-            try:
-                # a transformers folder where the model has one (from_pretrained loads the artifact as is)
-                out, said = export.export(self.run_dir, "auto", Path(tmp) / "model", trusted=True)  # its own
-            # no checkpoint to export (checkpoints off): a run without a model artifact
-            except InputError as e:
-                log.info("mlflow: no model artifact: %s", e)
-                return
-            except Exception as e:  # the run's own record is whole; only the artifact is missing
-                log.warning(
-                    "mlflow: no model artifact: exporting %s failed (%s: %s). Fix: python -m ddplab export "
-                    "%s, then mlflow artifacts log-artifacts",
-                    self.run_dir,
-                    type(e).__name__,
-                    str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                    self.run_dir,
-                )
-                return
-            self._client().log_artifacts(self.run_id, str(out), "model")
-            fmt = next(f for f, name in _ARTIFACT_KINDS if (out / name).is_file())
-        self._tags({"ddplab.model": f"model/ ({fmt}): {said}"[:5000]})
 
 
 KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow's tag for an experiment's kind
-
-
-# what the model artifact is, by the file that tells it (transformers' config.json first: its weights are
-# model.safetensors too)
-_ARTIFACT_KINDS = (("hf", "config.json"), ("safetensors", "model.safetensors"), ("state_dict", "model.pt"))
 
 
 def _refused(e: Exception) -> bool:

@@ -116,5 +116,5 @@ def test_an_unknown_command_is_one_line(tmp_path):
     proc = run_cmd([sys.executable, "-m", "ddplab", "serve"], tmp_path)
     assert proc.returncode == 2 and proc.stderr == (
         "python -m ddplab: 'serve' is not a command. Fix: python -m ddplab "
-        "export|generate ... (train with python train.py)\n"
+        "export|generate|sync ... (train with python train.py)\n"
     )

@@ -3,7 +3,8 @@ failed send ended MLflow logging for the run: a run FINISHED with steps missing.
 sent when the server is back (in the run), what it still lacks at the end is said with the command that
 sends it (``python -m ddplab sync``, from TensorBoard's record), and a resume sends what a stopped attempt
 could not: each time every step of every scalar once, equal to TensorBoard's. The server is the session's,
-behind a gate (helpers/gate.py) that the ``Outage`` callback shuts and opens at given steps."""
+behind a gate (helpers/gate.py) that the ``Outage`` callback shuts and opens at given steps. And an experiment
+another job makes at the same moment loses no run (it lost the whole MLflow run before)."""
 
 from __future__ import annotations
 
@@ -28,23 +29,30 @@ HERE = "integration.test_mlflow_outage"
 
 
 class Outage:
-    """Shuts the gate after step ``shut_at`` and opens it after ``open_at`` (0: never), each time holding the
-    loop ``hold_s`` so that MLflow's thread meets the change while the run goes on."""
+    """Shuts the gate after step ``shut_at`` and opens it after ``open_at`` (0: never). Each time the loop is
+    held until MLflow's writer has met the change (a text it is handed at the shut fails to go; the backlog
+    goes at the open), whatever the machine's load."""
 
-    def __init__(self, shut_at: int, open_at: int = 0, hold_s: float = 1.5):
-        self.shut_at, self.open_at, self.hold_s = shut_at, open_at, hold_s
+    def __init__(self, shut_at: int, open_at: int = 0):
+        self.shut_at, self.open_at = shut_at, open_at
 
     def on_step_end(self, state, step):
+        writer = next(w for w in state.writer.writers if hasattr(w, "retry_s"))  # TeeWriter's MLflow one
         if step == self.shut_at:
-            # once MLflow's thread has made the run (a server down from the start: the last test)
-            deadline = time.monotonic() + 60
-            while not (state.run_dir / "mlflow.json").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: (state.run_dir / "mlflow.json").exists())  # the MLflow run is made
             GATE.shut()
-            time.sleep(self.hold_s)
+            writer.text("outage", f"the gate shut after step {step}")
+            until(lambda: writer.down)
         if step == self.open_at:
             GATE.open()
-            time.sleep(self.hold_s)
+            until(lambda: not writer.down)
+
+
+def until(done, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "MLflow's writer did not meet the gate's change"
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -126,3 +134,33 @@ def test_a_server_down_from_the_start_gets_the_whole_run_from_sync(tmp_path, gat
     gate.open()
     assert sync.main([str(run)]) == 0  # the URI and experiment from the run's config
     assert_mlflow_holds_tensorboards_record(run, gate.uri)
+
+
+def test_an_experiment_another_job_makes_at_the_same_moment_is_no_failure(tmp_path, mlflow_server, caplog):
+    """Two jobs of a sweep (or two tests) both found no experiment and both made it: the second got
+    RESOURCE_ALREADY_EXISTS, and its whole MLflow run was lost. Here the other job's experiment is made
+    between this writer's look and its make."""
+    from ddplab.tracking import MLflowWriter
+
+    name = f"race {tmp_path.name}"
+    client = tracking.MlflowClient(mlflow_server)
+    looked = []
+
+    def look(self, experiment):  # the writer's first look finds nothing; the other job makes it just then
+        if not looked:
+            looked.append(experiment)
+            client.create_experiment(experiment)
+            return None
+        return real(self, experiment)
+
+    real = tracking.MlflowClient.get_experiment_by_name
+    tracking.MlflowClient.get_experiment_by_name = look
+    try:
+        writer = MLflowWriter(mlflow_server, name, tmp_path, 30.0)
+        writer.scalars({"train/loss": 1.5}, 1)
+        writer.close()
+    finally:
+        tracking.MlflowClient.get_experiment_by_name = real
+    assert looked == [name] and not [r for r in caplog.records if r.getMessage().startswith("mlflow: ")]
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert [r.data.metrics for r in runs] == [{"train/loss": 1.5}] and runs[0].info.status == "FINISHED"
