@@ -145,6 +145,7 @@ class MLflowWriter(NullWriter):
         self._q.put((self._finish, (status,)))
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
+        self._said.update(("outage", "refused"))  # said after the end, a line would land in the next job's
         left = self._q.qsize() + len(self._backlog) if self._thread.is_alive() else len(self._backlog)
         if left:
             within = (
@@ -184,8 +185,8 @@ class MLflowWriter(NullWriter):
                 fn, args = self._q.get(timeout=wait)
             except queue.Empty:  # time to try the server again
                 fn, args = None, ()
-            if fn is _STOP:
-                self._deliver(final=True)
+            if fn is _STOP:  # once more if a try is due: a server that failed moments ago is not waited on
+                self._deliver()
                 return
             if fn is not None:
                 self._keep(fn, args)
@@ -198,10 +199,10 @@ class MLflowWriter(NullWriter):
             del self._backlog[oldest]
             self._gap = True
 
-    def _deliver(self, final: bool = False) -> None:
+    def _deliver(self) -> None:
         """The backlog, in order, while the server takes it; at the first record it cannot reach, an outage
-        (tried again in retry_s; at the end, once more)."""
-        if self._down and not final and time.monotonic() < self._next_try:
+        (tried again in retry_s)."""
+        if self._down and time.monotonic() < self._next_try:
             return
         while self._backlog:
             fn, args = self._backlog[0]
@@ -281,9 +282,8 @@ class MLflowWriter(NullWriter):
             self._record()
 
     def _experiment_id(self) -> str:
-        """The experiment's id, made where there is none yet, as a model-training experiment (MLflow 3's UI
-        then opens on its runs, not on GenAI traces); another job making it at the same moment (a sweep's,
-        a study's workers) is no failure."""
+        """The experiment's id, made where there is none as a model-training one (MLflow 3's UI opens on its
+        runs, not GenAI traces); another job making it at once (a sweep's, a study's) is no failure."""
         client = self._client()
         exp = client.get_experiment_by_name(self.experiment)
         if exp is not None:

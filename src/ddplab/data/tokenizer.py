@@ -219,9 +219,12 @@ def named_by(dataset: Any) -> Path | None:
 def keep(dataset: Any, run_dir: Path) -> None:
     """The run's own copy of its tokenizer (``<run dir>/tokenizer.json``), so that the run dir alone samples
     and exports with it, wherever the data went."""
-    src = named_by(dataset)
-    if src is not None and src.is_file():
-        shutil.copyfile(src, run_dir / RUN_FILE)
+    try:
+        src = named_by(dataset)
+        if src is not None and src.is_file():
+            shutil.copyfile(src, run_dir / RUN_FILE)
+    except (OSError, ValueError, KeyError, TypeError):  # a sidecar that is not one: the dataset says so
+        pass
 
 
 def of_run(cfg: Any, run_dir: Path | None) -> tuple[Any, str] | None:
