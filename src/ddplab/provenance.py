@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -121,5 +122,8 @@ def write(run_dir: Path, prov: dict[str, Any]) -> str:
         (run_dir / "provenance.diff").write_text(diff)
         prov["code"]["diff_file"] = "provenance.diff"
     text = json.dumps(prov, indent=2, default=str)
-    (run_dir / "provenance.json").write_text(text)
+    # whole or not at all: a reader that sees the file (a test waiting for the ranks, a watcher) reads it all
+    tmp = run_dir / f".provenance.json.tmp{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, run_dir / "provenance.json")
     return text
