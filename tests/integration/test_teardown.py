@@ -29,8 +29,8 @@ def test_a_group_left_while_its_last_collective_still_runs_ends_every_rank(tmp_p
     the GIL to free the collective's tensor: rank 0 never ended (CI's hang, caught there at random)."""
     run = tmp_path / "run"
     worker = REPO / "tests" / "workers" / "late_collective_worker.py"
-    args = BASE + ["num_epochs=1", "limit_train_steps=2", f"hydra.run.dir={run}"]
-    proc = run_cmd(torchrun_cmd(2, args, worker), tmp_path, timeout=90)
+    args = BASE + ["num_epochs=1", "limit_train_steps=2", "batch_size=48", f"hydra.run.dir={run}"]
+    proc = run_cmd(torchrun_cmd(3, args, worker), tmp_path, timeout=90)  # 3 ranks: the hang CI met
     assert_ok(proc)
     assert json.loads((run / "result.json").read_text())["status"] == "completed"
 

@@ -1,6 +1,6 @@
 """``train.py`` under torchrun whose process group is left while rank 0's last collective still runs: its
-tensor, which Python no longer holds, is released by gloo's worker thread only once rank 1 joins the
-collective, a second after rank 0 left the group. The moment the CI run's hang was caught in (a worker still
+tensor, which Python no longer holds, is released by gloo's worker thread only once the other ranks join
+the collective, 2 s after rank 0 left the group. The moment the CI run's hang was caught in (a worker still
 releasing a finished collective's tensors as the group went), held open long enough to meet every time."""
 
 import runpy
