@@ -43,7 +43,6 @@ class Samples(Callback):
                 "callbacks.samples: the run names no tokenizer (its ids came as ids), so the prompt cannot "
                 "be encoded. Fix: dataset.tokenizer=<the tokenizer.json its ids came from>, or no samples "
                 "callback"
-                "callback"
             )
         self._tok = found[0]
         module = state.module
