@@ -1,5 +1,6 @@
-"""``python -m ddplab sync <run dir>``: what the run's MLflow run lacks, from TensorBoard's record in the run
-dir: the steps an outage kept from it (said at the run's end), each step once, then the run's status.
+"""``python -m ddplab sync <run dir>``: what the run's MLflow and W&B runs lack, from TensorBoard's record in
+the run dir: the steps an outage kept from them (said at the run's end), each step once, then the run's
+status. (A W&B run logged offline is sent with W&B's own ``wandb sync``, which its end line names.)
 
 The MLflow run is the one ``<run dir>/mlflow.json`` names; the tracking URI is ``--tracking-uri``, else the
 one recorded there (with its password masked: then ``MLFLOW_TRACKING_URI`` or ``--tracking-uri``)."""
@@ -10,13 +11,52 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from ddplab.errors import InputError
 
 
 def sync(run_dir: Path, uri: str | None, timeout_s: float) -> str:
-    """Send what the MLflow run lacks; what was done, in words (a line naming the problem where it could
-    not be)."""
+    """Send what the run's trackers lack; what was done, in words (a line naming the problem where it could
+    not be): W&B's run where ``wandb.json`` names one, MLflow's where the run logged to MLflow."""
+    said = [sync_wandb(run_dir, timeout_s)] if (run_dir / "wandb.json").is_file() else []
+    if said and not (run_dir / "mlflow.json").is_file() and "mlflow" not in _loggers(run_dir):
+        return said[0]
+    return "\n".join([*said, sync_mlflow(run_dir, uri, timeout_s)])
+
+
+def sync_wandb(run_dir: Path, timeout_s: float) -> str:
+    """The steps of TensorBoard's record past the last one the W&B run holds, sent to it (its mode as the run
+    had it: wandb.mode=auto goes online where W&B has a key)."""
+    from ddplab.tracking_setup import wandb_environment
+    from ddplab.tracking_wandb import WandbWriter
+
+    cfg = stored_config(run_dir)
+    wandb_environment()
+    writer = WandbWriter(cfg.wandb, run_dir, None, log_model=False)
+    writer.backfill()
+    writer.close(_status(run_dir))
+    return f"sync: W&B run {writer.run_id} ({writer.mode}) holds TensorBoard's record of {run_dir}"
+
+
+def stored_config(run_dir: Path) -> Any:
+    """The config the run's last checkpoint keeps (InputError where there is none)."""
+    from omegaconf import OmegaConf
+
+    from ddplab.checkpoint import export
+
+    return OmegaConf.create(export.read(export.checkpoint_of(run_dir, "last"))["meta"]["config"])
+
+
+def _loggers(run_dir: Path) -> list[str]:
+    try:
+        return list(stored_config(run_dir).get("logger") or [])
+    except InputError:
+        return []
+
+
+def sync_mlflow(run_dir: Path, uri: str | None, timeout_s: float) -> str:
+    """Send what the MLflow run lacks."""
     from ddplab.tracking import ID_FILE
     from ddplab.tracking_setup import mlflow_environment
 
@@ -47,13 +87,10 @@ def sync(run_dir: Path, uri: str | None, timeout_s: float) -> str:
 def _from_config(run_dir: Path) -> dict[str, str | None]:
     """The experiment and tracking URI of a run whose MLflow run was never made (its server down from the
     start), from the config its last checkpoint keeps."""
-    from omegaconf import OmegaConf
-
-    from ddplab.checkpoint import export
     from ddplab.tracking_setup import experiment_name
 
     try:
-        cfg = OmegaConf.create(export.read(export.checkpoint_of(run_dir, "last"))["meta"]["config"])
+        cfg = stored_config(run_dir)
     except InputError:
         raise InputError(
             f"sync {run_dir}: neither mlflow.json nor a checkpoint there. Fix: the run dir of a run with "
@@ -77,7 +114,7 @@ def _status(run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ddplab sync", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_dir", type=Path, help="a run dir that logged to MLflow (its mlflow.json)")
+    ap.add_argument("run_dir", type=Path, help="a run dir that logged to MLflow or W&B")
     ap.add_argument("--tracking-uri", help="the server (default: the one the run recorded)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds the server may take (default 120)")
     args = ap.parse_args(argv)

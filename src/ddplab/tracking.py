@@ -17,24 +17,19 @@ by the resume) are not sent again.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ddplab import redact
 from ddplab.runtime import env
-from ddplab.writers import NullWriter
+from ddplab.tracking_thread import BackgroundTracker
 
 log = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
-# records held while the server cannot be reached; past it the oldest scalars go (TensorBoard has them)
-MAX_BACKLOG = 100_000
 # each MLflow run's run dir: a resume finds its run by it when mlflow.json is gone
 RUN_DIR_TAG = "ddplab.run_dir"
 THREAD = "ddplab-mlflow"
@@ -47,7 +42,6 @@ def _not_our_retries(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("urllib3.connectionpool").addFilter(_not_our_retries)
-_STOP = object()
 
 
 def flat_params(cfg_yaml: str) -> dict[str, str]:
@@ -71,8 +65,10 @@ def _without_userinfo(uri: str | None) -> str | None:
     return urlunsplit(parts._replace(netloc=host))
 
 
-class MLflowWriter(NullWriter):
+class MLflowWriter(BackgroundTracker):
     """Rank 0's MLflow run, fed by a background thread (see the module's docstring)."""
+
+    name = "mlflow"
 
     def __init__(
         self,
@@ -84,32 +80,15 @@ class MLflowWriter(NullWriter):
         retry_s: float = 30.0,
         events: Path | None = None,
     ):
-        self.uri, self.experiment, self.run_dir, self.timeout = (
-            tracking_uri,
-            experiment,
-            run_dir,
-            close_timeout_s,
-        )
+        super().__init__(run_dir, close_timeout_s, retry_s, events)
+        self.uri, self.experiment = tracking_uri, experiment
         self.shown_uri = redact.text(tracking_uri) if tracking_uri else None  # what is written and said of it
         self.log_model = log_model  # at a FINISHED close: the run's exported model as the artifact model/
         self.run_id: str | None = None
         self._mlflow: Any = None  # the MlflowClient, the thread's alone
-        # metric -> the last step the MLflow run already holds (a resumed run)
-        self._sent: dict[str, int] = {}
         # Checkpoints before the first step: a resume, decided here, before this run can write one of its own.
         self._resuming = any((run_dir / "checkpoints").glob("*.pt"))
-        self._q: queue.Queue = queue.Queue()
-        self.retry_s = retry_s
-        self.events = events or run_dir / "tb"  # TensorBoard's record: what MLflow missed is read back there
-        self._backlog: collections.deque = collections.deque()  # the thread's: records not delivered yet
-        self._down = False  # the server cannot be reached: the backlog waits, tried again at _next_try
-        self._next_try = 0.0
-        self._gap = False  # the backlog overflowed: its oldest scalars are TensorBoard's to send (backfill)
-        self._hurried = False  # close's wait shortened by hurry (a stop signal)
-        self._said: set[str] = set()  # what was said already: each kind of trouble once a run
-        self._thread = threading.Thread(target=self._drain, name=THREAD, daemon=True)
-        self._thread.start()
-        self._q.put((self._open, ()))
+        self.start()
 
     # ---------------------------------------------------------------- the loop's side: never blocks
     def scalars(self, values: dict[str, float], step: int) -> None:
@@ -127,137 +106,18 @@ class MLflowWriter(NullWriter):
     def hparams(self, hparams: dict[str, Any], trial: str) -> None:
         self._q.put((self._tags, ({f"hparam.{k}": str(v)[:5000] for k, v in hparams.items()},)))
 
-    @property
-    def down(self) -> bool:
-        """Whether the server could not be reached at the last try (what it misses waits)."""
-        return self._down
-
-    def purge_after(self, step: int) -> None:
-        """A resume: the steps up to ``step`` that MLflow lacks (a crashed attempt's outage) come from
-        TensorBoard's record; the loop sends the rest."""
-        self._q.put((self._backfill, (step,)))
-
-    def backfill(self) -> None:
-        """Every step of TensorBoard's record that the MLflow run lacks (``python -m ddplab sync``)."""
-        self._q.put((self._backfill, (None,)))
-
-    def close(self, status: str = "FINISHED") -> None:
-        self._q.put((self._finish, (status,)))
-        self._q.put((_STOP, ()))
-        self._thread.join(self.timeout)
-        self._said.update(("outage", "refused"))  # said after the end, a line would land in the next job's
-        left = self._q.qsize() + len(self._backlog) if self._thread.is_alive() else len(self._backlog)
-        if left:
-            within = (
-                f"the {self.timeout:g} s a stop signal left of the launcher's grace"
-                if self._hurried
-                else f"mlflow.close_timeout_s={self.timeout:g} s"
-            )
-            self._say(
-                "end",
-                "mlflow: %s did not take the run's last %d record(s) within %s; TensorBoard's record in the "
-                "run dir holds them: python -m ddplab sync %s sends them, each step once",
-                self.shown_uri or "MLflow",
-                left,
-                within,
-                self.run_dir,
-            )
-
-    def drain(self) -> None:
-        self.close("FAILED")  # a resume sets it RUNNING again
-
-    def hurry(self, seconds: float) -> None:
-        if seconds < self.timeout:
-            self.timeout, self._hurried = seconds, True
-            self.log_model = False  # an upload cut short would leave the MLflow run RUNNING for good
-
-    def _say(self, kind: str, msg: str, *args: Any) -> None:
-        """A warning about MLflow, once a run for each ``kind`` (an outage, a refused record, the end)."""
-        if kind not in self._said:
-            self._said.add(kind)
-            log.warning(msg, *args)
-
     # ---------------------------------------------------------------- the thread's side
-    def _drain(self) -> None:
-        while True:
-            wait = max(0.0, self._next_try - time.monotonic()) if self._backlog else None
-            try:
-                fn, args = self._q.get(timeout=wait)
-            except queue.Empty:  # time to try the server again
-                fn, args = None, ()
-            if fn is _STOP:  # once more if a try is due: a server that failed moments ago is not waited on
-                self._deliver()
-                return
-            if fn is not None:
-                self._keep(fn, args)
-            self._deliver()
-
-    def _keep(self, fn: Any, args: tuple) -> None:
-        self._backlog.append((fn, args))
-        if len(self._backlog) > MAX_BACKLOG:  # the oldest scalars go: TensorBoard's record holds them
-            oldest = next(i for i, (f, _) in enumerate(self._backlog) if f == self._metrics)
-            del self._backlog[oldest]
-            self._gap = True
-
-    def _deliver(self) -> None:
-        """The backlog, in order, while the server takes it; at the first record it cannot reach, an outage
-        (tried again in retry_s)."""
-        if self._down and time.monotonic() < self._next_try:
-            return
-        while self._backlog:
-            fn, args = self._backlog[0]
-            try:
-                if self._down and self._gap:  # back after an overflow: the oldest missed steps first
-                    self._backfill(None)
-                    self._gap = False
-                fn(*args)
-            except Exception as e:  # noqa: BLE001 - any failure of the tracking side stays on this side
-                if not _refused(e):
-                    self._outage(e)
-                    return
-                if fn == self._open:  # no run to log to: nothing after it can go
-                    self._stop_for_good(e)
-                    return
-                self._say(
-                    "refused", "mlflow: %s refused a record (%s); it is skipped", self._where(), _why(e)
-                )
-            self._backlog.popleft()
-            if self._down:
-                self._down = False
-                log.info("mlflow: %s is back; what it missed is being sent", self._where())
-
-    def _outage(self, e: Exception) -> None:
-        self._down, self._next_try = True, time.monotonic() + self.retry_s
-        self._say(
-            "outage",
-            "mlflow: cannot reach %s (%s); training goes on, and what MLflow misses is sent when it is back "
-            "(tried every mlflow.retry_s=%g s; TensorBoard's record in the run dir is whole)",
-            self._where(),
-            _why(e),
-            self.retry_s,
+    def _end_fix(self) -> str:
+        return (
+            "TensorBoard's record in the run dir holds them: "
+            f"python -m ddplab sync {self.run_dir} sends them, each step once"
         )
 
-    def _stop_for_good(self, e: Exception) -> None:
-        self._say(
-            "refused",
-            "mlflow: %s refused the run (%s); MLflow logging stops for this run, TensorBoard's record in the "
-            "run dir is whole",
-            self._where(),
-            _why(e),
-        )
-        self._backlog.clear()
-        self._keep = lambda fn, args: None  # type: ignore[method-assign]  # what comes after is dropped
+    def _refused(self, e: Exception) -> bool:
+        return _refused(e)
 
     def _where(self) -> str:
         return self.shown_uri or "MLflow's default store"
-
-    def _backfill(self, upto: int | None) -> None:
-        """The steps of TensorBoard's record (up to ``upto``) the MLflow run lacks, in order."""
-        from ddplab.events import missing_steps
-
-        ms = int(time.time() * 1000)
-        for step, values in missing_steps(self.events, self._sent, upto):
-            self._metrics(values, step, ms)
 
     def _client(self) -> Any:
         """One client for the run, made on the thread at its first call (the import included)."""
@@ -390,8 +250,3 @@ def _refused(e: Exception) -> bool:
     help. Anything else (no answer, a timeout, a 5xx, too many requests) is an outage."""
     code = getattr(e, "get_http_status_code", lambda: None)()
     return isinstance(code, int) and 400 <= code < 500 and code != 429
-
-
-def _why(e: Exception) -> str:
-    said = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"{type(e).__name__}: {redact.text(said)}"  # a client's error may quote the URI

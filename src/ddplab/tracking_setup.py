@@ -1,6 +1,6 @@
-"""Which writers a job gets (``logger=[tensorboard,mlflow]``): rank 0's TensorBoard writer, and MLflow's
-(``ddplab.tracking``) beside it; MLflow's experiment for a job, a sweep, a study; the MLflow switches ddplab
-sets before MLflow is imported."""
+"""Which writers a job gets (``logger=[tensorboard,mlflow,wandb]``): rank 0's TensorBoard writer, and
+MLflow's (``ddplab.tracking``) and W&B's (``ddplab.tracking_wandb``) beside it; MLflow's experiment and W&B's
+group for a job, a sweep, a study; the switches ddplab sets before MLflow or wandb is imported."""
 
 from __future__ import annotations
 
@@ -24,16 +24,56 @@ def experiment_name(cfg: Any, run_dir: Path, multirun: bool) -> str:
 
 def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: bool = False) -> Any:
     """The job's writer: rank 0's TensorBoard writer (a do-nothing one elsewhere), and with
-    ``logger=[tensorboard,mlflow]`` rank 0's MLflow writer beside it (``evaluating``: mode=eval, no model to
-    log)."""
+    ``logger=[tensorboard,mlflow,wandb]`` rank 0's MLflow and W&B writers beside it (``evaluating``:
+    mode=eval, no model to log)."""
     from ddplab import rundir
     from ddplab.writers import TeeWriter, make_writer
 
     tensorboard = make_writer(dist, log_dir)
-    if not dist.is_main or "mlflow" not in list(cfg.get("logger") or []):
+    loggers = list(cfg.get("logger") or [])
+    if not dist.is_main or loggers == ["tensorboard"]:
         return tensorboard
-    mlflow = mlflow_writer(cfg, run_dir, rundir.is_multirun(), log_model=not evaluating, events=Path(log_dir))
-    return TeeWriter(tensorboard, mlflow)
+    multirun, events = rundir.is_multirun(), Path(log_dir)
+    trackers = []
+    if "mlflow" in loggers:
+        trackers.append(mlflow_writer(cfg, run_dir, multirun, log_model=not evaluating, events=events))
+    if "wandb" in loggers:
+        trackers.append(wandb_writer(cfg, run_dir, multirun, log_model=not evaluating, events=events))
+    return TeeWriter(tensorboard, *trackers)
+
+
+def group_name(cfg: Any, run_dir: Path, multirun: bool) -> str | None:
+    """wandb.group, else the study's (``study <name>``) or the sweep's (``sweep <its dir's name>``); none for
+    a single run."""
+    if cfg.wandb.get("group"):
+        return str(cfg.wandb.group)
+    if "study" in (cfg.callbacks or {}):
+        return f"study {cfg.study.name}"
+    return f"sweep {run_dir.parent.resolve().name}" if multirun else None
+
+
+def wandb_writer(
+    cfg: Any, run_dir: Path, multirun: bool, log_model: bool = True, events: Path | None = None
+) -> Any:
+    from ddplab.tracking_wandb import WandbWriter
+
+    wandb_environment()
+    return WandbWriter(
+        cfg.wandb,
+        run_dir,
+        group_name(cfg, run_dir, multirun),
+        bool(cfg.wandb.log_model) and log_model,
+        events=events,
+    )
+
+
+def wandb_environment() -> None:
+    """W&B's switches that ddplab sets where the user has not, before wandb is imported."""
+    from ddplab.runtime import env
+
+    env.library_default("WANDB_SILENT", "true")  # its banner and "View run at" lines: ddplab says its own
+    # its anonymous usage reports (sentry) to the internet: nothing an offline cluster can send
+    env.library_default("WANDB_ERROR_REPORTING", "false")
 
 
 def mlflow_writer(

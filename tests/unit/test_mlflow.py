@@ -17,7 +17,7 @@ from ddplab.config.errors import ConfigError
     [
         (
             "logger=[mlflow]",
-            r"logger=\['mlflow'\]: one or more of tensorboard, mlflow, tensorboard among them",
+            r"logger=\['mlflow'\]: one or more of tensorboard, mlflow, wandb, tensorboard among them",
         ),
         ("mlflow.close_timeout_s=0", r"mlflow.close_timeout_s=0.0: must be > 0"),
     ],

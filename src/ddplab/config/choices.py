@@ -33,6 +33,7 @@ AmpDtype = choice("AmpDtype", "auto", "bfloat16", "float16", "bf16", "fp16")
 ProgressMode = choice("ProgressMode", "auto", "bar", "log", "none")
 NonFinite = choice("NonFinite", "error", "skip")
 Mode = choice("Mode", "train", "eval", "verify_resume", "study")
+WandbMode = choice("WandbMode", "auto", "online", "offline")
 CompileMode = choice(
     "CompileMode", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
 )

@@ -42,6 +42,7 @@ HARMLESS = (
     "study.",
     "logger",
     "mlflow.",
+    "wandb.",
     "redact_keys",
     "trust_stored_config",
 )

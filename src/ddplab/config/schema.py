@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from ddplab.config.choices import AmpDtype, BatchScope, Mode, NonFinite, ProgressMode
+from ddplab.config.choices import AmpDtype, BatchScope, Mode, NonFinite, ProgressMode, WandbMode
 from ddplab.config.errors import require
 from ddplab.config.system import DistributedConfig, PerfConfig
 
@@ -136,7 +136,37 @@ class MLflowConfig:
         )
 
 
-LOGGERS = ("tensorboard", "mlflow")
+@dataclass
+class WandbConfig:
+    """logger=[tensorboard,wandb] (ddplab.tracking_wandb): rank 0's scalars, config and tags to a Weights &
+    Biases run too."""
+
+    project: str = "ddplab"  # the W&B project the runs go to
+    entity: Optional[str] = None  # the W&B team or user; null: the key's default
+    # auto: online where W&B has a key (WANDB_API_KEY, `wandb login`) or WANDB_MODE is set, else offline (the
+    # run's files in <run dir>/wandb, sent later with `wandb sync`); online; offline
+    mode: WandbMode = WandbMode["auto"]
+    group: Optional[str] = None  # null: the study's or the sweep's name, else none
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags
+    init_timeout_s: float = 60.0  # online: how long W&B may take to start; past it the run is logged offline
+    close_timeout_s: float = 30.0  # at the end, how long W&B may take to receive what is still queued
+    retry_s: float = 30.0  # while W&B cannot take records, how often the writer tries again
+    log_model: bool = True  # at a successful end, the run's model (export's folder) as an artifact
+
+    @staticmethod
+    def check(c: Any, key: str = "wandb") -> None:
+        for k in ("init_timeout_s", "close_timeout_s", "retry_s"):
+            require(c[k] > 0, f"{key}.{k}", c[k], "must be > 0", f"pass {key}.{k}=30")
+        require(
+            bool(str(c.project).strip()) and "/" not in str(c.project),
+            f"{key}.project",
+            c.project,
+            "must be a non-empty name without '/'",
+            f"pass {key}.project=my_project",
+        )
+
+
+LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 
 @dataclass
@@ -159,9 +189,10 @@ class TrainConfig:
     study: StudyConfig = field(default_factory=StudyConfig)  # mode=study only
     perf: PerfConfig = field(default_factory=PerfConfig)
     # Where rank 0's scalars go: TensorBoard always (the run dir's record), MLflow too with
-    # [tensorboard,mlflow].
+    # [tensorboard,mlflow], Weights & Biases with [tensorboard,wandb] (or all three).
     logger: Any = field(default_factory=lambda: ["tensorboard"])
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     seed: int = 0  # same on every rank for init and data order; dropout streams differ per rank
     # The run's length in epochs (and the lr schedule's); with max_steps too, whichever ends first (said at
@@ -261,6 +292,13 @@ def _check_loggers(loggers: list[str]) -> None:
         loggers,
         "needs MLflow, which is not installed",
         "pip install 'ddplab[mlflow]', or logger=[tensorboard]",
+    )
+    require(
+        "wandb" not in loggers or _installed("wandb"),
+        "logger",
+        loggers,
+        "needs wandb, which is not installed",
+        "pip install 'ddplab[wandb]', or logger=[tensorboard]",
     )
 
 

@@ -26,6 +26,7 @@ _ORDER = (
     "verify",
     "study",
     "mlflow",
+    "wandb",
     "model",
     "dataset",
     "optimizer",

@@ -15,12 +15,14 @@ Everything else asks this module (or the Dist the Session builds from it).
 from __future__ import annotations
 
 import functools
+import netrc
 import os
 import re
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 SELF_LAUNCHED = "DDPLAB_SELF_LAUNCHED"
 
@@ -384,3 +386,15 @@ def offer_mlflow_credentials(user: str, password: str | None) -> None:
 def mlflow_tracking_uri() -> str | None:
     """MLflow's own MLFLOW_TRACKING_URI, where the user set it (ddplab.sync's fallback)."""
     return os.environ.get("MLFLOW_TRACKING_URI")
+
+
+def wandb_online_possible() -> bool:
+    """W&B has a key (WANDB_API_KEY, ``wandb login``'s ~/.netrc entry) or its mode was chosen (WANDB_MODE):
+    wandb.mode=auto lets it go online (ddplab.tracking_wandb)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one netrc cannot read: no key there
+        return False

@@ -1,0 +1,130 @@
+"""logger=[tensorboard,wandb] in real runs (issue 47, item 4), offline (no key here), read back from W&B's
+own files with its protobuf schema (ddplab.wandb_files): every scalar TensorBoard has at the same step, the
+config, tags, the HParams entry, provenance and the model artifact; a resume continues the same W&B run with
+each step once; a W&B that cannot start online within wandb.init_timeout_s logs the run offline, says so."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.extras import needs
+from helpers.jobs import compose_cfg, run_killed_after_step
+from helpers.tracking import free_port
+
+import ddplab
+from ddplab import wandb_files as wf
+from ddplab.events import read_scalars
+
+needs("wandb", "wandb")
+
+BASE = [
+    "model=mlp",
+    "progress=none",
+    "num_epochs=2",
+    "limit_train_steps=6",
+    "log_every_n_steps=2",
+    "logger=[tensorboard,wandb]",
+]
+
+
+@pytest.fixture(autouse=True)
+def no_wandb_key(tmp_path, monkeypatch):
+    """No key anywhere (wandb.mode=auto goes offline), W&B's own folders in the test's tmp dir."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
+    for name in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+
+
+def files_of(run_dir: Path) -> list[Path]:
+    return wf.run_files(run_dir, json.loads((run_dir / "wandb.json").read_text())["run_id"])
+
+
+def history_of(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Every attempt's history, merged; each (step, key) must be in one file only."""
+    rows: dict[int, dict[str, float]] = {}
+    for file in files_of(run_dir):
+        for step, row in wf.history(file).items():
+            twice = set(row) & set(rows.get(step, {}))
+            assert not twice, f"step {step} sent twice: {sorted(twice)}"
+            rows.setdefault(step, {}).update(row)
+    return rows
+
+
+def assert_same_as_tensorboard(run_dir: Path, skip: str = "\0") -> None:
+    tb = read_scalars(run_dir / "tb")
+    rows = history_of(run_dir)
+    logged = {(step, key) for step, row in rows.items() for key in row}
+    assert logged == {(s, k) for k, points in tb.items() for s, _ in points}
+    for key, points in tb.items():  # TensorBoard keeps float32: the same numbers, rounded as it rounds them
+        if not key.startswith(skip):
+            assert [np.float32(rows[s][key]) for s, _ in points] == [np.float32(v) for _, v in points], key
+
+
+@pytest.mark.slow
+def test_the_wandb_run_holds_tensorboards_scalars_the_config_tags_and_model(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="ddplab.tracking"):
+        ddplab.run(compose_cfg(BASE + ["wandb.tags=[baseline,mlp]"], run_dir))
+    [file] = files_of(run_dir)
+    assert file.parent.name.startswith("offline-run-")  # no key: offline
+    assert_same_as_tensorboard(run_dir)
+    assert len(read_scalars(run_dir / "tb")) > 10
+    run = wf.run_record(file)
+    assert list(run.tags) == ["baseline", "mlp"] and run.display_name == "run" and run.project == "ddplab"
+    assert run.run_group == ""  # a single run has no group (sweeps and studies: tests/unit/test_wandb.py)
+    config = wf.config(file)
+    assert config["config"]["optimizer"]["lr"] == 0.1 and config["config"]["model"]["_target_"] == (
+        "ddplab.models.MLP"
+    )
+    assert config["hparams"]["model"] == "MLP" and len(config["provenance"]["code"]["commit"]) == 40
+    # the model, as `python -m ddplab export` writes it, as the artifact model-<run id>
+    [art] = [r.artifact for r in wf.read_records(file) if r.WhichOneof("record_type") == "artifact"]
+    assert art.name == f"model-{run.run_id}" and art.type == "model"
+    assert sorted(e.path for e in art.manifest.contents) == ["README.md", "config.yaml", "model.safetensors"]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert said == [f"wandb: this run was logged offline; to send it to W&B: wandb sync {file.parent}"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_wandb_run_with_each_step_once(tmp_path):
+    args = BASE + ["checkpoint.every_n_steps=4"]
+    ddplab.run(compose_cfg(args, tmp_path / "ref"))
+    # Crashed after step 11: its last checkpoint is step 8's, but it had logged step 10 to W&B already; the
+    # resume recomputes steps 9-12 (bitwise) and must not send step 10 again.
+    run_killed_after_step(compose_cfg(args, tmp_path / "run"), 11)
+    [crashed] = files_of(tmp_path / "run")
+    assert max(wf.history(crashed)) == 10
+    ddplab.run(compose_cfg(args + ["resume=auto"], tmp_path / "run"))
+    first, resumed = files_of(tmp_path / "run")
+    assert first == crashed and wf.run_record(resumed).run_id == wf.run_record(first).run_id
+    assert min(wf.history(resumed)) == 12  # steps 11 logs nothing (log every 2); 10 is the crashed one's
+    # step 10's times: the crashed attempt's in W&B (sent first), the resume's in TensorBoard (it purged them)
+    assert_same_as_tensorboard(tmp_path / "run", skip="vitals/")
+    ref, got = history_of(tmp_path / "ref"), history_of(tmp_path / "run")
+    assert sorted(ref) == sorted(got)
+    for step, row in ref.items():  # bitwise the same run, but its times
+        assert {k: v for k, v in got[step].items() if not k.startswith("vitals/")} == {
+            k: v for k, v in row.items() if not k.startswith("vitals/")
+        }, step
+
+
+@pytest.mark.slow
+def test_a_wandb_that_cannot_start_online_logs_the_run_offline(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # a key: auto goes online, to a server that never answers
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="ddplab.tracking"):
+        result = ddplab.run(compose_cfg(BASE + ["wandb.init_timeout_s=3"], run_dir))
+    assert result["step"] == 12
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert len(said) == 2 and said[0].startswith("wandb: could not start online ("), said
+    assert said[0].endswith("); this run is logged offline")
+    offline = [f for f in files_of(run_dir) if f.parent.name.startswith("offline-run-")]
+    assert said[1] == f"wandb: this run was logged offline; to send it to W&B: wandb sync {offline[0].parent}"
+    assert_same_as_tensorboard(run_dir)
