@@ -1,8 +1,11 @@
 """Issue 34's acceptance, in one test: a tiny Hugging Face causal LM trained from Parquet text through a BPE
 tokenizer learnt here, at 1 and 2 ranks (the same fp32 run), a rank SIGKILLed and the job resumed bitwise,
 logged to a real MLflow server and TensorBoard with the same values, then exported and reloaded with
-``from_pretrained`` giving ddplab's logits. Each part is also tested on its own (test_tokenizer, test_hf,
-test_hf_data, test_mlflow, test_export)."""
+``from_pretrained`` giving ddplab's logits. Issue 47's, in the second: LoRA on a local pretrained folder at 2
+ranks with W&B (offline) and MLflow, a rank SIGKILLed and resumed bitwise, exported --to hf, and transformers'
+pipeline on the folder alone writing what ``python -m ddplab generate`` writes from the run dir. Each part is
+also tested on its own (test_tokenizer, test_hf, test_hf_data, test_mlflow, test_wandb, test_lora,
+test_export, test_lm_out)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import pytest
 import torch
 from helpers.compare import assert_same_checkpoint
 from helpers.extras import lazy, needs
-from helpers.jobs import REPO, assert_ok, rank_kills_itself, ranks, run_cmd, torchrun
+from helpers.jobs import REPO, assert_ok, compose_cfg, rank_kills_itself, ranks, run_cmd, torchrun
 
 from ddplab.events import read_scalars
 
@@ -130,3 +133,76 @@ def text_out(run: Path, tmp_path: Path, client, run_id: str) -> None:
     assert said.stdout == json.loads(piped.stdout) + "\n"
     artifact = {a.path for a in client.list_artifacts(run_id, "model")}
     assert {"model/config.json", "model/tokenizer.json", "model/model.safetensors"} <= artifact
+
+
+@pytest.mark.dist
+def test_lora_on_a_pretrained_lm_at_2_ranks_with_wandb_and_mlflow_killed_resumed_exported_and_generating(
+    tmp_path, mlflow_server
+):
+    needs("peft", "peft")
+    needs("wandb", "wandb")
+    from mlflow.tracking import MlflowClient
+
+    from ddplab import build
+
+    data = parquet_and_bpe(tmp_path)
+    torch.manual_seed(0)  # the user's local pretrained copy: a GPT-2 over the BPE's 320 ids, save_pretrained
+    build.model(compose_cfg([*HF_LM, *data])).hf.save_pretrained(tmp_path / "pretrained")
+    args = [
+        *HF_LM,
+        *data,
+        f"mlflow.tracking_uri={mlflow_server}",
+        "logger=[tensorboard,mlflow,wandb]",
+        f"model.pretrained={tmp_path / 'pretrained'}",
+        *("model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=0.01"),
+    ]
+    offline = {  # no W&B key here: the runs are logged offline, W&B's own folders in tmp_path
+        "NETRC": str(tmp_path / "no.netrc"),
+        **{
+            k: str(tmp_path / "wandb-home") for k in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR")
+        },
+    }
+    ref = tmp_path / "2"
+    assert_ok(torchrun(2, args + [f"hydra.run.dir={ref}"], tmp_path, timeout=300, extra_env=offline))
+    killed = tmp_path / "killed"  # rank 1 SIGKILLed at its 13th step (last checkpoint: step 10), then resumed
+    fault = rank_kills_itself(tmp_path / "fault", rank=1, k=13)
+    crashed = torchrun(
+        2, args + [f"hydra.run.dir={killed}"], tmp_path, timeout=300, extra_env=offline | fault
+    )
+    assert crashed.returncode != 0 and json.loads((tmp_path / "fault" / "fired").read_text())["step"] == 12
+    assert_ok(
+        torchrun(
+            2, args + [f"hydra.run.dir={killed}", "resume=auto"], tmp_path, timeout=300, extra_env=offline
+        )
+    )
+    assert_same_checkpoint(ref / "checkpoints" / "last.pt", killed / "checkpoints" / "last.pt")
+    adapters = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert adapters and all(".lora_" in k for k in adapters)  # the checkpoint holds the adapters alone
+
+    assert_wandb_holds_tensorboard(killed)
+    client = MlflowClient(mlflow_server)
+    mlflow_run = json.loads((killed / "mlflow.json").read_text())["run_id"]
+    assert_ok(run_cmd([sys.executable, "-m", "ddplab", "export", str(killed), "--to", "hf"], tmp_path))
+    assert not (killed / "export" / "adapter_config.json").exists()  # merged: a plain transformers folder
+    text_out(killed, tmp_path, client, mlflow_run)
+
+
+def assert_wandb_holds_tensorboard(run: Path) -> None:
+    """One W&B run for the killed job and its resume (two offline files), each (step, key) once,
+    TensorBoard's values at every step."""
+    from ddplab import wandb_files as wf
+
+    run_id = json.loads((run / "wandb.json").read_text())["run_id"]
+    files = wf.run_files(run, run_id)
+    assert len(files) == 2 and all(wf.run_record(f).run_id == run_id for f in files)
+    rows: dict[int, dict[str, float]] = {}
+    for f in files:
+        for step, row in wf.history(f).items():
+            assert not set(row) & set(rows.get(step, {})), step
+            rows.setdefault(step, {}).update(row)
+    tb = read_scalars(run / "tb")
+    assert {(s, k) for s, row in rows.items() for k in row} == {
+        (s, k) for k, pts in tb.items() for s, _ in pts
+    }
+    for key in ("train/loss", "val/loss", "val/perplexity"):
+        assert [np.float32(rows[s][key]) for s, _ in tb[key]] == [np.float32(v) for _, v in tb[key]], key

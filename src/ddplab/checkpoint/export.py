@@ -25,7 +25,7 @@ from ddplab.errors import InputError
 
 # hf: a folder transformers loads as is (checkpoint/hf_export.py); auto: hf where the model has a transformers
 # counterpart, else safetensors where installed, else state_dict
-FORMATS = ("safetensors", "state_dict", "hf", "auto")
+FORMATS = ("safetensors", "state_dict", "hf", "peft", "auto")
 FILES = {"safetensors": "model.safetensors", "state_dict": "model.pt"}
 
 
@@ -158,15 +158,21 @@ def write_weights(model: torch.nn.Module, out: Path, fmt: str, meta: dict[str, s
     return path
 
 
-def write_hf(model: torch.nn.Module, cfg: Any, run_dir: Path | None, out: Path) -> tuple[list[str], str]:
+def write_hf(
+    model: torch.nn.Module, cfg: Any, run_dir: Path | None, out: Path, fmt: str = "hf"
+) -> tuple[list[str], str]:
     """A folder ``from_pretrained`` and ``pipeline`` load as is: the transformers model, the run's tokenizer
     (where the run names one), special-token ids of its vocabulary. The files, and what was written, in
     words."""
     from ddplab.checkpoint import hf_export
     from ddplab.data import tokenizer as tz
 
-    hf = hf_export.transformers_model(model)
     tok, where = tz.of_run(cfg, run_dir) or (None, "")
+    if fmt == "peft":
+        files = hf_export.save_adapters(model, tok, out, hf_export.context_of(model.hf))
+        with_tok = f"with {where}" if tok else "without a tokenizer (the run's ids came as ids)"
+        return files, f"; PeftModel.from_pretrained(base, folder) loads the adapters, {with_tok}"
+    hf = hf_export.transformers_model(model)
     files = hf_export.save(hf, tok, out, hf_export.context_of(hf))
     with_tok = f"with {where}" if tok else "without a tokenizer (the run's ids came as ids)"
     return files, f"; from_pretrained loads the folder, {with_tok}"
@@ -217,8 +223,8 @@ def export(
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
     try:
-        if fmt == "hf":
-            files, note = write_hf(model, cfg, run_dir, fresh)
+        if fmt in ("hf", "peft"):
+            files, note = write_hf(model, cfg, run_dir, fresh, fmt)
             said += note
         else:
             files = [write_weights(model, fresh, fmt, meta).name]
@@ -284,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "--to",
         default="safetensors",
         help=f"one of {', '.join(FORMATS)} (default safetensors; hf: a folder transformers loads as is, with "
-        "the run's tokenizer; auto: hf where the model has a transformers counterpart)",
+        "the run's tokenizer (a LoRA run's adapters merged); peft: a LoRA run's adapter folder; auto: hf "
+        "where the model has a transformers counterpart)",
     )
     ap.add_argument("--out", type=Path, help="the folder to write (default: <run dir>/export)")
     ap.add_argument(

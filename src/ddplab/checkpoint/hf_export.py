@@ -31,8 +31,8 @@ def maps(model: nn.Module) -> bool:
 
 def transformers_model(model: nn.Module) -> Any:
     """The transformers model ``model`` is or maps onto; one line where there is none."""
-    if hasattr(model, "hf"):
-        return model.hf
+    if hasattr(model, "hf"):  # LoRA (a peft model): its adapters merged into the weights, a plain model
+        return model.hf.merge_and_unload() if hasattr(model.hf, "merge_and_unload") else model.hf
     from ddplab.models.gpt import TinyGPT
 
     if isinstance(model, TinyGPT):
@@ -95,6 +95,21 @@ def gpt2_of(model: nn.Module) -> Any:
     if left or unexpected:
         raise InputError(f"export --to hf: TinyGPT does not map onto GPT-2 here ({left or unexpected}).")
     return gpt2.eval()
+
+
+def save_adapters(model: nn.Module, tok: Any | None, out: Path, context: int) -> list[str]:
+    """``--to peft``: a LoRA run's adapters as the folder ``PeftModel.from_pretrained(base, folder)`` loads
+    (adapter_config.json, adapter_model.safetensors), the run's tokenizer beside them; the files written."""
+    peft_model = getattr(model, "hf", None)
+    if not hasattr(peft_model, "merge_and_unload"):
+        raise InputError(
+            "export --to peft: the run's model has no LoRA adapters (model.lora.rank=0). Fix: --to hf"
+        )
+    with _quiet():
+        peft_model.save_pretrained(str(out))
+        if tok is not None:
+            _fast(tok, special_ids(tok), context).save_pretrained(str(out))
+    return sorted(p.name for p in out.iterdir())
 
 
 def special_ids(tok: Any) -> dict[str, int | None]:

@@ -60,6 +60,17 @@ class VAEConfig:
 
 
 @dataclass
+class LoraConfig:
+    """model.lora (the peft extra): low-rank adapters trained on model.pretrained's frozen weights."""
+
+    rank: int = 0  # the adapters' rank r; 0: no LoRA, the whole model trains
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input (drawn per rank: world sizes then differ by it alone)
+    # the layers adapted, by name or name suffix (c_attn, q_proj, ...); null: peft's default for the model
+    target_modules: Optional[list[str]] = None
+
+
+@dataclass
 class HFModelConfig:
     """Any Hugging Face transformers model (the hf extra), from a local config or a local pretrained dir."""
 
@@ -69,9 +80,11 @@ class HFModelConfig:
     pretrained: Optional[str] = None  # a local directory save_pretrained wrote; config is then ignored
     num_labels: Optional[int] = None  # sequence_classification: the classes
     weights: Optional[str] = None  # local state_dict file, loaded before the wrap
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning of model.pretrained (peft)
 
     @staticmethod
     def check(c: Any, key: str) -> None:
+        _check_lora(c, key)
         require(
             c.kind in ("causal_lm", "sequence_classification"),
             f"{key}.kind",
@@ -86,6 +99,34 @@ class HFModelConfig:
             "no model to build",
             f"pass {key}.config.model_type=gpt2 (and its keys), or {key}.pretrained=<a local directory>",
         )
+
+
+def _check_lora(c: Any, key: str) -> None:
+    lora = c.lora
+    require(
+        lora.rank >= 0, f"{key}.lora.rank", lora.rank, "must be >= 0 (0: no LoRA)", f"pass {key}.lora.rank=8"
+    )
+    require(
+        0 <= lora.dropout < 1,
+        f"{key}.lora.dropout",
+        lora.dropout,
+        "must be in [0, 1)",
+        f"pass {key}.lora.dropout=0",
+    )
+    require(
+        lora.rank == 0 or c.pretrained is not None,
+        f"{key}.lora.rank",
+        lora.rank,
+        f"LoRA adapts a pretrained model's frozen weights, and {key}.pretrained is null",
+        f"pass {key}.pretrained=<a local save_pretrained folder>, or {key}.lora.rank=0",
+    )
+    require(
+        lora.rank == 0 or c.weights is None,
+        f"{key}.weights",
+        c.weights,
+        "LoRA's base weights are model.pretrained's",
+        f"pass {key}.weights=null",
+    )
 
 
 @dataclass

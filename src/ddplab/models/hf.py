@@ -38,6 +38,7 @@ class HFModel(nn.Module):
         config: dict[str, Any] | None = None,
         pretrained: str | None = None,
         num_labels: int | None = None,
+        lora: dict[str, Any] | None = None,
     ):
         super().__init__()
         tf = transformers_module()
@@ -66,6 +67,27 @@ class HFModel(nn.Module):
                     "(gpt2, llama, bert, ...) and its config's keys"
                 ) from None
         self.kind = kind
+        self.trained_only: Any = None  # LoRA: what a checkpoint holds (ddplab.models.lora)
+        if lora and int(lora.get("rank", 0)) > 0:
+            from ddplab.models.lora import TrainedOnly, with_lora
+
+            self.hf = with_lora(self.hf, kind, lora)
+            self.trained_only = TrainedOnly(self)
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        """LoRA: without the frozen pretrained weights (model.pretrained holds them)."""
+        sd = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return sd if self.trained_only is None else self.trained_only.drop_frozen(sd, prefix)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if self.trained_only is None:
+            return super().load_state_dict(state_dict, strict, assign)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        if strict:
+            self.trained_only.check_loaded(result.missing_keys, result.unexpected_keys)
+        return result
 
     def forward(self, x: Tensor) -> Tensor:
         return self.hf(input_ids=x).logits
