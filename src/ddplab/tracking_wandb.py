@@ -14,16 +14,20 @@ resume) are read from the W&B files in the run dir and not sent again.
 
 from __future__ import annotations
 
-import html
+import contextlib
 import json
 import logging
 import os
+import pickle
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+from ddplab import redact
 from ddplab.runtime import env
-from ddplab.tracking_thread import BackgroundTracker, why
+from ddplab.tracking_thread import BackgroundTracker
 
 ID_FILE = "wandb.json"
 log = logging.getLogger("ddplab.tracking")  # the trackers' logger
@@ -44,7 +48,7 @@ class WandbWriter(BackgroundTracker):
         mode = str(conf.mode)
         self.mode = ("online" if env.wandb_online_possible() else "offline") if mode == "auto" else mode
         self.log_model = log_model
-        self.run: Any = None  # the wandb Run, the thread's alone
+        self._child: _Child | None = None  # the W&B client's process, the thread's alone
         self.run_id: str | None = None
         self._last = -1  # the last step the W&B run holds: W&B takes steps in increasing order only
         self._row: set[str] = set()  # the keys it holds at that step (a step's val/* come after its train/*)
@@ -75,45 +79,42 @@ class WandbWriter(BackgroundTracker):
         )
 
     def _open(self) -> None:
-        import wandb
-
         self.run_id = self._recorded_run() or secrets.token_hex(4)  # not `random`: the rank's RNG is kept
         self._record()  # before the run starts: a crash in its first steps still resumes the same W&B run
         self._last, self._row = _last_row(self.run_dir, self.run_id)
-        try:
-            self.run = self._init(wandb, self.mode)
-        except Exception as e:
-            if self.mode != "online":
-                raise
-            self.mode = "offline"  # W&B's server did not answer: the run is logged to its files instead
-            wandb.teardown()  # its service still holds the run id the online start claimed
-            self.run = self._init(wandb, "offline")
-            self._say("outage", "wandb: could not start online (%s); this run is logged offline", why(e))
+        if self._child is not None:  # an earlier start failed (an outage): its process goes
+            self._child.close()
+        self._child = _Child()
+        init = {
+            "project": self.project,
+            "entity": self.entity,
+            "id": self.run_id,
+            "resume": "allow",
+            "dir": str(self.run_dir),
+            "group": self.group,
+            "tags": self.tags or None,
+            "name": self.run_dir.name,
+        }
+        self.mode, why_offline = self._child.call("start", init, self._settings(), self.mode == "online")
+        if why_offline:  # W&B's server did not answer: the run is logged to its files instead
+            self._say(
+                "outage",
+                "wandb: could not start online (%s); this run is logged offline",
+                redact.text(why_offline),
+            )
 
-    def _init(self, wandb: Any, mode: str) -> Any:
-        settings = wandb.Settings(
-            silent=True,
-            console="off",  # ddplab's console is its own: W&B must not wrap stdout/stderr
-            x_disable_stats=True,  # no system-metrics sampler thread beside the loop
-            x_disable_meta=True,
-            save_code=False,
-            disable_git=True,
-            disable_job_creation=True,
-            x_save_requirements=False,
-            init_timeout=self.init_timeout,
-        )
-        return wandb.init(
-            project=self.project,
-            entity=self.entity,
-            id=self.run_id,
-            resume="allow",
-            dir=str(self.run_dir),
-            mode=mode,
-            group=self.group,
-            tags=self.tags or None,
-            name=self.run_dir.name,
-            settings=settings,
-        )
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "silent": True,
+            "console": "off",  # ddplab's console is its own: W&B must not wrap stdout/stderr
+            "x_disable_stats": True,  # no system-metrics sampler beside the loop
+            "x_disable_meta": True,
+            "save_code": False,
+            "disable_git": True,
+            "disable_job_creation": True,
+            "x_save_requirements": False,
+            "init_timeout": self.init_timeout,
+        }
 
     def _recorded_run(self) -> str | None:
         try:
@@ -137,7 +138,7 @@ class WandbWriter(BackgroundTracker):
         fresh = {k: float(v) for k, v in values.items() if step > self._last or k not in self._row}
         if step < self._last or not fresh:  # the W&B run holds these already (a resume's recomputed steps)
             return
-        self.run.log(fresh, step=step)
+        self._child.call("log", fresh, step)
         self._row = self._row | set(fresh) if step == self._last else set(fresh)
         self._last = step
 
@@ -149,34 +150,62 @@ class WandbWriter(BackgroundTracker):
             self._metrics(values, step, 0)
 
     def _config(self, values: dict[str, Any]) -> None:
-        self.run.config.update(values, allow_val_change=True)
+        self._child.call("config", values)
 
     def _text(self, tag: str, value: str, step: int) -> None:
-        import wandb
-
         if step >= self._last and tag not in self._row:  # W&B refuses an earlier step
-            self.run.log({tag: wandb.Html(f"<pre>{html.escape(value)}</pre>")}, step=step)
+            self._child.call("html", tag, value, step)
             self._row = self._row | {tag} if step == self._last else {tag}
             self._last = step
 
     def _finish(self, status: str) -> None:
         if status == "FINISHED" and self.log_model:
-            self._log_model()
-        files = Path(self.run.dir).parent  # <run dir>/wandb/offline-run-<when>-<id>: what wandb sync sends
-        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+            from ddplab.tracking_model import exported
+
+            with exported(self.run_dir, "wandb") as made:
+                if made is not None:
+                    self._child.call("artifact", f"model-{self.run_id}", str(made[0]), made[1][:1000])
+        folder = self._child.call("finish", 0 if status == "FINISHED" else 1)
+        self._child.close()
+        self._child = None
         if self.mode == "offline":
-            log.info("wandb: this run was logged offline; to send it to W&B: wandb sync %s", files)
+            log.info("wandb: this run was logged offline; to send it to W&B: wandb sync %s", folder)
 
-    def _log_model(self) -> None:
-        import wandb
 
-        from ddplab.tracking_model import exported
+class _Child:
+    """The W&B client's process (ddplab.tracking_wandb_proc): a call is a pickled frame to its stdin, its
+    reply one from its stdout; a failure there is raised here, as the thread's call failing."""
 
-        with exported(self.run_dir, "wandb") as made:
-            if made is not None:
-                art = wandb.Artifact(f"model-{self.run_id}", type="model", description=made[1][:1000])
-                art.add_dir(str(made[0]))  # copied into W&B's staging area: the folder may go after this
-                self.run.log_artifact(art)
+    def __init__(self) -> None:
+        import ddplab
+
+        where = str(Path(ddplab.__file__).resolve().parents[1])  # ddplab as this process found it
+        code = (
+            f"import sys; sys.path.insert(0, {where!r}); from ddplab.tracking_wandb_proc import main; main()"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def call(self, name: str, *args: Any) -> Any:
+        pickle.dump((name, args), self.proc.stdin)
+        self.proc.stdin.flush()
+        reply = pickle.load(self.proc.stdout)  # EOFError: the process died (an outage: started again)
+        if reply[0] == "error":
+            raise WandbError(f"{reply[1]}: {reply[2]}")
+        return reply[1]
+
+    def close(self) -> None:
+        """Its stdin closed: it ends the run if one is open (as failed) and exits (waited for briefly: no
+        zombie is left; one that does not end goes on alone)."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+class WandbError(Exception):
+    """A call failed in the W&B client's process (its type and message)."""
 
 
 def _parsed(tag: str, value: str) -> Any:

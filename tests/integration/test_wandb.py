@@ -128,3 +128,28 @@ def test_a_wandb_that_cannot_start_online_logs_the_run_offline(tmp_path, monkeyp
     offline = [f for f in files_of(run_dir) if f.parent.name.startswith("offline-run-")]
     assert said[1] == f"wandb: this run was logged offline; to send it to W&B: wandb sync {offline[0].parent}"
     assert_same_as_tensorboard(run_dir)
+
+
+@pytest.mark.slow
+def test_a_wandb_that_never_started_gets_the_whole_run_from_sync(tmp_path, caplog):
+    """W&B could not start at all (its folder in the run dir is a file): training goes on, the outage and the
+    end are said, the end with the command; ``python -m ddplab sync`` then sends TensorBoard's record, each
+    step once."""
+    import sys
+
+    from helpers.jobs import assert_ok, run_cmd
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "wandb").write_text("not a folder")
+    with caplog.at_level(logging.INFO, logger="ddplab.tracking"):
+        result = ddplab.run(compose_cfg(BASE + ["wandb.close_timeout_s=5"], run_dir))
+    assert result["step"] == 12
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert len(said) == 2 and said[0].startswith("wandb: cannot reach W&B (offline) ("), said
+    assert said[1].endswith(f"python -m ddplab sync {run_dir} sends them, each step once"), said
+    (run_dir / "wandb").unlink()
+    synced = run_cmd([sys.executable, "-m", "ddplab", "sync", str(run_dir)], tmp_path)
+    assert_ok(synced)
+    assert synced.stdout.startswith("sync: W&B run ") and "(offline)" in synced.stdout
+    assert_same_as_tensorboard(run_dir)
