@@ -177,9 +177,7 @@ class _Child:
     reply one from its stdout; a failure there is raised here, as the thread's call failing."""
 
     def __init__(self) -> None:
-        import ddplab
-
-        where = str(Path(ddplab.__file__).resolve().parents[1])  # ddplab as this process found it
+        where = str(Path(__file__).resolve().parents[1])  # ddplab as this process found it
         code = (
             f"import sys; sys.path.insert(0, {where!r}); from ddplab.tracking_wandb_proc import main; main()"
         )

@@ -87,7 +87,7 @@ def test_an_ema_run_exports_its_ema_weights_which_load_outside_ddplab_and_score_
         ),
         (
             ["run", "--to", "onnx"],
-            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf, "
+            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf, peft, "
             "auto",
         ),
         (
