@@ -87,8 +87,8 @@ def test_an_ema_run_exports_its_ema_weights_which_load_outside_ddplab_and_score_
         ),
         (
             ["run", "--to", "onnx"],
-            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, hf, peft, "
-            "auto",
+            "export --to onnx: not a format ddplab writes. Fix: --to one of safetensors, state_dict, "
+            "hf, peft, auto",
         ),
         (
             ["run", "--to", "hf"],
