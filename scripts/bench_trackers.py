@@ -5,6 +5,7 @@ evaluations and checkpoints included, start-up and the tracker's end excluded) c
     python scripts/bench_trackers.py                       # W&B that cannot start vs TensorBoard alone
     python scripts/bench_trackers.py --wandb offline --rounds 7
     python scripts/bench_trackers.py --against offline     # W&B that cannot start vs W&B that can (offline)
+    python scripts/bench_trackers.py --threads 1           # training leaves a core free
     python scripts/bench_trackers.py -- model=convnet num_epochs=20
 
 ``--wandb down`` (default): a key, and a W&B server that never answers (a closed loopback port): the start
@@ -40,10 +41,14 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def loop_seconds(run_dir: Path, state: str, job: list[str]) -> float:
+def loop_seconds(run_dir: Path, state: str, job: list[str], threads: int | None) -> float:
     """The loop's seconds of one ``train.py`` run with W&B in ``state`` (none: TensorBoard alone)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["NETRC"] = str(run_dir.parent / "no.netrc")
+    if (
+        threads
+    ):  # training's intra-op threads: fewer than the cores leaves one to the rest, as on a GPU machine
+        env["OMP_NUM_THREADS"] = str(threads)
     env["WANDB_DATA_DIR"] = env["WANDB_CACHE_DIR"] = env["WANDB_CONFIG_DIR"] = str(run_dir.parent / "home")
     if state == "down":
         env["WANDB_API_KEY"] = "k" * 40
@@ -65,6 +70,9 @@ def main() -> None:
     p.add_argument("--wandb", choices=["down", "offline"], default="down")
     p.add_argument("--against", choices=["none", "offline"], default="none", help="the other side")
     p.add_argument("--rounds", type=int, default=5, help="launches per side (default 5)")
+    p.add_argument(
+        "--threads", type=int, help="training's intra-op threads (OMP_NUM_THREADS; default: torch's)"
+    )
     p.add_argument("job", nargs="*", help="train.py overrides (default: " + " ".join(JOB) + ")")
     a = p.parse_args()
     job = a.job or JOB
@@ -73,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ddplab-bench-") as work:
         for i in range(a.rounds):
             for k, side in enumerate(sides if i % 2 == 0 else sides[::-1]):
-                t = loop_seconds(Path(work) / f"r{i}-{k}", side, job)
+                t = loop_seconds(Path(work) / f"r{i}-{k}", side, job, a.threads)
                 times[side].append(t)
                 print(f"round {i + 1}/{a.rounds} W&B {side:8s} {t:.2f} s", flush=True)
     diffs = [w - t for t, w in zip(times[a.against], times[a.wandb])]

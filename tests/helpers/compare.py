@@ -64,3 +64,14 @@ def max_rel_weight_diff(a: dict, b: dict) -> float:
     return max(
         ((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in b if b[k].is_floating_point()
     )
+
+
+def tb_texts(events: Path, tag: str) -> dict[int, str]:
+    """{step: text} of a TensorBoard text tag, as its Text tab shows them (ddplab indents each line by 4)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(events), size_guidance={"tensors": 0}).Reload()
+    return {
+        e.step: e.tensor_proto.string_val[0].decode()[4:].replace("\n    ", "\n")
+        for e in ea.Tensors(f"{tag}/text_summary")
+    }

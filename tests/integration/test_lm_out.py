@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import tb_texts
 from helpers.extras import needs
 from helpers.jobs import REPO, assert_ok, compose_cfg, run_cmd
 
@@ -120,17 +121,6 @@ def test_a_tinygpt_whose_head_has_a_bias_says_why_it_has_no_transformers_export(
     assert (run / "export" / "model.safetensors").is_file() and not (run / "export" / "config.json").exists()
 
 
-def texts(events: Path, tag: str) -> dict[int, str]:
-    """{step: text} of a TensorBoard text tag, as its Text tab shows them (ddplab indents each line by 4)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    ea = EventAccumulator(str(events), size_guidance={"tensors": 0}).Reload()
-    return {
-        e.step: e.tensor_proto.string_val[0].decode()[4:].replace("\n    ", "\n")
-        for e in ea.Tensors(f"{tag}/text_summary")
-    }
-
-
 @pytest.mark.slow
 def test_samples_at_each_evaluation_are_generates_text_and_leave_training_bitwise(tmp_path):
     """callbacks=[samples]: after each evaluation the model's continuation of the prompt in TensorBoard's Text
@@ -151,7 +141,7 @@ def test_samples_at_each_evaluation_are_generates_text_and_leave_training_bitwis
         assert_same_checkpoint(
             tmp_path / "plain" / "checkpoints" / "last.pt", tmp_path / run / "checkpoints" / "last.pt"
         )
-    said = texts(tmp_path / "greedy" / "tb", "samples")
+    said = tb_texts(tmp_path / "greedy" / "tb", "samples")
     assert sorted(said) == [6, 12] and all(t.startswith(PROMPT) for t in said.values())
     last = tmp_path / "greedy" / "checkpoints" / "last.pt"
     greedy = ("--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12")

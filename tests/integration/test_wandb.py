@@ -153,3 +153,40 @@ def test_a_wandb_that_never_started_gets_the_whole_run_from_sync(tmp_path, caplo
     assert_ok(synced)
     assert synced.stdout.startswith("sync: W&B run ") and "(offline)" in synced.stdout
     assert_same_as_tensorboard(run_dir)
+
+
+@pytest.mark.slow
+def test_samples_at_each_evaluation_are_wandb_panels_at_their_step(tmp_path):
+    """callbacks=[samples] with W&B: each evaluation's continuation is an HTML panel at that step, holding
+    TensorBoard's text (escaped)."""
+    import html
+
+    from helpers.compare import tb_texts
+
+    lm = [
+        "task=lm",
+        "model=gpt",
+        "dataset=text",
+        "dataset.block_size=32",
+        "model.n_embd=32",
+        "model.n_head=2",
+    ]
+    samples = [
+        "callbacks=[samples]",
+        "callbacks.samples.prompt=The captain",
+        "callbacks.samples.max_new_tokens=8",
+    ]
+    run_dir = tmp_path / "run"
+    ddplab.run(compose_cfg([*lm, *BASE[1:], *samples], run_dir))
+    [file] = files_of(run_dir)
+    panels: dict[int, dict[str, str]] = {}  # W&B writes a media value as its fields: samples.path, ...
+    for r in wf.read_records(file):
+        for item in r.history.item if r.WhichOneof("record_type") == "history" else ():
+            if list(item.nested_key[:1]) == ["samples"]:
+                panels.setdefault(r.history.step.num, {})[item.nested_key[1]] = json.loads(item.value_json)
+    said = tb_texts(run_dir / "tb", "samples")
+    assert sorted(panels) == sorted(said) == [6, 12]
+    for step, panel in panels.items():
+        assert panel["_type"] == "html-file"
+        page = (file.parent / "files" / panel["path"]).read_text()
+        assert html.escape(said[step]) in page, step
