@@ -73,7 +73,10 @@ class BackgroundTracker(NullWriter):
         self._q.put((_STOP, ()))
         self._thread.join(self.timeout)
         self._said.update(("outage", "refused"))  # said after the end, a line would land in the next job's
-        left = self._q.qsize() + len(self._backlog) if self._thread.is_alive() else len(self._backlog)
+        stuck = self._thread.is_alive()
+        left = self._q.qsize() + len(self._backlog) if stuck else len(self._backlog)
+        if stuck:
+            self._abandon()
         if left:
             within = (
                 f"the {self.timeout:g} s a stop signal left of the launcher's grace"
@@ -125,6 +128,10 @@ class BackgroundTracker(NullWriter):
     def _end_fix(self) -> str:
         """How the records the tracker did not take at the end reach it later."""
         raise NotImplementedError
+
+    def _abandon(self) -> None:
+        """The thread is still in a call at the end (a tracker that hangs): what it holds that would outlive
+        the job goes (the thread itself is a daemon)."""
 
     # ---------------------------------------------------------------- the thread's side
     def _drain(self) -> None:

@@ -158,6 +158,13 @@ class WandbWriter(BackgroundTracker):
             self._row = self._row | {tag} if step == self._last else {tag}
             self._last = step
 
+    def _abandon(self) -> None:
+        """W&B's client hangs (its thread is still in a call): its process is killed, not left behind (it
+        ignores the job's SIGTERM, and its input stays open while this process lives)."""
+        child = self._child
+        if child is not None:
+            child.proc.kill()
+
     def _finish(self, status: str) -> None:
         if status == "FINISHED" and self.log_model:
             from ddplab.tracking_model import exported

@@ -190,3 +190,40 @@ def test_samples_at_each_evaluation_are_wandb_panels_at_their_step(tmp_path):
         assert panel["_type"] == "html-file"
         page = (file.parent / "files" / panel["path"]).read_text()
         assert html.escape(said[step]) in page, step
+
+
+@pytest.mark.slow
+def test_a_wandb_that_hangs_mid_run_holds_the_end_only_its_timeout_and_leaves_no_process(
+    tmp_path, monkeypatch, caplog
+):
+    """W&B's client stuck at its first log call (tests/workers/hanging_wandb_client.py): training goes on,
+    the end waits wandb.close_timeout_s and says what W&B lacks with the command, and the stuck process is
+    gone after the run (it ignores SIGTERM, as the real one does)."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers.jobs import REPO
+
+    from ddplab import tracking_wandb
+
+    started: list[subprocess.Popen] = []
+
+    def hanging(self) -> None:
+        worker = REPO / "tests" / "workers" / "hanging_wandb_client.py"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        started.append(self.proc)
+
+    monkeypatch.setattr(tracking_wandb._Child, "__init__", hanging)
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="ddplab.tracking"):
+        result = ddplab.run(compose_cfg(BASE + ["wandb.close_timeout_s=3"], run_dir))
+    assert result["step"] == 12 and time.monotonic() - t0 < 30
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert len(said) == 1 and "did not take the run's last" in said[0], said
+    assert said[0].endswith(f"python -m ddplab sync {run_dir} sends them, each step once")
+    [proc] = started
+    assert proc.wait(timeout=10) is not None  # killed at the end: no process left behind
