@@ -43,13 +43,14 @@ def writer_for(dist: Any, log_dir: str, cfg: Any, run_dir: Path, evaluating: boo
 
 
 def group_name(cfg: Any, run_dir: Path, multirun: bool) -> str | None:
-    """wandb.group, else the study's (``study <name>``) or the sweep's (``sweep <its dir's name>``); none for
-    a single run."""
+    """wandb.group, else the study's (``study <name>``) or the sweep's (``sweep <date>/<time>``: its dir's
+    last two parts); none for a single run."""
     if cfg.wandb.get("group"):
         return str(cfg.wandb.group)
     if "study" in (cfg.callbacks or {}):
         return f"study {cfg.study.name}"
-    return f"sweep {run_dir.parent.resolve().name}" if multirun else None
+    sweep = run_dir.parent.resolve()  # multirun/<date>/<time>: W&B's group names stay short (128 at most)
+    return f"sweep {'/'.join(sweep.parts[-2:])}" if multirun else None
 
 
 def wandb_writer(

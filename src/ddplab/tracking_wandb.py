@@ -59,8 +59,8 @@ class WandbWriter(BackgroundTracker):
         self._q.put((self._metrics, (dict(values), step, 0)))
 
     def text(self, tag: str, value: str, step: int = 0) -> None:
-        if tag in ("config", "provenance"):
-            self._q.put((self._config, ({tag: _parsed(tag, value)},)))
+        if tag in ("config", "provenance"):  # parsed on the thread: the loop only queues
+            self._q.put((self._config_text, (tag, value)))
         elif step:  # a text of a step (samples at an evaluation): shown at that step, as TensorBoard does
             self._q.put((self._text, (tag, value, step)))
 
@@ -151,6 +151,9 @@ class WandbWriter(BackgroundTracker):
 
     def _config(self, values: dict[str, Any]) -> None:
         self._child.call("config", values)
+
+    def _config_text(self, tag: str, value: str) -> None:
+        self._config({tag: _parsed(tag, value)})
 
     def _text(self, tag: str, value: str, step: int) -> None:
         if step >= self._last and tag not in self._row:  # W&B refuses an earlier step

@@ -1,7 +1,7 @@
 """model.lora (issue 47, item 3): LoRA through peft on a local pretrained transformers folder. Only the
 adapters train (the pretrained weights stay bitwise as they were), a checkpoint holds the adapters and their
 optimizer state alone (its size against a whole model's), a run killed mid-epoch resumes bitwise, mode=eval
-reproduces the run's last evaluation, 1 and 3 DDP ranks and 2 FSDP ranks train the same adapters, and both
+reproduces the run's last evaluation, 1, 2 and 3 DDP ranks and 2 FSDP ranks train the same adapters, and both
 exports give ddplab's logits: ``--to hf`` (merged: a plain transformers folder) and ``--to peft`` (an adapter
 folder ``PeftModel.from_pretrained`` loads)."""
 
@@ -88,15 +88,17 @@ def test_a_lora_run_killed_mid_epoch_resumes_bitwise_and_mode_eval_reproduces_it
 
 
 @pytest.mark.dist
-def test_world_sizes_1_and_3_and_fsdp_train_the_same_adapters(tmp_path):
+def test_world_sizes_1_2_and_3_and_fsdp_train_the_same_adapters(tmp_path):
     args = args_of(tmp_path, "num_epochs=1", "limit_train_steps=8")
     ddplab.run(compose_cfg(args, tmp_path / "1"))
-    assert_ok(ranks(3, args + [f"hydra.run.dir={tmp_path / '3'}"], tmp_path, timeout=240))
+    for n in (2, 3):
+        assert_ok(ranks(n, args + [f"hydra.run.dir={tmp_path / str(n)}"], tmp_path, timeout=240))
     assert_ok(
         ranks(2, args + ["distributed=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=240)
     )
     one = torch.load(tmp_path / "1" / "checkpoints" / "last.pt", weights_only=True)["model"]
     for n, got in (
+        (2, torch.load(tmp_path / "2" / "checkpoints" / "last.pt", weights_only=True)["model"]),
         (3, torch.load(tmp_path / "3" / "checkpoints" / "last.pt", weights_only=True)["model"]),
         ("fsdp", load_whole(tmp_path / "fsdp" / "checkpoints" / "last.pt")["model"]),
     ):

@@ -227,3 +227,25 @@ def test_a_wandb_that_hangs_mid_run_holds_the_end_only_its_timeout_and_leaves_no
     assert said[0].endswith(f"python -m ddplab sync {run_dir} sends them, each step once")
     [proc] = started
     assert proc.wait(timeout=10) is not None  # killed at the end: no process left behind
+
+
+@pytest.mark.slow
+def test_a_sweeps_jobs_are_wandb_runs_of_one_group(tmp_path):
+    import sys
+
+    from helpers.jobs import REPO, assert_ok, run_cmd
+
+    sweep = tmp_path / "multirun" / "day" / "time"
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "-m",
+        "optimizer.lr=0.1,0.05",
+        *BASE,
+        "wandb.log_model=false",
+    ]
+    assert_ok(run_cmd([*cmd, f"hydra.sweep.dir={sweep}"], tmp_path))
+    runs = [wf.run_record(files_of(sweep / job)[0]) for job in ("0", "1")]
+    assert [r.run_group for r in runs] == ["sweep day/time"] * 2 and runs[0].run_id != runs[1].run_id
+    lrs = [wf.config(files_of(sweep / job)[0])["hparams"]["optimizer.lr"] for job in ("0", "1")]
+    assert lrs == [0.1, 0.05]

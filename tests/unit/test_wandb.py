@@ -74,6 +74,6 @@ def test_a_studys_and_a_sweeps_runs_share_a_group(tmp_path):
 
     run_dir = tmp_path / "multirun" / "2026-11-30" / "12-00-00" / "3"
     assert group_name(cfg(), Path("/tmp/run"), multirun=False) is None
-    assert group_name(cfg(), run_dir, multirun=True) == "sweep 12-00-00"
+    assert group_name(cfg(), run_dir, multirun=True) == "sweep 2026-11-30/12-00-00"
     assert group_name(cfg(callbacks={"study": {}}), run_dir, multirun=False) == "study lr_search"
     assert group_name(cfg(wandb={"group": "mine"}), run_dir, multirun=True) == "mine"
