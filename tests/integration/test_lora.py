@@ -149,3 +149,16 @@ def test_both_exports_give_ddplabs_logits(tmp_path):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         else:
             assert torch.equal(got, want)  # the same modules, the same weights: bitwise
+
+
+@pytest.mark.slow
+def test_to_peft_without_lora_is_one_line(tmp_path):
+    ddplab.run(
+        compose_cfg(LM + token_file(tmp_path) + ["num_epochs=1", "limit_train_steps=2"], tmp_path / "run")
+    )
+    proc = run_cmd(
+        [sys.executable, "-m", "ddplab", "export", str(tmp_path / "run"), "--to", "peft"], tmp_path
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "export --to peft: the run's model has no LoRA adapters (model.lora.rank=0). Fix: --to hf\n"
+    ), proc.stderr
