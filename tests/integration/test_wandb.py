@@ -249,3 +249,23 @@ def test_a_sweeps_jobs_are_wandb_runs_of_one_group(tmp_path):
     assert [r.run_group for r in runs] == ["sweep day/time"] * 2 and runs[0].run_id != runs[1].run_id
     lrs = [wf.config(files_of(sweep / job)[0])["hparams"]["optimizer.lr"] for job in ("0", "1")]
     assert lrs == [0.1, 0.05]
+
+
+@pytest.mark.slow
+def test_a_studys_trials_are_wandb_runs_of_one_group_holding_their_params(tmp_path):
+    """mode=study with W&B: each trial a W&B run of the group ``study <name>``, its config holding the
+    trial's params and its last val/acc the trial's value."""
+    import sys
+
+    from helpers.jobs import REPO, assert_ok, run_cmd
+    from helpers.study import load, study_args
+
+    d = tmp_path / "study"
+    cmd = [sys.executable, str(REPO / "train.py"), *study_args(d, 2), "logger=[tensorboard,wandb]"]
+    assert_ok(run_cmd([*cmd, "wandb.log_model=false"], tmp_path))
+    for t in load(d).trials:
+        [file] = files_of(Path(t.user_attrs["ddplab:dir"]))
+        assert wf.run_record(file).run_group == "study digits_lr_wd"
+        config = wf.config(file)["config"]  # the trial's composed config: its params drawn in
+        assert {k: config[k.split(".")[0]][k.split(".")[1]] for k in t.params} == t.params
+        assert wf.history(file)[max(wf.history(file))]["val/acc"] == pytest.approx(t.value, rel=1e-6)
