@@ -191,8 +191,13 @@ class _Child:
         code = (
             f"import sys; sys.path.insert(0, {where!r}); from ddplab.tracking_wandb_proc import main; main()"
         )
+        # Its own session: a stop signal to the job's process group (torchrun's agent signals each rank's
+        # group) must not end it before it has ended the run; it ends when its input does.
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
         )
 
     def call(self, name: str, *args: Any) -> Any:

@@ -269,3 +269,31 @@ def test_a_studys_trials_are_wandb_runs_of_one_group_holding_their_params(tmp_pa
         config = wf.config(file)["config"]  # the trial's composed config: its params drawn in
         assert {k: config[k.split(".")[0]][k.split(".")[1]] for k in t.params} == t.params
         assert wf.history(file)[max(wf.history(file))]["val/acc"] == pytest.approx(t.value, rel=1e-6)
+
+
+@pytest.mark.dist
+def test_a_preempted_torchrun_job_resumed_keeps_one_wandb_run_each_step_once(tmp_path):
+    """torchrun, 2 ranks, the launcher SIGTERMed at step 9 (a preemption: every rank checkpoints and stops,
+    W&B's client ending its run within the grace), then resume=auto: one W&B run over the two attempts, each
+    (step, key) once, TensorBoard's values at every step."""
+    from helpers.jobs import assert_ok, torchrun
+
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    spec = {
+        "phase": "optimizer",
+        "k": 9,
+        "rank": 0,
+        "target": "launcher",
+        "signal": "SIGTERM",
+        "dir": str(fault),
+    }
+    inject = {"SOAK_FAULT": json.dumps(spec), "SOAK_TRIAL_ID": str(fault), "SOAK_DIR": str(fault)}
+    run_dir = tmp_path / "run"
+    args = [*BASE, "+callbacks.soak._target_=soak_toy.SoakCallback", f"hydra.run.dir={run_dir}"]
+    stopped = torchrun(2, args, tmp_path, timeout=240, extra_env=inject)
+    assert stopped.returncode != 0 and (fault / "fired").exists(), stopped.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "preempted"
+    assert_ok(torchrun(2, [*args, "resume=auto"], tmp_path, timeout=240))
+    assert len(files_of(run_dir)) == 2
+    assert_same_as_tensorboard(run_dir, skip="vitals/")
