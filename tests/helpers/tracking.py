@@ -109,3 +109,7 @@ def _start(folder: Path) -> tuple[str, subprocess.Popen]:
             proc.wait(30)
             raise RuntimeError(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
         time.sleep(0.5)
+
+
+# A tracked run of 12 steps logged every 2 (train/ and val/ at 6 and 12): MLflow's and W&B's tests alike.
+TRACKED_RUN = ["model=mlp", "progress=none", "num_epochs=2", "limit_train_steps=6", "log_every_n_steps=2"]

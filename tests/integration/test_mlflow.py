@@ -19,7 +19,7 @@ import pytest
 from helpers.compare import load, same
 from helpers.extras import lazy
 from helpers.jobs import REPO, assert_ok, compose_cfg, run_cmd, run_killed_after_step
-from helpers.tracking import free_port
+from helpers.tracking import TRACKED_RUN, free_port
 
 import ddplab
 from ddplab.events import read_scalars
@@ -31,14 +31,7 @@ def MlflowClient(uri: str):  # noqa: N802 (MLflow's class, imported at its first
     return tracking.MlflowClient(uri)
 
 
-BASE = [
-    "model=mlp",
-    "progress=none",
-    "num_epochs=2",
-    "limit_train_steps=6",
-    "log_every_n_steps=2",
-    "logger=[tensorboard,mlflow]",
-]
+BASE = [*TRACKED_RUN, "logger=[tensorboard,mlflow]"]
 
 
 def run_of(run_dir: Path, uri: str):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers.extras import needs
 from helpers.jobs import compose_cfg, run_killed_after_step
-from helpers.tracking import free_port
+from helpers.tracking import TRACKED_RUN, free_port
 
 import ddplab
 from ddplab import wandb_files as wf
@@ -21,14 +21,7 @@ from ddplab.events import read_scalars
 
 needs("wandb", "wandb")
 
-BASE = [
-    "model=mlp",
-    "progress=none",
-    "num_epochs=2",
-    "limit_train_steps=6",
-    "log_every_n_steps=2",
-    "logger=[tensorboard,wandb]",
-]
+BASE = [*TRACKED_RUN, "logger=[tensorboard,wandb]"]
 
 
 @pytest.fixture(autouse=True)
