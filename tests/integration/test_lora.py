@@ -162,3 +162,21 @@ def test_to_peft_without_lora_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr == (
         "export --to peft: the run's model has no LoRA adapters (model.lora.rank=0). Fix: --to hf\n"
     ), proc.stderr
+
+
+@pytest.mark.dist
+def test_three_ranks_one_sigkilled_mid_epoch_resume_into_the_uninterrupted_runs_adapters_bitwise(tmp_path):
+    """3 DDP ranks under torchrun (a sum of three gradients has an order, two commute): rank 1 SIGKILLed at
+    its 11th step (last checkpoint: step 9, mid-epoch 2), resume=auto ends at the uninterrupted 3-rank run's
+    adapters and optimizer state, bitwise."""
+    from helpers.jobs import rank_kills_itself, torchrun
+
+    args = args_of(tmp_path, "num_epochs=2", "limit_train_steps=8", "checkpoint.every_n_steps=3")
+    args += ["+callbacks.soak._target_=soak_toy.SoakCallback"]
+    assert_ok(torchrun(3, args + [f"hydra.run.dir={tmp_path / 'ref'}"], tmp_path, timeout=300))
+    killed = tmp_path / "killed"
+    fault = rank_kills_itself(tmp_path / "fault", rank=1, k=11)
+    crashed = torchrun(3, args + [f"hydra.run.dir={killed}"], tmp_path, timeout=300, extra_env=fault)
+    assert crashed.returncode != 0 and json.loads((tmp_path / "fault" / "fired").read_text())["step"] == 10
+    assert_ok(torchrun(3, args + [f"hydra.run.dir={killed}", "resume=auto"], tmp_path, timeout=300))
+    assert_same_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt", killed / "checkpoints" / "last.pt")
