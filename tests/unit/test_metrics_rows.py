@@ -1,0 +1,41 @@
+"""The log step's reduction: the sums over ranks do not depend on the order of the ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import ddplab.train.metrics as metrics
+from ddplab.runtime.group import Dist
+from ddplab.task import TaskOutput
+from ddplab.train.metrics import TrainMetrics
+
+
+def rank(loss: float, size: int) -> TrainMetrics:
+    """One rank's metrics after one step of one micro-batch."""
+    m = TrainMetrics(Dist(), ("acc",))
+    m.add_micro(TaskOutput(torch.tensor(loss), size, {"acc": (torch.tensor(float(size)), size)}))
+    m.add_step(step_time=0.01, data_time=0.001)
+    return m
+
+
+def row(loss: float, size: int, monkeypatch) -> torch.Tensor:
+    """The row that rank sends at its log step."""
+    sent = []
+    monkeypatch.setattr(metrics, "all_ranks_rows", lambda local, dist: sent.append(local) or local[None])
+    rank(loss, size).reduce()
+    return sent[0]
+
+
+def test_the_loss_over_three_ranks_is_the_same_in_every_order_of_their_rows(monkeypatch):
+    """Rank 1's one sample is lost next to ranks 0 and 2's 2**30 each (float64 rounds 1e8 * 2**30 + 1) unless
+    the sum is exact: (a + 1) - a is 0 and (a - a) + 1 is 1. A sum of two commutes; of three it need not."""
+    rows = [row(1e8, 2**30, monkeypatch), row(1.0, 1, monkeypatch), row(-1e8, 2**30, monkeypatch)]
+    seen = set()
+    for order in itertools.permutations(rows):
+        monkeypatch.setattr(metrics, "all_ranks_rows", lambda local, dist, order=order: torch.stack(order))
+        out, stop = rank(0.0, 1).reduce()  # its own row is one of the three
+        seen.add(out["train/loss"])
+        assert out["train/acc"] == 1.0 and stop is False
+    assert seen == {1.0 / (2**31 + 1)}
