@@ -27,6 +27,7 @@ class Writer(Protocol):
     def charts(self, categories: dict[str, dict[str, list[str]]]) -> None: ...
     def image(self, tag: str, image: Any, step: int) -> None: ...
     def purge_after(self, step: int) -> None: ...
+    def open_soon(self) -> None: ...
     def close(self) -> None: ...
     def hurry(self, seconds: float) -> None: ...
     def drain(self) -> None: ...
@@ -54,6 +55,9 @@ class NullWriter:
         """A resumed run (or one restarted where an attempt left events): drop what was logged after
         ``step``."""
 
+    def open_soon(self) -> None:
+        """Training has begun: whatever is slow to open may start opening now, beside the steps."""
+
     def close(self) -> None:
         pass
 
@@ -67,12 +71,14 @@ class NullWriter:
 
 
 class TensorBoardWriter(NullWriter):
-    """Rank 0's SummaryWriter, opened at the first scalar (or at close).
+    """Rank 0's SummaryWriter, opened on a thread of its own once the first step is done (or at the first
+    write, if that comes first).
 
-    Importing TensorBoard and opening the event file takes a few hundred ms;
-    nothing needs them before the first log step, so they stay off the path
-    from launch to the first training step. Text and HParams written earlier
-    are queued and land first in the file.
+    Importing TensorBoard and opening the event file takes a few hundred ms. Nothing needs them before the
+    first log step, so they stay off the path from launch to the first training step; opened in the loop at
+    the first log step, they stalled it (0.1-0.4 s at step 10). Beside the steps, they cost the loop
+    nothing where the host waits on an accelerator. Text and HParams written earlier are queued and land
+    first in the file.
     """
 
     def __init__(self, log_dir: str):
@@ -80,6 +86,8 @@ class TensorBoardWriter(NullWriter):
         self.purge_step: int | None = None
         self._w: Any = None
         self._queued: list[tuple[str, tuple]] = []
+        self._opening: threading.Thread | None = None
+        self._opened: Any = None  # the opening thread's SummaryWriter, or what it raised
 
     @contextlib.contextmanager
     def _said_in_one_line(self) -> Iterator[None]:
@@ -99,22 +107,48 @@ class TensorBoardWriter(NullWriter):
             ) from None
 
     def purge_after(self, step: int) -> None:
+        self._join_opening()  # (a resume decides before training starts: normally nothing to join)
         self.purge_step = step + 1
-        if self._w is not None:  # a callback wrote a scalar in its setup: the next write opens a purging file
+        # A callback wrote a scalar in its setup: the next write opens a purging file.
+        stale, self._w, self._opened = self._w or self._opened, None, None
+        if stale is not None and not isinstance(stale, BaseException):
             with self._said_in_one_line():
-                self._w.close()
-            self._w = None
+                stale.close()
 
-    def _writer(self) -> Any:
-        if self._w is None:
+    def open_soon(self) -> None:
+        if self._w is None and self._opening is None and self._opened is None:
+            self._opening = threading.Thread(target=self._open, name="ddplab-tensorboard", daemon=True)
+            self._opening.start()
+
+    def _open(self) -> None:
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: F401  (imported for scalars)
+            from tensorboard.plugins.hparams.summary_v2 import hparams_pb  # noqa: F401  (for hparams)
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events a crashed run logged past its last checkpoint,
             # so a resumed run's curves have each step once.
             _after_earlier_event_files(self.log_dir)
             _quiet_event_thread()
-            with self._said_in_one_line():
-                self._w = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
+            self._opened = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
+        except BaseException as e:  # raised where the writer is first needed, on the loop's thread
+            self._opened = e
+
+    def _join_opening(self) -> None:
+        if self._opening is not None:
+            self._opening.join()
+            self._opening = None
+
+    def _writer(self) -> Any:
+        if self._w is None:
+            self._join_opening()
+            if self._opened is None:
+                self._open()
+            opened, self._opened = self._opened, None
+            if isinstance(opened, BaseException):
+                with self._said_in_one_line():
+                    raise opened
+            self._w = opened
             for method, args in self._queued:  # each write said in one line if it fails (its own guard)
                 getattr(self, method)(*args)
             self._queued.clear()
@@ -227,6 +261,10 @@ class TeeWriter(NullWriter):
     def purge_after(self, step: int) -> None:
         for w in self.writers:
             w.purge_after(step)
+
+    def open_soon(self) -> None:
+        for w in self.writers:
+            w.open_soon()
 
     def close(self) -> None:
         for w in self.writers:

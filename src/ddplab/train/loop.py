@@ -147,7 +147,9 @@ class Trainer:
         if self.first_step is None:
             return self.train_step(batches)
         first, self.first_step = self.first_step, None
-        return first(self.train_step, batches)
+        stepped = first(self.train_step, batches)
+        self.state.writer.open_soon()  # TensorBoard's import and file, beside the steps before the first log
+        return stepped
 
     def train_step(self, batches: Iterator[Any]) -> bool:
         """One optimizer step of ``accum`` micro-batches; False: dropped (nonfinite_loss=skip, a NaN/Inf)."""
