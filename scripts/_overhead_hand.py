@@ -19,7 +19,6 @@ class HandLoop:
         from torch.utils.tensorboard import SummaryWriter
 
         from ddplab.data import synthetic  # the same tensors ddplab's dataset=synthetic makes
-        from ddplab.models import ConvNet, resnet18
 
         self.a = a
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -33,10 +32,7 @@ class HandLoop:
 
         torch.manual_seed(0)
         data = synthetic(num_train=a.num_train, num_val=a.num_val, in_channels=3, image_size=a.image_size)
-        if a.model == "convnet":
-            model = ConvNet(num_classes=10, in_channels=3)
-        else:
-            model = resnet18(num_classes=10, in_channels=3, small_input=a.image_size < 64)
+        model = _model(a)
         self.fmt = torch.channels_last if a.channels_last else torch.contiguous_format
         self.model = model.to(self.device).to(memory_format=self.fmt)
         self.ddp = DDP(self.model, device_ids=[local] if cuda else None) if self.world > 1 else self.model
@@ -93,8 +89,20 @@ class HandLoop:
                     yield self.xs[idx], self.ys[idx]
 
     def epoch(self) -> None:
+        for _ in self.train_steps():
+            pass
+        self.evaluate_and_save()
+
+    def all_steps(self, epochs: int):
+        """Every step of ``epochs`` epochs, one per ``next()``; an epoch's evaluation and checkpoint run
+        in the call after its last step (the step-paired benchmark drives the loop this way)."""
+        for _ in range(epochs):
+            yield from self.train_steps()
+            self.evaluate_and_save()
+
+    def train_steps(self):
+        """One epoch's training steps, yielding after each."""
         import torch
-        import torch.distributed as dist
         import torch.nn.functional as F
 
         dev = self.device
@@ -114,6 +122,15 @@ class HandLoop:
                 reduced = self.reduce_tensor(loss.detach())
                 if self.writer:
                     self.writer.add_scalar("train/loss", reduced.item(), self.step)
+            yield
+
+    def evaluate_and_save(self) -> None:
+        """The epoch's evaluation, reduced across ranks, and rank 0's checkpoint."""
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        dev = self.device
         self.ddp.eval()
         sums = torch.zeros(3, device=dev, dtype=torch.float64)
         with torch.no_grad():
@@ -152,3 +169,14 @@ class HandLoop:
             self.writer.close()
         if self.world > 1 and dist.is_initialized():
             dist.barrier()
+
+
+def _model(a: argparse.Namespace):
+    """The model ddplab's ``model=`` builds for the same job (its classes, the same arguments)."""
+    from ddplab.models import MLP, ConvNet, resnet18
+
+    if a.model == "convnet":
+        return ConvNet(num_classes=10, in_channels=3)
+    if a.model == "mlp":  # the overhead-bound path: a step of ~1 ms, most of it the loop's own
+        return MLP(num_classes=10, in_channels=3, image_size=a.image_size)
+    return resnet18(num_classes=10, in_channels=3, small_input=a.image_size < 64)
