@@ -20,10 +20,10 @@ def rank(loss: float, size: int) -> TrainMetrics:
     return m
 
 
-def row(loss: float, size: int, monkeypatch) -> torch.Tensor:
+def row(loss: float, size: int, monkeypatch) -> list[float]:
     """The row that rank sends at its log step."""
     sent = []
-    monkeypatch.setattr(metrics, "all_ranks_rows", lambda local, dist: sent.append(local) or local[None])
+    monkeypatch.setattr(metrics, "all_ranks_values", lambda local, dist: sent.append(local) or [local])
     rank(loss, size).reduce()
     return sent[0]
 
@@ -34,7 +34,7 @@ def test_the_loss_over_three_ranks_is_the_same_in_every_order_of_their_rows(monk
     rows = [row(1e8, 2**30, monkeypatch), row(1.0, 1, monkeypatch), row(-1e8, 2**30, monkeypatch)]
     seen = set()
     for order in itertools.permutations(rows):
-        monkeypatch.setattr(metrics, "all_ranks_rows", lambda local, dist, order=order: torch.stack(order))
+        monkeypatch.setattr(metrics, "all_ranks_values", lambda local, dist, order=order: list(order))
         out, stop = rank(0.0, 1).reduce()  # its own row is one of the three
         seen.add(out["train/loss"])
         assert out["train/acc"] == 1.0 and stop is False

@@ -61,6 +61,15 @@ def all_ranks_rows(row: torch.Tensor, dist: Dist) -> torch.Tensor:
     return rows
 
 
+def all_ranks_values(values: list[float], dist: Dist) -> list[list[float]]:
+    """Every rank's ``values`` (float64), a list per rank: :func:`all_ranks_rows` for numbers the host
+    holds; a single process needs no tensor at all."""
+    if not dist.is_distributed:
+        return [list(values)]
+    row = torch.tensor(values, dtype=torch.float64, device=dist.device)
+    return all_ranks_rows(row, dist).tolist()
+
+
 def any_rank(flag: bool | torch.Tensor, dist: Dist) -> bool:
     """True on every rank if ``flag`` is true on any rank (one tiny collective and a host read)."""
     t = torch.as_tensor(flag, dtype=torch.float32, device=dist.device).reshape(1)

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from ddplab.runtime.collectives import all_ranks_rows, any_rank
+from ddplab.runtime.collectives import all_ranks_rows, all_ranks_values, any_rank
 from ddplab.runtime.group import Dist
 from ddplab.task import TaskError, TaskOutput
 
@@ -105,14 +105,16 @@ class TrainMetrics:
     """Training-side accumulation between log steps, plus host timers per rank.
 
     Per micro-batch the device only *stores* the mean loss and each metric's
-    sum (and count, if it is a tensor) into preallocated buffers: a few tiny
-    kernels, no sync, no collective. Sample-weighted sums, the NaN/Inf check
-    naming the first bad step and grad-norm means are computed once per log
-    interval, right before the one collective.
+    sum (and count, if it is a tensor) into a row of one preallocated table: a
+    few tiny kernels, no sync, no collective. Once per log interval the table
+    is read to the host in one copy (the interval's sync, which the collective
+    needed anyway), and the sample-weighted sums, the NaN/Inf check naming the
+    first bad step and the grad-norm mean are plain arithmetic there: a log
+    step's small device ops cost 10-30 µs each on a CPU, and there were ~40.
     """
 
-    # The row's layout: the micro-batch columns (summed in one op), the first bad micro-batch, the grad
-    # norm, then what the host knows. The metrics' sums and counts go between num_samples and nonfinite.
+    # The row's layout: the sums over the micro-batches, the first bad one, the grad norm, then what the host
+    # knows. The metrics' sums and counts go between num_samples and nonfinite.
     _HEAD = ["loss", "num_samples"]
     _TAIL = [
         "nonfinite",
@@ -148,38 +150,35 @@ class TrainMetrics:
 
     def _alloc(self, capacity: int) -> None:
         dev, m = self.dist.device, len(self.metric_names)
-        self.losses = torch.zeros(capacity, device=dev)  # mean loss of each micro-batch
-        self.sums = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # metric sums of each
-        self.counts = torch.zeros(capacity, m, dtype=torch.float64, device=dev)  # tensor counts of each
+        # A row per micro-batch: its mean loss, each metric's sum, each metric's count (if a tensor).
+        self.table = torch.zeros(capacity, 1 + 2 * m, dtype=torch.float64, device=dev)
         self.norms = torch.zeros(capacity, device=dev)  # pre-clip grad norm of each step (if clipping)
         # 0-d views made once: a step writes into them with one kernel each (no per-step indexing op).
-        self._loss_slots = self.losses.unbind()
-        self._sum_slots = [row.unbind() for row in self.sums.unbind()]
-        self._count_slots = [row.unbind() for row in self.counts.unbind()]
+        self._rows = [row.unbind() for row in self.table.unbind()]
 
     def _grow(self) -> None:
-        old = (self.losses, self.sums, self.counts, self.norms)
-        self._alloc(2 * len(self.losses))
-        for new, o in zip((self.losses, self.sums, self.counts, self.norms), old):
+        old = (self.table, self.norms)
+        self._alloc(2 * len(self.table))
+        for new, o in zip((self.table, self.norms), old):
             new[: len(o)] = o
 
     def add_micro(self, out: TaskOutput) -> None:
         """One micro-batch's task output: stored as is, weighted by its size at reduce time."""
-        i = len(self.sizes)
-        if i == len(self.losses):
+        i, m = len(self.sizes), len(self.metric_names)
+        if i == len(self.table):
             self._grow()
         host = []
-        with torch.no_grad():  # copy_ into the buffers: one kernel each, no sync
-            self._loss_slots[i].copy_(out.loss)
-            sums, counts, metrics = self._sum_slots[i], self._count_slots[i], out.metrics
-            for j, m in enumerate(self.metric_names):
-                s, c = metrics[m]
+        with torch.no_grad():  # copy_ into the table: one kernel each, no sync
+            row, metrics = self._rows[i], out.metrics
+            row[0].copy_(out.loss)
+            for j, name in enumerate(self.metric_names):
+                s, c = metrics[name]
                 if isinstance(s, Tensor):
-                    sums[j].copy_(s)
+                    row[1 + j].copy_(s)
                 else:
-                    sums[j].fill_(s)
+                    row[1 + j].fill_(s)
                 if isinstance(c, Tensor):
-                    counts[j].copy_(c)
+                    row[1 + m + j].copy_(c)
                     c = 0.0
                 host.append(c)  # a number is shape metadata: no kernel at all
         self.sizes.append(out.size)
@@ -193,7 +192,7 @@ class TrainMetrics:
 
     def last_step_losses(self) -> Tensor:
         """The current step's micro-batch losses (device tensor), for nonfinite_loss=skip."""
-        return self.losses[len(self.sizes) - self.accum : len(self.sizes)]
+        return self.table[len(self.sizes) - self.accum : len(self.sizes), 0]
 
     def nonfinite_on_any_rank(self, step: int) -> bool:
         """nonfinite_loss=skip: whether any rank's loss in step ``step`` (any micro-batch) is NaN/Inf (a sync
@@ -219,36 +218,42 @@ class TrainMetrics:
         self.data_time += data_time
         self.steps += 1
 
-    def _local_row(self, stop: bool) -> Tensor:
-        """This rank's packed row (device ops only; the caller's collective is the sync). The micro-batches'
-        columns are summed in one op: a log step's ~15 small ops, each ~10 µs on a CPU, where a slot at a
-        time took ~40."""
-        k, dev = len(self.sizes), self.dist.device
-        losses = self.losses[:k].double()
-        finite = torch.isfinite(losses)
-        # a skipped (non-finite) micro-batch weighs 0
-        w = torch.tensor(self.sizes, dtype=torch.float64, device=dev) * finite
-        cols = [(torch.where(finite, losses, 0.0) * w)[:, None], w[:, None]]
-        if self.metric_names:  # the counts given as numbers (shape metadata) join the tensor ones here
-            host = torch.tensor(self.host_counts, dtype=torch.float64).reshape(k, len(self.metric_names))
-            host = host.to(dev)
-            cols.append(torch.cat([self.sums[:k], self.counts[:k] + host], 1) * finite[:, None])
-        bad = (~finite).double()
-        row = [torch.cat([*cols, bad[:, None]], 1).sum(0)]
-        # the first non-finite micro-batch (argmax: the first maximum); read only where nonfinite > 0
-        row.append(bad.argmax().double().reshape(1) if k else torch.zeros(1, dtype=torch.float64, device=dev))
-        grad_norm = []
-        if self.norm_n:  # a step fp16's scaler skipped has an inf norm: no number to average (it updated
-            norms = self.norms[: self.norm_n].double()  # nothing; train/fp16_skipped_steps counts it)
-            fin = torch.isfinite(norms)
-            row.append(torch.stack([torch.where(fin, norms, 0.0).sum(), fin.sum(dtype=torch.float64)]))
-        else:
-            grad_norm = [0.0, 0.0]
-        mem = torch.cuda.max_memory_allocated(dev) / 2**30 if self._cuda else 0.0
-        wall = time.perf_counter() - self.t_start
-        host = [*grad_norm, self.step_time, self.data_time, self.steps, wall, mem, float(stop)]
-        row.append(torch.tensor(host, dtype=torch.float64, device=dev))
-        return torch.cat(row)
+    def _local_values(self, stop: bool) -> list[float]:
+        """This rank's row, in ``self.slots``' order, from one read of the table (the interval's sync).
+        Sums are exactly rounded (``math.fsum``); a non-finite micro-batch weighs 0."""
+        k, m = len(self.sizes), len(self.metric_names)
+        loss, weight, sums, counts = [], [], [[] for _ in range(m)], [[] for _ in range(m)]
+        bad, first_bad = 0, 0
+        for i, (values, size, host) in enumerate(zip(self.table[:k].tolist(), self.sizes, self.host_counts)):
+            if not math.isfinite(values[0]):
+                first_bad = first_bad if bad else i
+                bad += 1
+                continue
+            loss.append(values[0] * size)  # exact: a float32/bf16 loss times a size fits float64
+            weight.append(size)
+            for j in range(m):
+                sums[j].append(values[1 + j])
+                counts[j].append(values[1 + m + j] + host[j])
+        # a step fp16's scaler skipped has an inf norm: no number to average (it updated nothing;
+        # train/fp16_skipped_steps counts it)
+        norms = [n for n in self.norms[: self.norm_n].tolist() if math.isfinite(n)] if self.norm_n else []
+        mem = torch.cuda.max_memory_allocated(self.dist.device) / 2**30 if self._cuda else 0.0
+        return [
+            math.fsum(loss),
+            math.fsum(weight),
+            *(math.fsum(x) for x in sums),
+            *(math.fsum(x) for x in counts),
+            float(bad),
+            float(first_bad),
+            math.fsum(norms),
+            float(len(norms)),
+            self.step_time,
+            self.data_time,
+            float(self.steps),
+            time.perf_counter() - self.t_start,
+            mem,
+            float(stop),
+        ]
 
     def reduce(
         self, where: str = "", last_step: int = 0, stop: bool = False
@@ -259,11 +264,10 @@ class TrainMetrics:
         ``last_step`` is the optimizer step that ends this interval: it dates a NaN/Inf loss. ``stop``: this
         rank's flag for the StopAgreement (a preemption), carried free in the row: every rank learns every
         rank's flag from the same collective at the same step; the agreement itself is the StopAgreement's.
-        The rows are read on the host as numbers, their sums over ranks exactly rounded (``math.fsum``):
-        no dependence on the order of the ranks, and no tensor op per scalar.
+        The sums over ranks are exactly rounded too (``math.fsum``): the same in any order of the ranks.
         """
         lay = self.slots
-        rows = all_ranks_rows(self._local_row(stop), self.dist).tolist()
+        rows = all_ranks_values(self._local_values(stop), self.dist)
         total = [math.fsum(column) for column in zip(*rows)]
         self._raise_if_nonfinite(rows, last_step, where)
         sums = _means(total, lay, self.metric_names, f"training, {where}")
