@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import logging
 import os
 import pickle
 import signal
@@ -100,6 +101,10 @@ def main() -> None:
     # does (the run finished, or the training process gone), never with a half-written run.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # wandb logs each call, the whole config included, to a file in the run dir: on a full disk Python's
+    # logging printed "--- Logging error ---", a traceback and that record into the job's output. A write
+    # that fails is the call's error reply (said by the writer in one line), never the handler's report.
+    logging.raiseExceptions = False
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # what wandb prints must not mix with the replies
     serve(sys.stdin.buffer, out)

@@ -5,9 +5,11 @@ each step once; a W&B that cannot start online within wandb.init_timeout_s logs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -290,3 +292,31 @@ def test_a_preempted_torchrun_job_resumed_keeps_one_wandb_run_each_step_once(tmp
     assert_ok(torchrun(2, [*args, "resume=auto"], tmp_path, timeout=240))
     assert len(files_of(run_dir)) == 2
     assert_same_as_tensorboard(run_dir, skip="vitals/")
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_wandb_client_is_an_error_reply_not_a_traceback_on_the_jobs_output(
+    tmp_path, capfd
+):
+    """Found by the soak (W&B beside a full disk): wandb's own log handler failing to write printed Python's
+    "--- Logging error ---", a traceback and the whole config it was logging, into the job's output."""
+    from helpers.disk import fill
+    from helpers.jobs import tmpfs
+
+    from ddplab.tracking_wandb import WandbError, WandbWriter, _Child
+
+    settings = WandbWriter._settings(SimpleNamespace(init_timeout=60.0))
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        child = _Child()
+        try:
+            child.call("start", {"project": "p", "id": "full0disk", "dir": str(disk)}, settings, False)
+            fill(disk / "filler")
+            # a config as long as a real one's (the log line holds it whole: more than the page left)
+            big = {f"key_{i}": "x" * 64 for i in range(200)} | {"secret_note": "never printed"}
+            for call, args in (("config", (big,)), ("log", ({"train/loss": 1.0}, 1)), ("finish", (0,))):
+                with contextlib.suppress(WandbError):  # a failure is the reply's, said by the writer
+                    child.call(call, *args)
+        finally:
+            child.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Logging error" not in err and "never printed" not in err, err[-2000:]
