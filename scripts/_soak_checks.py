@@ -179,27 +179,20 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
     run and sends no step twice; vitals/* aside (a recomputed step's timings differ, and only its first send
     counts). A fault that kills the job (SIGKILL, bad_file, a full disk, a lost storage) loses what its writer
     still had queued, which no resume sends again (TensorBoard's record is whole): there, steps may be
-    missing, but never twice, never other values, and the run's last step is there."""
+    missing, but never twice, never other values, and the run's last step is there. tracking=wandb: the same
+    of the W&B run's files (:func:`check_wandb`)."""
+    if t.tracking == "wandb":
+        return check_wandb(t, runs, notes)
     if t.tracking != "mlflow" or t.server != "up":
         return []
-    import numpy as np
     from mlflow.tracking import MlflowClient
 
     from ddplab.events import read_scalars
 
-    lossy = t.signal == "SIGKILL" or t.fault in ("disk_full", "storage_loss")
     client, problems, seen, missing = MlflowClient(t.tracking_uri), [], 0, 0
     for run in runs:
-        record = run / "mlflow.json"
-        if not record.exists():
-            problems.append(f"{run.name}: no mlflow.json: the run never reached its MLflow run")
-            continue
-        try:
-            run_id = json.loads(record.read_text())["run_id"]
-        except (ValueError, KeyError) as e:
-            problems.append(
-                f"{run.name}: mlflow.json unreadable ({type(e).__name__}): a resume loses its MLflow run"
-            )
+        run_id = _tracked_id(run, "mlflow.json", "run_id", problems)
+        if run_id is None:
             continue
         for key, points in read_scalars(events_dir(run)).items():
             if key.startswith("vitals/"):
@@ -207,20 +200,10 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
             seen += len(points)
             history = client.get_metric_history(run_id, key)
             got = dict(sorted((m.step, m.value) for m in history))
-            tb = dict(points)
-            if (
-                len(history) != len(got)
-                or not set(got) <= set(tb)
-                or (not lossy and set(got) != set(tb))
-                or max(got, default=None) != max(tb)
-            ):
-                problems.append(
-                    f"{run.name}: MLflow's {key} at steps {sorted(m.step for m in history)[:20]}, "
-                    f"TensorBoard's at {sorted(tb)[:20]}"
-                )
-            elif any(np.float32(got[st]) != np.float32(tb[st]) for st in got):
-                problems.append(f"{run.name}: MLflow's {key} values differ from TensorBoard's")
-            missing += len(set(tb) - set(got))
+            if len(history) != len(got):
+                problems.append(f"{run.name}: MLflow's {key} at steps {sorted(m.step for m in history)[:20]}")
+            problems += _against_tensorboard(run.name, "MLflow", key, got, dict(points), _lossy(t))
+            missing += len(set(dict(points)) - set(got))
         status = client.get_run(run_id).info.status
         problems += [f"{run.name}: MLflow run {status}, not FINISHED"] if status != "FINISHED" else []
     notes.append(
@@ -228,6 +211,74 @@ def check_tracking(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
         + (f", {missing} lost to the kill" if missing else "")
     )
     return problems
+
+
+def check_wandb(t: Trial, runs: list[Path], notes: list[str]) -> list[str]:
+    """Invariant 8 for W&B (offline): each attempt that reached W&B wrote a file of the one W&B run named in
+    ``wandb.json``; together they hold TensorBoard's scalars, each (step, key) in one file only; the last
+    file ends the run (an exit record, code 0). Lossy faults as for MLflow."""
+    from ddplab import wandb_files as wf
+    from ddplab.events import read_scalars
+
+    problems, seen, missing = [], 0, 0
+    for run in runs:
+        run_id = _tracked_id(run, "wandb.json", "run_id", problems)
+        if run_id is None:
+            continue
+        files, rows = wf.run_files(run, run_id), {}
+        if not files:
+            problems.append(f"{run.name}: no W&B file of run {run_id}")
+            continue
+        for file in files:
+            for step, row in wf.history(file).items():
+                twice = sorted(set(row) & set(rows.get(step, {})))
+                problems += [f"{run.name}: W&B step {step} sent twice: {twice[:5]}"] if twice else []
+                rows.setdefault(step, {}).update(row)
+        for key, points in read_scalars(events_dir(run)).items():
+            if not key.startswith("vitals/"):
+                seen += len(points)
+                got = {step: row[key] for step, row in rows.items() if key in row}
+                problems += _against_tensorboard(run.name, "W&B", key, got, dict(points), _lossy(t))
+                missing += len(set(dict(points)) - set(got))
+        ends = [r.exit.exit_code for r in wf.read_records(files[-1]) if r.WhichOneof("record_type") == "exit"]
+        problems += [] if ends == [0] else [f"{run.name}: the last W&B file's exit records: {ends}, not [0]"]
+    notes.append(
+        f"W&B compared: {seen} TensorBoard points in {len(runs)} run(s)"
+        + (f", {missing} lost to the kill" if missing else "")
+    )
+    return problems
+
+
+def _lossy(t: Trial) -> bool:
+    """A fault that kills the job: what its tracker's writer still had queued is lost."""
+    return t.signal == "SIGKILL" or t.fault in ("disk_full", "storage_loss")
+
+
+def _tracked_id(run: Path, name: str, field: str, problems: list[str]) -> str | None:
+    """The tracker's run id a resume continues (None, said, where it is missing or unreadable)."""
+    record = run / name
+    if not record.exists():
+        problems.append(f"{run.name}: no {name}: the run never reached its tracker's run")
+        return None
+    try:
+        return json.loads(record.read_text())[field]
+    except (ValueError, KeyError) as e:
+        problems.append(f"{run.name}: {name} unreadable ({type(e).__name__}): a resume loses that run")
+        return None
+
+
+def _against_tensorboard(
+    name: str, tracker: str, key: str, got: dict[int, float], tb: dict[int, float], lossy: bool
+) -> list[str]:
+    """The tracker's points of ``key`` against TensorBoard's: its steps (all of them unless lossy, the last
+    always) and its values as TensorBoard rounds them (float32)."""
+    import numpy as np
+
+    if not set(got) <= set(tb) or (not lossy and set(got) != set(tb)) or max(got, default=None) != max(tb):
+        return [f"{name}: {tracker}'s {key} at steps {sorted(got)[:20]}, TensorBoard's at {sorted(tb)[:20]}"]
+    if any(np.float32(got[st]) != np.float32(tb[st]) for st in got):
+        return [f"{name}: {tracker}'s {key} values differ from TensorBoard's"]
+    return []
 
 
 def check_files(

@@ -88,6 +88,12 @@ def job_env(t: Trial, tdir: Path, trial_id: str, fault: bool) -> dict[str, str]:
         SOAK_DIR=str(tdir),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])),
     )
+    if t.tracking == "wandb":  # offline, its own folders in the trial's dir (not the working dir), no key
+        for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+            env.pop(name, None)
+        env["NETRC"] = str(tdir / "no.netrc")
+        home = str(tdir / "wandb-home")
+        env.update({name: home for name in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR")})
     if fault:
         run = tdir / "cwd" / "run"
         env.update(

@@ -9,7 +9,7 @@ up with another (issue 22, item 9; issue 32). Each trial beside its uninterrupte
 
 A trial (tests/soak_plan.py: its dimensions and their values) is a launcher and world size (1-3 ranks; with
 ``--slurm``, srun too), a strategy, data, a checkpoint mode, a run mode, a step time (a sleep before the fault
-fires, none in the resumes), grad accumulation, one feature in play, a tracker (MLflow up, down or killed),
+fires, none in the resumes), grad accumulation, one feature in play, a tracker (MLflow up, down, killed; W&B),
 and one fault made by rank r on its k-th call of a phase (tests/soak_toy.py, from inside the job, once): a
 signal to itself, a peer, its launcher or every process of the job; or a full disk, a spoilt checkpoint, a
 lost study storage. ``--pairwise`` fixes the dimensions by the plan, the rest from each trial's seed. What a
@@ -33,7 +33,9 @@ checks (scripts/_soak_checks.py):
    study: told exactly what its uninterrupted twin was told, each trial's checkpoint bitwise its twin's;
    verify_resume: PASS, or a failure without a verdict on the job, then PASS when run again;
 8. MLflow with its server up: each run's MLflow run FINISHED, holding TensorBoard's scalars at the same steps,
-   each step once (vitals/* aside); down or killed, the invariants above all the same.
+   each step once (vitals/* aside); down or killed, the invariants above all the same. W&B (offline): the
+   run's files, one per attempt that reached it, hold TensorBoard's scalars, each (step, key) in one file,
+   the last file ending the run with exit code 0.
 Exit 1 if any trial failed; each failure prints its seed, config and the command that reruns it.
 """
 

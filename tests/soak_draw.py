@@ -84,7 +84,9 @@ def draw(seed: int, long: bool = False, fixed: dict[str, Any] | None = None, slu
     _draw_world_and_feature(t, rng, fixed)
     # drawn last: every earlier draw of a seed is what it was
     tracking_u, server_u = rng.random(), rng.random()
-    t.tracking = fixed.get("tracking", "mlflow" if tracking_u < 0.3 else "none")
+    # W&B from what was "none" above 0.3: an earlier seed's MLflow trials are what they were
+    drawn = "mlflow" if tracking_u < 0.3 else "wandb" if tracking_u < 0.45 else "none"
+    t.tracking = fixed.get("tracking", drawn)
     t.server = SERVER_STATES[int(server_u * len(SERVER_STATES))]
     return t
 

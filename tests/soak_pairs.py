@@ -61,13 +61,13 @@ def plan_parts(n: int) -> list[list[int]]:
     """The pairwise plan dealt into ``n`` parts (indices into it), each holding every value of every dimension
     where ``n`` allows (up to 4), balanced by the processes their launches start. No randomness: a round-robin
     deal, improved by moving or swapping trials while that lowers (values some part lacks, the largest part's
-    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m (CI: n = 16,
-    so four consecutive parts hold every value, and the 16 every pair)."""
-    if n > 4 and n % 4 == 0:
-        return [p[k :: n // 4] for p in plan_parts(4) for k in range(n // 4)]
+    load, the sum of squared loads). ``n`` = 4m, m > 1: each of the 4-way deal's parts cut in m by load (CI:
+    n = 16, so four consecutive parts hold every value, and the 16 every pair)."""
     plan = pairwise_plan()
-    values = [set(t.items()) for t in plan]
     load = [1 if t["launcher"] == "single" else 1 + t["world"] for t in plan]  # the launcher and its ranks
+    if n > 4 and n % 4 == 0:
+        return [sub for p in plan_parts(4) for sub in _cut(p, n // 4, load)]
+    values = [set(t.items()) for t in plan]
     every = set().union(*values)
 
     def score(deal: list[int]) -> tuple[int, int, int]:
@@ -89,6 +89,14 @@ def plan_parts(n: int) -> list[list[int]]:
                 if score(candidate) < score(deal):
                     deal, improved = candidate, True
     return [[i for i, p in enumerate(deal) if p == part] for part in range(n)]
+
+
+def _cut(part: list[int], m: int, load: list[int]) -> list[list[int]]:
+    """A part cut in ``m``, balanced by load: the heaviest trial first, each into the lightest cut so far."""
+    cuts: list[list[int]] = [[] for _ in range(m)]
+    for i in sorted(part, key=lambda i: (-load[i], i)):
+        min(cuts, key=lambda c: (sum(load[j] for j in c), len(c))).append(i)
+    return [sorted(c) for c in cuts]
 
 
 def plan_trials(seed: int, long: bool = False, part: tuple[int, int] | None = None) -> list[Trial]:

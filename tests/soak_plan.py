@@ -61,10 +61,12 @@ PHASE_GROUPS = {
 # steps (num_epochs=null max_steps) with evaluations every half epoch, mid-epoch; "workers": 2 loader workers.
 FEATURES = ("plain", "ema", "amp", "workers", "steps")
 WORLDS = (1, 2, 3)
-# The tracker beside TensorBoard: none, or MLflow (logger=[tensorboard,mlflow]) whose server is drawn from the
+# The tracker beside TensorBoard: none; MLflow (logger=[tensorboard,mlflow]) whose server is drawn from the
 # trial's seed: "up" all along (its run must then hold TensorBoard's scalars, each step once), "down" from the
-# start (nothing listens), or "killed" by the fault as it fires and never back (training goes on regardless).
-TRACKING = ("none", "mlflow")
+# start (nothing listens), or "killed" by the fault as it fires and never back (training goes on regardless);
+# or W&B offline (logger=[tensorboard,wandb]): its client process beside the job through the fault and every
+# resume, its files holding TensorBoard's scalars, each step once.
+TRACKING = ("none", "mlflow", "wandb")
 SERVER_STATES = ("up", "down", "killed")
 # a training step's seconds, log-uniform
 TIMINGS = {"fast": (1e-3, 1e-2), "mid": (1e-2, 0.3), "slow": (0.3, 4.0)}
@@ -243,6 +245,7 @@ class Trial:
                     if self.tracking == "mlflow"
                     else []
                 ),
+                *(["logger=[tensorboard,wandb]", "wandb.mode=offline"] if self.tracking == "wandb" else []),
             ]
         )
 
@@ -256,6 +259,7 @@ class Trial:
             f"accum {self.accum} log {self.log_every} ckpt "
             f"{self.every_n}{' async' if self.async_save else ''}"
             f"{f' mlflow {self.server}' if self.tracking == 'mlflow' else ''}"
+            f"{' wandb' if self.tracking == 'wandb' else ''}"
         )
 
     def rerun(self) -> str:
