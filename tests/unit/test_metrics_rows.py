@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -39,3 +40,24 @@ def test_the_loss_over_three_ranks_is_the_same_in_every_order_of_their_rows(monk
         seen.add(out["train/loss"])
         assert out["train/acc"] == 1.0 and stop is False
     assert seen == {1.0 / (2**31 + 1)}
+
+
+def test_a_metric_sum_of_inf_and_minus_inf_is_nan_at_the_log_step_not_a_crash():
+    """The exact sums (math.fsum) raise on inf + -inf, where float addition gives nan: an fp16 metric that
+    overflowed both ways (the loss finite) is logged as nan, as it was before they were exact."""
+    m = TrainMetrics(Dist(), ("acc",))
+    for s in (math.inf, -math.inf):
+        m.add_micro(TaskOutput(torch.tensor(1.0), 4, {"acc": (torch.tensor(s), 4)}))
+        m.add_step(step_time=0.01, data_time=0.001)
+    out, _ = m.reduce()
+    assert math.isnan(out["train/acc"]) and out["train/loss"] == 1.0
+
+
+def test_a_count_given_as_a_number_is_that_number_whatever_its_row_held_in_an_earlier_interval():
+    m = TrainMetrics(Dist(), ("hits",))
+    m.add_micro(TaskOutput(torch.tensor(1.0), 4, {"hits": (torch.tensor(3.0), torch.tensor(4.0))}))
+    m.add_step(step_time=0.01, data_time=0.001)
+    assert m.reduce()[0]["train/hits"] == 3.0 / 4
+    m.add_micro(TaskOutput(torch.tensor(1.0), 4, {"hits": (torch.tensor(2.0), 8)}))  # the same row, reused
+    m.add_step(step_time=0.01, data_time=0.001)
+    assert m.reduce()[0]["train/hits"] == 2.0 / 8

@@ -97,6 +97,16 @@ class SumMeter:
         return {f"val/{k}": v for k, v in _means(total, self.slots, self.metric_names, where).items()}
 
 
+def _sum(xs: Iterable[float]) -> float:
+    """Exactly rounded (``math.fsum``: the same in any order); with inf and -inf, or past float64's range,
+    what float addition gives (nan, inf), as a log step says it, never a crash."""
+    xs = list(xs)
+    try:
+        return math.fsum(xs)
+    except (ValueError, OverflowError):
+        return sum(xs)
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 
@@ -179,8 +189,8 @@ class TrainMetrics:
                     row[1 + j].fill_(s)
                 if isinstance(c, Tensor):
                     row[1 + m + j].copy_(c)
-                    c = 0.0
-                host.append(c)  # a number is shape metadata: no kernel at all
+                    c = None  # the table's cell holds it
+                host.append(c)  # a number is shape metadata: no kernel at all (its cell is not read)
         self.sizes.append(out.size)
         self.host_counts.append(host)
 
@@ -205,7 +215,8 @@ class TrainMetrics:
 
     def reset(self) -> None:
         self.sizes: list[int] = []
-        self.host_counts: list[list[float]] = []  # per micro-batch: the metric counts given as numbers
+        # per micro-batch: the metric counts given as numbers (None: given as a tensor, in the table)
+        self.host_counts: list[list[float | None]] = []
         self.norm_n = 0
         self.step_time = self.data_time = 0.0
         self.steps = 0
@@ -219,8 +230,9 @@ class TrainMetrics:
         self.steps += 1
 
     def _local_values(self, stop: bool) -> list[float]:
-        """This rank's row, in ``self.slots``' order, from one read of the table (the interval's sync).
-        Sums are exactly rounded (``math.fsum``); a non-finite micro-batch weighs 0."""
+        """This rank's row, in ``self.slots``' order, from one read of the table (the interval's sync; the
+        grad norms a second, with clipping). Sums are exactly rounded (``math.fsum``); a non-finite
+        micro-batch weighs 0."""
         k, m = len(self.sizes), len(self.metric_names)
         loss, weight, sums, counts = [], [], [[] for _ in range(m)], [[] for _ in range(m)]
         bad, first_bad = 0, 0
@@ -233,19 +245,19 @@ class TrainMetrics:
             weight.append(size)
             for j in range(m):
                 sums[j].append(values[1 + j])
-                counts[j].append(values[1 + m + j] + host[j])
+                counts[j].append(values[1 + m + j] if host[j] is None else host[j])
         # a step fp16's scaler skipped has an inf norm: no number to average (it updated nothing;
         # train/fp16_skipped_steps counts it)
         norms = [n for n in self.norms[: self.norm_n].tolist() if math.isfinite(n)] if self.norm_n else []
         mem = torch.cuda.max_memory_allocated(self.dist.device) / 2**30 if self._cuda else 0.0
         return [
-            math.fsum(loss),
-            math.fsum(weight),
-            *(math.fsum(x) for x in sums),
-            *(math.fsum(x) for x in counts),
+            _sum(loss),
+            _sum(weight),
+            *(_sum(x) for x in sums),
+            *(_sum(x) for x in counts),
             float(bad),
             float(first_bad),
-            math.fsum(norms),
+            _sum(norms),
             float(len(norms)),
             self.step_time,
             self.data_time,
@@ -268,8 +280,8 @@ class TrainMetrics:
         """
         lay = self.slots
         rows = all_ranks_values(self._local_values(stop), self.dist)
-        total = [math.fsum(column) for column in zip(*rows)]
         self._raise_if_nonfinite(rows, last_step, where)
+        total = [_sum(column) for column in zip(*rows)]
         sums = _means(total, lay, self.metric_names, f"training, {where}")
         if total[lay["grad_norm.count"]]:
             sums["grad_norm"] = total[lay["grad_norm"]] / total[lay["grad_norm.count"]]
@@ -278,7 +290,7 @@ class TrainMetrics:
         out["vitals/samples_per_s"] = sums["num_samples"] / max(max(r[lay["wall"]] for r in rows), 1e-9)
         for name in ("step", "data"):
             ms = [r[lay[f"{name}_time"]] / steps * 1e3 for r in rows]  # per rank
-            out[f"vitals/{name}_time_ms"] = math.fsum(ms) / len(ms)
+            out[f"vitals/{name}_time_ms"] = _sum(ms) / len(ms)
             out[f"vitals/{name}_time_ms_max"] = max(ms)  # the straggler sets the pace
             out[f"vitals/{name}_time_ms_min"] = min(ms)
         if self._cuda:
