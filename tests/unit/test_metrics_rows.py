@@ -61,3 +61,20 @@ def test_a_count_given_as_a_number_is_that_number_whatever_its_row_held_in_an_ea
     m.add_micro(TaskOutput(torch.tensor(1.0), 4, {"hits": (torch.tensor(2.0), 8)}))  # the same row, reused
     m.add_step(step_time=0.01, data_time=0.001)
     assert m.reduce()[0]["train/hits"] == 2.0 / 8
+
+
+def test_the_validation_loss_over_three_ranks_is_the_same_in_every_order_of_their_rows(monkeypatch):
+    """The evaluation's sums (SumMeter) as the training log step's: exactly rounded over ranks."""
+    from ddplab.train.metrics import SumMeter
+
+    def sums(loss: float, size: int) -> torch.Tensor:
+        meter = SumMeter(torch.device("cpu"), ("acc",))
+        meter.update(TaskOutput(torch.tensor(loss), size, {"acc": (torch.tensor(float(size)), size)}))
+        return meter.sums.clone()
+
+    rows = [sums(1e8, 2**30), sums(1.0, 1), sums(-1e8, 2**30)]
+    seen = set()
+    for order in itertools.permutations(rows):
+        monkeypatch.setattr(metrics, "all_ranks_rows", lambda local, dist, order=order: torch.stack(order))
+        seen.add(SumMeter(torch.device("cpu"), ("acc",)).reduce(Dist())["val/loss"])
+    assert seen == {1.0 / (2**31 + 1)}

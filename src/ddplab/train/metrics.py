@@ -93,7 +93,8 @@ class SumMeter:
 
     def reduce(self, dist: Dist, where: str = "evaluation") -> dict[str, float]:
         """Exact validation metrics from every rank's sums (one collective)."""
-        total = all_ranks_rows(self.sums, dist).sum(0).tolist()  # the one host-device sync
+        rows = all_ranks_rows(self.sums, dist).tolist()  # the one host-device sync
+        total = [_sum(column) for column in zip(*rows)]  # exactly rounded, as the log step's
         return {f"val/{k}": v for k, v in _means(total, self.slots, self.metric_names, where).items()}
 
 
